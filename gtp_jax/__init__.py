@@ -1,0 +1,40 @@
+"""gtp_jax: Generalized Tensor Parallelism for JAX.
+
+Weights (and their gradients and optimizer state) are stored 1/N along a mesh axis,
+all-gathered just in time inside ``jax.shard_map`` and reduce-scattered in the backward pass.
+
+    mesh = gtp_jax.make_mesh(dp=2, gtp=4)
+    model = gtp_jax.shard(MyNNXModel(rngs=nnx.Rngs(0)), mesh, gtp_jax.GTPConfig())
+"""
+
+from gtp_jax.config import GTPConfig
+from gtp_jax.sharding import (
+    GTPShard,
+    ShardedModule,
+    bytes_per_device,
+    data_axes,
+    data_sharding,
+    describe_mesh,
+    make_mesh,
+    scan_layers,
+    shard,
+    shard_key,
+    unshard,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "GTPConfig",
+    "GTPShard",
+    "ShardedModule",
+    "bytes_per_device",
+    "data_axes",
+    "data_sharding",
+    "describe_mesh",
+    "make_mesh",
+    "scan_layers",
+    "shard",
+    "shard_key",
+    "unshard",
+]

@@ -1,0 +1,122 @@
+"""`GTPConfig`: what to shard, over which mesh axis, and how to move it.
+
+One frozen dataclass, validated on construction, so that a bad setting fails where it
+is written rather than deep inside a traced training step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+#: Low-precision gather formats. None gathers in the parameter dtype (or `gather_dtype`).
+GATHER_FORMATS = (None,)
+#: Formats reserved for later releases: accepted names that still raise a clear error.
+RESERVED_GATHER_FORMATS = ("fp8", "mxfp8", "nvfp4")
+
+
+def _as_float_dtype(value: Any, field: str) -> np.dtype | None:
+    if value is None:
+        return None
+    try:
+        dtype = np.dtype(jnp.dtype(value))
+    except TypeError as err:
+        raise TypeError(f"GTPConfig.{field}={value!r} is not a dtype; use e.g. 'bfloat16'.") from err
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise TypeError(
+            f"GTPConfig.{field}={dtype} must be a floating dtype "
+            "(float32, bfloat16 or float16)."
+        )
+    return dtype
+
+
+@dataclasses.dataclass(frozen=True)
+class GTPConfig:
+    """How `gtp_jax.shard` stores and moves weights.
+
+    Attributes:
+      axis: mesh axis the weights are sharded 1/N over (must be in the mesh).
+      pad_for_alignment: dim 0 of each sharded weight (dim 1 for layer-stacked weights) is
+        zero-padded to a multiple of ``axis_size * pad_for_alignment``; 0 or 1 pads only to
+        divisibility by the axis size. The padding is never visible to the module's math.
+      min_elements: weights with fewer elements stay replicated (small norms, biases).
+      include: regular expressions matched (``re.search``) against the ``/``-joined
+        parameter path (e.g. ``"blocks/mlp/down/kernel"``). When given, only matching
+        parameters are sharded (the rank and size rules still apply to the defaults only:
+        an explicitly included parameter is sharded whatever its size, if it has rank >= 1).
+      exclude: regular expressions; matching parameters stay replicated.
+      gather_dtype: cast each shard to this dtype *before* the all-gather (halves the bytes
+        for an fp32 master and bf16 compute). None gathers in the parameter dtype.
+      reduce_dtype: dtype the weight gradient is reduce-scattered in.
+      remat_gathered: recompute (re-gather) full weights in the backward pass instead of
+        keeping them alive from the forward pass. This is the memory saving; switch off only
+        to trade memory for one all-gather per weight.
+      gather_format: low-precision gather format; None for none. "fp8", "mxfp8" and
+        "nvfp4" are reserved names and raise until that support lands.
+      prefetch: double-buffered prefetch of the next layer's weights in
+        `gtp_jax.scan_layers`; reserved, raises until that support lands.
+    """
+
+    axis: str = "gtp"
+    pad_for_alignment: int = 0
+    min_elements: int = 1024
+    include: tuple[str, ...] = ()
+    exclude: tuple[str, ...] = ()
+    gather_dtype: Any = None
+    reduce_dtype: Any = jnp.float32
+    remat_gathered: bool = True
+    gather_format: str | None = None
+    prefetch: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.axis, str) or not self.axis:
+            raise TypeError(f"GTPConfig.axis={self.axis!r} must be a mesh axis name such as 'gtp'.")
+        if not isinstance(self.pad_for_alignment, int) or self.pad_for_alignment < 0:
+            raise ValueError(
+                f"GTPConfig.pad_for_alignment={self.pad_for_alignment!r} must be an int >= 0 "
+                "(0 or 1: pad only to divisibility by the axis size)."
+            )
+        if not isinstance(self.min_elements, int) or self.min_elements < 0:
+            raise ValueError(f"GTPConfig.min_elements={self.min_elements!r} must be an int >= 0.")
+        for field in ("include", "exclude"):
+            patterns = getattr(self, field)
+            if isinstance(patterns, str):
+                patterns = (patterns,)
+            patterns = tuple(patterns)
+            for pattern in patterns:
+                try:
+                    re.compile(pattern)
+                except (re.error, TypeError) as err:
+                    raise ValueError(
+                        f"GTPConfig.{field} has an invalid regular expression {pattern!r}: {err}"
+                    ) from err
+            object.__setattr__(self, field, patterns)
+        object.__setattr__(self, "gather_dtype", _as_float_dtype(self.gather_dtype, "gather_dtype"))
+        reduce_dtype = _as_float_dtype(self.reduce_dtype, "reduce_dtype")
+        if reduce_dtype is None:
+            raise TypeError("GTPConfig.reduce_dtype must be a floating dtype, not None.")
+        object.__setattr__(self, "reduce_dtype", reduce_dtype)
+        if self.gather_format in RESERVED_GATHER_FORMATS:
+            raise ValueError(
+                f"GTPConfig.gather_format={self.gather_format!r} is not supported yet; "
+                "use gather_format=None (gather in the parameter dtype or gather_dtype)."
+            )
+        if self.gather_format not in GATHER_FORMATS:
+            raise ValueError(
+                f"GTPConfig.gather_format={self.gather_format!r} is unknown; "
+                f"choose one of {GATHER_FORMATS + RESERVED_GATHER_FORMATS}."
+            )
+        if not isinstance(self.prefetch, bool):
+            raise TypeError(f"GTPConfig.prefetch={self.prefetch!r} must be a bool.")
+        if self.prefetch:
+            raise ValueError(
+                "GTPConfig.prefetch=True is not supported yet; use prefetch=False."
+            )
+
+    def alignment(self, axis_size: int) -> int:
+        """The multiple that a sharded dimension is padded to on a mesh axis of `axis_size`."""
+        return axis_size * max(1, self.pad_for_alignment)

@@ -1,0 +1,49 @@
+"""Mesh layer, sharding plan, explicit collectives and the NNX module wrapper."""
+
+from gtp_jax.sharding.collectives import (
+    GATHERED_WEIGHT,
+    GatherSpec,
+    all_gather_shard,
+    gather_weight,
+    reduce_scatter_grad,
+)
+from gtp_jax.sharding.lazy import GTPShard, materialize
+from gtp_jax.sharding.mesh import (
+    AXES,
+    axis_groups,
+    data_axes,
+    data_sharding,
+    data_size,
+    describe_mesh,
+    make_mesh,
+    shard_key,
+)
+from gtp_jax.sharding.module import ShardedModule, bytes_per_device, shard, unshard
+from gtp_jax.sharding.plan import STACKED, ParamPlan
+from gtp_jax.sharding.scan import GTP_REMAT_POLICY, scan_layers
+
+__all__ = [
+    "AXES",
+    "GATHERED_WEIGHT",
+    "GTP_REMAT_POLICY",
+    "GTPShard",
+    "GatherSpec",
+    "ParamPlan",
+    "STACKED",
+    "ShardedModule",
+    "all_gather_shard",
+    "axis_groups",
+    "bytes_per_device",
+    "data_axes",
+    "data_sharding",
+    "data_size",
+    "describe_mesh",
+    "gather_weight",
+    "make_mesh",
+    "materialize",
+    "reduce_scatter_grad",
+    "scan_layers",
+    "shard",
+    "shard_key",
+    "unshard",
+]

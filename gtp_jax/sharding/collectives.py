@@ -1,0 +1,147 @@
+"""Explicit weight collectives: all-gather a shard just in time, reduce-scatter its gradient.
+
+All functions here run *inside* ``jax.shard_map`` over a mesh that has the GTP axis; the
+array they receive is the local shard.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.ad_checkpoint import checkpoint_name
+
+#: `checkpoint_name` of every gathered weight. Remat policies that do not save this name
+#: make the backward pass re-gather the weight instead of keeping it from the forward pass.
+GATHERED_WEIGHT = "gtp_gathered_weight"
+
+
+@dataclasses.dataclass(frozen=True)
+class GatherSpec:
+    """Static description of one sharded weight, as one device sees it.
+
+    Attributes:
+      axis: GTP mesh axis name.
+      axis_size: number of shards.
+      shard_dim: dimension of the *per-layer* weight that is split (and padded).
+      logical_shape: per-layer weight shape the module's math sees (no padding).
+      padded_size: size of `shard_dim` after padding (a multiple of `axis_size`).
+      param_dtype: dtype of the stored shard (and of its gradient).
+      gather_dtype: dtype the shard is cast to before the all-gather, or None.
+      reduce_dtype: dtype the gradient is reduce-scattered in.
+    """
+
+    axis: str
+    axis_size: int
+    shard_dim: int
+    logical_shape: tuple[int, ...]
+    padded_size: int
+    param_dtype: np.dtype
+    gather_dtype: np.dtype | None
+    reduce_dtype: np.dtype
+
+    @property
+    def padded_shape(self) -> tuple[int, ...]:
+        shape = list(self.logical_shape)
+        shape[self.shard_dim] = self.padded_size
+        return tuple(shape)
+
+    @property
+    def shard_shape(self) -> tuple[int, ...]:
+        shape = list(self.logical_shape)
+        shape[self.shard_dim] = self.padded_size // self.axis_size
+        return tuple(shape)
+
+    @property
+    def compute_dtype(self) -> np.dtype:
+        return self.gather_dtype if self.gather_dtype is not None else self.param_dtype
+
+
+def all_gather_shard(shard: jax.Array, spec: GatherSpec) -> jax.Array:
+    """Gathers a local shard into the full logical weight (no gradient rule of its own).
+
+    Args:
+      shard: local shard, shape ``spec.shard_shape``, dtype ``spec.param_dtype``.
+      spec: the weight's `GatherSpec`; ``spec.axis`` must be a manual mesh axis here.
+
+    Returns:
+      ``spec.logical_shape`` array in ``spec.compute_dtype``; padding rows are dropped.
+    """
+    _check_shard(shard, spec)
+    if spec.gather_dtype is not None:
+        shard = shard.astype(spec.gather_dtype)
+    full = jax.lax.all_gather(shard, spec.axis, axis=spec.shard_dim, tiled=True)
+    logical = spec.logical_shape[spec.shard_dim]
+    if logical != spec.padded_size:
+        full = jax.lax.slice_in_dim(full, 0, logical, axis=spec.shard_dim)
+    return full
+
+
+def reduce_scatter_grad(grad: jax.Array, spec: GatherSpec) -> jax.Array:
+    """Sums a full-weight gradient over the GTP axis and keeps this device's shard.
+
+    Args:
+      grad: this device's partial gradient of the full weight, shape ``spec.logical_shape``.
+      spec: the weight's `GatherSpec`.
+
+    Returns:
+      The gradient shard, shape ``spec.shard_shape``, dtype ``spec.param_dtype``; rows that
+      are padding get exactly zero, so padded parameters never move.
+    """
+    grad = grad.astype(spec.reduce_dtype)
+    pad = spec.padded_size - spec.logical_shape[spec.shard_dim]
+    if pad:
+        widths = [(0, 0)] * grad.ndim
+        widths[spec.shard_dim] = (0, pad)
+        grad = jnp.pad(grad, widths)
+    shard = jax.lax.psum_scatter(grad, spec.axis, scatter_dimension=spec.shard_dim, tiled=True)
+    return shard.astype(spec.param_dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _gather(shard: jax.Array, spec: GatherSpec) -> jax.Array:
+    return all_gather_shard(shard, spec)
+
+
+def _gather_fwd(shard: jax.Array, spec: GatherSpec) -> tuple[jax.Array, None]:
+    # No residuals: the backward rule needs only the cotangent, so the full weight is not
+    # kept alive by this op (whether the *consumer* keeps it is up to the remat policy).
+    return all_gather_shard(shard, spec), None
+
+
+def _gather_bwd(spec: GatherSpec, _: None, ct: jax.Array) -> tuple[jax.Array]:
+    return (reduce_scatter_grad(ct, spec),)
+
+
+_gather.defvjp(_gather_fwd, _gather_bwd)
+
+
+def gather_weight(shard: jax.Array, spec: GatherSpec) -> jax.Array:
+    """All-gathers a weight shard just before use; its gradient is reduce-scattered.
+
+    Forward: cast (optional) + ``all_gather(tiled=True)`` over ``spec.axis`` + unpad.
+    Backward (``custom_vjp``): pad + ``psum_scatter(tiled=True)`` in ``spec.reduce_dtype``,
+    so the gradient leaves already sharded and no full-size gradient is summed anywhere.
+    The output is tagged with `GATHERED_WEIGHT` so remat policies can drop and re-gather it.
+
+    Args:
+      shard: local shard, ``spec.shard_shape`` / ``spec.param_dtype``.
+      spec: static `GatherSpec`.
+
+    Returns:
+      The logical weight, ``spec.logical_shape`` / ``spec.compute_dtype``.
+    """
+    return checkpoint_name(_gather(shard, spec), GATHERED_WEIGHT)
+
+
+def _check_shard(shard: Any, spec: GatherSpec) -> None:
+    if tuple(shard.shape) != spec.shard_shape:
+        raise ValueError(
+            f"gather_weight: shard shape {tuple(shard.shape)} does not match the spec's "
+            f"{spec.shard_shape} (logical {spec.logical_shape}, split on dim {spec.shard_dim} "
+            f"over {spec.axis_size} devices); was the weight sharded for another mesh?"
+        )

@@ -1,0 +1,133 @@
+"""The device mesh: axis names, order, device groups, data placement and per-shard RNG.
+
+Axis order is ``("dp", "ep", "gtp", "tp")``, outermost first: device ``i`` of the flat
+device list sits at ``np.unravel_index(i, (dp, ep, gtp, tp))``. ``tp`` is innermost so a
+tensor-parallel group is made of consecutive devices (the closest NVLink neighbours, as in
+Megatron/TE group set-up); ``gtp`` comes next, so that on one 8-GPU node ``gtp x tp`` spans
+the node and ``dp`` crosses nodes.
+
+All axes are ``AxisType.Auto``. gtp_jax's collectives run inside ``jax.shard_map`` with
+explicit specs; everything outside (loss, optimizer) is ordinary global-view code that XLA's
+sharding propagation places. Newer ``jax.make_mesh`` defaults to ``Explicit`` axes
+(sharding-in-types), which would make that global-view code raise on ambiguous shardings,
+so the choice is made here rather than inherited from the JAX version.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+#: Mesh axis names, outermost first.
+AXES: tuple[str, ...] = ("dp", "ep", "gtp", "tp")
+#: Axes whose ranks see different data (the batch is split over them). ``tp`` ranks share data.
+DATA_AXES: tuple[str, ...] = ("dp", "ep", "gtp")
+
+
+def make_mesh(
+    dp: int = 1,
+    gtp: int = 1,
+    tp: int = 1,
+    ep: int = 1,
+    devices: Sequence[jax.Device] | None = None,
+) -> Mesh:
+    """Builds the ``(dp, ep, gtp, tp)`` mesh over `devices` (default: all devices).
+
+    Args:
+      dp: data-parallel replicas (weights replicated across them).
+      gtp: generalized-tensor-parallel degree (weights stored 1/gtp, gathered just in time).
+      tp: Megatron tensor-parallel degree (innermost: consecutive devices).
+      ep: expert-parallel degree.
+      devices: the devices to use, in order; their count must equal ``dp*ep*gtp*tp``.
+
+    Returns:
+      A `jax.sharding.Mesh` with axis names ``("dp", "ep", "gtp", "tp")`` and Auto axis types.
+
+    Example:
+      >>> mesh = make_mesh(dp=2, gtp=4)            # doctest: +SKIP
+      >>> describe_mesh(mesh)["gtp"]               # doctest: +SKIP
+      [[0, 1, 2, 3], [4, 5, 6, 7]]
+    """
+    sizes = {"dp": dp, "ep": ep, "gtp": gtp, "tp": tp}
+    for name, size in sizes.items():
+        if not isinstance(size, (int, np.integer)) or isinstance(size, bool) or size < 1:
+            raise ValueError(f"make_mesh: {name}={size!r} must be a positive int.")
+    devices = list(jax.devices() if devices is None else devices)
+    product = math.prod(sizes.values())
+    if product != len(devices):
+        raise ValueError(
+            f"make_mesh: dp*ep*gtp*tp = {dp}*{ep}*{gtp}*{tp} = {product} does not equal the "
+            f"number of devices ({len(devices)}); choose sizes whose product is {len(devices)}, "
+            "or pass devices= with that many devices."
+        )
+    shape = tuple(sizes[a] for a in AXES)
+    grid = np.asarray(devices, dtype=object).reshape(shape)
+    return Mesh(grid, AXES, axis_types=(jax.sharding.AxisType.Auto,) * len(AXES))
+
+
+def axis_groups(mesh: Mesh, axis: str) -> list[list[int]]:
+    """The device-id groups that communicate over `axis` (one list per group, sorted)."""
+    _check_axis(mesh, axis, "axis")
+    ids = np.vectorize(lambda d: d.id)(mesh.devices)
+    moved = np.moveaxis(ids, mesh.axis_names.index(axis), -1)
+    groups = moved.reshape(-1, mesh.shape[axis]).tolist()
+    return sorted(groups)
+
+
+def describe_mesh(mesh: Mesh, *, print_fn=None) -> dict[str, list[list[int]]]:
+    """Device groups of every axis, e.g. ``{"tp": [[0,1,2,3],[4,5,6,7]], "dp": [[0,4],...]}``.
+
+    With `print_fn` (e.g. ``print``) it also writes one line per axis.
+    """
+    groups = {axis: axis_groups(mesh, axis) for axis in mesh.axis_names}
+    if print_fn is not None:
+        shape = ", ".join(f"{a}={mesh.shape[a]}" for a in mesh.axis_names)
+        print_fn(f"mesh ({shape}) over {mesh.devices.size} devices")
+        for axis, g in groups.items():
+            print_fn(f"  {axis:>4} groups: {g}")
+    return groups
+
+
+def data_axes(mesh: Mesh) -> tuple[str, ...]:
+    """Mesh axes the batch is split over: every axis except ``tp`` (ranks that see data)."""
+    return tuple(a for a in mesh.axis_names if a != "tp")
+
+
+def data_size(mesh: Mesh) -> int:
+    """How many ways the batch is split (product of `data_axes` sizes)."""
+    return math.prod(mesh.shape[a] for a in data_axes(mesh))
+
+
+def data_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
+    """Placement for a batch-major input of rank `ndim`: dim 0 split over the data axes."""
+    if ndim < 1:
+        raise ValueError(f"data_sharding: ndim={ndim} must be >= 1 (dim 0 is the batch).")
+    return NamedSharding(mesh, P(data_axes(mesh), *([None] * (ndim - 1))))
+
+
+def shard_key(key: jax.Array, axes: Sequence[str]) -> jax.Array:
+    """Folds this shard's linear index over `axes` into `key` (call inside ``shard_map``).
+
+    Ranks that differ along any of `axes` get different keys; ranks that differ only along
+    other axes keep the same key. Use the data axes for dropout on per-shard data (each GTP
+    or DP rank has its own examples), and leave ``tp`` out so that tensor-parallel ranks,
+    which hold pieces of the same activations, drop the same elements.
+    """
+    index = jnp.zeros((), jnp.uint32)
+    for axis in axes:
+        index = index * jax.lax.axis_size(axis) + jax.lax.axis_index(axis).astype(jnp.uint32)
+    return jax.random.fold_in(key, index)
+
+
+def _check_axis(mesh: Mesh, axis: str, what: str) -> None:
+    if axis not in mesh.axis_names:
+        raise ValueError(
+            f"{what}={axis!r} is not an axis of the mesh (axes: {mesh.axis_names}); "
+            "build the mesh with gtp_jax.make_mesh or name an existing axis."
+        )
