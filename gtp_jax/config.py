@@ -57,8 +57,10 @@ class GTPConfig:
         to trade memory for one all-gather per weight.
       gather_format: low-precision gather format; None for none. "fp8", "mxfp8" and
         "nvfp4" are reserved names and raise until that support lands.
-      prefetch: double-buffered prefetch of the next layer's weights in
-        `gtp_jax.scan_layers`; reserved, raises until that support lands.
+      prefetch: double-buffered prefetch in `gtp_jax.scan_layers`: layer ``i + 1``'s
+        weights are gathered while layer ``i`` computes, and in the backward loop layer
+        ``i - 1``'s weights are gathered and layer ``i + 1``'s gradient reduce-scattered
+        while layer ``i``'s backward runs.
     """
 
     axis: str = "gtp"
@@ -112,10 +114,6 @@ class GTPConfig:
             )
         if not isinstance(self.prefetch, bool):
             raise TypeError(f"GTPConfig.prefetch={self.prefetch!r} must be a bool.")
-        if self.prefetch:
-            raise ValueError(
-                "GTPConfig.prefetch=True is not supported yet; use prefetch=False."
-            )
 
     def alignment(self, axis_size: int) -> int:
         """The multiple that a sharded dimension is padded to on a mesh axis of `axis_size`."""

@@ -18,22 +18,25 @@ from gtp_jax.sharding.collectives import GatherSpec, gather_weight
 class GTPShard:
     """A local shard plus the static `GatherSpec` that says how to materialize it.
 
+    `prefetch` asks `gtp_jax.scan_layers` to gather layer ``i + 1`` while layer ``i`` runs.
+
     For a layer-stacked weight the array has one extra leading (layer) dimension; slicing
     it (as ``jax.lax.scan`` does) leaves the spec, which describes one layer, unchanged.
     """
 
-    __slots__ = ("shard", "spec")
+    __slots__ = ("shard", "spec", "prefetch")
 
-    def __init__(self, shard: jax.Array, spec: GatherSpec):
+    def __init__(self, shard: jax.Array, spec: GatherSpec, prefetch: bool = False):
         self.shard = shard
         self.spec = spec
+        self.prefetch = prefetch
 
     def tree_flatten(self):
-        return (self.shard,), self.spec
+        return (self.shard,), (self.spec, self.prefetch)
 
     @classmethod
-    def tree_unflatten(cls, spec: GatherSpec, children: tuple[Any, ...]) -> GTPShard:
-        return cls(children[0], spec)
+    def tree_unflatten(cls, aux: tuple[GatherSpec, bool], children: tuple[Any, ...]) -> GTPShard:
+        return cls(children[0], *aux)
 
     @property
     def shape(self) -> tuple[int, ...]:

@@ -89,7 +89,8 @@ class ShardedModule(nnx.Module):
             for path, var, x in zip(paths, variables, local_values):
                 if path in plans:
                     plan = plans[path]
-                    x = GTPShard(x, plan.spec) if plan.stacked else gather_weight(x, plan.spec)
+                    x = (GTPShard(x, plan.spec, self.config.prefetch) if plan.stacked
+                         else gather_weight(x, plan.spec))
                 elif isinstance(var, nnx.RngKey):
                     x = shard_key(x, axes)
                 new_vars.append(var.replace(value=x))

@@ -8,7 +8,8 @@ from typing import Any, TypeVar
 import jax
 
 from gtp_jax.sharding.collectives import GATHERED_WEIGHT
-from gtp_jax.sharding.lazy import has_shards, materialize
+from gtp_jax.sharding.lazy import has_shards, is_shard, materialize
+from gtp_jax.sharding.prefetch import prefetch_scan
 
 Carry = TypeVar("Carry")
 
@@ -23,6 +24,7 @@ def scan_layers(
     stacked_params: Any,
     *,
     remat_policy: Callable[..., bool] | None = None,
+    prefetch: bool | None = None,
     unroll: int = 1,
 ) -> Carry:
     """Runs ``carry = layer_fn(carry, params[i])`` for every layer ``i`` with ``lax.scan``.
@@ -41,11 +43,21 @@ def scan_layers(
         `GTP_REMAT_POLICY` when the params hold shards (re-gather weights in the backward
         pass) and no remat otherwise. A custom policy must not save `GATHERED_WEIGHT`
         names, or the full weights of every layer stay alive for the backward pass.
-      unroll: passed to ``jax.lax.scan``.
+      prefetch: double-buffered prefetch (`gtp_jax.sharding.prefetch.prefetch_scan`): the
+        all-gather of layer ``i + 1`` is issued before layer ``i`` computes, and the backward
+        loop gathers layer ``i - 1`` and reduce-scatters layer ``i + 1``'s gradient while
+        layer ``i``'s backward runs. None follows the shards (``GTPConfig.prefetch``).
+      unroll: passed to ``jax.lax.scan`` (no-prefetch path only).
 
     Returns:
       The final carry.
     """
+
+    shards = [x for x in jax.tree.leaves(stacked_params, is_leaf=is_shard) if is_shard(x)]
+    if prefetch is None:
+        prefetch = any(x.prefetch for x in shards)
+    if prefetch and shards:
+        return prefetch_scan(layer_fn, carry, stacked_params, remat_policy=remat_policy)
 
     def body(c, layer_params):
         return layer_fn(c, materialize(layer_params)), None

@@ -1,0 +1,218 @@
+"""Double-buffered prefetch over a scanned layer stack, with a hand-written backward loop.
+
+Forward: the loop carry holds layer ``i``'s gathered weights; iteration ``i`` issues the
+all-gather of layer ``i + 1`` before running layer ``i``, with no data dependence between
+the two, so at most two gathered layers are alive.
+
+Backward (``custom_vjp`` over the whole stack): the loop runs from the last layer down;
+iteration ``i`` gathers layer ``i - 1``'s weights and reduce-scatters layer ``i + 1``'s weight
+gradient (one-step delay) while layer ``i``'s dgrad/wgrad compute.
+
+Activations: the forward pass keeps each layer's autodiff residuals (what the unsharded
+model keeps, under the layer's own remat policy) *except the gathered weights*, which are
+recognised among the residuals and re-inserted from the prefetched buffer in the backward
+loop.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from gtp_jax.sharding.collectives import all_gather_shard, reduce_scatter_grad
+from gtp_jax.sharding.lazy import is_shard
+
+
+class _ResidualLayout:
+    """How one layer's vjp residuals are rebuilt: which leaves are the gathered weights."""
+
+    def __init__(self) -> None:
+        self.treedef: Any = None
+        self.slots: tuple[int | None, ...] = ()
+
+    def record(self, treedef: Any, slots: tuple[int | None, ...]) -> None:
+        if self.treedef is None:
+            self.treedef, self.slots = treedef, slots
+        elif (treedef, slots) != (self.treedef, self.slots):
+            raise RuntimeError(
+                "prefetch_scan: the layer's residual structure differs between traces; "
+                "the layer function must be deterministic in structure."
+            )
+
+    def strip(self, vjp_fn: Any, weights: list[jax.Array]) -> list[jax.Array]:
+        leaves, treedef = jax.tree.flatten(vjp_fn)
+        slots: list[int | None] = []
+        kept = []
+        for leaf in leaves:
+            slot = next((j for j, w in enumerate(weights) if leaf is w), None)
+            slots.append(slot)
+            if slot is None:
+                kept.append(leaf)
+        _warn_weight_sized(kept, weights)
+        self.record(treedef, tuple(slots))
+        return kept
+
+    def rebuild(self, kept: list[jax.Array], weights: list[jax.Array]) -> Callable:
+        it = iter(kept)
+        leaves = [weights[s] if s is not None else next(it) for s in self.slots]
+        return jax.tree.unflatten(self.treedef, leaves)
+
+
+def _warn_weight_sized(kept: list[jax.Array], weights: list[jax.Array]) -> None:
+    sizes = {(tuple(w.shape), w.dtype) for w in weights if w.ndim >= 2}
+    if any((tuple(r.shape), r.dtype) in sizes for r in kept):
+        warnings.warn(
+            "gtp_jax prefetch: a layer keeps a weight-sized value for its backward pass "
+            "(often a dtype cast of a gathered weight). Set GTPConfig.gather_dtype to the "
+            "module's compute dtype so the gathered weight is used as is.",
+            stacklevel=3,
+        )
+
+
+def prefetch_scan(
+    layer_fn: Callable[[Any, Any], Any],
+    carry: Any,
+    stacked_params: Any,
+    *,
+    remat_policy: Callable[..., bool] | None = None,
+) -> Any:
+    """`scan_layers` with double-buffered weight prefetch (see the module docstring).
+
+    Args:
+      layer_fn: ``(carry, layer_params) -> carry``.
+      carry: initial carry (a pytree of arrays).
+      stacked_params: pytree with a leading layer dim; `GTPShard` leaves are prefetched,
+        other leaves (replicated stacked params) are sliced per layer.
+      remat_policy: optional ``jax.checkpoint`` policy applied to each layer.
+
+    Returns:
+      The final carry.
+    """
+    leaves, treedef = jax.tree.flatten(stacked_params, is_leaf=is_shard)
+    shard_pos = [i for i, x in enumerate(leaves) if is_shard(x)]
+    plain_pos = [i for i, x in enumerate(leaves) if not is_shard(x)]
+    specs = [leaves[i].spec for i in shard_pos]
+    shards = [leaves[i].shard for i in shard_pos]
+    plain = [leaves[i] for i in plain_pos]
+    num_layers = (shards or plain)[0].shape[0]
+    fn = layer_fn if remat_policy is None else jax.checkpoint(layer_fn, policy=remat_policy)
+
+    def apply(h: Any, weights: list[jax.Array], plain_i: list[jax.Array]) -> Any:
+        merged = [None] * len(leaves)
+        for pos, w in zip(shard_pos, weights):
+            merged[pos] = w
+        for pos, p in zip(plain_pos, plain_i):
+            merged[pos] = p
+        return fn(h, jax.tree.unflatten(treedef, merged))
+
+    example_w = [jax.ShapeDtypeStruct(s.logical_shape, s.compute_dtype) for s in specs]
+    example_p = [jax.ShapeDtypeStruct(p.shape[1:], p.dtype) for p in plain]
+    converted, consts = jax.closure_convert(apply, carry, example_w, example_p)
+    # One layout per trace site: a vjp's treedef holds the traced backward function, so the
+    # scanned layers and the peeled last layer each rebuild from their own.
+    mid_layout, last_layout = _ResidualLayout(), _ResidualLayout()
+
+    def gather(layer_shards: list[jax.Array]) -> list[jax.Array]:
+        return [all_gather_shard(s, spec) for s, spec in zip(layer_shards, specs)]
+
+    def at(arrays: list[jax.Array], i: int) -> list[jax.Array]:
+        return [a[i] for a in arrays]
+
+    def step(h, w, plain_i, consts_, layout):
+        if layout is None:
+            return converted(h, w, plain_i, *consts_), None
+        out, vjp_fn = jax.vjp(lambda h_, w_, p_, c_: converted(h_, w_, p_, *c_),
+                              h, w, plain_i, list(consts_))
+        return out, layout.strip(vjp_fn, w)
+
+    def forward(h, shards_, plain_, consts_, keep):
+        w = gather(at(shards_, 0))
+        stacked_res = None
+        if num_layers > 1:
+            def body(c, xs):
+                h_, w_cur = c
+                next_shards, plain_i = xs
+                w_next = gather(next_shards)  # prefetch: independent of this layer's compute
+                h_, res = step(h_, w_cur, plain_i, consts_, mid_layout if keep else None)
+                return (h_, w_next), res
+
+            xs = ([s[1:] for s in shards_], [p[:-1] for p in plain_])
+            (h, w), stacked_res = jax.lax.scan(body, (h, w), xs)
+        h, last_res = step(h, w, at(plain_, num_layers - 1), consts_,
+                           last_layout if keep else None)
+        return h, (stacked_res, last_res)
+
+    def backward(saved, ct):
+        (stacked_res, last_res), shards_, plain_, consts_ = saved
+        float_consts = [jnp.issubdtype(c.dtype, jnp.inexact) for c in consts_]
+
+        def vjp_at(layout, res, w, dh):
+            dh, dw, dp, dc = layout.rebuild(res, w)(dh)
+            return dh, dw, dp, [d if f else None for d, f in zip(dc, float_consts)]
+
+        def add(acc, new):
+            return [a if n is None else a + n for a, n in zip(acc, new)]
+
+        def rs(dw):
+            return [reduce_scatter_grad(g, spec) for g, spec in zip(dw, specs)]
+
+        last = num_layers - 1
+        w = gather(at(shards_, last))
+        w_prev = gather(at(shards_, last - 1)) if num_layers > 1 else None
+        dh, pending, dp_last, dc = vjp_at(last_layout, last_res, w, ct)
+        dconsts = [d if d is not None else jnp.zeros(c.shape, c.dtype) if f else None
+                   for d, c, f in zip(dc, consts_, float_consts)]
+        if num_layers == 1:
+            shard_grads = [g[None] for g in rs(pending)]
+            plain_grads = [g[None] for g in dp_last]
+            return dh, shard_grads, plain_grads, _const_cts(dconsts, consts_)
+
+        mid_g, mid_p = None, None
+        if num_layers > 2:
+            def body(c, xs):
+                dh_, w_cur, pending_, dconsts_ = c
+                res_i, prev_shards = xs
+                w_next = gather(prev_shards)  # prefetch layer i - 1
+                g = rs(pending_)  # layer i + 1's gradient leaves while layer i computes
+                dh_, dw, dp, dc_ = vjp_at(mid_layout, res_i, w_cur, dh_)
+                return (dh_, w_next, dw, add(dconsts_, dc_)), (g, dp)
+
+            res_mid = jax.tree.map(lambda r: r[1:], stacked_res)
+            xs = (res_mid, [s[: last - 1] for s in shards_])
+            (dh, w_prev, pending, dconsts), (mid_g, mid_p) = jax.lax.scan(
+                body, (dh, w_prev, pending, dconsts), xs, reverse=True)
+        g1 = rs(pending)
+        res0 = jax.tree.map(lambda r: r[0], stacked_res)
+        dh, dw0, dp0, dc = vjp_at(mid_layout, res0, w_prev, dh)
+        dconsts = add(dconsts, dc)
+        g0 = rs(dw0)
+        shard_grads = []
+        for k in range(len(specs)):
+            parts = [g0[k][None], g1[k][None]] + ([mid_g[k]] if mid_g is not None else [])
+            shard_grads.append(jnp.concatenate(parts, axis=0))
+        plain_grads = []
+        for k in range(len(plain)):
+            parts = [dp0[k][None]] + ([mid_p[k]] if mid_p is not None else [])
+            plain_grads.append(jnp.concatenate(parts + [dp_last[k][None]], axis=0))
+        return dh, shard_grads, plain_grads, _const_cts(dconsts, consts_)
+
+    @jax.custom_vjp
+    def run(h, shards_, plain_, consts_):
+        return forward(h, shards_, plain_, consts_, keep=False)[0]
+
+    def run_fwd(h, shards_, plain_, consts_):
+        out, res = forward(h, shards_, plain_, consts_, keep=True)
+        return out, (res, shards_, plain_, consts_)
+
+    run.defvjp(run_fwd, backward)
+    return run(carry, shards, plain, list(consts))
+
+
+def _const_cts(dconsts: list[Any], consts: list[jax.Array]) -> list[Any]:
+    return [d if d is not None else np.zeros(c.shape, jax.dtypes.float0)
+            for d, c in zip(dconsts, consts)]
