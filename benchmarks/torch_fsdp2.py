@@ -1,0 +1,117 @@
+"""PyTorch FSDP2 peer of gtp_jax's transformer preset, for side-by-side benchmarks.
+
+Launched by ``python -m gtp_jax.bench overlap --torch`` as
+``torchrun --nproc_per_node=N benchmarks/torch_fsdp2.py``; env: PRESET, SEQ, MB (sequences
+per GPU), STEPS, LAYERS (0: the preset's). Same architecture (RMSNorm, rotary-free
+attention cost is identical for timing, SwiGLU, untied head), bf16 compute with fp32
+master weights, AdamW, ``fully_shard`` per block. Prints ``RESULT {json}`` on rank 0.
+"""
+
+import json
+import os
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+SIZES = {  # vocab, d_model, heads, layers, d_ff
+    "tiny": (256, 128, 4, 4, 352),
+    "small": (32000, 512, 8, 6, 1408),
+    "100m": (32000, 768, 12, 12, 2048),
+    "1b": (32000, 2048, 16, 16, 5632),
+}
+
+
+class Block(nn.Module):
+    def __init__(self, d, heads, ff):
+        super().__init__()
+        self.heads = heads
+        self.attn_norm, self.mlp_norm = nn.RMSNorm(d), nn.RMSNorm(d)
+        self.qkv = nn.Linear(d, 3 * d, bias=False)
+        self.out = nn.Linear(d, d, bias=False)
+        self.gate_up = nn.Linear(d, 2 * ff, bias=False)
+        self.down = nn.Linear(ff, d, bias=False)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.attn_norm(x)).view(b, t, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.out(a.transpose(1, 2).reshape(b, t, d))
+        gate, up = self.gate_up(self.mlp_norm(x)).chunk(2, dim=-1)
+        return x + self.down(F.silu(gate) * up)
+
+
+class Decoder(nn.Module):
+    def __init__(self, vocab, d, heads, layers, ff):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d)
+        self.blocks = nn.ModuleList(Block(d, heads, ff) for _ in range(layers))
+        self.final_norm = nn.RMSNorm(d)
+        self.head = nn.Linear(d, vocab, bias=False)
+
+    def forward(self, tokens):
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.final_norm(x))
+
+
+def main():
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    dist.init_process_group("nccl")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.cuda.set_device(rank)
+    vocab, d, heads, layers, ff = SIZES[os.environ.get("PRESET", "1b")]
+    layers = int(os.environ.get("LAYERS", "0")) or layers
+    seq, mb = int(os.environ.get("SEQ", "2048")), int(os.environ.get("MB", "4"))
+    steps = int(os.environ.get("STEPS", "20"))
+    torch.manual_seed(0)
+    model = Decoder(vocab, d, heads, layers, ff).cuda()
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for block in model.blocks:
+        fully_shard(block, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    gen = torch.Generator(device="cuda")
+    gen.manual_seed(rank)
+
+    def step():
+        tokens = torch.randint(0, vocab, (mb, seq + 1), device="cuda", generator=gen)
+        logits = model(tokens[:, :-1])
+        loss = F.cross_entropy(logits.float().view(-1, vocab), tokens[:, 1:].reshape(-1))
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        loss = step()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    med = statistics.median(times)
+    flops_per_token = 6.0 * (layers * (4 * d * d + 3 * d * ff) + vocab * d) + 6.0 * layers * d * seq
+    flops = flops_per_token * mb * seq
+    if rank == 0:
+        print("RESULT " + json.dumps({
+            "variant": "torch_fsdp2", "devices": world,
+            "device_kind": torch.cuda.get_device_name(), "preset": os.environ.get("PRESET", "1b"),
+            "layers": layers, "seq": seq, "per_device_batch": mb, "step_ms": med * 1e3,
+            "step_ms_min": min(times) * 1e3, "loss": float(loss),
+            "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30, "state_gib": None,
+            "tflops_per_device": flops / med / 1e12, "mfu": flops / med / 989e12,
+            "torch": torch.__version__}), flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

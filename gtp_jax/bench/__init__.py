@@ -1,0 +1,1 @@
+"""Benchmarks: ``python -m gtp_jax.bench overlap``."""

@@ -1,0 +1,222 @@
+"""``python -m gtp_jax.bench overlap``: training-step benchmark, side by side in one run.
+
+Variants (each in its own subprocess, so peak memory is per variant):
+  compute_only   one device, the per-device batch, no collectives (the compute floor)
+  replicated     pure data parallelism: weights replicated, gradients all-reduced by XLA
+  xla_fsdp       XLA's automatic FSDP: the same weights annotated P(..., 'gtp') + jit
+  gtp            gtp_jax.shard, no prefetch
+  gtp_prefetch   gtp_jax.shard with GTPConfig(prefetch=True)
+  torch_fsdp2    PyTorch FSDP2 peer (benchmarks/torch_fsdp2.py via torchrun), if importable
+
+Columns: median step time (>= 20 steps after warm-up), ratio to replicated, exposed
+communication (step minus compute_only, over step), peak device memory, parameter + gradient
++ optimizer bytes per device, MFU (matmul FLOPs from `TransformerConfig.train_flops_per_token`
+over the device's peak bf16 rate).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+VARIANTS = ("compute_only", "replicated", "xla_fsdp", "gtp", "gtp_prefetch")
+PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12}  # dense bf16, SXM datasheet
+
+
+def _peak_flops(kind: str) -> float | None:
+    return next((v for k, v in PEAK_BF16_FLOPS.items() if k in kind), None)
+
+
+def run_variant(args: argparse.Namespace) -> dict:
+    """Builds and times one variant in this process; returns its metrics."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from flax import nnx
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import gtp_jax
+    from gtp_jax.models import Transformer, lm_loss, preset
+
+    variant = args.worker
+    devices = jax.devices()[:1] if variant == "compute_only" else jax.devices()
+    n = len(devices)
+    on_gpu = jax.default_backend() == "gpu"
+    cfg = preset(args.preset, dtype=jnp.bfloat16, remat=args.remat, max_seq_len=args.seq,
+                 attention_impl="cudnn" if on_gpu else None)
+    if args.layers:
+        cfg = preset(args.preset, dtype=jnp.bfloat16, remat=args.remat, max_seq_len=args.seq,
+                     n_layers=args.layers, attention_impl="cudnn" if on_gpu else None)
+    if variant in ("gtp", "gtp_prefetch", "xla_fsdp"):
+        mesh = gtp_jax.make_mesh(gtp=n, devices=devices)
+    else:
+        mesh = gtp_jax.make_mesh(dp=n, devices=devices)
+    model = Transformer(cfg, rngs=nnx.Rngs(0))
+    if variant.startswith("gtp"):
+        model = gtp_jax.shard(model, mesh, gtp_jax.GTPConfig(
+            gather_dtype=jnp.bfloat16, prefetch=variant == "gtp_prefetch"))
+    else:
+        state = nnx.state(model)
+
+        def place(path, x):
+            stacked = len(path) > 0 and str(getattr(path[0], "key", "")) == "blocks"
+            spec = P()
+            if variant == "xla_fsdp" and x.ndim >= 2 + stacked:
+                spec = P(*([None] * stacked), "gtp")
+            return jax.device_put(x, NamedSharding(mesh, spec))
+
+        nnx.update(model, jax.tree_util.tree_map_with_path(place, state))
+    tx = optax.adamw(1e-4)
+    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+    @nnx.jit(donate_argnums=(0, 1))
+    def step(model, optimizer, tokens):
+        loss, grads = nnx.value_and_grad(lm_loss)(model, tokens)
+        optimizer.update(model, grads)
+        return loss
+
+    batch = args.per_device_batch * n
+    data = jax.random.randint(jax.random.key(1), (4, batch, args.seq + 1), 0, cfg.vocab_size)
+    placement = gtp_jax.data_sharding(mesh)
+    batches = [jax.device_put(data[i], placement) for i in range(4)]
+    for i in range(args.warmup):
+        jax.block_until_ready(step(model, optimizer, batches[i % 4]))
+    times = []
+    loss = None
+    for i in range(args.steps):
+        start = time.perf_counter()
+        loss = step(model, optimizer, batches[i % 4])
+        jax.block_until_ready(loss)
+        times.append(time.perf_counter() - start)
+    if args.profile_dir and variant == args.profile_variant:
+        jax.profiler.start_trace(args.profile_dir)
+        for i in range(3):
+            jax.block_until_ready(step(model, optimizer, batches[i % 4]))
+        jax.profiler.stop_trace()
+    med = statistics.median(times)
+    stats = [d.memory_stats() or {} for d in devices]
+    peak = max(s.get("peak_bytes_in_use", 0) for s in stats)
+    param_bytes = gtp_jax.bytes_per_device(nnx.state(model, nnx.Param))
+    opt_bytes = gtp_jax.bytes_per_device(nnx.state(optimizer, nnx.OptState))
+    tokens_per_device = args.per_device_batch * args.seq
+    flops = cfg.train_flops_per_token(args.seq) * tokens_per_device
+    kind = devices[0].device_kind
+    peak_flops = _peak_flops(kind)
+    return {
+        "variant": variant, "devices": n, "device_kind": kind, "preset": args.preset,
+        "layers": cfg.n_layers, "seq": args.seq, "per_device_batch": args.per_device_batch,
+        "step_ms": med * 1e3, "step_ms_min": min(times) * 1e3, "loss": float(loss),
+        "peak_mem_gib": peak / 2**30,
+        "state_gib": (2 * param_bytes + opt_bytes) / 2**30,
+        "tflops_per_device": flops / med / 1e12,
+        "mfu": flops / med / peak_flops if peak_flops else None,
+        "jax": jax.__version__, "xla_flags": os.environ.get("XLA_FLAGS", ""),
+    }
+
+
+def _spawn(variant: str, args: argparse.Namespace, timeout: float) -> dict | None:
+    cmd = [sys.executable, "-m", "gtp_jax.bench", "overlap", "--worker", variant,
+           "--preset", args.preset, "--seq", str(args.seq), "--steps", str(args.steps),
+           "--warmup", str(args.warmup), "--per-device-batch", str(args.per_device_batch),
+           "--remat", args.remat, "--layers", str(args.layers or 0)]
+    if args.profile_dir:
+        cmd += ["--profile-dir", args.profile_dir, "--profile-variant", args.profile_variant]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        print(f"[{variant}] timed out after {timeout:.0f} s", flush=True)
+        return None
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT "):])
+    print(f"[{variant}] failed (rc {proc.returncode}):\n{proc.stderr[-3000:]}", flush=True)
+    return None
+
+
+def _torch_peer(args: argparse.Namespace, ndev: int, timeout: float) -> dict | None:
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "torch_fsdp2.py"
+    torchrun = shutil.which("torchrun")
+    if not script.exists() or torchrun is None:
+        return None
+    env = dict(os.environ, PRESET=args.preset, SEQ=str(args.seq),
+               MB=str(args.per_device_batch), STEPS=str(args.steps),
+               LAYERS=str(args.layers or 0))
+    try:
+        proc = subprocess.run([torchrun, f"--nproc_per_node={ndev}", str(script)], env=env,
+                              capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        print("[torch_fsdp2] timed out", flush=True)
+        return None
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT "):])
+    print(f"[torch_fsdp2] failed (rc {proc.returncode}):\n{proc.stderr[-3000:]}", flush=True)
+    return None
+
+
+def format_table(rows: list[dict]) -> str:
+    base = next((r for r in rows if r["variant"] == "replicated"), None)
+    floor = next((r for r in rows if r["variant"] == "compute_only"), None)
+    head = ("| variant | step ms | vs replicated | exposed comm | peak GiB | "
+            "param+grad+opt GiB | MFU |")
+    lines = [head, "|" + "---|" * 7]
+    for r in rows:
+        ratio = f"{r['step_ms'] / base['step_ms']:.3f}x" if base else "-"
+        exposed = "-"
+        if floor and r["variant"] != "compute_only":
+            exposed = f"{max(0.0, r['step_ms'] - floor['step_ms']) / r['step_ms'] * 100:.1f}%"
+        mfu = f"{r['mfu'] * 100:.1f}%" if r.get("mfu") else "-"
+        state = f"{r['state_gib']:.2f}" if r.get("state_gib") is not None else "-"
+        lines.append(f"| {r['variant']} | {r['step_ms']:.1f} | {ratio} | {exposed} | "
+                     f"{r['peak_mem_gib']:.1f} | {state} | {mfu} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m gtp_jax.bench overlap",
+                                     description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", default="1b")
+    parser.add_argument("--layers", type=int, default=0, help="override the layer count")
+    parser.add_argument("--seq", type=int, default=2048)
+    parser.add_argument("--per-device-batch", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--remat", default="none", choices=("none", "dots", "full"))
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--torch", action="store_true", help="also run the PyTorch FSDP2 peer")
+    parser.add_argument("--timeout", type=float, default=240.0, help="seconds per variant")
+    parser.add_argument("--json", default=None, help="write all results to this file")
+    parser.add_argument("--profile-dir", default=None)
+    parser.add_argument("--profile-variant", default="gtp_prefetch")
+    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        print("RESULT " + json.dumps(run_variant(args)), flush=True)
+        return 0
+    rows = []
+    for variant in args.variants.split(","):
+        result = _spawn(variant, args, args.timeout)
+        if result:
+            print(f"[{variant}] {result['step_ms']:.1f} ms, peak {result['peak_mem_gib']:.1f} GiB",
+                  flush=True)
+            rows.append(result)
+    if args.torch and rows:
+        peer = _torch_peer(args, rows[-1]["devices"], args.timeout)
+        if peer:
+            rows.append(peer)
+    if rows:
+        print(f"device: {rows[-1]['device_kind']} x{rows[-1]['devices']}, preset {args.preset}, "
+              f"seq {args.seq}, {args.per_device_batch} sequences per device")
+        print(format_table(rows))
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+    return 0 if rows else 1
