@@ -7,8 +7,13 @@ all-gathered just in time inside ``jax.shard_map`` and reduce-scattered in the b
     model = gtp_jax.shard(MyNNXModel(rngs=nnx.Rngs(0)), mesh, gtp_jax.GTPConfig())
 """
 
-from gtp_jax.config import GTPConfig
-from gtp_jax.sharding import (
+from gtp_jax.xla_flags import apply_default_xla_flags
+
+# Before anything starts the XLA backend: overlap depends on these flags (see xla_flags.py).
+apply_default_xla_flags()
+
+from gtp_jax.config import GTPConfig  # noqa: E402
+from gtp_jax.sharding import (  # noqa: E402
     GTPShard,
     ShardedModule,
     bytes_per_device,

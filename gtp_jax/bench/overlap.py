@@ -6,6 +6,7 @@ Variants (each in its own subprocess, so peak memory is per variant):
   xla_fsdp       XLA's automatic FSDP: the same weights annotated P(..., 'gtp') + jit
   gtp            gtp_jax.shard, no prefetch
   gtp_prefetch   gtp_jax.shard with GTPConfig(prefetch=True)
+  *_dots         the same variant with remat="dots" (save matmul outputs only)
   torch_fsdp2    PyTorch FSDP2 peer (benchmarks/torch_fsdp2.py via torchrun), if importable
 
 Columns: median step time (>= 20 steps after warm-up), ratio to replicated, exposed
@@ -47,22 +48,24 @@ def run_variant(args: argparse.Namespace) -> dict:
     from gtp_jax.models import Transformer, lm_loss, preset
 
     variant = args.worker
+    remat = "dots" if variant.endswith("_dots") else args.remat
+    variant_kind = variant.removesuffix("_dots")
     devices = jax.devices()[:1] if variant == "compute_only" else jax.devices()
     n = len(devices)
     on_gpu = jax.default_backend() == "gpu"
-    cfg = preset(args.preset, dtype=jnp.bfloat16, remat=args.remat, max_seq_len=args.seq,
-                 attention_impl="cudnn" if on_gpu else None)
-    if args.layers:
-        cfg = preset(args.preset, dtype=jnp.bfloat16, remat=args.remat, max_seq_len=args.seq,
-                     n_layers=args.layers, attention_impl="cudnn" if on_gpu else None)
-    if variant in ("gtp", "gtp_prefetch", "xla_fsdp"):
+    overrides = {"n_layers": args.layers} if args.layers else {}
+    attention = args.attention if on_gpu else None
+    cfg = preset(args.preset, dtype=jnp.bfloat16, remat=remat, max_seq_len=args.seq,
+                 attention_impl=attention, **overrides)
+    if variant_kind in ("gtp", "gtp_prefetch", "xla_fsdp"):
         mesh = gtp_jax.make_mesh(gtp=n, devices=devices)
     else:
         mesh = gtp_jax.make_mesh(dp=n, devices=devices)
     model = Transformer(cfg, rngs=nnx.Rngs(0))
     if variant.startswith("gtp"):
         model = gtp_jax.shard(model, mesh, gtp_jax.GTPConfig(
-            gather_dtype=jnp.bfloat16, prefetch=variant == "gtp_prefetch"))
+            gather_dtype=jnp.bfloat16, prefetch=variant_kind == "gtp_prefetch",
+            remat_gathered=not args.no_remat_gathered))
     else:
         state = nnx.state(model)
 
@@ -123,10 +126,12 @@ def run_variant(args: argparse.Namespace) -> dict:
 
 
 def _spawn(variant: str, args: argparse.Namespace, timeout: float) -> dict | None:
-    cmd = [sys.executable, "-m", "gtp_jax.bench", "overlap", "--worker", variant,
+    cmd = [sys.executable, "-X", "faulthandler", "-m", "gtp_jax.bench", "overlap", "--worker", variant,
            "--preset", args.preset, "--seq", str(args.seq), "--steps", str(args.steps),
            "--warmup", str(args.warmup), "--per-device-batch", str(args.per_device_batch),
-           "--remat", args.remat, "--layers", str(args.layers or 0)]
+           "--remat", args.remat, "--layers", str(args.layers or 0),
+           "--attention", args.attention] + (["--no-remat-gathered"]
+                                              if args.no_remat_gathered else [])
     if args.profile_dir:
         cmd += ["--profile-dir", args.profile_dir, "--profile-variant", args.profile_variant]
     try:
@@ -191,7 +196,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--remat", default="none", choices=("none", "dots", "full"))
+    parser.add_argument("--attention", default="cudnn", choices=("cudnn", "xla"),
+                        help="attention implementation on GPU")
     parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--no-remat-gathered", action="store_true",
+                        help="GTPConfig(remat_gathered=False) for the gtp variants")
     parser.add_argument("--torch", action="store_true", help="also run the PyTorch FSDP2 peer")
     parser.add_argument("--timeout", type=float, default=240.0, help="seconds per variant")
     parser.add_argument("--json", default=None, help="write all results to this file")

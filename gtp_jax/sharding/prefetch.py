@@ -80,8 +80,15 @@ def prefetch_scan(
     stacked_params: Any,
     *,
     remat_policy: Callable[..., bool] | None = None,
+    prefetch: bool = True,
 ) -> Any:
-    """`scan_layers` with double-buffered weight prefetch (see the module docstring).
+    """`scan_layers` over GTP shards with a hand-written backward loop.
+
+    With ``prefetch=True``: double-buffered prefetch (see the module docstring). With
+    ``prefetch=False``: each iteration gathers its own layer just before use, and the
+    backward loop reduce-scatters each layer's gradient right after computing it; the
+    residual handling (weights never saved) is the same, so the two differ only in
+    scheduling.
 
     Args:
       layer_fn: ``(carry, layer_params) -> carry``.
@@ -89,6 +96,8 @@ def prefetch_scan(
       stacked_params: pytree with a leading layer dim; `GTPShard` leaves are prefetched,
         other leaves (replicated stacked params) are sliced per layer.
       remat_policy: optional ``jax.checkpoint`` policy applied to each layer.
+      prefetch: issue the next layer's all-gather (and the previous layer's reduce-scatter)
+        one iteration early.
 
     Returns:
       The final carry.
@@ -200,6 +209,35 @@ def prefetch_scan(
             parts = [dp0[k][None]] + ([mid_p[k]] if mid_p is not None else [])
             plain_grads.append(jnp.concatenate(parts + [dp_last[k][None]], axis=0))
         return dh, shard_grads, plain_grads, _const_cts(dconsts, consts_)
+
+    def forward_in_place(h, shards_, plain_, consts_, keep):
+        def body(h_, xs):
+            layer_shards, plain_i = xs
+            return step(h_, gather(layer_shards), plain_i, consts_, mid_layout if keep else None)
+
+        return jax.lax.scan(body, h, (shards_, plain_))
+
+    def backward_in_place(saved, ct):
+        stacked_res, shards_, plain_, consts_ = saved
+        float_consts = [jnp.issubdtype(c.dtype, jnp.inexact) for c in consts_]
+        zero = [jnp.zeros(c.shape, c.dtype) if f else None
+                for c, f in zip(consts_, float_consts)]
+
+        def body(c, xs):
+            dh, dconsts = c
+            res_i, layer_shards = xs
+            w = gather(layer_shards)
+            dh, dw, dp, dc = mid_layout.rebuild(res_i, w)(dh)
+            dconsts = [a if not f else a + d for a, d, f in zip(dconsts, dc, float_consts)]
+            grads = [reduce_scatter_grad(g, spec) for g, spec in zip(dw, specs)]
+            return (dh, dconsts), (grads, dp)
+
+        (dh, dconsts), (shard_grads, plain_grads) = jax.lax.scan(
+            body, (ct, zero), (stacked_res, shards_), reverse=True)
+        return dh, shard_grads, plain_grads, _const_cts(dconsts, consts_)
+
+    if not prefetch:
+        forward, backward = forward_in_place, backward_in_place
 
     @jax.custom_vjp
     def run(h, shards_, plain_, consts_):

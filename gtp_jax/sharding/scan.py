@@ -8,13 +8,13 @@ from typing import Any, TypeVar
 import jax
 
 from gtp_jax.sharding.collectives import GATHERED_WEIGHT
-from gtp_jax.sharding.lazy import has_shards, is_shard, materialize
+from gtp_jax.sharding.lazy import is_shard
 from gtp_jax.sharding.prefetch import prefetch_scan
 
 Carry = TypeVar("Carry")
 
-#: Default remat policy for a GTP layer: keep every activation the unsharded model would
-#: keep, but not the gathered weights (they are re-gathered in the backward pass).
+#: Remat policy for gathered weights outside the layer loop: keep every activation the
+#: unsharded model would keep, but not the gathered weights (re-gathered in the backward).
 GTP_REMAT_POLICY = jax.checkpoint_policies.save_anything_except_these_names(GATHERED_WEIGHT)
 
 
@@ -25,13 +25,14 @@ def scan_layers(
     *,
     remat_policy: Callable[..., bool] | None = None,
     prefetch: bool | None = None,
-    unroll: int = 1,
 ) -> Carry:
     """Runs ``carry = layer_fn(carry, params[i])`` for every layer ``i`` with ``lax.scan``.
 
-    Works on plain stacked arrays (the unsharded model) and on stacked `GTPShard` leaves
-    (inside a `gtp_jax.shard`-ed module), which are all-gathered one layer at a time inside
-    the loop body, so at most one layer's full weights are materialized per iteration.
+    On plain stacked arrays (the unsharded model) this is an ordinary ``lax.scan``. On
+    stacked `GTPShard` leaves (inside a `gtp_jax.shard`-ed module) it is a ``custom_vjp``
+    loop (`gtp_jax.sharding.prefetch.prefetch_scan`) that all-gathers one layer at a time
+    in the forward *and* the backward pass, reduce-scatters each layer's weight gradient,
+    and never keeps a gathered weight from the forward pass for the backward pass.
 
     Args:
       layer_fn: ``(carry, layer_params) -> carry``; `layer_params` has the structure of
@@ -39,33 +40,27 @@ def scan_layers(
       carry: loop state (e.g. activations ``[batch, seq, d_model]``).
       stacked_params: pytree whose leaves have a leading layer dimension ``L`` (arrays, or
         `GTPShard` for GTP-sharded weights).
-      remat_policy: a ``jax.checkpoint`` policy for the layer body. None uses
-        `GTP_REMAT_POLICY` when the params hold shards (re-gather weights in the backward
-        pass) and no remat otherwise. A custom policy must not save `GATHERED_WEIGHT`
-        names, or the full weights of every layer stay alive for the backward pass.
-      prefetch: double-buffered prefetch (`gtp_jax.sharding.prefetch.prefetch_scan`): the
-        all-gather of layer ``i + 1`` is issued before layer ``i`` computes, and the backward
-        loop gathers layer ``i - 1`` and reduce-scatters layer ``i + 1``'s gradient while
-        layer ``i``'s backward runs. None follows the shards (``GTPConfig.prefetch``).
-      unroll: passed to ``jax.lax.scan`` (no-prefetch path only).
+      remat_policy: optional ``jax.checkpoint`` policy for each layer (activation recompute,
+        e.g. ``jax.checkpoint_policies.dots_with_no_batch_dims_saveable``).
+      prefetch: double buffering: layer ``i + 1``'s all-gather is issued before layer ``i``
+        computes, and the backward loop gathers layer ``i - 1`` and reduce-scatters layer
+        ``i + 1``'s gradient while layer ``i``'s backward runs. None follows the shards
+        (``GTPConfig.prefetch``).
 
     Returns:
       The final carry.
     """
-
     shards = [x for x in jax.tree.leaves(stacked_params, is_leaf=is_shard) if is_shard(x)]
-    if prefetch is None:
-        prefetch = any(x.prefetch for x in shards)
-    if prefetch and shards:
-        return prefetch_scan(layer_fn, carry, stacked_params, remat_policy=remat_policy)
+    if shards:
+        if prefetch is None:
+            prefetch = any(x.prefetch for x in shards)
+        return prefetch_scan(layer_fn, carry, stacked_params, remat_policy=remat_policy,
+                             prefetch=prefetch)
 
     def body(c, layer_params):
-        return layer_fn(c, materialize(layer_params)), None
+        return layer_fn(c, layer_params), None
 
-    policy = remat_policy
-    if policy is None and has_shards(stacked_params):
-        policy = GTP_REMAT_POLICY
-    if policy is not None:
-        body = jax.checkpoint(body, policy=policy, prevent_cse=False)
-    carry, _ = jax.lax.scan(body, carry, stacked_params, unroll=unroll)
+    if remat_policy is not None:
+        body = jax.checkpoint(body, policy=remat_policy, prevent_cse=False)
+    carry, _ = jax.lax.scan(body, carry, stacked_params)
     return carry
