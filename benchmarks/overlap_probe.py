@@ -56,12 +56,16 @@ def probe(label: str) -> dict:
     gemm = sm(lambda x, w: x @ x @ x, P("g"))
     ag = sm(lambda x, w: jax.lax.all_gather(w, "g", tiled=True), P())
     both = sm(lambda x, w: (x @ x @ x, jax.lax.all_gather(w, "g", tiled=True)), (P("g"), P()))
+    rs = sm(lambda x, w: jax.lax.psum_scatter(jnp.tile(w, (n, 1)), "g", tiled=True), P("g"))
     t_gemm, t_ag, t_both = _bench(gemm, x, w), _bench(ag, x, w), _bench(both, x, w)
+    t_rs = _bench(rs, x, w)
     hidden = (t_gemm + t_ag - t_both) / t_ag
     return {"case": label, "processes": jax.process_count(), "devices": n,
             "gemm_ms": round(t_gemm, 3), "ag_ms": round(t_ag, 3), "both_ms": round(t_both, 3),
             "hidden_fraction": round(hidden, 3),
             "ag_busbw_GBs": round(shard_rows * h * 2 * (n - 1) / (t_ag * 1e-3) / 1e9, 1),
+            "rs_ms": round(t_rs, 3),
+            "rs_busbw_GBs": round(shard_rows * h * 2 * (n - 1) / (t_rs * 1e-3) / 1e9, 1),
             "xla_flags": os.environ.get("XLA_FLAGS", ""),
             "device_kind": jax.devices()[0].device_kind, "jax": jax.__version__}
 

@@ -50,7 +50,7 @@ def run_variant(args: argparse.Namespace) -> dict:
     variant = args.worker
     remat = "dots" if variant.endswith("_dots") else args.remat
     variant_kind = variant.removesuffix("_dots")
-    devices = jax.devices()[:1] if variant == "compute_only" else jax.devices()
+    devices = jax.devices()[:1] if variant_kind == "compute_only" else jax.devices()
     n = len(devices)
     on_gpu = jax.default_backend() == "gpu"
     overrides = {"n_layers": args.layers} if args.layers else {}
@@ -62,7 +62,7 @@ def run_variant(args: argparse.Namespace) -> dict:
     else:
         mesh = gtp_jax.make_mesh(dp=n, devices=devices)
     model = Transformer(cfg, rngs=nnx.Rngs(0))
-    if variant.startswith("gtp"):
+    if variant_kind.startswith("gtp"):
         model = gtp_jax.shard(model, mesh, gtp_jax.GTPConfig(
             gather_dtype=jnp.bfloat16, prefetch=variant_kind == "gtp_prefetch",
             remat_gathered=not args.no_remat_gathered))
@@ -72,7 +72,7 @@ def run_variant(args: argparse.Namespace) -> dict:
         def place(path, x):
             stacked = len(path) > 0 and str(getattr(path[0], "key", "")) == "blocks"
             spec = P()
-            if variant == "xla_fsdp" and x.ndim >= 2 + stacked:
+            if variant_kind == "xla_fsdp" and x.ndim >= 2 + stacked:
                 spec = P(*([None] * stacked), "gtp")
             return jax.device_put(x, NamedSharding(mesh, spec))
 
@@ -168,15 +168,19 @@ def _torch_peer(args: argparse.Namespace, ndev: int, timeout: float) -> dict | N
 
 
 def format_table(rows: list[dict]) -> str:
-    base = next((r for r in rows if r["variant"] == "replicated"), None)
-    floor = next((r for r in rows if r["variant"] == "compute_only"), None)
+    def find(name: str) -> dict | None:
+        return next((r for r in rows if r["variant"] == name), None)
+
     head = ("| variant | step ms | vs replicated | exposed comm | peak GiB | "
             "param+grad+opt GiB | MFU |")
     lines = [head, "|" + "---|" * 7]
     for r in rows:
+        suffix = "_dots" if r["variant"].endswith("_dots") else ""
+        base = find("replicated" + suffix) or find("replicated")
+        floor = find("compute_only" + suffix)
         ratio = f"{r['step_ms'] / base['step_ms']:.3f}x" if base else "-"
         exposed = "-"
-        if floor and r["variant"] != "compute_only":
+        if floor and not r["variant"].startswith("compute_only"):
             exposed = f"{max(0.0, r['step_ms'] - floor['step_ms']) / r['step_ms'] * 100:.1f}%"
         mfu = f"{r['mfu'] * 100:.1f}%" if r.get("mfu") else "-"
         state = f"{r['state_gib']:.2f}" if r.get("state_gib") is not None else "-"

@@ -1,0 +1,157 @@
+"""The (dp, ep, gtp, tp) mesh: names, order, device groups, data placement, per-shard keys."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import gtp_jax
+from gtp_jax.sharding import AXES, axis_groups, data_size
+
+
+@pytest.mark.parametrize("sizes", [
+    {"gtp": 8},
+    {"dp": 2, "gtp": 4},
+    {"dp": 2, "gtp": 2, "tp": 2},
+    {"dp": 2, "ep": 2, "gtp": 2},
+    {"tp": 8},
+])
+def test_make_mesh_axes_order_sizes_and_types(sizes: dict[str, int]) -> None:
+    mesh = gtp_jax.make_mesh(**sizes)
+    assert mesh.axis_names == ("dp", "ep", "gtp", "tp") == AXES
+    assert dict(mesh.shape) == {a: sizes.get(a, 1) for a in AXES}
+    assert mesh.devices.shape == tuple(sizes.get(a, 1) for a in AXES)
+    assert mesh.axis_types == (AxisType.Auto,) * 4
+    # device i of the flat device list sits at unravel_index(i, (dp, ep, gtp, tp))
+    ids = np.vectorize(lambda d: d.id)(mesh.devices)
+    assert ids.ravel().tolist() == [d.id for d in jax.devices()]
+
+
+def test_make_mesh_uses_given_devices_in_order() -> None:
+    devices = list(reversed(jax.devices()))
+    mesh = gtp_jax.make_mesh(dp=2, gtp=4, devices=devices)
+    assert [d.id for d in mesh.devices.ravel()] == [7, 6, 5, 4, 3, 2, 1, 0]
+    assert gtp_jax.describe_mesh(mesh)["gtp"] == [[3, 2, 1, 0], [7, 6, 5, 4]]
+
+
+def test_describe_mesh_tp4() -> None:
+    mesh = gtp_jax.make_mesh(dp=2, tp=4)
+    groups = gtp_jax.describe_mesh(mesh)
+    assert set(groups) == set(AXES)
+    assert groups["tp"] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert groups["dp"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert groups["gtp"] == [[i] for i in range(8)]
+    assert groups["ep"] == [[i] for i in range(8)]
+
+
+def test_describe_mesh_dp2_gtp4_and_printing() -> None:
+    mesh = gtp_jax.make_mesh(dp=2, gtp=4)
+    lines: list[str] = []
+    groups = gtp_jax.describe_mesh(mesh, print_fn=lines.append)
+    assert groups["gtp"] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert groups["dp"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert groups["tp"] == [[i] for i in range(8)]
+    assert groups == {a: axis_groups(mesh, a) for a in AXES}
+    assert lines[0] == "mesh (dp=2, ep=1, gtp=4, tp=1) over 8 devices"
+    assert len(lines) == 1 + len(AXES)
+    assert any("gtp groups: [[0, 1, 2, 3], [4, 5, 6, 7]]" in ln for ln in lines)
+
+
+def test_describe_mesh_mixed_axes() -> None:
+    mesh = gtp_jax.make_mesh(dp=2, gtp=2, tp=2)
+    groups = gtp_jax.describe_mesh(mesh)
+    assert groups["tp"] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert groups["gtp"] == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert groups["dp"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
+
+
+@pytest.mark.parametrize("sizes", [{"dp": 3}, {"dp": 2, "gtp": 2}, {"gtp": 16}, {"gtp": 4, "tp": 4}])
+def test_make_mesh_wrong_product(sizes: dict[str, int]) -> None:
+    product = int(np.prod(list(sizes.values())))
+    with pytest.raises(ValueError) as err:
+        gtp_jax.make_mesh(**sizes)
+    msg = str(err.value)
+    assert f"= {product} " in msg
+    assert "(8)" in msg
+    for value in sizes.values():
+        assert str(value) in msg
+
+
+@pytest.mark.parametrize("name,value", [("dp", 0), ("gtp", -4), ("tp", 0), ("ep", -1),
+                                        ("gtp", 2.0), ("dp", True)])
+def test_make_mesh_rejects_non_positive_or_non_int(name: str, value) -> None:
+    with pytest.raises(ValueError, match=f"{name}="):
+        gtp_jax.make_mesh(**{name: value})
+
+
+@pytest.mark.parametrize("sizes,ndim", [({"dp": 2, "gtp": 4}, 2), ({"gtp": 2, "tp": 4}, 3),
+                                        ({"ep": 2, "gtp": 4}, 1)])
+def test_data_sharding(sizes, ndim) -> None:
+    mesh = gtp_jax.make_mesh(**sizes)
+    sharding = gtp_jax.data_sharding(mesh, ndim)
+    assert isinstance(sharding, NamedSharding) and sharding.mesh is mesh
+    assert gtp_jax.data_axes(mesh) == ("dp", "ep", "gtp")
+    assert sharding.spec == P(("dp", "ep", "gtp"), *([None] * (ndim - 1)))
+    split = 8 // sizes.get("tp", 1)
+    assert data_size(mesh) == split
+    x = jax.device_put(jnp.arange(16 * 3 ** (ndim - 1)).reshape((16,) + (3,) * (ndim - 1)),
+                       sharding)
+    shapes = {s.data.shape for s in x.addressable_shards}
+    assert shapes == {(16 // split,) + (3,) * (ndim - 1)}
+    with pytest.raises(ValueError, match="ndim"):
+        gtp_jax.data_sharding(mesh, 0)
+
+
+def test_data_sharding_default_is_rank_2() -> None:
+    mesh = gtp_jax.make_mesh(gtp=8)
+    assert gtp_jax.data_sharding(mesh).spec == P(("dp", "ep", "gtp"), None)
+
+
+def test_shard_key_inside_shard_map(key) -> None:
+    mesh = gtp_jax.make_mesh(dp=2, gtp=2, tp=2)
+    axes = gtp_jax.data_axes(mesh)
+    raw = jax.random.key_data(key)
+
+    def per_device(raw_key):
+        k = gtp_jax.shard_key(jax.random.wrap_key_data(raw_key), axes)
+        return jax.random.key_data(k)[None]
+
+    out = jax.shard_map(per_device, mesh=mesh, in_specs=P(), out_specs=P(AXES),
+                        check_vma=False)(raw)
+    # row r belongs to mesh position unravel_index(r, (dp, ep, gtp, tp))
+    data = np.asarray(out).reshape(2, 1, 2, 2, -1)
+    for dp in range(2):
+        for gtp in range(2):
+            # tp ranks share data, so they must drop the same elements: equal keys
+            np.testing.assert_array_equal(data[dp, 0, gtp, 0], data[dp, 0, gtp, 1])
+            expected = jax.random.key_data(jax.random.fold_in(key, dp * 2 + gtp))
+            np.testing.assert_array_equal(data[dp, 0, gtp, 0], np.asarray(expected))
+    distinct = {tuple(data[dp, 0, gtp, 0].tolist()) for dp in range(2) for gtp in range(2)}
+    assert len(distinct) == 4  # every (dp, gtp) rank gets its own key
+    assert tuple(np.asarray(raw).tolist()) not in distinct
+
+
+def test_shard_key_reaches_modules_inside_sharded_call(key) -> None:
+    """nnx.Dropout inside a sharded module: different masks on different data shards."""
+
+    class Drop(nnx.Module):
+        def __init__(self, rngs):
+            self.lin = nnx.Linear(8, 64, rngs=rngs)
+            self.drop = nnx.Dropout(0.5, rngs=rngs)
+
+        def __call__(self, x):
+            return self.drop(jnp.ones_like(self.lin(x)))
+
+    mesh = gtp_jax.make_mesh(gtp=8)
+    model = Drop(nnx.Rngs(0, dropout=1))
+    sm = gtp_jax.shard(model, mesh, gtp_jax.GTPConfig(min_elements=0))
+    x = jax.device_put(jnp.ones((8, 8)), gtp_jax.data_sharding(mesh))
+    y = np.asarray(nnx.jit(lambda m, x: m(x))(sm, x))
+    masks = {tuple((row != 0).tolist()) for row in y}
+    # every row is on a different data shard; identical keys would give identical masks
+    assert len(masks) == 8
