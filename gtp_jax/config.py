@@ -25,7 +25,8 @@ def _as_float_dtype(value: Any, field: str) -> np.dtype | None:
     try:
         dtype = np.dtype(jnp.dtype(value))
     except TypeError as err:
-        raise TypeError(f"GTPConfig.{field}={value!r} is not a dtype; use e.g. 'bfloat16'.") from err
+        raise TypeError(
+            f"GTPConfig.{field}={value!r} is not a dtype; use e.g. 'bfloat16'.") from err
     if not jnp.issubdtype(dtype, jnp.floating):
         raise TypeError(
             f"GTPConfig.{field}={dtype} must be a floating dtype "

@@ -184,13 +184,14 @@ TRANSFORMER_SIZES = {"d_model": 96, "n_heads": 4, "d_ff": 200, "vocab_size": 250
 class TransformerRun:
     """Reference and sharded transformers trained side by side for `ADAM_STEPS` steps."""
 
-    def __init__(self, tie: bool):
-        name = f"transformer-run-tie={tie}"
+    def __init__(self, tie: bool, prefetch: bool):
+        name = f"transformer-run-tie={tie}-prefetch={prefetch}"
         self.mesh = get_mesh("dp2_gtp4")
         cfg = preset("tiny", tie_embeddings=tie, **TRANSFORMER_SIZES)
         self.ref = Transformer(cfg, rngs=nnx.Rngs(test_seed(name)))
         self.initial = flat_values(self.ref)
-        self.sm = gtp_jax.shard(self.ref, self.mesh, gtp_jax.GTPConfig(pad_for_alignment=0))
+        self.sm = gtp_jax.shard(self.ref, self.mesh,
+                                gtp_jax.GTPConfig(pad_for_alignment=0, prefetch=prefetch))
         self.opt_ref = make_optimizer(self.ref)
         self.opt_sm = make_optimizer(self.sm, self.mesh)
         self.steps: list[dict[str, Any]] = []
@@ -206,9 +207,11 @@ class TransformerRun:
         self.last_grads = g_sm
 
 
-@pytest.fixture(scope="module", params=[False, True], ids=["untied", "tied"])
+@pytest.fixture(scope="module", params=[(False, False), (True, False), (False, True)],
+                ids=["untied", "tied", "untied-prefetch"])
 def transformer_run(request) -> TransformerRun:
-    return TransformerRun(request.param)
+    """3 layers, so the scanned loop has a first, a middle and a last layer."""
+    return TransformerRun(*request.param)
 
 
 def test_transformer_matches_unsharded(transformer_run: TransformerRun) -> None:
@@ -224,7 +227,8 @@ def test_transformer_matches_unsharded(transformer_run: TransformerRun) -> None:
         assert plan.stored_dim == (1 if plan.stacked else 0)
     assert plans["embed/embedding"].spec.padded_size == 252  # 250 rows -> multiple of 4
 
-    losses_ref, losses_sm = zip(*(s["loss"] for s in run.steps))
+    losses_ref = [s["loss"][0] for s in run.steps]
+    losses_sm = [s["loss"][1] for s in run.steps]
     np.testing.assert_allclose(losses_sm, losses_ref, rtol=FP32_RTOL)
     for step, rec in enumerate(run.steps):
         g_ref, g_sm = rec["grads"]

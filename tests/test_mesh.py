@@ -70,7 +70,8 @@ def test_describe_mesh_mixed_axes() -> None:
     assert groups["dp"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
 
 
-@pytest.mark.parametrize("sizes", [{"dp": 3}, {"dp": 2, "gtp": 2}, {"gtp": 16}, {"gtp": 4, "tp": 4}])
+@pytest.mark.parametrize("sizes", [{"dp": 3}, {"dp": 2, "gtp": 2}, {"gtp": 16},
+                                   {"gtp": 4, "tp": 4}])
 def test_make_mesh_wrong_product(sizes: dict[str, int]) -> None:
     product = int(np.prod(list(sizes.values())))
     with pytest.raises(ValueError) as err:
@@ -151,7 +152,21 @@ def test_shard_key_reaches_modules_inside_sharded_call(key) -> None:
     model = Drop(nnx.Rngs(0, dropout=1))
     sm = gtp_jax.shard(model, mesh, gtp_jax.GTPConfig(min_elements=0))
     x = jax.device_put(jnp.ones((8, 8)), gtp_jax.data_sharding(mesh))
-    y = np.asarray(nnx.jit(lambda m, x: m(x))(sm, x))
+    keys_before = {k: np.asarray(jax.random.key_data(v.get_value()))
+                   for k, v in nnx.to_flat_state(nnx.state(sm, nnx.RngKey))}
+    call = nnx.jit(lambda m, x: m(x))
+    y = np.asarray(call(sm, x))
     masks = {tuple((row != 0).tolist()) for row in y}
     # every row is on a different data shard; identical keys would give identical masks
     assert len(masks) == 8
+    # The stream's counter is written back (next call draws new masks); the per-shard folded
+    # key is not written back (the stored key is unchanged).
+    y2 = np.asarray(call(sm, x))
+    assert not np.array_equal(y, y2)
+    counts = [v.get_value() for _, v in nnx.to_flat_state(nnx.state(sm, nnx.RngCount))]
+    assert [int(c) for c in counts] == [2]
+    keys_after = {k: np.asarray(jax.random.key_data(v.get_value()))
+                  for k, v in nnx.to_flat_state(nnx.state(sm, nnx.RngKey))}
+    assert keys_after.keys() == keys_before.keys() and len(keys_after) == 1
+    for k, v in keys_before.items():
+        np.testing.assert_array_equal(keys_after[k], v)

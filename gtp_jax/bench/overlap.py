@@ -126,7 +126,8 @@ def run_variant(args: argparse.Namespace) -> dict:
 
 
 def _spawn(variant: str, args: argparse.Namespace, timeout: float) -> dict | None:
-    cmd = [sys.executable, "-X", "faulthandler", "-m", "gtp_jax.bench", "overlap", "--worker", variant,
+    cmd = [sys.executable, "-X", "faulthandler", "-m", "gtp_jax.bench", "overlap",
+           "--worker", variant,
            "--preset", args.preset, "--seq", str(args.seq), "--steps", str(args.steps),
            "--warmup", str(args.warmup), "--per-device-batch", str(args.per_device_batch),
            "--remat", args.remat, "--layers", str(args.layers or 0),
@@ -219,8 +220,8 @@ def main(argv: list[str] | None = None) -> int:
     for variant in args.variants.split(","):
         result = _spawn(variant, args, args.timeout)
         if result:
-            print(f"[{variant}] {result['step_ms']:.1f} ms, peak {result['peak_mem_gib']:.1f} GiB",
-                  flush=True)
+            print(f"[{variant}] {result['step_ms']:.1f} ms, "
+                  f"peak {result['peak_mem_gib']:.1f} GiB", flush=True)
             rows.append(result)
     if args.torch and rows:
         peer = _torch_peer(args, rows[-1]["devices"], args.timeout)

@@ -52,7 +52,8 @@ class GTPShard:
         )
 
     def __repr__(self) -> str:
-        return f"GTPShard(shape={self.shape}, shard={tuple(self.shard.shape)}, axis={self.spec.axis!r})"
+        return (f"GTPShard(shape={self.shape}, shard={tuple(self.shard.shape)}, "
+                f"axis={self.spec.axis!r})")
 
 
 def is_shard(x: Any) -> bool:

@@ -258,13 +258,13 @@ def _pad_and_place(value: jax.Array, plan: ParamPlan, mesh: Mesh) -> jax.Array:
     return _jit_pad(tuple(widths), sharding)(value)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _jit_pad(widths: tuple[tuple[int, int], ...], sharding: NamedSharding):
     # Jitted with an output sharding so each device only ever materializes its own shard.
     return jax.jit(lambda x: jnp.pad(x, widths), out_shardings=sharding)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _jit_unpad(dim: int, size: int, sharding: NamedSharding):
     return jax.jit(lambda x: jax.lax.slice_in_dim(x, 0, size, axis=dim), out_shardings=sharding)
 
