@@ -20,12 +20,11 @@ from gtp_jax.sharding.mesh import (
 )
 from gtp_jax.sharding.module import ShardedModule, bytes_per_device, shard, unshard
 from gtp_jax.sharding.plan import STACKED, ParamPlan
-from gtp_jax.sharding.scan import GTP_REMAT_POLICY, scan_layers
+from gtp_jax.sharding.scan import gathered_weight_policy, scan_layers
 
 __all__ = [
     "AXES",
     "GATHERED_WEIGHT",
-    "GTP_REMAT_POLICY",
     "GTPShard",
     "GatherSpec",
     "ParamPlan",
@@ -39,6 +38,7 @@ __all__ = [
     "data_size",
     "describe_mesh",
     "gather_weight",
+    "gathered_weight_policy",
     "make_mesh",
     "materialize",
     "reduce_scatter_grad",

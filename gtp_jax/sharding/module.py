@@ -19,7 +19,7 @@ from gtp_jax.sharding.collectives import gather_weight
 from gtp_jax.sharding.lazy import GTPShard
 from gtp_jax.sharding.mesh import _check_axis, data_axes, data_size, shard_key
 from gtp_jax.sharding.plan import STACKED, ParamPlan, path_str, plan_param
-from gtp_jax.sharding.scan import GTP_REMAT_POLICY
+from gtp_jax.sharding.scan import gathered_weight_policy
 
 #: Variable metadata holding a sharded weight's logical (unpadded) shape.
 LOGICAL_SHAPE = "gtp_logical_shape"
@@ -110,7 +110,9 @@ class ShardedModule(nnx.Module):
             return out, jax.tree.leaves(nnx.state(module, _SIDE_STATE))
 
         if self.config.remat_gathered:
-            body = jax.checkpoint(body, policy=GTP_REMAT_POLICY)
+            gathered = [p.spec for p in self.plan if not p.stacked]
+            if gathered:
+                body = jax.checkpoint(body, policy=gathered_weight_policy(gathered))
         run = jax.shard_map(
             body,
             mesh=mesh,

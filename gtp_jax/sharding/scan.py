@@ -2,20 +2,40 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import jax
 
-from gtp_jax.sharding.collectives import GATHERED_WEIGHT
+from gtp_jax.sharding.collectives import GATHERED_WEIGHT, GatherSpec
 from gtp_jax.sharding.lazy import is_shard
 from gtp_jax.sharding.prefetch import prefetch_scan
 
 Carry = TypeVar("Carry")
 
-#: Remat policy for gathered weights outside the layer loop: keep every activation the
-#: unsharded model would keep, but not the gathered weights (re-gathered in the backward).
-GTP_REMAT_POLICY = jax.checkpoint_policies.save_anything_except_these_names(GATHERED_WEIGHT)
+def gathered_weight_policy(specs: Sequence[GatherSpec]) -> Callable[..., bool]:
+    """A remat policy that saves everything except the gathered weights of `specs`.
+
+    A name-based policy alone is not enough: it refuses to save the *named* value, but the
+    value it names (the all-gather's output, or the slice that drops the padding) is still
+    saveable, and JAX saves that instead. So this policy also refuses the outputs of
+    ``all_gather`` and of a ``slice`` that turns a padded weight into its logical shape.
+    """
+    unpads = {(s.padded_shape, s.logical_shape) for s in specs
+              if s.padded_size != s.logical_shape[s.shard_dim]}
+
+    def policy(prim: Any, *avals: Any, **params: Any) -> bool:
+        if prim.name in ("all_gather", "all_gather_invariant"):
+            return False
+        if prim.name == "name" and params.get("name") == GATHERED_WEIGHT:
+            return False
+        if prim.name == "slice" and avals:
+            key = (tuple(avals[0].shape), tuple(params.get("limit_indices", ())))
+            if key in unpads and not any(params.get("start_indices", ())):
+                return False
+        return True
+
+    return policy
 
 
 def scan_layers(
