@@ -18,9 +18,11 @@ from gtp_jax.models import Transformer, lm_loss, preset
 CFG = preset("tiny", d_model=96, n_heads=4, d_ff=200, vocab_size=250, n_layers=3)
 
 
-def _train(prefetch: bool, tokens: list[jax.Array], seed: int, remat: str = "none"):
+def _train(prefetch: bool, tokens: list[jax.Array], seed: int, remat: str = "none",
+           n_layers: int = 3):
     mesh = get_mesh("dp2_gtp4")
-    model = gtp_jax.shard(Transformer(preset("tiny", **{**CFG.__dict__, "remat": remat}),
+    cfg = preset("tiny", **{**CFG.__dict__, "remat": remat, "n_layers": n_layers})
+    model = gtp_jax.shard(Transformer(cfg,
                                       rngs=nnx.Rngs(seed)),
                           mesh, gtp_jax.GTPConfig(prefetch=prefetch))
     opt = nnx.Optimizer(model, optax.adamw(1e-2, eps=1e-3), wrt=nnx.Param)
@@ -38,13 +40,15 @@ def _train(prefetch: bool, tokens: list[jax.Array], seed: int, remat: str = "non
     return out, jax.tree.map(np.asarray, nnx.state(model, nnx.Param))
 
 
-@pytest.mark.parametrize("remat", ["none", "dots"])
-def test_prefetch_matches_plain_loop_over_steps(key, seed, remat):
+# 3 layers: peeled first and last + one scanned layer in each direction; 2 layers: no
+# scanned backward layer at all (the loop's other branch).
+@pytest.mark.parametrize(("remat", "n_layers"), [("none", 3), ("dots", 2)])
+def test_prefetch_matches_plain_loop_over_steps(key, seed, remat, n_layers):
     # Same math, different schedule: fp32 results agree to rounding (reduction order only).
     tokens = [jax.random.randint(jax.random.fold_in(key, i), (8, 17), 0, CFG.vocab_size)
               for i in range(3)]
-    plain, plain_params = _train(False, tokens, seed, remat)
-    pre, pre_params = _train(True, tokens, seed, remat)
+    plain, plain_params = _train(False, tokens, seed, remat, n_layers)
+    pre, pre_params = _train(True, tokens, seed, remat, n_layers)
     for (l0, g0), (l1, g1) in zip(plain, pre):
         assert abs(l0 - l1) <= 1e-5 * abs(l0)
         for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g1)):

@@ -18,6 +18,7 @@ over the device's peak bf16 rate).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shutil
@@ -28,6 +29,7 @@ import time
 from pathlib import Path
 
 VARIANTS = ("compute_only", "replicated", "xla_fsdp", "gtp", "gtp_prefetch")
+PROFILE_STEPS = 3
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12}  # dense bf16, SXM datasheet
 
 
@@ -65,7 +67,7 @@ def run_variant(args: argparse.Namespace) -> dict:
     if variant_kind.startswith("gtp"):
         model = gtp_jax.shard(model, mesh, gtp_jax.GTPConfig(
             gather_dtype=jnp.bfloat16, prefetch=variant_kind == "gtp_prefetch",
-            remat_gathered=not args.no_remat_gathered))
+            reduce_dtype=args.reduce_dtype, remat_gathered=not args.no_remat_gathered))
     else:
         state = nnx.state(model)
 
@@ -79,31 +81,40 @@ def run_variant(args: argparse.Namespace) -> dict:
         nnx.update(model, jax.tree_util.tree_map_with_path(place, state))
     tx = optax.adamw(1e-4)
     optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    # A functional step over (graphdef, state): plain jax.jit dispatch, so the host-side cost
+    # of walking the NNX object graph every step (measured: a 6-9 ms idle gap between steps
+    # in the GPU trace with nnx.jit) is not charged to any variant.
+    graphdef, state = nnx.split((model, optimizer))
 
-    @nnx.jit(donate_argnums=(0, 1))
-    def step(model, optimizer, tokens):
+    @functools.partial(jax.jit, donate_argnums=0)
+    def step(state, tokens):
+        model, optimizer = nnx.merge(graphdef, state)
         loss, grads = nnx.value_and_grad(lm_loss)(model, tokens)
         optimizer.update(model, grads)
-        return loss
+        return nnx.state((model, optimizer)), loss
 
     batch = args.per_device_batch * n
     data = jax.random.randint(jax.random.key(1), (4, batch, args.seq + 1), 0, cfg.vocab_size)
     placement = gtp_jax.data_sharding(mesh)
     batches = [jax.device_put(data[i], placement) for i in range(4)]
+    holder = [state]
+
+    def run_step(i: int) -> jax.Array:
+        holder[0], loss = step(holder[0], batches[i % 4])
+        return loss
+
     for i in range(args.warmup):
-        jax.block_until_ready(step(model, optimizer, batches[i % 4]))
+        jax.block_until_ready(run_step(i))
     times = []
     loss = None
     for i in range(args.steps):
         start = time.perf_counter()
-        loss = step(model, optimizer, batches[i % 4])
-        jax.block_until_ready(loss)
+        loss = jax.block_until_ready(run_step(i))
         times.append(time.perf_counter() - start)
-    if args.profile_dir and variant == args.profile_variant:
-        jax.profiler.start_trace(args.profile_dir)
-        for i in range(3):
-            jax.block_until_ready(step(model, optimizer, batches[i % 4]))
-        jax.profiler.stop_trace()
+    trace = None
+    if args.profile_dir and variant in args.profile_variants.split(","):
+        trace = _profile(run_step, Path(args.profile_dir) / variant, PROFILE_STEPS)
+    nnx.update((model, optimizer), holder[0])
     med = statistics.median(times)
     stats = [d.memory_stats() or {} for d in devices]
     peak = max(s.get("peak_bytes_in_use", 0) for s in stats)
@@ -122,7 +133,27 @@ def run_variant(args: argparse.Namespace) -> dict:
         "tflops_per_device": flops / med / 1e12,
         "mfu": flops / med / peak_flops if peak_flops else None,
         "jax": jax.__version__, "xla_flags": os.environ.get("XLA_FLAGS", ""),
+        "trace": trace,
     }
+
+
+def _profile(run_step, directory: Path, steps: int) -> dict | None:
+    """Traces `steps` steps and returns the per-step overlap numbers of device 0."""
+    import jax
+
+    from gtp_jax.bench.trace import analyze_events, find_trace, load_events
+
+    with jax.profiler.trace(str(directory), create_perfetto_trace=True):
+        for i in range(steps):
+            jax.block_until_ready(run_step(i))
+    results = analyze_events(load_events(find_trace(directory)))
+    if not results:
+        return None
+    r = results[0]
+    return {"device": r.device, "comm_ms": r.comm_ms / steps, "hidden_ms": r.hidden_ms / steps,
+            "exposed_ms": r.exposed_ms / steps, "compute_ms": r.compute_ms / steps,
+            "hidden_fraction": r.hidden_fraction,
+            "top_comm": [(n, t / steps) for n, t in r.top_comm]}
 
 
 def _spawn(variant: str, args: argparse.Namespace, timeout: float) -> dict | None:
@@ -131,19 +162,26 @@ def _spawn(variant: str, args: argparse.Namespace, timeout: float) -> dict | Non
            "--preset", args.preset, "--seq", str(args.seq), "--steps", str(args.steps),
            "--warmup", str(args.warmup), "--per-device-batch", str(args.per_device_batch),
            "--remat", args.remat, "--layers", str(args.layers or 0),
-           "--attention", args.attention] + (["--no-remat-gathered"]
-                                              if args.no_remat_gathered else [])
+           "--attention", args.attention, "--reduce-dtype", args.reduce_dtype]
+    if args.no_remat_gathered:
+        cmd.append("--no-remat-gathered")
     if args.profile_dir:
-        cmd += ["--profile-dir", args.profile_dir, "--profile-variant", args.profile_variant]
+        cmd += ["--profile-dir", args.profile_dir, "--profile-variants", args.profile_variants]
+    return run_for_result(variant, cmd, timeout)
+
+
+def run_for_result(label: str, cmd: list[str], timeout: float,
+                   env: dict[str, str] | None = None) -> dict | None:
+    """Runs `cmd` and returns the JSON of its ``RESULT {...}`` stdout line (None on failure)."""
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     except subprocess.TimeoutExpired:
-        print(f"[{variant}] timed out after {timeout:.0f} s", flush=True)
+        print(f"[{label}] timed out after {timeout:.0f} s", flush=True)
         return None
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
             return json.loads(line[len("RESULT "):])
-    print(f"[{variant}] failed (rc {proc.returncode}):\n{proc.stderr[-3000:]}", flush=True)
+    print(f"[{label}] failed (rc {proc.returncode}):\n{proc.stderr[-3000:]}", flush=True)
     return None
 
 
@@ -155,26 +193,17 @@ def _torch_peer(args: argparse.Namespace, ndev: int, timeout: float) -> dict | N
     env = dict(os.environ, PRESET=args.preset, SEQ=str(args.seq),
                MB=str(args.per_device_batch), STEPS=str(args.steps),
                LAYERS=str(args.layers or 0))
-    try:
-        proc = subprocess.run([torchrun, f"--nproc_per_node={ndev}", str(script)], env=env,
-                              capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        print("[torch_fsdp2] timed out", flush=True)
-        return None
-    for line in proc.stdout.splitlines():
-        if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT "):])
-    print(f"[torch_fsdp2] failed (rc {proc.returncode}):\n{proc.stderr[-3000:]}", flush=True)
-    return None
+    return run_for_result("torch_fsdp2", [torchrun, f"--nproc_per_node={ndev}", str(script)],
+                          timeout, env)
 
 
 def format_table(rows: list[dict]) -> str:
     def find(name: str) -> dict | None:
         return next((r for r in rows if r["variant"] == name), None)
 
-    head = ("| variant | step ms | vs replicated | exposed comm | peak GiB | "
-            "param+grad+opt GiB | MFU |")
-    lines = [head, "|" + "---|" * 7]
+    head = ("| variant | step ms | vs replicated | exposed (step - compute) | "
+            "comm ms / hidden (trace) | peak GiB | param+grad+opt GiB | MFU |")
+    lines = [head, "|" + "---|" * 8]
     for r in rows:
         suffix = "_dots" if r["variant"].endswith("_dots") else ""
         base = find("replicated" + suffix) or find("replicated")
@@ -185,7 +214,9 @@ def format_table(rows: list[dict]) -> str:
             exposed = f"{max(0.0, r['step_ms'] - floor['step_ms']) / r['step_ms'] * 100:.1f}%"
         mfu = f"{r['mfu'] * 100:.1f}%" if r.get("mfu") else "-"
         state = f"{r['state_gib']:.2f}" if r.get("state_gib") is not None else "-"
-        lines.append(f"| {r['variant']} | {r['step_ms']:.1f} | {ratio} | {exposed} | "
+        tr = r.get("trace")
+        traced = f"{tr['comm_ms']:.1f} / {tr['hidden_fraction'] * 100:.0f}%" if tr else "-"
+        lines.append(f"| {r['variant']} | {r['step_ms']:.1f} | {ratio} | {exposed} | {traced} | "
                      f"{r['peak_mem_gib']:.1f} | {state} | {mfu} |")
     return "\n".join(lines)
 
@@ -204,13 +235,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--attention", default="cudnn", choices=("cudnn", "xla"),
                         help="attention implementation on GPU")
     parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--reduce-dtype", default="float32", choices=("float32", "bfloat16"),
+                        help="GTPConfig.reduce_dtype of the gtp variants")
     parser.add_argument("--no-remat-gathered", action="store_true",
                         help="GTPConfig(remat_gathered=False) for the gtp variants")
     parser.add_argument("--torch", action="store_true", help="also run the PyTorch FSDP2 peer")
     parser.add_argument("--timeout", type=float, default=240.0, help="seconds per variant")
     parser.add_argument("--json", default=None, help="write all results to this file")
     parser.add_argument("--profile-dir", default=None)
-    parser.add_argument("--profile-variant", default="gtp_prefetch")
+    parser.add_argument("--profile-variants",
+                        default="gtp,gtp_prefetch,gtp_dots,gtp_prefetch_dots",
+                        help="variants to trace (3 steps after timing, so timing is unaffected)")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:

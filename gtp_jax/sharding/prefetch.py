@@ -129,8 +129,19 @@ def prefetch_scan(
     def gather(layer_shards: list[jax.Array]) -> list[jax.Array]:
         return [all_gather_shard(s, spec) for s, spec in zip(layer_shards, specs)]
 
-    def at(arrays: list[jax.Array], i: int) -> list[jax.Array]:
-        return [a[i] for a in arrays]
+    # Every per-layer access is a dynamic index into the *whole* stacked array, which the
+    # loop reads in place. Slicing a stack first (``s[1:]``) or concatenating per-layer
+    # results afterwards would make XLA materialize a copy of every stacked shard, residual
+    # and gradient (measured: +5 GiB and ~9 ms per step on the 1B preset).
+    def at(arrays: list[jax.Array], i: Any) -> list[jax.Array]:
+        return [jax.lax.dynamic_index_in_dim(a, i, keepdims=False) for a in arrays]
+
+    def tree_at(tree: Any, i: Any) -> Any:
+        return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), tree)
+
+    def put(buffers: list[jax.Array], values: list[jax.Array], i: Any) -> list[jax.Array]:
+        return [jax.lax.dynamic_update_index_in_dim(b, v.astype(b.dtype), i, 0)
+                for b, v in zip(buffers, values)]
 
     def step(h, w, plain_i, consts_, layout):
         if layout is None:
@@ -139,21 +150,21 @@ def prefetch_scan(
                               h, w, plain_i, list(consts_))
         return out, layout.strip(vjp_fn, w)
 
+    last = num_layers - 1
+
     def forward(h, shards_, plain_, consts_, keep):
         w = gather(at(shards_, 0))
         stacked_res = None
         if num_layers > 1:
-            def body(c, xs):
+            def body(c, i):
                 h_, w_cur = c
-                next_shards, plain_i = xs
-                w_next = gather(next_shards)  # prefetch: independent of this layer's compute
-                h_, res = step(h_, w_cur, plain_i, consts_, mid_layout if keep else None)
+                w_next = gather(at(shards_, i + 1))  # independent of this layer's compute
+                h_, res = step(h_, w_cur, at(plain_, i), consts_,
+                               mid_layout if keep else None)
                 return (h_, w_next), res
 
-            xs = ([s[1:] for s in shards_], [p[:-1] for p in plain_])
-            (h, w), stacked_res = jax.lax.scan(body, (h, w), xs)
-        h, last_res = step(h, w, at(plain_, num_layers - 1), consts_,
-                           last_layout if keep else None)
+            (h, w), stacked_res = jax.lax.scan(body, (h, w), jnp.arange(last))
+        h, last_res = step(h, w, at(plain_, last), consts_, last_layout if keep else None)
         return h, (stacked_res, last_res)
 
     def backward(saved, ct):
@@ -170,45 +181,39 @@ def prefetch_scan(
         def rs(dw):
             return [reduce_scatter_grad(g, spec) for g, spec in zip(dw, specs)]
 
-        last = num_layers - 1
+        # Gradients are written into full-size stacked buffers as they arrive (in place in
+        # the loop carry) instead of being concatenated at the end.
+        shard_buf = [jnp.zeros(s.shape, s.dtype) for s in shards_]
+        plain_buf = [jnp.zeros(p.shape, p.dtype) for p in plain_]
+
         w = gather(at(shards_, last))
         w_prev = gather(at(shards_, last - 1)) if num_layers > 1 else None
         dh, pending, dp_last, dc = vjp_at(last_layout, last_res, w, ct)
+        plain_buf = put(plain_buf, dp_last, last)
         dconsts = [d if d is not None else jnp.zeros(c.shape, c.dtype) if f else None
                    for d, c, f in zip(dc, consts_, float_consts)]
         if num_layers == 1:
-            shard_grads = [g[None] for g in rs(pending)]
-            plain_grads = [g[None] for g in dp_last]
-            return dh, shard_grads, plain_grads, _const_cts(dconsts, consts_)
+            shard_buf = put(shard_buf, rs(pending), 0)
+            return dh, shard_buf, plain_buf, _const_cts(dconsts, consts_)
 
-        mid_g, mid_p = None, None
         if num_layers > 2:
-            def body(c, xs):
-                dh_, w_cur, pending_, dconsts_ = c
-                res_i, prev_shards = xs
-                w_next = gather(prev_shards)  # prefetch layer i - 1
-                g = rs(pending_)  # layer i + 1's gradient leaves while layer i computes
-                dh_, dw, dp, dc_ = vjp_at(mid_layout, res_i, w_cur, dh_)
-                return (dh_, w_next, dw, add(dconsts_, dc_)), (g, dp)
+            def body(c, i):
+                dh_, w_cur, pending_, dconsts_, sbuf, pbuf = c
+                w_next = gather(at(shards_, i - 1))  # prefetch layer i - 1
+                sbuf = put(sbuf, rs(pending_), i + 1)  # in flight while layer i computes
+                dh_, dw, dp, dc_ = vjp_at(mid_layout, tree_at(stacked_res, i), w_cur, dh_)
+                pbuf = put(pbuf, dp, i)
+                return (dh_, w_next, dw, add(dconsts_, dc_), sbuf, pbuf), None
 
-            res_mid = jax.tree.map(lambda r: r[1:], stacked_res)
-            xs = (res_mid, [s[: last - 1] for s in shards_])
-            (dh, w_prev, pending, dconsts), (mid_g, mid_p) = jax.lax.scan(
-                body, (dh, w_prev, pending, dconsts), xs, reverse=True)
-        g1 = rs(pending)
-        res0 = jax.tree.map(lambda r: r[0], stacked_res)
-        dh, dw0, dp0, dc = vjp_at(mid_layout, res0, w_prev, dh)
+            carry = (dh, w_prev, pending, dconsts, shard_buf, plain_buf)
+            (dh, w_prev, pending, dconsts, shard_buf, plain_buf), _ = jax.lax.scan(
+                body, carry, jnp.arange(1, last), reverse=True)
+        shard_buf = put(shard_buf, rs(pending), 1)
+        dh, dw0, dp0, dc = vjp_at(mid_layout, tree_at(stacked_res, 0), w_prev, dh)
         dconsts = add(dconsts, dc)
-        g0 = rs(dw0)
-        shard_grads = []
-        for k in range(len(specs)):
-            parts = [g0[k][None], g1[k][None]] + ([mid_g[k]] if mid_g is not None else [])
-            shard_grads.append(jnp.concatenate(parts, axis=0))
-        plain_grads = []
-        for k in range(len(plain)):
-            parts = [dp0[k][None]] + ([mid_p[k]] if mid_p is not None else [])
-            plain_grads.append(jnp.concatenate(parts + [dp_last[k][None]], axis=0))
-        return dh, shard_grads, plain_grads, _const_cts(dconsts, consts_)
+        shard_buf = put(shard_buf, rs(dw0), 0)
+        plain_buf = put(plain_buf, dp0, 0)
+        return dh, shard_buf, plain_buf, _const_cts(dconsts, consts_)
 
     def forward_in_place(h, shards_, plain_, consts_, keep):
         def body(h_, xs):

@@ -1,0 +1,211 @@
+"""Reads a `jax.profiler` trace and measures how much collective time compute hid, per stream.
+
+Input: the ``perfetto_trace.json.gz`` that ``jax.profiler.trace(dir,
+create_perfetto_trace=True)`` writes (Chrome trace-event JSON). On GPUs each device is a
+process named ``/device:GPU:<n>`` whose threads are CUDA streams; every kernel is a complete
+(``"ph": "X"``) event on its stream.
+
+Classification: a kernel whose name matches `COMM_PATTERN` (NCCL kernels, XLA's collective
+ops) is communication; every other kernel on a device stream is compute. Per device:
+
+* ``comm_ms``: length of the union of communication intervals;
+* ``compute_ms``: length of the union of compute intervals;
+* ``hidden_ms``: length of (communication union) ∩ (compute union), i.e. communication time
+  during which some stream was computing;
+* ``exposed_ms = comm_ms - hidden_ms`` and ``hidden_fraction = hidden_ms / comm_ms``.
+
+Usage: ``python -m gtp_jax.bench.trace TRACE.json.gz [--steps N] [--json OUT]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gzip
+import json
+import re
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+#: Kernel / op names counted as communication.
+COMM_PATTERN = re.compile(
+    r"nccl|all-?gather|reduce-?scatter|all-?reduce|collective-?permute|all-?to-?all|"
+    r"send|recv|ppermute", re.IGNORECASE)
+# Threads that carry summaries of device work, not kernels themselves.
+_SUMMARY_THREADS = re.compile(r"XLA Modules|XLA Ops|Steps|TensorFlow|Framework|Source",
+                              re.IGNORECASE)
+_DEVICE_PROCESS = re.compile(r"/device:(GPU|TPU):(\d+)")
+
+Interval = tuple[float, float]
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceOverlap:
+    """Communication/compute overlap of one device over the traced window (milliseconds)."""
+
+    device: str
+    comm_ms: float
+    compute_ms: float
+    hidden_ms: float
+    window_ms: float
+    top_comm: tuple[tuple[str, float], ...]
+
+    @property
+    def exposed_ms(self) -> float:
+        return self.comm_ms - self.hidden_ms
+
+    @property
+    def hidden_fraction(self) -> float:
+        return self.hidden_ms / self.comm_ms if self.comm_ms else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out.update(exposed_ms=self.exposed_ms, hidden_fraction=self.hidden_fraction)
+        return out
+
+
+def union(intervals: Iterable[Interval]) -> list[Interval]:
+    """Sorted, non-overlapping union of ``(start, end)`` intervals."""
+    merged: list[list[float]] = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return [(a, b) for a, b in merged]
+
+
+def length(intervals: Sequence[Interval]) -> float:
+    """Total length of already-merged intervals."""
+    return sum(b - a for a, b in intervals)
+
+
+def intersect(a: Sequence[Interval], b: Sequence[Interval]) -> list[Interval]:
+    """Intersection of two merged interval lists (two-pointer sweep)."""
+    out, i, j = [], 0, 0
+    while i < len(a) and j < len(b):
+        lo, hi = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        if lo < hi:
+            out.append((lo, hi))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return out
+
+
+def load_events(path: str | Path) -> list[dict[str, Any]]:
+    """Trace events of a (optionally gzipped) Chrome/Perfetto trace-event JSON file."""
+    path = Path(path)
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt") as f:
+        data = json.load(f)
+    return data["traceEvents"] if isinstance(data, dict) else data
+
+
+def device_kernels(events: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    """Kernel events (``ph == "X"`` on a device stream thread), grouped by device name."""
+    process_names: dict[Any, str] = {}
+    thread_names: dict[tuple[Any, Any], str] = {}
+    for e in events:
+        if e.get("ph") == "M" and e.get("name") == "process_name":
+            process_names[e["pid"]] = e["args"]["name"]
+        elif e.get("ph") == "M" and e.get("name") == "thread_name":
+            thread_names[(e["pid"], e.get("tid"))] = e["args"]["name"]
+    devices = {pid: name for pid, name in process_names.items() if _DEVICE_PROCESS.search(name)}
+    out: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for e in events:
+        if e.get("ph") != "X" or e.get("pid") not in devices or "dur" not in e:
+            continue
+        if _SUMMARY_THREADS.search(thread_names.get((e["pid"], e.get("tid")), "")):
+            continue
+        out[devices[e["pid"]]].append(e)
+    return dict(out)
+
+
+def analyze_events(events: list[dict[str, Any]]) -> list[DeviceOverlap]:
+    """Per-device overlap of communication with compute; empty if the trace has no devices."""
+    results = []
+    for device, kernels in sorted(device_kernels(events).items()):
+        comm, compute = [], []
+        per_name: dict[str, float] = defaultdict(float)
+        for e in kernels:
+            span = (float(e["ts"]), float(e["ts"]) + float(e["dur"]))
+            if COMM_PATTERN.search(e.get("name", "")):
+                comm.append(span)
+                per_name[_short(e["name"])] += float(e["dur"])
+            else:
+                compute.append(span)
+        comm_u, compute_u = union(comm), union(compute)
+        spans = comm_u + compute_u
+        window = (max(b for _, b in spans) - min(a for a, _ in spans)) if spans else 0.0
+        top = sorted(per_name.items(), key=lambda kv: -kv[1])[:5]
+        results.append(DeviceOverlap(
+            device=device, comm_ms=length(comm_u) / 1e3, compute_ms=length(compute_u) / 1e3,
+            hidden_ms=length(intersect(comm_u, compute_u)) / 1e3, window_ms=window / 1e3,
+            top_comm=tuple((name, us / 1e3) for name, us in top)))
+    return results
+
+
+def find_trace(directory: str | Path) -> Path:
+    """The newest ``perfetto_trace.json.gz`` under `directory` (a `jax.profiler` log dir)."""
+    found = sorted(Path(directory).rglob("perfetto_trace.json.gz"), key=lambda p: p.stat().st_mtime)
+    if not found:
+        raise ValueError(
+            f"no perfetto_trace.json.gz under {str(directory)!r}; capture the trace with "
+            "jax.profiler.trace(dir, create_perfetto_trace=True)."
+        )
+    return found[-1]
+
+
+def trim(events: list[dict[str, Any]], max_ms: float) -> list[dict[str, Any]]:
+    """Metadata plus the device-stream kernels of the first `max_ms` of device activity.
+
+    Used to ship a small excerpt of a GPU trace with the repository.
+    """
+    kernels = [e for ks in device_kernels(events).values() for e in ks]
+    if not kernels:
+        return [e for e in events if e.get("ph") == "M"]
+    t0 = min(float(e["ts"]) for e in kernels)
+    keep = [e for e in kernels if float(e["ts"]) < t0 + max_ms * 1e3]
+    pids = {e["pid"] for e in keep}
+    meta = [e for e in events if e.get("ph") == "M" and e.get("pid") in pids]
+    return meta + keep
+
+
+def _short(name: str) -> str:
+    return name.split("(")[0][:60]
+
+
+def summarize(results: list[DeviceOverlap], steps: int = 1) -> str:
+    """A Markdown table of `results`, with times divided by `steps` (per-step numbers)."""
+    lines = ["| device | comm ms/step | hidden | exposed ms/step | compute ms/step | top comm |",
+             "|---|---|---|---|---|---|"]
+    for r in results:
+        top = ", ".join(f"{n} {t / steps:.2f}" for n, t in r.top_comm[:2])
+        lines.append(f"| {r.device} | {r.comm_ms / steps:.2f} | {r.hidden_fraction * 100:.1f}% | "
+                     f"{r.exposed_ms / steps:.2f} | {r.compute_ms / steps:.2f} | {top} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m gtp_jax.bench.trace", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("trace", help="perfetto_trace.json.gz, or a jax.profiler log dir")
+    parser.add_argument("--steps", type=int, default=1, help="steps captured in the trace")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+    path = Path(args.trace)
+    if path.is_dir():
+        path = find_trace(path)
+    results = analyze_events(load_events(path))
+    print(summarize(results, args.steps))
+    if args.json:
+        Path(args.json).write_text(json.dumps([r.as_dict() for r in results], indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,77 @@
+"""The profiler-trace reader behind the 'hidden communication' numbers of the benchmarks."""
+
+from __future__ import annotations
+
+import gzip
+import json
+
+import pytest
+
+from gtp_jax.bench.trace import analyze_events, find_trace, intersect, load_events, trim, union
+
+
+def _meta(pid, name, tid=None, thread=None):
+    if tid is None:
+        return {"ph": "M", "pid": pid, "name": "process_name", "args": {"name": name}}
+    return {"ph": "M", "pid": pid, "tid": tid, "name": "thread_name", "args": {"name": thread}}
+
+
+def _kernel(pid, tid, name, ts, dur):
+    return {"ph": "X", "pid": pid, "tid": tid, "name": name, "ts": ts, "dur": dur}
+
+
+def _gpu_trace():
+    # Device 0: compute on stream 7 over [0, 100) and [150, 200) us; an all-gather on stream
+    # 13 over [80, 160) us: 20 us + 10 us of it overlap compute, 50 us are exposed. A summary
+    # thread ("XLA Ops") repeats the ops and must not count twice. Host events are ignored.
+    return [
+        _meta(1, "/device:GPU:0"), _meta(1, "/device:GPU:0", 7, "Stream #7(Compute)"),
+        _meta(1, "/device:GPU:0", 13, "Stream #13(Nccl)"),
+        _meta(1, "/device:GPU:0", 99, "XLA Ops"), _meta(2, "/host:CPU"),
+        _meta(2, "/host:CPU", 1, "python"),
+        _kernel(1, 7, "nvjet_tst_gemm", 0, 60), _kernel(1, 7, "loop_fusion_3", 60, 40),
+        _kernel(1, 7, "input_reduce_fusion", 150, 50),
+        _kernel(1, 13, "ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage)", 80, 80),
+        _kernel(1, 99, "all-gather-start.1", 0, 500),
+        _kernel(2, 1, "PjitFunction(step)", 0, 1000),
+    ]
+
+
+def test_interval_union_and_intersection():
+    assert union([(5, 7), (0, 2), (1, 3), (7, 8)]) == [(0, 3), (5, 8)]
+    assert intersect([(0, 3), (5, 8)], [(2, 6)]) == [(2, 3), (5, 6)]
+    assert intersect([(0, 1)], [(1, 2)]) == []
+
+
+def test_hidden_and_exposed_communication_per_device():
+    (r,) = analyze_events(_gpu_trace())
+    assert r.device == "/device:GPU:0"
+    assert r.comm_ms == pytest.approx(0.080)
+    assert r.compute_ms == pytest.approx(0.150)
+    assert r.hidden_ms == pytest.approx(0.030)
+    assert r.exposed_ms == pytest.approx(0.050)
+    assert r.hidden_fraction == pytest.approx(0.375)
+    assert r.top_comm[0][0] == "ncclDevKernel_AllGather_RING_LL"
+
+
+def test_host_only_trace_has_no_devices():
+    events = [e for e in _gpu_trace() if e["pid"] == 2]
+    assert analyze_events(events) == []
+
+
+def test_trim_keeps_device_kernels_in_window_and_reads_back(tmp_path):
+    kept = trim(_gpu_trace(), max_ms=0.1)
+    names = {e["name"] for e in kept if e["ph"] == "X"}
+    assert names == {"nvjet_tst_gemm", "loop_fusion_3",
+                     "ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage)"}
+    path = tmp_path / "run" / "perfetto_trace.json.gz"
+    path.parent.mkdir()
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": kept}, f)
+    assert find_trace(tmp_path) == path
+    assert len(analyze_events(load_events(path))) == 1
+
+
+def test_missing_trace_is_a_clear_error(tmp_path):
+    with pytest.raises(ValueError, match="create_perfetto_trace=True"):
+        find_trace(tmp_path)
