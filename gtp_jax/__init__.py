@@ -12,9 +12,12 @@ from gtp_jax.xla_flags import apply_default_xla_flags
 # Before anything starts the XLA backend: overlap depends on these flags (see xla_flags.py).
 apply_default_xla_flags()
 
+from gtp_jax import parallel  # noqa: E402
 from gtp_jax.config import GTPConfig  # noqa: E402
+from gtp_jax.parallel import ParallelAxes, current_axes  # noqa: E402
 from gtp_jax.sharding import (  # noqa: E402
     GTPShard,
+    OutputLayout,
     ShardedModule,
     bytes_per_device,
     data_axes,
@@ -25,6 +28,7 @@ from gtp_jax.sharding import (  # noqa: E402
     shard,
     shard_key,
     unshard,
+    unshard_values,
 )
 
 __version__ = "0.1.0"
@@ -32,14 +36,19 @@ __version__ = "0.1.0"
 __all__ = [
     "GTPConfig",
     "GTPShard",
+    "OutputLayout",
+    "ParallelAxes",
     "ShardedModule",
     "bytes_per_device",
+    "current_axes",
     "data_axes",
     "data_sharding",
     "describe_mesh",
     "make_mesh",
+    "parallel",
     "scan_layers",
     "shard",
     "shard_key",
     "unshard",
+    "unshard_values",
 ]

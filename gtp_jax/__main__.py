@@ -1,8 +1,9 @@
 """Command line: ``python -m gtp_jax train [options]``.
 
 On a machine without accelerators the mesh is simulated with
-``--xla_force_host_platform_device_count`` (set here, before JAX is imported); on a GPU
-host the same command uses the GPUs.
+``--xla_force_host_platform_device_count`` (set here, before JAX starts a backend); on a GPU
+host the same command uses the GPUs. With ``--coordinator/--num-processes/--process-id``
+the same command runs as one of several JAX processes (`gtp_jax.distributed`).
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ def _parser() -> argparse.ArgumentParser:
             "Train a preset decoder on the bundled ~300 KB text corpus (byte tokens) with "
             "every weight, gradient and optimizer state sharded 1/gtp over the 'gtp' mesh "
             "axis. Without GPUs the mesh is simulated on CPU (default dp=2 x gtp=4 = 8 "
-            "devices); with GPUs the default is gtp = number of GPUs."),
+            "devices); with GPUs the default is gtp = number of GPUs (of all processes), "
+            "and with only --dp given, gtp takes the remaining GPUs."),
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     train.add_argument("--preset", default="tiny",
                        help="model size: tiny (0.8M), small (23M), 100m, 1b")
@@ -37,7 +39,7 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--seq", type=int, default=128, help="tokens per sequence")
     train.add_argument("--dp", type=int, default=None, help="data-parallel size")
     train.add_argument("--gtp", type=int, default=None, help="GTP (weight-sharding) size")
-    train.add_argument("--tp", type=int, default=None, help="tensor-parallel size (must be 1)")
+    train.add_argument("--tp", type=int, default=None, help="tensor(+sequence)-parallel size")
     train.add_argument("--ep", type=int, default=None, help="expert-parallel size")
     train.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
     train.add_argument("--warmup", type=int, default=10, help="warm-up steps")
@@ -46,10 +48,55 @@ def _parser() -> argparse.ArgumentParser:
                        help="compute dtype (master weights stay float32)")
     train.add_argument("--gather-dtype", choices=("float32", "bfloat16"), default=None,
                        help="dtype weights are all-gathered in (default: parameter dtype)")
+    train.add_argument("--gather-format", choices=("fp8", "mxfp8", "nvfp4"), default=None,
+                       help="low-precision weight all-gather (Pallas quantize kernels)")
+    train.add_argument("--overlap", action="store_true",
+                       help="ring-overlapped collective matmuls for the tp GEMMs")
+    train.add_argument("--moe-experts", type=int, default=0, help="experts per layer (0: dense)")
+    train.add_argument("--moe-top-k", type=int, default=2, help="experts per token")
+    train.add_argument("--moe-capacity", type=float, default=1.25,
+                       help="MoE capacity factor (0: dropless)")
+    train.add_argument("--prefetch", action="store_true",
+                       help="double-buffered prefetch of the next layer's weights")
     train.add_argument("--pad-for-alignment", type=int, default=0,
                        help="pad sharded dims to a multiple of gtp * this (0: divisibility)")
     train.add_argument("--remat", choices=("none", "dots", "full"), default="none",
                        help="activation recompute inside each layer")
+
+    ckpt = train.add_argument_group("checkpoints (orbax; sharded, each process writes its own "
+                                    "shards)")
+    ckpt.add_argument("--checkpoint-dir", default=None,
+                      help="save checkpoints here (shared by all processes)")
+    ckpt.add_argument("--checkpoint-every", type=int, default=0,
+                      help="save every K steps (0: only after the last step)")
+    ckpt.add_argument("--keep-checkpoints", type=int, default=3,
+                      help="keep the N newest checkpoints")
+    ckpt.add_argument("--resume", action="store_true",
+                      help="continue from the newest checkpoint in --checkpoint-dir (the mesh "
+                           "may differ from the saving run's)")
+
+    dist = train.add_argument_group(
+        "multi-process (one process per host or per GPU; same command on every process)")
+    dist.add_argument("--coordinator", default=None, metavar="HOST:PORT",
+                      help="address of process 0's coordination service "
+                           "(env: JAX_COORDINATOR_ADDRESS)")
+    dist.add_argument("--num-processes", type=int, default=None,
+                      help="number of processes (env: JAX_NUM_PROCESSES)")
+    dist.add_argument("--process-id", type=int, default=None,
+                      help="this process's index 0..N-1 (env: JAX_PROCESS_ID)")
+    dist.add_argument("--local-device-ids", default=None, metavar="IDS",
+                      help="comma-separated local devices of this process, e.g. 3 for one "
+                           "process per GPU; unset: all visible devices")
+    dist.add_argument("--distributed-auto", action="store_true",
+                      help="let JAX detect the cluster (SLURM, Open MPI, Kubernetes)")
+
+    obs = train.add_argument_group("observability")
+    obs.add_argument("--profile-dir", default=None,
+                     help="write a jax.profiler trace (incl. perfetto_trace.json.gz) here")
+    obs.add_argument("--profile-steps", default=None, metavar="A:B",
+                     help="steps to trace, inclusive; unset: the 3 steps after the first")
+    obs.add_argument("--metrics-json", default=None, metavar="PATH",
+                     help="write per-step metrics and the summary as JSON")
     return parser
 
 
@@ -64,38 +111,123 @@ def _simulate_cpu_devices(count: int) -> None:
         os.environ["XLA_FLAGS"] = f"{flags} {flag}".strip()
 
 
+def _device_ids(text: str | None) -> tuple[int, ...] | None:
+    if text is None:
+        return None
+    try:
+        return tuple(int(t) for t in text.split(","))
+    except ValueError as err:
+        raise ValueError(
+            f"--local-device-ids {text!r}: use comma-separated ints, e.g. 0 or 0,1.") from err
+
+
+def _configs(args: argparse.Namespace) -> tuple[object, object | None, object]:
+    """Distributed, checkpoint and observe configs from the flags, validated before JAX
+    starts (so that bad flags fail fast, on every process, before joining a run)."""
+    from gtp_jax.checkpoint import CheckpointConfig  # noqa: PLC0415
+    from gtp_jax.distributed import DistributedConfig  # noqa: PLC0415
+    from gtp_jax.observe import ObserveConfig, parse_steps  # noqa: PLC0415
+
+    flags = (args.coordinator, args.num_processes, args.process_id)
+    if args.distributed_auto or any(v is not None for v in flags):
+        dist = DistributedConfig(coordinator=args.coordinator, num_processes=args.num_processes,
+                                 process_id=args.process_id,
+                                 local_device_ids=_device_ids(args.local_device_ids),
+                                 auto=args.distributed_auto)
+    else:
+        env = DistributedConfig.from_env()
+        dist = DistributedConfig(coordinator=env.coordinator, num_processes=env.num_processes,
+                                 process_id=env.process_id,
+                                 local_device_ids=_device_ids(args.local_device_ids))
+    checkpoint = None
+    if args.checkpoint_dir is not None:
+        checkpoint = CheckpointConfig(args.checkpoint_dir, every=args.checkpoint_every,
+                                      keep=args.keep_checkpoints, resume=args.resume)
+    elif args.resume:
+        raise ValueError("--resume needs --checkpoint-dir DIR (the directory of the run to "
+                         "continue).")
+    observe = ObserveConfig(
+        profile_dir=args.profile_dir,
+        profile_steps=parse_steps(args.profile_steps) if args.profile_steps else None,
+        metrics_json=args.metrics_json)
+    return dist, checkpoint, observe
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     sizes = _mesh_sizes(args)
     cpu_sizes = {k: (v if v is not None else DEFAULT_CPU_MESH[k]) for k, v in sizes.items()}
-    _simulate_cpu_devices(math.prod(cpu_sizes.values()))
+    try:
+        dist, checkpoint, observe = _configs(args)
+    except (ValueError, TypeError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    total = math.prod(cpu_sizes.values())
+    processes = dist.num_processes or 1
+    if total % processes:
+        print(f"error: --num-processes {processes} does not divide the {total} devices of the "
+              "mesh; each process must get the same number of (simulated CPU) devices.",
+              file=sys.stderr)
+        return 2
+    _simulate_cpu_devices(total // processes)
 
-    import jax  # noqa: PLC0415  (XLA_FLAGS must be set before JAX starts)
+    # XLA_FLAGS are set: JAX may start a backend from here on.
+    from gtp_jax.distributed import initialize, shutdown  # noqa: PLC0415
+
+    initialize(dist)  # before any backend query below
+    code = _run(args, sizes, cpu_sizes, checkpoint, observe)
+    # Not in a `finally`: after an exception the shutdown barrier would wait for processes
+    # that may never arrive; JAX's failure detection ends the others instead.
+    shutdown()
+    return code
+
+
+def _run(args: argparse.Namespace, sizes: dict[str, int | None], cpu_sizes: dict[str, int],
+         checkpoint: object | None, observe: object) -> int:
+    import jax  # noqa: PLC0415
 
     from gtp_jax.train import TrainConfig, train  # noqa: PLC0415
 
-    if jax.default_backend() == "cpu" or any(v is not None for v in sizes.values()):
+    primary = jax.process_index() == 0
+    if jax.default_backend() == "cpu":
         mesh = cpu_sizes
     else:
-        mesh = {"dp": 1, "gtp": jax.device_count(), "tp": 1, "ep": 1}
-    if mesh["tp"] != 1:
-        print("error: --tp > 1 (Megatron tensor parallelism) is not supported yet; use --tp 1.",
-              file=sys.stderr)
-        return 2
+        mesh = _accelerator_mesh(sizes, jax.device_count())
     try:
         cfg = TrainConfig(preset=args.preset, steps=args.steps, batch_size=args.batch,
                           seq_len=args.seq, lr=args.lr, warmup=args.warmup, seed=args.seed,
                           dtype=args.dtype, gather_dtype=args.gather_dtype,
-                          pad_for_alignment=args.pad_for_alignment, remat=args.remat, **mesh)
-        print(f"gtp_jax train: preset={cfg.preset} steps={cfg.steps} batch={cfg.batch_size} "
-              f"seq={cfg.seq_len} mesh dp={cfg.dp} ep={cfg.ep} gtp={cfg.gtp} tp={cfg.tp} on "
-              f"{jax.device_count()} {jax.default_backend()} devices", flush=True)
-        result = train(cfg)
+                          pad_for_alignment=args.pad_for_alignment, remat=args.remat,
+                          gather_format=args.gather_format, prefetch=args.prefetch,
+                          overlap=args.overlap, moe_experts=args.moe_experts,
+                          moe_top_k=args.moe_top_k,
+                          moe_capacity_factor=args.moe_capacity or None, **mesh)
+        if primary:
+            procs = f" in {jax.process_count()} processes" if jax.process_count() > 1 else ""
+            print(f"gtp_jax train: preset={cfg.preset} steps={cfg.steps} batch={cfg.batch_size} "
+                  f"seq={cfg.seq_len} mesh dp={cfg.dp} ep={cfg.ep} gtp={cfg.gtp} tp={cfg.tp} on "
+                  f"{jax.device_count()} {jax.default_backend()} devices{procs}", flush=True)
+        result = train(cfg, checkpoint=checkpoint, observe=observe)
     except (ValueError, TypeError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    print(result.summary(), flush=True)
+    if primary:
+        print(result.summary(), flush=True)
     return 0
+
+
+def _accelerator_mesh(sizes: dict[str, int | None], devices: int) -> dict[str, int]:
+    """Mesh sizes on GPUs/TPUs: given sizes, tp = ep = 1 by default, and gtp (or dp, when
+    gtp is given) takes the remaining devices; no sizes: gtp = all devices."""
+    mesh = {"tp": sizes["tp"] or 1, "ep": sizes["ep"] or 1, "dp": sizes["dp"],
+            "gtp": sizes["gtp"]}
+    if mesh["gtp"] is None:
+        rest = (mesh["dp"] or 1) * mesh["tp"] * mesh["ep"]
+        mesh["dp"] = mesh["dp"] or 1
+        mesh["gtp"] = max(1, devices // rest)
+    elif mesh["dp"] is None:
+        mesh["dp"] = max(1, devices // (mesh["gtp"] * mesh["tp"] * mesh["ep"]))
+    return mesh
 
 
 if __name__ == "__main__":

@@ -14,9 +14,9 @@ import jax.numpy as jnp
 import numpy as np
 
 #: Low-precision gather formats. None gathers in the parameter dtype (or `gather_dtype`).
-GATHER_FORMATS = (None,)
-#: Formats reserved for later releases: accepted names that still raise a clear error.
-RESERVED_GATHER_FORMATS = ("fp8", "mxfp8", "nvfp4")
+GATHER_FORMATS = (None, "fp8", "mxfp8", "nvfp4")
+#: Implementations of the quantize / dequantize kernels (`gtp_jax.pallas`).
+QUANT_BACKENDS = ("pallas", "reference")
 
 
 def _as_float_dtype(value: Any, field: str) -> np.dtype | None:
@@ -56,8 +56,17 @@ class GTPConfig:
       remat_gathered: recompute (re-gather) full weights in the backward pass instead of
         keeping them alive from the forward pass. This is the memory saving; switch off only
         to trade memory for one all-gather per weight.
-      gather_format: low-precision gather format; None for none. "fp8", "mxfp8" and
-        "nvfp4" are reserved names and raise until that support lands.
+      gather_format: low-precision gather: None (gather in the parameter dtype or
+        `gather_dtype`), "fp8" (e4m3, one fp32 scale per weight), "mxfp8" (e4m3, one
+        power-of-two scale per 32 elements) or "nvfp4" (packed e2m1, one e4m3 scale per 16
+        elements and one fp32 scale per weight). Each device quantizes its own shard (the
+        per-weight scales of one layer agreed with ONE all-reduce), the all-gather moves the
+        payload and scales, and the gathered weight is dequantized to the compute dtype
+        (`gather_dtype`, else the parameter dtype). Master weights and reduce-scattered
+        gradients stay in high precision (straight-through gradient). Weights of per-layer
+        rank 1 are gathered unquantized.
+      quant_backend: "pallas" (the `gtp_jax.pallas` kernels; interpreted on CPU) or
+        "reference" (the pure-JAX oracle of the same formats).
       prefetch: double-buffered prefetch in `gtp_jax.scan_layers`: layer ``i + 1``'s
         weights are gathered while layer ``i`` computes, and in the backward loop layer
         ``i - 1``'s weights are gathered and layer ``i + 1``'s gradient reduce-scattered
@@ -74,6 +83,7 @@ class GTPConfig:
     remat_gathered: bool = True
     gather_format: str | None = None
     prefetch: bool = False
+    quant_backend: str = "pallas"
 
     def __post_init__(self) -> None:
         if not isinstance(self.axis, str) or not self.axis:
@@ -103,15 +113,15 @@ class GTPConfig:
         if reduce_dtype is None:
             raise TypeError("GTPConfig.reduce_dtype must be a floating dtype, not None.")
         object.__setattr__(self, "reduce_dtype", reduce_dtype)
-        if self.gather_format in RESERVED_GATHER_FORMATS:
-            raise ValueError(
-                f"GTPConfig.gather_format={self.gather_format!r} is not supported yet; "
-                "use gather_format=None (gather in the parameter dtype or gather_dtype)."
-            )
         if self.gather_format not in GATHER_FORMATS:
             raise ValueError(
                 f"GTPConfig.gather_format={self.gather_format!r} is unknown; "
-                f"choose one of {GATHER_FORMATS + RESERVED_GATHER_FORMATS}."
+                f"choose one of {GATHER_FORMATS}."
+            )
+        if self.quant_backend not in QUANT_BACKENDS:
+            raise ValueError(
+                f"GTPConfig.quant_backend={self.quant_backend!r} is unknown; "
+                f"choose one of {QUANT_BACKENDS}."
             )
         if not isinstance(self.prefetch, bool):
             raise TypeError(f"GTPConfig.prefetch={self.prefetch!r} must be a bool.")

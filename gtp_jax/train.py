@@ -1,8 +1,15 @@
-"""The main job: train a preset transformer with GTP on the bundled byte corpus."""
+"""The main job: train a preset transformer with GTP on the bundled byte corpus.
+
+Optional extras, each off by default: sharded checkpoints with exact resume
+(`gtp_jax.checkpoint`), multi-process runs (`gtp_jax.distributed`; the batch placement
+below works for any process count), profiler traces, MFU/memory reporting and JSON metrics
+(`gtp_jax.observe`).
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import statistics
 import time
 from collections.abc import Callable
@@ -15,9 +22,27 @@ import optax
 from flax import nnx
 
 import gtp_jax
+from gtp_jax.checkpoint import CheckpointConfig, Checkpointer
 from gtp_jax.data import VOCAB_SIZE, ByteBatcher, load_corpus, split_train_eval
-from gtp_jax.models import Transformer, lm_loss, preset
+from gtp_jax.models import Transformer, TransformerConfig, lm_loss, preset
+from gtp_jax.observe import (
+    ObserveConfig,
+    StepProfiler,
+    memory_per_device,
+    peak_flops,
+    write_json,
+)
 from gtp_jax.progress import ProgressBar
+
+#: TrainConfig fields a resumed run must share with the checkpoint: they fix the parameter
+#: shapes (preset, seq_len), the data order (batch_size, seq_len, seed) and the optimizer and
+#: its LR schedule (steps, lr, warmup, weight_decay). The rest (mesh sizes, padding, gather
+#: dtype, compute dtype, remat) only change the layout or the arithmetic and may differ.
+RESUME_FIELDS = ("preset", "steps", "batch_size", "seq_len", "lr", "warmup", "weight_decay",
+                 "seed")
+#: TransformerConfig fields that define the parameters; checked against the checkpoint.
+MODEL_FIELDS = ("vocab_size", "d_model", "n_heads", "n_layers", "d_ff", "tie_embeddings",
+                "param_dtype")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,8 +52,9 @@ class TrainConfig:
     Attributes:
       preset: model preset name (`gtp_jax.models.PRESETS`); the vocabulary is set to 256
         byte tokens for the bundled corpus.
-      steps: optimizer steps.
-      batch_size: global batch (sequences), split over the mesh's data axes.
+      steps: optimizer steps (the whole run; a resumed run continues up to it).
+      batch_size: global batch (sequences), split over the mesh's data axes; a multiple of
+        ``dp * ep * gtp``.
       seq_len: tokens per sequence.
       dp, gtp, tp, ep: mesh sizes (their product must equal the device count).
       lr: peak AdamW learning rate (linear warm-up, cosine decay to 10%).
@@ -39,6 +65,11 @@ class TrainConfig:
       gather_dtype: dtype weights are all-gathered in (None: the parameter dtype).
       pad_for_alignment: `GTPConfig.pad_for_alignment`.
       remat: `TransformerConfig.remat`.
+      gather_format: `GTPConfig.gather_format` (None, "fp8", "mxfp8" or "nvfp4").
+      prefetch: `GTPConfig.prefetch`.
+      overlap: ring collective matmuls for the tp GEMMs (`TransformerConfig.tp_overlap`).
+      moe_experts: experts per MoE layer (0: dense MLP); `moe_top_k`, `moe_capacity_factor`
+        (None: dropless) as in `TransformerConfig`.
     """
 
     preset: str = "tiny"
@@ -57,20 +88,54 @@ class TrainConfig:
     gather_dtype: str | None = None
     pad_for_alignment: int = 0
     remat: str = "none"
+    gather_format: str | None = None
+    prefetch: bool = False
+    overlap: bool = False
+    moe_experts: int = 0
+    moe_top_k: int = 2
+    moe_capacity_factor: float | None = 1.25
 
     def __post_init__(self) -> None:
-        for name in ("steps", "batch_size", "seq_len"):
+        for name in ("steps", "batch_size", "seq_len", "dp", "gtp", "tp", "ep"):
             if getattr(self, name) < 1:
                 raise ValueError(f"TrainConfig.{name}={getattr(self, name)} must be >= 1.")
         if self.warmup < 0:
             raise ValueError(f"TrainConfig.warmup={self.warmup} must be >= 0.")
         if self.dtype not in ("float32", "bfloat16"):
             raise ValueError(f"TrainConfig.dtype={self.dtype!r}: use 'float32' or 'bfloat16'.")
+        shards = self.dp * self.ep * self.gtp
+        if self.batch_size % shards:
+            raise ValueError(
+                f"TrainConfig.batch_size={self.batch_size} must be a multiple of dp*ep*gtp = "
+                f"{shards} (the batch is split over those axes); use --batch "
+                f"{max(shards, self.batch_size // shards * shards)}."
+            )
 
 
 @dataclasses.dataclass
 class TrainResult:
-    """What a run measured."""
+    """What a run measured (this invocation's steps only, when resumed).
+
+    Attributes:
+      losses: loss of each step run here (steps `first_step`, `first_step` + 1, ...).
+      step_times: wall seconds of each of those steps (the first includes compilation).
+      tokens_per_step: global tokens per optimizer step.
+      param_bytes_per_device, state_bytes_per_device: bytes of parameters, and of parameters
+        plus optimizer state, on one device; replicated_*: the same without sharding.
+      num_params: model parameter count.
+      mesh_shape: mesh axis sizes.
+      backend: JAX backend ("cpu", "gpu", "tpu").
+      first_step: the first step run here (1, or the resumed checkpoint's step + 1).
+      flops_per_token: model FLOPs per trained token (see `gtp_jax.observe`).
+      device_kind: ``jax.devices()[0].device_kind``.
+      num_devices: devices in the mesh (all processes).
+      compute_dtype: "float32" or "bfloat16".
+      peak_flops_per_device: the peak FLOP/s used for MFU, or None when unknown.
+      memory: `gtp_jax.observe.memory_per_device` of this process's devices, or None.
+      process_count: JAX processes in the run.
+      checkpoint_dir, checkpoint_steps: where checkpoints went, and their steps.
+      profile_steps, profile_trace: traced steps and the Perfetto trace file, if any.
+    """
 
     losses: list[float]
     step_times: list[float]
@@ -82,6 +147,18 @@ class TrainResult:
     num_params: int
     mesh_shape: dict[str, int]
     backend: str
+    first_step: int = 1
+    flops_per_token: float = 0.0
+    device_kind: str = ""
+    num_devices: int = 1
+    compute_dtype: str = "float32"
+    peak_flops_per_device: float | None = None
+    memory: dict[str, int] | None = None
+    process_count: int = 1
+    checkpoint_dir: str | None = None
+    checkpoint_steps: list[int] = dataclasses.field(default_factory=list)
+    profile_steps: tuple[int, int] | None = None
+    profile_trace: str | None = None
 
     @property
     def median_step_time(self) -> float:
@@ -89,80 +166,270 @@ class TrainResult:
         times = self.step_times[1:] or self.step_times
         return statistics.median(times)
 
+    @property
+    def tokens_per_second(self) -> float:
+        """Global tokens per second at the median step time."""
+        return self.tokens_per_step / self.median_step_time
+
+    @property
+    def mfu(self) -> float | None:
+        """Model FLOPs utilization (0..1) at the median step time, or None (unknown peak)."""
+        if not self.peak_flops_per_device:
+            return None
+        return (self.flops_per_token * self.tokens_per_second
+                / (self.num_devices * self.peak_flops_per_device))
+
     def summary(self) -> str:
         first = self.losses[0]
         last = float(np.mean(self.losses[-5:]))
-        mib = 2.0**20
+        mib, gib = 2.0**20, 2.0**30
         mesh = " ".join(f"{k}={v}" for k, v in self.mesh_shape.items())
-        return "\n".join([
-            f"summary ({self.backend}, mesh {mesh}, {self.num_params / 1e6:.2f}M params)",
-            f"  loss: first {first:.4f} -> last {last:.4f} (mean of last 5 steps)",
+        procs = f", {self.process_count} processes" if self.process_count > 1 else ""
+        last_step = self.first_step + len(self.losses) - 1
+        steps = f"; steps {self.first_step}-{last_step}" if self.first_step > 1 else ""
+        if self.mfu is None:
+            mfu = (f"  MFU: n/a (no peak FLOP/s known for {self.device_kind or self.backend}; "
+                   f"{self.flops_per_token / 1e6:.2f} MFLOP/token)")
+        else:
+            mfu = (f"  MFU: {self.mfu * 100:.1f}% ({self.flops_per_token / 1e6:.2f} MFLOP/token "
+                   f"x {self.tokens_per_second:,.0f} tokens/s over {self.num_devices} x "
+                   f"{self.peak_flops_per_device / 1e12:.0f} TFLOP/s {self.compute_dtype})")
+        if self.memory is None:
+            memory = (f"  memory per device: n/a on {self.backend} (no allocator statistics); "
+                      "see params + optimizer state below")
+        else:
+            memory = (f"  memory per device: peak {self.memory['peak_bytes_in_use'] / gib:.2f} "
+                      f"GiB, in use {self.memory['bytes_in_use'] / gib:.2f} GiB "
+                      f"(limit {self.memory['bytes_limit'] / gib:.1f} GiB)")
+        lines = [
+            f"summary ({self.backend}, mesh {mesh}{procs}, {self.num_params / 1e6:.2f}M params)",
+            f"  loss: first {first:.4f} -> last {last:.4f} (mean of last 5 steps{steps})",
             f"  step time: {self.median_step_time * 1e3:.1f} ms median "
-            f"({self.tokens_per_step / self.median_step_time:,.0f} tokens/s)",
+            f"({self.tokens_per_second:,.0f} tokens/s)",
+            mfu,
+            memory,
             f"  params per device: {self.param_bytes_per_device / mib:.2f} MiB "
             f"(replicated: {self.replicated_param_bytes / mib:.2f} MiB, "
             f"{self.param_bytes_per_device / self.replicated_param_bytes:.3f}x)",
             f"  params + optimizer state per device: {self.state_bytes_per_device / mib:.2f} MiB "
             f"(replicated: {self.replicated_state_bytes / mib:.2f} MiB, "
             f"{self.state_bytes_per_device / self.replicated_state_bytes:.3f}x)",
-        ])
+        ]
+        if self.checkpoint_steps:
+            lines.append(f"  checkpoints: steps {self.checkpoint_steps} in {self.checkpoint_dir}")
+        if self.profile_steps is not None:
+            lines.append(f"  profile: steps {self.profile_steps[0]}-{self.profile_steps[1]} -> "
+                         f"{self.profile_trace or '(no perfetto trace written)'}")
+        return "\n".join(lines)
+
+    def to_json(self) -> dict[str, Any]:
+        """The summary as JSON-serializable values (times in seconds, sizes in bytes)."""
+        return {
+            "backend": self.backend,
+            "device_kind": self.device_kind,
+            "num_devices": self.num_devices,
+            "process_count": self.process_count,
+            "mesh": dict(self.mesh_shape),
+            "num_params": self.num_params,
+            "first_step": self.first_step,
+            "last_step": self.first_step + len(self.losses) - 1,
+            "first_loss": self.losses[0],
+            "last_loss_mean5": float(np.mean(self.losses[-5:])),
+            "median_step_time_s": self.median_step_time,
+            "tokens_per_step": self.tokens_per_step,
+            "tokens_per_s": self.tokens_per_second,
+            "flops_per_token": self.flops_per_token,
+            "compute_dtype": self.compute_dtype,
+            "peak_flops_per_device": self.peak_flops_per_device,
+            "mfu": self.mfu,
+            "memory_per_device": self.memory,
+            "param_bytes_per_device": self.param_bytes_per_device,
+            "state_bytes_per_device": self.state_bytes_per_device,
+            "replicated_param_bytes": self.replicated_param_bytes,
+            "replicated_state_bytes": self.replicated_state_bytes,
+            "checkpoint_dir": self.checkpoint_dir,
+            "checkpoint_steps": list(self.checkpoint_steps),
+            "profile_steps": list(self.profile_steps) if self.profile_steps else None,
+            "profile_trace": self.profile_trace,
+        }
 
 
 def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
-    """AdamW with warm-up + cosine decay and global-norm clipping at 1.0."""
+    """AdamW with warm-up + cosine decay and global-norm clipping at 1.0.
+
+    The same settings return the same transformation object: it is static data of the
+    ``nnx.Optimizer``, so an equal object lets `train_step` reuse its compiled program.
+    """
+    return _make_optimizer(float(cfg.lr), int(cfg.warmup), int(cfg.steps),
+                           float(cfg.weight_decay))
+
+
+@functools.cache
+def _make_optimizer(lr: float, warmup: int, steps: int,
+                    weight_decay: float) -> optax.GradientTransformation:
     schedule = optax.warmup_cosine_decay_schedule(
-        0.0, cfg.lr, warmup_steps=max(1, cfg.warmup), decay_steps=max(cfg.steps, cfg.warmup + 1),
-        end_value=cfg.lr * 0.1)
+        0.0, lr, warmup_steps=max(1, warmup), decay_steps=max(steps, warmup + 1),
+        end_value=lr * 0.1)
     return optax.chain(optax.clip_by_global_norm(1.0),
-                       optax.adamw(schedule, b2=0.95, weight_decay=cfg.weight_decay))
+                       optax.adamw(schedule, b2=0.95, weight_decay=weight_decay))
+
+
+def model_config(cfg: TrainConfig) -> TransformerConfig:
+    """The `TransformerConfig` that `train` builds for `cfg`."""
+    dtype = jnp.bfloat16 if cfg.dtype == "bfloat16" else jnp.float32
+    return preset(cfg.preset, vocab_size=VOCAB_SIZE, max_seq_len=cfg.seq_len, dtype=dtype,
+                  remat=cfg.remat, tp_overlap=cfg.overlap, moe_experts=cfg.moe_experts,
+                  moe_top_k=cfg.moe_top_k, moe_capacity_factor=cfg.moe_capacity_factor)
+
+
+@nnx.jit
+def train_step(model: nnx.Module, optimizer: nnx.Optimizer, tokens: jax.Array) -> jax.Array:
+    """One AdamW step on ``tokens: int32[batch, seq + 1]``; returns the float32 loss.
+
+    Module-level so that repeated `train` calls with the same shapes and mesh (a resumed
+    run in the same process, notebooks) reuse the compiled program.
+    """
+    loss, grads = nnx.value_and_grad(lm_loss)(model, tokens)
+    optimizer.update(model, grads)
+    return loss
+
+
+def build_model_and_optimizer(cfg: TrainConfig) -> tuple[gtp_jax.ShardedModule, nnx.Optimizer]:
+    """The GTP-sharded model (initialized from ``cfg.seed``) and its AdamW optimizer, on the
+    mesh ``make_mesh(dp, gtp, tp, ep)`` over all devices: what `train` starts from (and
+    what a checkpoint is restored into)."""
+    mesh = gtp_jax.make_mesh(dp=cfg.dp, gtp=cfg.gtp, tp=cfg.tp, ep=cfg.ep)
+    model = gtp_jax.shard(Transformer(model_config(cfg), rngs=nnx.Rngs(cfg.seed)), mesh,
+                          gtp_jax.GTPConfig(gather_dtype=cfg.gather_dtype,
+                                            pad_for_alignment=cfg.pad_for_alignment,
+                                            gather_format=cfg.gather_format,
+                                            prefetch=cfg.prefetch))
+    optimizer = nnx.Optimizer(model, make_optimizer(cfg), wrt=nnx.Param)
+    _replicate_stray_leaves(optimizer, mesh)
+    return model, optimizer
+
+
+def _replicate_stray_leaves(obj: nnx.Optimizer, mesh: jax.sharding.Mesh) -> None:
+    """Puts arrays that are not on the mesh (``optax`` creates its step counters on one
+    device, uncommitted) replicated on it, where `train_step` leaves them after a step.
+
+    Then step 1 sees the same input shardings as every later step (and as a restored
+    checkpoint), and the train step compiles once instead of twice.
+    """
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    state = nnx.state(obj)
+    placed = []
+    for path, var in nnx.to_flat_state(state):
+        value = var.get_value()
+        if isinstance(value, jax.Array) and not isinstance(value.sharding,
+                                                           jax.sharding.NamedSharding):
+            var = var.replace(value=jax.device_put(value, replicated))
+        placed.append((path, var))
+    nnx.update(obj, nnx.from_flat_state(placed))
 
 
 def train(cfg: TrainConfig, *, on_step: Callable[[int, float, float], None] | None = None,
-          progress: bool = True) -> TrainResult:
+          progress: bool = True, checkpoint: CheckpointConfig | None = None,
+          observe: ObserveConfig | None = None) -> TrainResult:
     """Trains `cfg.preset` with GTP on the mesh ``(dp, ep, gtp, tp)`` over all devices.
+
+    Args:
+      cfg: the run.
+      on_step: called after each step with (step, loss, step seconds); on every process.
+      progress: show a progress bar (process 0 only).
+      checkpoint: save checkpoints (and with ``resume=True`` continue from the newest one:
+        same parameters, optimizer state and LR-schedule position, data order and step
+        count, so the loss curve continues exactly as the uninterrupted run's; the mesh may
+        differ from the saving run's).
+      observe: profiler trace window and JSON metrics file.
 
     Returns:
       A `TrainResult` with per-step losses (float32 scalars) and timings.
-    """
-    mesh = gtp_jax.make_mesh(dp=cfg.dp, gtp=cfg.gtp, tp=cfg.tp, ep=cfg.ep)
-    dtype = jnp.bfloat16 if cfg.dtype == "bfloat16" else jnp.float32
-    model_cfg = preset(cfg.preset, vocab_size=VOCAB_SIZE, max_seq_len=cfg.seq_len, dtype=dtype,
-                       remat=cfg.remat)
-    model = Transformer(model_cfg, rngs=nnx.Rngs(cfg.seed))
-    tx = make_optimizer(cfg)
-    replicated_params = _tree_bytes(nnx.state(model, nnx.Param))
-    replicated_state = replicated_params + _tree_bytes(jax.eval_shape(
-        tx.init, nnx.state(model, nnx.Param)))
-    model = gtp_jax.shard(model, mesh, gtp_jax.GTPConfig(
-        gather_dtype=cfg.gather_dtype, pad_for_alignment=cfg.pad_for_alignment))
-    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
 
-    @nnx.jit
-    def train_step(model: nnx.Module, optimizer: nnx.Optimizer, tokens: jax.Array) -> jax.Array:
-        loss, grads = nnx.value_and_grad(lm_loss)(model, tokens)
-        optimizer.update(model, grads)
-        return loss
+    Raises:
+      ValueError: bad checkpoint directory or a checkpoint of another run (raised before
+        any model is built), a profile window outside the run.
+      FloatingPointError: the loss became NaN/inf.
+    """
+    observe = ObserveConfig() if observe is None else observe
+    ckpt = Checkpointer(checkpoint) if checkpoint is not None else None
+    try:
+        return _train(cfg, on_step=on_step, progress=progress, ckpt=ckpt, observe=observe)
+    finally:
+        if ckpt is not None:
+            # Finishes (finalizes) a pending asynchronous save, also when training failed.
+            ckpt.close()
+
+
+def _train(cfg: TrainConfig, *, on_step: Callable[[int, float, float], None] | None,
+           progress: bool, ckpt: Checkpointer | None, observe: ObserveConfig) -> TrainResult:
+    model_cfg = model_config(cfg)
+    primary = jax.process_index() == 0
+    # ---- validation: nothing below this block fails on user input before training starts.
+    start, meta = 0, None
+    if ckpt is not None:
+        if ckpt.config.resume:
+            meta = ckpt.read_meta()
+            _check_resume(cfg, model_cfg, meta, ckpt.config.directory)
+            start = int(meta["step"])
+        elif ckpt.latest_step() is not None:
+            raise ValueError(
+                f"--checkpoint-dir {ckpt.config.directory!r} already holds checkpoints (steps "
+                f"{ckpt.all_steps()}); pass --resume to continue that run, or use an empty "
+                "directory for a new run."
+            )
+    window = observe.profile_window(start + 1, cfg.steps)
+
+    model, optimizer = build_model_and_optimizer(cfg)
+    mesh = model.mesh
+    abstract = nnx.eval_shape(lambda: Transformer(model_cfg, rngs=nnx.Rngs(cfg.seed)))
+    replicated_params = _tree_bytes(nnx.state(abstract, nnx.Param))
+    replicated_state = replicated_params + _tree_bytes(jax.eval_shape(
+        make_optimizer(cfg).init, nnx.state(abstract, nnx.Param)))
 
     train_data, _ = split_train_eval(load_corpus())
-    batcher = ByteBatcher(train_data, batch_size=cfg.batch_size, seq_len=cfg.seq_len,
-                          seed=cfg.seed)
+    if meta is not None:
+        # Parameters, optimizer state (moments, schedule counts, step) onto this mesh.
+        ckpt.restore(model, optimizer, step=start)
+        batcher = ByteBatcher.from_state(train_data, meta["extra"]["data"])
+    else:
+        batcher = ByteBatcher(train_data, batch_size=cfg.batch_size, seq_len=cfg.seq_len,
+                              seed=cfg.seed)
+
     placement = gtp_jax.data_sharding(mesh)
     tokens_per_step = cfg.batch_size * cfg.seq_len
-    bar = ProgressBar(cfg.steps) if progress else None
-    losses, times = [], []
-    for step in range(1, cfg.steps + 1):
-        tokens = jax.device_put(jnp.asarray(batcher.next_batch()), placement)
-        start = time.perf_counter()
-        loss = float(train_step(model, optimizer, tokens))
-        times.append(time.perf_counter() - start)
-        losses.append(loss)
-        if not np.isfinite(loss):
-            raise FloatingPointError(f"loss became {loss} at step {step}; lower --lr.")
-        if bar is not None:
-            bar.update(step, loss=loss, tok_s=tokens_per_step / times[-1])
-        if on_step is not None:
-            on_step(step, loss, times[-1])
-    return TrainResult(
+    bar = ProgressBar(cfg.steps) if progress and primary else None
+    profiler = StepProfiler(observe.profile_dir, window) if window is not None else None
+    extra = {"train_config": dataclasses.asdict(cfg), "model_config": _model_json(model_cfg)}
+    losses, times, saved = [], [], []
+    try:
+        for step in range(start + 1, cfg.steps + 1):
+            if profiler is not None:
+                profiler.before(step)
+            tokens = _global_batch(batcher.next_batch(), placement)
+            with jax.profiler.StepTraceAnnotation("train", step_num=step):
+                begin = time.perf_counter()
+                loss = float(train_step(model, optimizer, tokens))
+                times.append(time.perf_counter() - begin)
+            if profiler is not None:
+                profiler.after(step)
+            losses.append(loss)
+            if not np.isfinite(loss):
+                raise FloatingPointError(f"loss became {loss} at step {step}; lower --lr.")
+            if ckpt is not None and (step == cfg.steps
+                                     or (ckpt.config.every and step % ckpt.config.every == 0)):
+                ckpt.save(step, model, optimizer,
+                          extra={**extra, "data": batcher.state_dict(), "loss": loss})
+                saved.append(step)
+            if bar is not None:
+                bar.update(step, loss=loss, tok_s=tokens_per_step / times[-1])
+            if on_step is not None:
+                on_step(step, loss, times[-1])
+    finally:
+        if profiler is not None:
+            profiler.stop()
+    device = jax.devices()[0]
+    result = TrainResult(
         losses=losses,
         step_times=times,
         tokens_per_step=tokens_per_step,
@@ -174,7 +441,86 @@ def train(cfg: TrainConfig, *, on_step: Callable[[int, float, float], None] | No
         num_params=model_cfg.num_params(),
         mesh_shape=dict(mesh.shape),
         backend=jax.default_backend(),
+        first_step=start + 1,
+        flops_per_token=model_cfg.train_flops_per_token(cfg.seq_len),
+        device_kind=device.device_kind,
+        num_devices=mesh.devices.size,
+        compute_dtype=cfg.dtype,
+        peak_flops_per_device=peak_flops(device.device_kind, cfg.dtype)
+        if jax.default_backend() != "cpu" else None,
+        memory=memory_per_device(),
+        process_count=jax.process_count(),
+        checkpoint_dir=ckpt.config.directory if ckpt is not None else None,
+        checkpoint_steps=saved,
+        profile_steps=window,
+        profile_trace=profiler.trace_path if profiler is not None else None,
     )
+    if observe.metrics_json is not None and primary:
+        write_json(observe.metrics_json, {
+            "config": dataclasses.asdict(cfg),
+            "model_config": _model_json(model_cfg),
+            "steps": [{"step": start + 1 + i, "loss": loss, "step_time_s": t,
+                       "tokens_per_s": tokens_per_step / t}
+                      for i, (loss, t) in enumerate(zip(losses, times))],
+            "summary": result.to_json(),
+        })
+    return result
+
+
+def _global_batch(batch: np.ndarray, sharding: jax.sharding.NamedSharding) -> jax.Array:
+    """The global batch ``int32[batch, seq + 1]`` as one array split over the data axes.
+
+    Every process builds the same global batch (the batcher is deterministic in (seed,
+    position)) and hands each of its devices the rows of that device's shard, so a
+    multi-process run sees exactly the batches of a single-process run. Only the local rows
+    are copied to devices.
+    """
+    return jax.make_array_from_callback(batch.shape, sharding, lambda index: batch[index])
+
+
+def _model_json(model_cfg: TransformerConfig) -> dict[str, Any]:
+    out = {}
+    for field in dataclasses.fields(model_cfg):
+        value = getattr(model_cfg, field.name)
+        out[field.name] = (value if isinstance(value, (int, float, str, bool, type(None)))
+                           else str(np.dtype(value)))
+    return out
+
+
+def _check_resume(cfg: TrainConfig, model_cfg: TransformerConfig, meta: dict[str, Any],
+                  directory: str) -> None:
+    """Raises ValueError unless checkpoint `meta` belongs to a run `cfg` can continue."""
+    extra = meta.get("extra", {})
+    saved_cfg, saved_model = extra.get("train_config"), extra.get("model_config")
+    if saved_cfg is None or saved_model is None or "data" not in extra:
+        raise ValueError(
+            f"checkpoint in {directory!r} (step {meta.get('step')}) was not written by "
+            "`python -m gtp_jax train`; point --checkpoint-dir at a training run's checkpoints."
+        )
+    mine = dataclasses.asdict(cfg)
+    differ = [f"{k}: checkpoint {saved_cfg.get(k)!r} vs now {mine[k]!r}"
+              for k in RESUME_FIELDS if saved_cfg.get(k) != mine[k]]
+    model_now = _model_json(model_cfg)
+    differ += [f"model {k}: checkpoint {saved_model.get(k)!r} vs now {model_now[k]!r}"
+               for k in MODEL_FIELDS if saved_model.get(k) != model_now[k]]
+    if differ:
+        raise ValueError(
+            f"--resume: the checkpoint in {directory!r} belongs to a different run ("
+            + "; ".join(differ) + "). Pass the same --preset/--steps/--batch/--seq/--lr/"
+            "--warmup/--seed as the saved run (mesh sizes, padding and dtypes may change), "
+            "or start a new run in another --checkpoint-dir."
+        )
+    step = int(meta["step"])
+    if extra["data"].get("position") != step:
+        raise ValueError(
+            f"checkpoint in {directory!r}: data position {extra['data'].get('position')} does "
+            f"not match step {step}; the checkpoint is inconsistent, resume from another step."
+        )
+    if step >= cfg.steps:
+        raise ValueError(
+            f"--resume: the checkpoint in {directory!r} is at step {step}, the run's last step "
+            f"(--steps {cfg.steps}); nothing is left to train. Start a new run instead."
+        )
 
 
 def _tree_bytes(tree: Any) -> int:

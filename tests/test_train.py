@@ -2,17 +2,24 @@
 
 from __future__ import annotations
 
+import dataclasses
+import gzip
+import json
 import math
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import jax
 import numpy as np
+import pytest
 from flax import nnx
 
+from gtp_jax.__main__ import main as cli_main
+from gtp_jax.checkpoint import CheckpointConfig, Checkpointer
 from gtp_jax.data import VOCAB_SIZE
 from gtp_jax.models import Transformer, preset
 from gtp_jax.train import TrainConfig, train
@@ -28,8 +35,11 @@ def _run_cli(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=timeout)
 
 
-def test_cli_train_runs_and_loss_decreases() -> None:
-    proc = _run_cli("train", "--steps", "20", "--seq", "32", "--batch", "8")
+def test_cli_train_runs_and_loss_decreases(tmp_path: Path) -> None:
+    proc = _run_cli("train", "--steps", "20", "--seq", "32", "--batch", "8",
+                    "--checkpoint-dir", str(tmp_path / "ck"), "--checkpoint-every", "8",
+                    "--keep-checkpoints", "2", "--profile-dir", str(tmp_path / "prof"),
+                    "--profile-steps", "3:4", "--metrics-json", str(tmp_path / "m.json"))
     assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
     out = proc.stdout
     assert "gtp_jax train: preset=tiny steps=20 batch=8 seq=32 mesh dp=2 ep=1 gtp=4 tp=1" in out
@@ -47,6 +57,32 @@ def test_cli_train_runs_and_loss_decreases() -> None:
     assert 0.25 <= float(ratio.group(1)) <= 0.26  # 1/gtp, plus norms and a little padding
     assert "step 20/20" in proc.stderr  # progress bar
 
+    # Observability: MFU and device memory are n/a on CPU (no peak rate, no allocator stats).
+    assert "MFU: n/a (no peak FLOP/s known for cpu; 5.11 MFLOP/token)" in out
+    assert "memory per device: n/a on cpu" in out
+    metrics = json.loads((tmp_path / "m.json").read_text())
+    steps = metrics["steps"]
+    assert [s["step"] for s in steps] == list(range(1, 21))
+    assert f"{steps[0]['loss']:.4f}" == match.group(1)
+    assert all(s["step_time_s"] > 0 and s["tokens_per_s"] > 0 for s in steps)
+    summary = metrics["summary"]
+    assert summary["mfu"] is None and summary["memory_per_device"] is None
+    assert summary["tokens_per_step"] == 8 * 32 and summary["tokens_per_s"] > 0
+    assert summary["flops_per_token"] == preset("tiny", vocab_size=VOCAB_SIZE
+                                                ).train_flops_per_token(32)
+    assert metrics["config"]["steps"] == 20 and summary["mesh"]["gtp"] == 4
+    # Profile of steps 3-4: a Perfetto trace with this program's XLA ops.
+    traces = list((tmp_path / "prof").glob("plugins/profile/*/perfetto_trace.json.gz"))
+    assert len(traces) == 1, list((tmp_path / "prof").rglob("*"))
+    assert f"profile: steps 3-4 -> {traces[0]}" in out
+    with gzip.open(traces[0], "rt") as f:
+        trace = json.load(f)
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    assert any("train" in str(e.get("name", "")) for e in events)
+    # Checkpoints every 8 steps and after the last; the newest 2 kept.
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["16", "20"]
+    assert f"checkpoints: steps [8, 16, 20] in {tmp_path / 'ck'}" in out
+
 
 def test_cli_help() -> None:
     proc = _run_cli("train", "--help", timeout=60)
@@ -57,10 +93,91 @@ def test_cli_help() -> None:
     assert top.returncode == 0 and "train" in top.stdout
 
 
-def test_cli_rejects_tp_and_bad_mesh() -> None:
-    proc = _run_cli("train", "--steps", "1", "--tp", "2", "--gtp", "4", "--dp", "1", timeout=120)
+def test_cli_rejects_tp_that_does_not_divide_the_model() -> None:
+    # The tiny preset's d_ff (352) does not split over tp=3: a clear error, exit code 2.
+    proc = _run_cli("train", "--steps", "1", "--tp", "3", "--gtp", "4", "--dp", "1", timeout=120)
     assert proc.returncode == 2
-    assert "--tp" in proc.stderr
+    assert "tp=3" in proc.stderr and "d_ff" in proc.stderr
+
+
+def test_train_with_tensor_parallelism_and_moe() -> None:
+    # The main job on a dp x gtp x tp mesh with ring-overlapped TP GEMMs and MoE experts:
+    # it runs and learns (equivalence with the unsharded model is tests/test_tp.py's job).
+    from gtp_jax.train import TrainConfig, train
+
+    result = train(TrainConfig(steps=6, batch_size=8, seq_len=16, dp=2, gtp=2, tp=2,
+                               overlap=True, moe_experts=4, moe_top_k=2, lr=1e-2))
+    assert result.mesh_shape["tp"] == 2
+    assert all(np.isfinite(result.losses))
+    assert result.losses[-1] < result.losses[0]
+
+
+def test_cli_rejects_bad_checkpoint_and_profile_flags(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # In process: these flags fail validation before JAX starts or a process joins a run.
+    cases = [
+        (["--resume"], "--resume needs --checkpoint-dir"),
+        (["--resume", "--checkpoint-dir", str(tmp_path / "nope")], "does not exist"),
+        (["--profile-steps", "4:2", "--profile-dir", str(tmp_path)], "--profile-steps 3:5"),
+        (["--profile-steps", "x", "--profile-dir", str(tmp_path)], "use FIRST:LAST"),
+        (["--profile-steps", "2:3"], "--profile-steps needs --profile-dir"),
+        (["--metrics-json", str(tmp_path)], "is a directory"),
+        (["--checkpoint-dir", str(tmp_path), "--checkpoint-every", "-1"], "--checkpoint-every"),
+        (["--num-processes", "2", "--process-id", "0"], "coordinator not set"),
+    ]
+    for flags, message in cases:
+        assert cli_main(["train", "--steps", "3", *flags]) == 2, flags
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and message in err, (flags, err)
+    assert not (tmp_path / "nope").exists()
+
+
+#: The run the resume tests use; test_checkpoint.py and test_multiprocess.py train the same
+#: config, so the suite compiles this train step once (`train_step` is cached by shapes).
+RUN = TrainConfig(steps=6, batch_size=8, seq_len=32, warmup=2, dp=2, gtp=4, pad_for_alignment=8)
+
+
+class _Preempted(Exception):
+    """Stands in for a run that dies after a checkpoint."""
+
+
+def test_resume_continues_exactly_like_an_uninterrupted_run(tmp_path: Path) -> None:
+    full = train(RUN, progress=False, checkpoint=CheckpointConfig(tmp_path / "full"))
+    assert full.checkpoint_steps == [6]
+
+    first: list[float] = []
+
+    def die_after_step_3(step: int, loss: float, seconds: float) -> None:
+        first.append(loss)
+        if step == 3:
+            raise _Preempted
+
+    with pytest.raises(_Preempted):
+        train(RUN, progress=False, on_step=die_after_step_3,
+              checkpoint=CheckpointConfig(tmp_path / "run", every=3))
+    assert first == full.losses[:3]
+    shutil.copytree(tmp_path / "run", tmp_path / "run_gtp8")  # holds step 3 only
+
+    resumed = train(RUN, progress=False,
+                    checkpoint=CheckpointConfig(tmp_path / "run", every=3, resume=True))
+    assert resumed.first_step == 4 and resumed.checkpoint_steps == [6]
+    assert resumed.losses == full.losses[3:]  # bit-exact: same data, state and LR position
+    assert "steps 4-6" in resumed.summary()
+    final_full = Checkpointer(CheckpointConfig(tmp_path / "full")).read_arrays(6)
+    final_resumed = Checkpointer(CheckpointConfig(tmp_path / "run")).read_arrays(6)
+    assert final_full.keys() == final_resumed.keys()
+    assert any(k.endswith("/mu/module/blocks/mlp/down/kernel") for k in final_full)
+    for key, value in final_full.items():
+        np.testing.assert_array_equal(final_resumed[key], value, err_msg=key)
+
+    # The same checkpoint resumed on another mesh (dp=1 x gtp=8): the restored state
+    # is bit-exact (test_checkpoint.py), the steps after it differ only by the order of the
+    # gradient reductions, i.e. float32 rounding (about 1e-7 relative per step).
+    # (gtp=8 with pad_for_alignment=8 pads to multiples of 64 instead of 32.)
+    moved = train(dataclasses.replace(RUN, dp=1, gtp=8), progress=False,
+                  checkpoint=CheckpointConfig(tmp_path / "run_gtp8", resume=True))
+    assert moved.first_step == 4 and moved.mesh_shape["gtp"] == 8
+    np.testing.assert_allclose(moved.losses, full.losses[3:], rtol=1e-5)
 
 
 def _expected_param_bytes(pad: int, gtp: int) -> tuple[int, int]:
@@ -86,11 +203,11 @@ def _expected_param_bytes(pad: int, gtp: int) -> tuple[int, int]:
 
 def test_train_in_process_gtp8_padded() -> None:
     steps: list[tuple[int, float]] = []
-    cfg = TrainConfig(steps=8, batch_size=8, seq_len=32, dp=1, gtp=8, pad_for_alignment=8,
-                      warmup=2)
+    cfg = dataclasses.replace(RUN, dp=1, gtp=8)  # 6 steps, batch 8, seq 32, padding 8
+    assert cfg.pad_for_alignment == 8
     result = train(cfg, on_step=lambda s, loss, t: steps.append((s, loss)), progress=False)
-    assert [s for s, _ in steps] == list(range(1, 9))
-    assert len(result.losses) == 8 and len(result.step_times) == 8
+    assert [s for s, _ in steps] == list(range(1, 7))
+    assert len(result.losses) == 6 and len(result.step_times) == 6
     assert all(math.isfinite(x) for x in result.losses)
     assert [loss for _, loss in steps] == result.losses
     assert result.losses[-1] < result.losses[0]

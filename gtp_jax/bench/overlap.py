@@ -67,7 +67,8 @@ def run_variant(args: argparse.Namespace) -> dict:
     if variant_kind.startswith("gtp"):
         model = gtp_jax.shard(model, mesh, gtp_jax.GTPConfig(
             gather_dtype=jnp.bfloat16, prefetch=variant_kind == "gtp_prefetch",
-            reduce_dtype=args.reduce_dtype, remat_gathered=not args.no_remat_gathered))
+            reduce_dtype=args.reduce_dtype, remat_gathered=not args.no_remat_gathered,
+            gather_format=None if args.gather_format == "none" else args.gather_format))
     else:
         state = nnx.state(model)
 
@@ -125,7 +126,8 @@ def run_variant(args: argparse.Namespace) -> dict:
     kind = devices[0].device_kind
     peak_flops = _peak_flops(kind)
     return {
-        "variant": variant, "devices": n, "device_kind": kind, "preset": args.preset,
+        "variant": variant, "gather_format": args.gather_format, "devices": n,
+        "device_kind": kind, "preset": args.preset,
         "layers": cfg.n_layers, "seq": args.seq, "per_device_batch": args.per_device_batch,
         "step_ms": med * 1e3, "step_ms_min": min(times) * 1e3, "loss": float(loss),
         "peak_mem_gib": peak / 2**30,
@@ -162,7 +164,8 @@ def _spawn(variant: str, args: argparse.Namespace, timeout: float) -> dict | Non
            "--preset", args.preset, "--seq", str(args.seq), "--steps", str(args.steps),
            "--warmup", str(args.warmup), "--per-device-batch", str(args.per_device_batch),
            "--remat", args.remat, "--layers", str(args.layers or 0),
-           "--attention", args.attention, "--reduce-dtype", args.reduce_dtype]
+           "--attention", args.attention, "--reduce-dtype", args.reduce_dtype,
+           "--gather-format", args.gather_format]
     if args.no_remat_gathered:
         cmd.append("--no-remat-gathered")
     if args.profile_dir:
@@ -237,6 +240,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--reduce-dtype", default="float32", choices=("float32", "bfloat16"),
                         help="GTPConfig.reduce_dtype of the gtp variants")
+    parser.add_argument("--gather-format", default="none",
+                        choices=("none", "fp8", "mxfp8", "nvfp4"),
+                        help="GTPConfig.gather_format of the gtp variants")
     parser.add_argument("--no-remat-gathered", action="store_true",
                         help="GTPConfig(remat_gathered=False) for the gtp variants")
     parser.add_argument("--torch", action="store_true", help="also run the PyTorch FSDP2 peer")

@@ -1,9 +1,20 @@
 """A decoder-only transformer in plain Flax NNX, with its layers stacked for ``lax.scan``.
 
-RMSNorm, rotary attention, SwiGLU MLP, tied or untied embeddings. The blocks are created
-with ``nnx.vmap`` (one stacked parameter per weight, leading dim = layer) and marked with
-``gtp_stacked`` metadata, so `gtp_jax.shard` splits them on dim 1 and `gtp_jax.scan_layers`
-gathers one layer at a time. Unsharded, the same module is an ordinary NNX model.
+RMSNorm, rotary attention, SwiGLU MLP (or a mixture of experts), tied or untied embeddings.
+The blocks are created with ``nnx.vmap`` (one stacked parameter per weight, leading dim =
+layer) and marked with ``gtp_stacked`` metadata, so `gtp_jax.shard` splits them on dim 1
+and `gtp_jax.scan_layers` gathers one layer at a time. Unsharded, the same module is an
+ordinary NNX model.
+
+Tensor + sequence parallelism: the projection weights carry ``gtp_tp_dim`` metadata (qkv
+and gate_up split on their output features, out and down on their input features). On a
+mesh with ``tp > 1`` the sharded model runs Megatron-style: tokens are padded to a multiple
+of ``tp`` and each ``tp`` rank embeds its sequence chunk; every block all-gathers the
+sequence before qkv / gate_up (column-parallel) and reduce-scatters it after out / down
+(row-parallel), ring-overlapped when ``TransformerConfig.tp_overlap`` says so; norms and
+residuals run on the local chunk; the LM head runs on the local chunk with the full
+vocabulary, and the logits leave sequence-sharded over ``tp``. Heads that do not divide
+over ``tp`` are zero-padded (padded heads stay exactly zero, see `Attention`).
 """
 
 from __future__ import annotations
@@ -16,11 +27,19 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
-from gtp_jax.sharding.plan import STACKED
+from gtp_jax.parallel.axes import TP_AXIS, current_axes
+from gtp_jax.parallel.moe import MoE
+from gtp_jax.parallel.tp import column_parallel, pad_seq, padded_len, row_parallel, seq_chunk
+from gtp_jax.sharding.mesh import data_axes
+from gtp_jax.sharding.module import OutputLayout
+from gtp_jax.sharding.plan import STACKED, TP_DIM, TP_PARTS
 from gtp_jax.sharding.scan import scan_layers
 
 REMAT_POLICIES = ("none", "dots", "full")
+#: Projections whose tensor-parallel collective can run as a ring (`TransformerConfig.tp_overlap`).
+TP_PROJECTIONS = ("qkv", "out", "gate_up", "down")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,6 +59,16 @@ class TransformerConfig:
         "dots" (save matmul outputs only), "full" (save layer inputs only). Gathered GTP
         weights are never saved in any mode.
       attention_impl: passed to ``jax.nn.dot_product_attention`` (None, "xla", "cudnn").
+      tp_overlap: under tensor parallelism, run the all-gather / reduce-scatter of these
+        projections as ring collective matmuls (`gtp_jax.parallel.collective_matmul`):
+        True (all of `TP_PROJECTIONS`), False (none), or a tuple of their names. Same math
+        either way; no effect without ``tp``.
+      moe_experts: 0 for the dense SwiGLU MLP; else the number of experts of a
+        mixture-of-experts FFN in every layer (`gtp_jax.parallel.moe`).
+      moe_top_k: experts per token.
+      moe_capacity_factor: expert capacity factor per sequence; None: dropless.
+      moe_d_ff: hidden width of each expert (None: ``d_ff``).
+      moe_aux_weight: weight of the load-balancing loss in `lm_loss` (summed over layers).
     """
 
     vocab_size: int = 256
@@ -55,6 +84,12 @@ class TransformerConfig:
     norm_eps: float = 1e-6
     remat: str = "none"
     attention_impl: str | None = None
+    tp_overlap: bool | tuple[str, ...] = False
+    moe_experts: int = 0
+    moe_top_k: int = 2
+    moe_capacity_factor: float | None = 1.25
+    moe_d_ff: int | None = None
+    moe_aux_weight: float = 0.01
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "d_model", "n_heads", "n_layers", "d_ff", "max_seq_len"):
@@ -75,6 +110,44 @@ class TransformerConfig:
             raise ValueError(
                 f"TransformerConfig.remat={self.remat!r}; choose one of {REMAT_POLICIES}."
             )
+        if not isinstance(self.tp_overlap, bool):
+            names = tuple(self.tp_overlap) if isinstance(self.tp_overlap, (tuple, list)) \
+                else None
+            if names is None or not set(names) <= set(TP_PROJECTIONS):
+                raise ValueError(
+                    f"TransformerConfig.tp_overlap={self.tp_overlap!r}: use True, False or a "
+                    f"tuple of projection names from {TP_PROJECTIONS}.")
+            object.__setattr__(self, "tp_overlap", names)
+        if not isinstance(self.moe_experts, int) or self.moe_experts < 0:
+            raise ValueError(
+                f"TransformerConfig.moe_experts={self.moe_experts!r} must be an int >= 0 "
+                "(0: dense MLP).")
+        if self.moe_experts:
+            if not isinstance(self.moe_top_k, int) or not 1 <= self.moe_top_k <= self.moe_experts:
+                raise ValueError(
+                    f"TransformerConfig.moe_top_k={self.moe_top_k!r} must be an int in "
+                    f"[1, moe_experts={self.moe_experts}].")
+            if self.moe_capacity_factor is not None and not self.moe_capacity_factor > 0:
+                raise ValueError(
+                    f"TransformerConfig.moe_capacity_factor={self.moe_capacity_factor!r} "
+                    "must be > 0, or None for dropless routing.")
+            if self.moe_d_ff is not None and (not isinstance(self.moe_d_ff, int)
+                                              or self.moe_d_ff < 1):
+                raise ValueError(
+                    f"TransformerConfig.moe_d_ff={self.moe_d_ff!r} must be a positive int or "
+                    "None (use d_ff).")
+            if not self.moe_aux_weight >= 0:
+                raise ValueError(
+                    f"TransformerConfig.moe_aux_weight={self.moe_aux_weight!r} must be >= 0.")
+
+    def overlaps(self, projection: str) -> bool:
+        """Whether `projection` (one of `TP_PROJECTIONS`) uses the ring collective matmul."""
+        ov = self.tp_overlap
+        return ov if isinstance(ov, bool) else projection in ov
+
+    @property
+    def expert_d_ff(self) -> int:
+        return self.moe_d_ff or self.d_ff
 
     @property
     def head_dim(self) -> int:
@@ -83,7 +156,10 @@ class TransformerConfig:
     def num_params(self) -> int:
         """Parameter count (embeddings included)."""
         d, f = self.d_model, self.d_ff
-        per_layer = 4 * d * d + 3 * d * f + 2 * d
+        mlp = 3 * d * f
+        if self.moe_experts:
+            mlp = self.moe_experts * 3 * d * self.expert_d_ff + d * self.moe_experts
+        per_layer = 4 * d * d + mlp + 2 * d
         emb = self.vocab_size * d * (1 if self.tie_embeddings else 2)
         return self.n_layers * per_layer + emb + d
 
@@ -94,7 +170,10 @@ class TransformerConfig:
         counted, causal attention counted at half of 12*L*d*T).
         """
         d, f = self.d_model, self.d_ff
-        block = self.n_layers * (4 * d * d + 3 * d * f)
+        mlp = 3 * d * f
+        if self.moe_experts:  # active experts per token, plus the router
+            mlp = self.moe_top_k * 3 * d * self.expert_d_ff + d * self.moe_experts
+        block = self.n_layers * (4 * d * d + mlp)
         return 6.0 * (block + self.vocab_size * d) + 6.0 * self.n_layers * d * seq_len
 
 
@@ -138,8 +217,30 @@ def _init(stddev: float):
     return nnx.initializers.normal(stddev)
 
 
+def _promote(x: jax.Array, w: jax.Array, dtype: Any) -> tuple[jax.Array, jax.Array]:
+    """Casts input and kernel to the compute dtype, as ``nnx.Linear`` does.
+
+    A cast to the same dtype is skipped so that a gathered weight keeps its identity (the
+    prefetching layer loop recognises gathered weights among saved residuals by identity).
+    """
+    dtype = dtype or jnp.result_type(x, w)
+    return (x if x.dtype == dtype else x.astype(dtype),
+            w if w.dtype == dtype else w.astype(dtype))
+
+
 class Attention(nnx.Module):
-    """Causal multi-head self-attention with rotary embeddings (``nnx.LinearGeneral``)."""
+    """Causal multi-head self-attention with rotary embeddings (``nnx.LinearGeneral``).
+
+    Tensor parallel (``tp`` in `current_axes`): ``qkv.kernel [d, 3, H, hd]`` is split on its
+    heads (column-parallel, ``gtp_tp_dim=2``) and ``out.kernel [H, hd, d]`` on its heads
+    (row-parallel, ``gtp_tp_dim=0``); each rank attends with its own heads over the full
+    gathered sequence. When ``tp`` does not divide ``H``, both are zero-padded to a multiple
+    of ``tp`` heads. A padded head stays exactly zero: its q, k, v are 0, so its attention
+    output is 0 and contributes nothing through the zero rows of ``out``; and its gradients
+    are 0 (``d out_pad = attn_pad^T dy = 0``; ``d attn_pad = dy out_pad^T = 0`` makes
+    ``dv``, ``dq``, ``dk`` and so the qkv gradient of the padded columns 0), so neither Adam
+    nor weight decay ever moves it.
+    """
 
     def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
@@ -149,33 +250,64 @@ class Attention(nnx.Module):
         self.out = nnx.LinearGeneral((cfg.n_heads, cfg.head_dim), cfg.d_model, axis=(-2, -1),
                                      kernel_init=_init(0.02 / np.sqrt(2 * cfg.n_layers)),
                                      **common)
+        self.qkv.kernel.set_metadata(TP_DIM, 2)
+        self.out.kernel.set_metadata(TP_DIM, 0)
 
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-        """``x: [batch, seq, d_model]`` -> same shape."""
-        qkv = self.qkv(x)
+        """``x: [batch, seq, d_model]`` -> same shape (``seq``: the local chunk under tp;
+        `cos`/`sin` cover the full sequence)."""
+        tp = current_axes().tp
+        if tp is None:
+            qkv = self.qkv(x)
+        else:
+            x, w = _promote(x, self.qkv.kernel[...], self.cfg.dtype)
+            qkv = column_parallel(x, w, tp, overlap=self.cfg.overlaps("qkv"))
         q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         attn = jax.nn.dot_product_attention(q, k, v, is_causal=True,
                                             implementation=self.cfg.attention_impl)
-        return self.out(attn)
+        if tp is None:
+            return self.out(attn)
+        attn, w = _promote(attn, self.out.kernel[...], self.cfg.dtype)
+        return row_parallel(attn, w, tp, overlap=self.cfg.overlaps("out"), n_contract=2)
 
 
 class SwiGLU(nnx.Module):
-    """``down(silu(x @ gate) * (x @ up))`` with gate and up fused in one ``nnx.Linear``."""
+    """``down(silu(x @ gate) * (x @ up))`` with gate and up fused in one ``nnx.Linear``.
+
+    Tensor parallel: ``gate_up.kernel [d, 2 f]`` is column-split with its two fused parts
+    split separately (``gtp_tp_parts=2``, so each rank holds ``[gate_r | up_r]``) and
+    ``down.kernel [f, d]`` is row-split; ``tp`` must divide ``d_ff``.
+    """
 
     def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
         common = dict(use_bias=False, dtype=cfg.dtype, param_dtype=cfg.param_dtype, rngs=rngs)
         self.gate_up = nnx.Linear(cfg.d_model, 2 * cfg.d_ff, kernel_init=_init(0.02), **common)
         self.down = nnx.Linear(cfg.d_ff, cfg.d_model,
                                kernel_init=_init(0.02 / np.sqrt(2 * cfg.n_layers)), **common)
+        self.gate_up.kernel.set_metadata(TP_DIM, 1)
+        self.gate_up.kernel.set_metadata(TP_PARTS, 2)
+        self.down.kernel.set_metadata(TP_DIM, 0)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        gate, up = jnp.split(self.gate_up(x), 2, axis=-1)
-        return self.down(jax.nn.silu(gate) * up)
+        tp = current_axes().tp
+        if tp is None:
+            gate, up = jnp.split(self.gate_up(x), 2, axis=-1)
+            return self.down(jax.nn.silu(gate) * up)
+        x, w = _promote(x, self.gate_up.kernel[...], self.cfg.dtype)
+        gate, up = jnp.split(column_parallel(x, w, tp, overlap=self.cfg.overlaps("gate_up")),
+                             2, axis=-1)
+        h, w = _promote(jax.nn.silu(gate) * up, self.down.kernel[...], self.cfg.dtype)
+        return row_parallel(h, w, tp, overlap=self.cfg.overlaps("down"))
 
 
 class Block(nnx.Module):
-    """Pre-norm transformer block: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``."""
+    """Pre-norm transformer block: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``.
+
+    With ``cfg.moe_experts`` the MLP is a `gtp_jax.parallel.MoE` and the block returns
+    ``(x, aux)`` (``aux``: float32 ``[batch]`` load-balancing loss).
+    """
 
     def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs):
         norm = dict(epsilon=cfg.norm_eps, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
@@ -183,10 +315,20 @@ class Block(nnx.Module):
         self.attn_norm = nnx.RMSNorm(cfg.d_model, **norm)
         self.attn = Attention(cfg, rngs=rngs)
         self.mlp_norm = nnx.RMSNorm(cfg.d_model, **norm)
-        self.mlp = SwiGLU(cfg, rngs=rngs)
+        if cfg.moe_experts:
+            self.mlp = MoE(cfg.d_model, cfg.expert_d_ff, cfg.moe_experts, top_k=cfg.moe_top_k,
+                           capacity_factor=cfg.moe_capacity_factor, dtype=cfg.dtype,
+                           param_dtype=cfg.param_dtype, init_std=0.02,
+                           out_std=0.02 / np.sqrt(2 * cfg.n_layers), rngs=rngs)
+        else:
+            self.mlp = SwiGLU(cfg, rngs=rngs)
 
-    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array,
+                 valid_len: int | None = None) -> Any:
         x = x + self.attn(self.attn_norm(x), cos, sin)
+        if isinstance(self.mlp, MoE):
+            y, aux = self.mlp(self.mlp_norm(x), valid_len)
+            return x + y, aux
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -230,8 +372,14 @@ class Transformer(nnx.Module):
             cfg.d_model, cfg.vocab_size, use_bias=False, dtype=cfg.dtype,
             param_dtype=cfg.param_dtype, kernel_init=_init(0.02), rngs=rngs)
 
-    def __call__(self, tokens: jax.Array) -> jax.Array:
-        """``tokens: int32[batch, seq]`` -> logits ``[batch, seq, vocab]`` in ``cfg.dtype``."""
+    def __call__(self, tokens: jax.Array, return_aux: bool = False) -> Any:
+        """``tokens: int32[batch, seq]`` -> logits ``[batch, seq, vocab]`` in ``cfg.dtype``.
+
+        With ``return_aux=True`` returns ``(logits, aux)``, ``aux``: float32 ``[batch]``, the
+        MoE load-balancing loss of each sequence summed over layers (zeros without MoE).
+        Under tensor parallelism (inside a sharded call) the logits are this rank's chunk of
+        the padded sequence; `gtp_output_layout` reassembles and unpads them.
+        """
         cfg = self.cfg
         seq_len = tokens.shape[1]
         if seq_len > cfg.max_seq_len:
@@ -239,21 +387,74 @@ class Transformer(nnx.Module):
                 f"Sequence length {seq_len} exceeds TransformerConfig.max_seq_len="
                 f"{cfg.max_seq_len}; use shorter sequences or a larger max_seq_len."
             )
-        cos, sin = rope_tables(seq_len, cfg.head_dim, cfg.rope_theta)
+        axes = current_axes()
+        if axes.tp is not None:
+            # Trailing pad to a multiple of tp: causal attention keeps real positions exact.
+            tokens = seq_chunk(pad_seq(tokens, axes.tp_size), axes.tp)
+        cos, sin = rope_tables(padded_len(seq_len, axes.tp_size), cfg.head_dim, cfg.rope_theta)
         x = self.embed(tokens)
         graphdef, stacked = nnx.split(self.blocks)
+        moe = cfg.moe_experts > 0
 
-        def layer(h: jax.Array, params: Any) -> jax.Array:
-            return nnx.merge(graphdef, params)(h, cos, sin)
+        def layer(carry: Any, params: Any) -> Any:
+            block = nnx.merge(graphdef, params)
+            if not moe:
+                return block(carry, cos, sin)
+            h, aux = carry
+            h, layer_aux = block(h, cos, sin, seq_len)
+            return h, aux + layer_aux
 
-        x = scan_layers(layer, x, stacked, remat_policy=_REMAT[cfg.remat])
+        carry = (x, jnp.zeros((x.shape[0],), jnp.float32)) if moe else x
+        carry = scan_layers(layer, carry, stacked, remat_policy=_REMAT[cfg.remat])
+        x, aux = carry if moe else (carry, jnp.zeros((x.shape[0],), jnp.float32))
         x = self.final_norm(x)
-        if self.lm_head is None:
-            return self.embed.attend(x)
-        return self.lm_head(x)
+        logits = self.embed.attend(x) if self.lm_head is None else self.lm_head(x)
+        return (logits, aux) if return_aux else logits
+
+    def gtp_output_layout(self, mesh: Any, tokens: jax.Array,
+                          return_aux: bool = False) -> OutputLayout | None:
+        """Output placement under `gtp_jax.shard`: logits sequence-sharded over ``tp``.
+
+        The logits leave ``shard_map`` as ``[batch, padded_seq, vocab]`` with
+        ``P(data_axes, "tp")`` (no all-gather of the vocabulary-sized tensor), and the
+        sequence padding is sliced off afterwards. None (the default placement) without tp.
+        """
+        tp = int(mesh.shape.get(TP_AXIS, 1))
+        if tp == 1:
+            return None
+        data = data_axes(mesh)
+        seq_len = tokens.shape[1]
+        logits = P(data, TP_AXIS)
+        specs = (logits, P(data)) if return_aux else logits
+        if padded_len(seq_len, tp) == seq_len:
+            return OutputLayout(specs)
+
+        def unpad(out: Any) -> Any:
+            if return_aux:
+                return out[0][:, :seq_len], out[1]
+            return out[:, :seq_len]
+
+        return OutputLayout(specs, unpad)
+
+
+def _config_of(model: Any) -> TransformerConfig | None:
+    cfg = getattr(model, "cfg", None)
+    if cfg is None:
+        cfg = getattr(getattr(model, "module", None), "cfg", None)
+    return cfg if isinstance(cfg, TransformerConfig) else None
 
 
 def lm_loss(model: nnx.Module, tokens: jax.Array) -> jax.Array:
-    """Mean next-token cross-entropy (float32) of ``tokens: int32[batch, seq + 1]``."""
+    """Mean next-token cross-entropy (float32) of ``tokens: int32[batch, seq + 1]``.
+
+    For a mixture-of-experts model (`TransformerConfig.moe_experts`) the load-balancing loss
+    (mean over sequences, summed over layers) times ``moe_aux_weight`` is added.
+    """
+    cfg = _config_of(model)
+    if cfg is not None and cfg.moe_experts:
+        logits, aux = model(tokens[:, :-1], return_aux=True)
+        ce = optax.softmax_cross_entropy_with_integer_labels(
+            logits.astype(jnp.float32), tokens[:, 1:]).mean()
+        return ce + cfg.moe_aux_weight * aux.mean()
     logits = model(tokens[:, :-1]).astype(jnp.float32)
     return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()

@@ -18,12 +18,35 @@ from gtp_jax.sharding.mesh import (
     make_mesh,
     shard_key,
 )
-from gtp_jax.sharding.module import ShardedModule, bytes_per_device, shard, unshard
-from gtp_jax.sharding.plan import STACKED, ParamPlan
+from gtp_jax.sharding.module import (
+    OutputLayout,
+    ShardedModule,
+    bytes_per_device,
+    shard,
+    unshard,
+    unshard_values,
+)
+from gtp_jax.sharding.plan import (
+    EP_DIM,
+    SHARD_DIM,
+    STACKED,
+    TP_DIM,
+    TP_PARTS,
+    DimSplit,
+    ParamPlan,
+    SplitPlan,
+)
 from gtp_jax.sharding.scan import gathered_weight_policy, scan_layers
 
 __all__ = [
     "AXES",
+    "DimSplit",
+    "EP_DIM",
+    "OutputLayout",
+    "SHARD_DIM",
+    "SplitPlan",
+    "TP_DIM",
+    "TP_PARTS",
     "GATHERED_WEIGHT",
     "GTPShard",
     "GatherSpec",
@@ -46,4 +69,5 @@ __all__ = [
     "shard",
     "shard_key",
     "unshard",
+    "unshard_values",
 ]

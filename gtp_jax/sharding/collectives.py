@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -33,6 +34,8 @@ class GatherSpec:
       param_dtype: dtype of the stored shard (and of its gradient).
       gather_dtype: dtype the shard is cast to before the all-gather, or None.
       reduce_dtype: dtype the gradient is reduce-scattered in.
+      gather_format: low-precision gather format ("fp8", "mxfp8", "nvfp4") or None.
+      quant_backend: "pallas" or "reference" implementation of the quantizer.
     """
 
     axis: str
@@ -43,6 +46,8 @@ class GatherSpec:
     param_dtype: np.dtype
     gather_dtype: np.dtype | None
     reduce_dtype: np.dtype
+    gather_format: str | None = None
+    quant_backend: str = "pallas"
 
     @property
     def padded_shape(self) -> tuple[int, ...]:
@@ -60,6 +65,22 @@ class GatherSpec:
     def compute_dtype(self) -> np.dtype:
         return self.gather_dtype if self.gather_dtype is not None else self.param_dtype
 
+    @property
+    def quantized(self) -> bool:
+        """Gathered in a low-precision format (rank-1 weights never are)."""
+        return self.gather_format is not None and len(self.logical_shape) >= 2
+
+    @property
+    def block_axis(self) -> int:
+        """Axis of the format's scaling blocks: the last one that is not the shard dim.
+
+        Blocks never straddle two shards this way, so shards need no block alignment. The
+        gathered weight is dequantized before its GEMM, so the block axis only sets which
+        elements share a scale, not the GEMM's layout.
+        """
+        last = len(self.logical_shape) - 1
+        return last if self.shard_dim != last else last - 1
+
 
 def all_gather_shard(shard: jax.Array, spec: GatherSpec) -> jax.Array:
     """Gathers a local shard into the full logical weight (no gradient rule of its own).
@@ -71,12 +92,55 @@ def all_gather_shard(shard: jax.Array, spec: GatherSpec) -> jax.Array:
     Returns:
       ``spec.logical_shape`` array in ``spec.compute_dtype``; padding rows are dropped.
     """
-    _check_shard(shard, spec)
-    if spec.gather_dtype is not None:
-        shard = shard.astype(spec.gather_dtype)
-    full = jax.lax.all_gather(shard, spec.axis, axis=spec.shard_dim, tiled=True)
+    return all_gather_shards([shard], [spec])[0]
+
+
+def all_gather_shards(shards: Sequence[jax.Array], specs: Sequence[GatherSpec]
+                      ) -> list[jax.Array]:
+    """Gathers several weights at once (e.g. one layer's), inside ``shard_map``.
+
+    Weights with a low-precision ``gather_format`` are quantized from their local
+    (high-precision) shard with scales agreed over ``spec.axis`` by ONE all-reduce for all of
+    them (`gtp_jax.pallas.quantize_coalesced`); payload and block scales are all-gathered
+    and dequantized to ``spec.compute_dtype``. Other weights are cast to ``gather_dtype``
+    (if set) and all-gathered as they are.
+
+    Args:
+      shards: local shards, ``spec.shard_shape`` / ``spec.param_dtype`` each.
+      specs: one `GatherSpec` per shard.
+
+    Returns:
+      The logical weights (``spec.logical_shape`` / ``spec.compute_dtype``), in order.
+    """
+    for shard, spec in zip(shards, specs):
+        _check_shard(shard, spec)
+    out: list[jax.Array | None] = [None] * len(shards)
+    groups: dict[tuple[str, str, str], list[int]] = {}
+    for i, spec in enumerate(specs):
+        if spec.quantized:
+            groups.setdefault((spec.gather_format, spec.quant_backend, spec.axis), []).append(i)
+            continue
+        shard = shards[i]
+        if spec.gather_dtype is not None:
+            shard = shard.astype(spec.gather_dtype)
+        out[i] = _unpad(jax.lax.all_gather(shard, spec.axis, axis=spec.shard_dim, tiled=True),
+                        spec)
+    for (fmt, backend, axis), idx in groups.items():
+        from gtp_jax import pallas  # deferred: the kernels load only when a format is used
+
+        qs = pallas.quantize_coalesced([shards[i] for i in idx], fmt, axis,
+                                       axis=[specs[i].block_axis for i in idx],
+                                       backend=backend)
+        for i, q in zip(idx, qs):
+            spec = specs[i]
+            full = pallas.gather_quantized(q, axis, dim=spec.shard_dim)
+            out[i] = _unpad(pallas.dequantize(full, spec.compute_dtype, backend=backend), spec)
+    return out
+
+
+def _unpad(full: jax.Array, spec: GatherSpec) -> jax.Array:
     logical = spec.logical_shape[spec.shard_dim]
-    if logical != spec.padded_size:
+    if logical != full.shape[spec.shard_dim]:
         full = jax.lax.slice_in_dim(full, 0, logical, axis=spec.shard_dim)
     return full
 
@@ -135,7 +199,20 @@ def gather_weight(shard: jax.Array, spec: GatherSpec) -> jax.Array:
     Returns:
       The logical weight, ``spec.logical_shape`` / ``spec.compute_dtype``.
     """
-    return checkpoint_name(_gather(shard, spec), GATHERED_WEIGHT)
+    if spec.quantized:
+        # The dequantize chain (decode, scale, cast, unpad) is several ordinary ops that a
+        # remat policy could save one by one; a nested checkpoint makes the whole gather one
+        # equation that `gathered_weight_policy` refuses to save (recognised by this policy).
+        gathered = jax.checkpoint(functools.partial(_gather, spec=spec),
+                                  policy=regather_policy)(shard)
+    else:
+        gathered = _gather(shard, spec)
+    return checkpoint_name(gathered, GATHERED_WEIGHT)
+
+
+def regather_policy(*_: Any, **__: Any) -> bool:
+    """Remat policy of a low-precision gather: save nothing (it is re-gathered whole)."""
+    return False
 
 
 def _check_shard(shard: Any, spec: GatherSpec) -> None:

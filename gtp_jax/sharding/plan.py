@@ -1,7 +1,22 @@
 """Which parameters of a module are GTP-sharded, and how (the static "plan").
 
-A plan is computed once, at `gtp_jax.shard` time, from the module's parameters, the mesh
-and the `GTPConfig`; everything in it is static and hashable.
+A plan is computed once, at `gtp_jax.shard` time, from the module's parameters, their
+Variable metadata, the mesh and the `GTPConfig`; everything in it is static and hashable.
+
+Two kinds of splitting compose on one weight:
+
+* model-parallel splits (`DimSplit`): Megatron tensor parallelism on the ``tp`` axis and
+  expert parallelism on the ``ep`` axis. The module's math runs on the *local* piece (this
+  rank's heads, hidden columns or experts). The dims are named by Variable metadata that the
+  model author sets: `TP_DIM` (with `TP_PARTS` for fused projections such as ``[gate | up]``)
+  and `EP_DIM`.
+* the GTP split (`GatherSpec`) over ``GTPConfig.axis``: the local piece is itself stored
+  1/N and all-gathered just in time. Its dim (`SHARD_DIM`, default: the first dim that no
+  model-parallel axis splits) must differ from the model-parallel dims.
+
+The stored global array therefore has e.g. ``P(None, "gtp", None, "tp", None)`` for a
+stacked ``[L, d, 3, H, hd]`` qkv kernel, and the `GatherSpec` describes the TP-local weight
+``[d, 3, H/tp, hd]`` that the gather produces.
 """
 
 from __future__ import annotations
@@ -21,21 +36,140 @@ from gtp_jax.sharding.collectives import GatherSpec
 #: Variable metadata key marking a parameter whose leading dim is a layer stack (scanned
 #: layers). Such weights are split along dim 1 and gathered one layer at a time.
 STACKED = "gtp_stacked"
+#: Variable metadata: per-layer dim split over the ``tp`` mesh axis (Megatron column/row).
+TP_DIM = "gtp_tp_dim"
+#: Variable metadata: the `TP_DIM` holds this many equal fused parts (``[gate | up]``: 2),
+#: each split over ``tp`` on its own so every rank holds a piece of every part.
+TP_PARTS = "gtp_tp_parts"
+#: Variable metadata: per-layer dim split over the ``ep`` mesh axis (the expert dim).
+EP_DIM = "gtp_ep_dim"
+#: Variable metadata: per-layer dim to GTP-shard (default: the first dim not split by a
+#: model-parallel axis).
+SHARD_DIM = "gtp_shard_dim"
+#: Metadata key -> mesh axis of the model-parallel splits.
+SPLIT_AXES: dict[str, str] = {TP_DIM: "tp", EP_DIM: "ep"}
+
+
+@dataclasses.dataclass(frozen=True)
+class DimSplit:
+    """One per-layer dim split over a model-parallel mesh axis (``tp`` or ``ep``).
+
+    The dim holds `parts` equal fused pieces (1: none), each split into `axis_size` chunks;
+    rank ``r`` stores ``[piece_0 chunk r, piece_1 chunk r, ...]``, so the local block is
+    again a fused ``[piece_0 | piece_1 | ...]`` of the local sizes (for ``parts > 1`` the
+    stored array is a column permutation of the logical one). An unfused dim (``parts=1``)
+    that does not divide is zero-padded at its end (e.g. attention heads); the model must
+    keep padded entries at exactly zero (zero weights that get zero gradients).
+
+    Attributes:
+      axis: mesh axis name.
+      axis_size: its size (> 1).
+      dim: per-layer dimension index.
+      size: logical (unpadded) size of the dim, all parts together.
+      parts: number of fused pieces along the dim.
+    """
+
+    axis: str
+    axis_size: int
+    dim: int
+    size: int
+    parts: int = 1
+
+    @property
+    def part_size(self) -> int:
+        return self.size // self.parts
+
+    @property
+    def padded_part(self) -> int:
+        return -(-self.part_size // self.axis_size) * self.axis_size
+
+    @property
+    def stored_size(self) -> int:
+        """Size of the dim in the stored (global, padded) array."""
+        return self.parts * self.padded_part
+
+    @property
+    def local_size(self) -> int:
+        """Size of the dim on one rank (what the module's math sees)."""
+        return self.stored_size // self.axis_size
+
+    def to_stored(self, x, dim: int):
+        """Logical array -> padded, part-interleaved layout on `dim` (jnp or np arrays)."""
+        lead, tail = x.shape[:dim], x.shape[dim + 1:]
+        x = x.reshape(*lead, self.parts, self.part_size, *tail)
+        widths = [(0, 0)] * x.ndim
+        widths[dim + 1] = (0, self.padded_part - self.part_size)
+        x = jnp.pad(x, widths)
+        n, local = self.axis_size, self.padded_part // self.axis_size
+        x = x.reshape(*lead, self.parts, n, local, *tail)
+        x = jnp.swapaxes(x, dim, dim + 1)
+        return x.reshape(*lead, self.stored_size, *tail)
+
+    def from_stored(self, x, dim: int):
+        """Inverse of `to_stored`: drops the padding and restores the parts' order."""
+        lead, tail = x.shape[:dim], x.shape[dim + 1:]
+        n, local = self.axis_size, self.padded_part // self.axis_size
+        x = x.reshape(*lead, n, self.parts, local, *tail)
+        x = jnp.swapaxes(x, dim, dim + 1)
+        x = x.reshape(*lead, self.parts, self.padded_part, *tail)
+        x = jnp.take(x, jnp.arange(self.part_size), axis=dim + 1)
+        return x.reshape(*lead, self.size, *tail)
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitPlan:
+    """How a parameter that is model-parallel split but *not* GTP-sharded is stored.
+
+    Attributes:
+      path: ``/``-joined parameter path inside the module.
+      stacked: the leading dim is a layer stack.
+      splits: the model-parallel splits (per-layer dims).
+    """
+
+    path: str
+    stacked: bool
+    splits: tuple[DimSplit, ...]
+
+    @property
+    def spec(self) -> None:
+        return None
+
+    def partition_spec(self, ndim: int) -> P:
+        """`PartitionSpec` of the stored array: each split's axis on its dim."""
+        entries: list[str | None] = [None] * ndim
+        for s in self.splits:
+            entries[s.dim + int(self.stacked)] = s.axis
+        return P(*entries)
+
+    def to_stored(self, value):
+        """Full logical array -> stored layout (padding and part interleave)."""
+        for s in self.splits:
+            value = s.to_stored(value, s.dim + int(self.stacked))
+        return value
+
+    def from_stored(self, value):
+        """Stored layout -> full logical array (exact inverse of `to_stored`)."""
+        for s in reversed(self.splits):
+            value = s.from_stored(value, s.dim + int(self.stacked))
+        return value
 
 
 @dataclasses.dataclass(frozen=True)
 class ParamPlan:
-    """How one parameter is stored.
+    """How one GTP-sharded parameter is stored.
 
     Attributes:
       path: ``/``-joined parameter path inside the module.
-      spec: per-layer `GatherSpec` (for a stacked weight, one layer's slice).
+      spec: per-layer `GatherSpec` of the model-parallel-local weight (for a stacked
+        weight, one layer's slice; with ``tp``/``ep`` splits, this rank's piece).
       stacked: the leading dim is a layer stack (split happens on dim 1 of the stored array).
+      splits: model-parallel splits applied before GTP (empty without ``tp``/``ep``).
     """
 
     path: str
     spec: GatherSpec
     stacked: bool
+    splits: tuple[DimSplit, ...] = ()
 
     @property
     def stored_dim(self) -> int:
@@ -43,14 +177,109 @@ class ParamPlan:
         return self.spec.shard_dim + int(self.stacked)
 
     def logical_shape(self, num_layers: int | None = None) -> tuple[int, ...]:
+        """Shape the module's math sees on one rank (model-parallel local, unpadded)."""
         lead = (num_layers,) if self.stacked else ()
         return lead + self.spec.logical_shape
 
     def partition_spec(self, ndim: int) -> P:
-        """`PartitionSpec` of the stored array: the GTP axis on `stored_dim`."""
-        entries: list[str | None] = [None] * ndim
+        """`PartitionSpec` of the stored array: the GTP axis on `stored_dim`, model-parallel
+        axes on their dims."""
+        entries = list(SplitPlan(self.path, self.stacked, self.splits).partition_spec(ndim))
         entries[self.stored_dim] = self.spec.axis
         return P(*entries)
+
+    def to_stored(self, value):
+        """Full logical array -> stored layout: model-parallel splits, then GTP padding."""
+        value = SplitPlan(self.path, self.stacked, self.splits).to_stored(value)
+        widths = [(0, 0)] * value.ndim
+        widths[self.stored_dim] = (0, self.spec.padded_size - value.shape[self.stored_dim])
+        return jnp.pad(value, widths)
+
+    def from_stored(self, value):
+        """Stored layout -> full logical array (exact inverse of `to_stored`)."""
+        logical = self.spec.logical_shape[self.spec.shard_dim]
+        value = jnp.take(value, jnp.arange(logical), axis=self.stored_dim)
+        return SplitPlan(self.path, self.stacked, self.splits).from_stored(value)
+
+
+def model_splits(path: str, per_layer: tuple[int, ...], metadata: dict, mesh: Mesh,
+                 gtp_axis: str) -> tuple[DimSplit, ...]:
+    """The model-parallel splits a parameter's metadata asks for on `mesh`.
+
+    Axes of size 1 (or missing from the mesh) split nothing.
+
+    Raises:
+      ValueError: a dim is out of range or named twice, `TP_PARTS` does not divide the dim,
+        the expert dim does not divide by ``ep``, or a split uses the GTP axis.
+    """
+    splits = []
+    used: dict[int, str] = {}
+    for key, axis in SPLIT_AXES.items():
+        dim = metadata.get(key)
+        if dim is None:
+            continue
+        if not isinstance(dim, (int, np.integer)) or not -len(per_layer) <= dim < len(per_layer):
+            raise ValueError(
+                f"Parameter {path!r}: metadata {key}={dim!r} is not a dim of its per-layer "
+                f"shape {per_layer}; set it to a dim index in [0, {len(per_layer)}).")
+        dim = int(dim) % len(per_layer)
+        if dim in used:
+            raise ValueError(
+                f"Parameter {path!r}: dim {dim} is named by both {used[dim]} and {key}; a "
+                "dim can be split over one mesh axis only.")
+        used[dim] = key
+        size = int(mesh.shape.get(axis, 1))
+        if size == 1:
+            continue
+        if axis == gtp_axis:
+            raise ValueError(
+                f"Parameter {path!r}: GTPConfig.axis={gtp_axis!r} is also its {key} axis; "
+                "use distinct mesh axes for GTP and tensor/expert parallelism.")
+        parts = int(metadata.get(TP_PARTS, 1)) if key == TP_DIM else 1
+        if parts < 1 or per_layer[dim] % parts:
+            raise ValueError(
+                f"Parameter {path!r}: {TP_PARTS}={parts} does not divide dim {dim} of size "
+                f"{per_layer[dim]}.")
+        if parts > 1 and (per_layer[dim] // parts) % size:
+            # Padding inside a fused dim would put zeros between real columns of the stored
+            # array, which no "logical shape + trailing padding" reader (unshard excepted)
+            # could undo; an even split keeps the stored layout a pure permutation.
+            raise ValueError(
+                f"Parameter {path!r}: its {parts} fused parts of {per_layer[dim] // parts} "
+                f"columns each (dim {dim}) do not divide over {axis}={size}; choose a hidden "
+                f"width (e.g. d_ff) that is a multiple of {size}.")
+        if key == EP_DIM and per_layer[dim] % size:
+            raise ValueError(
+                f"Parameter {path!r}: its expert dim {dim} has {per_layer[dim]} experts, not "
+                f"divisible by ep={size}; choose a number of experts that is a multiple of "
+                "ep, or a smaller ep.")
+        splits.append(DimSplit(axis=axis, axis_size=size, dim=dim, size=int(per_layer[dim]),
+                               parts=parts))
+    return tuple(splits)
+
+
+def choose_shard_dim(path: str, per_layer: tuple[int, ...], metadata: dict,
+                     splits: tuple[DimSplit, ...]) -> int | None:
+    """The per-layer dim GTP shards: `SHARD_DIM` metadata, else the first dim no model-parallel
+    split uses (None when every dim is split).
+
+    Raises:
+      ValueError: `SHARD_DIM` is out of range or names a model-parallel dim.
+    """
+    taken = {s.dim for s in splits}
+    dim = metadata.get(SHARD_DIM)
+    if dim is None:
+        return next((d for d in range(len(per_layer)) if d not in taken), None)
+    if not isinstance(dim, (int, np.integer)) or not -len(per_layer) <= dim < len(per_layer):
+        raise ValueError(
+            f"Parameter {path!r}: metadata {SHARD_DIM}={dim!r} is not a dim of its per-layer "
+            f"shape {per_layer}.")
+    dim = int(dim) % len(per_layer)
+    if dim in taken:
+        raise ValueError(
+            f"Parameter {path!r}: {SHARD_DIM}={dim} is also split over a model-parallel axis "
+            f"({[s.axis for s in splits if s.dim == dim][0]!r}); GTP must shard another dim.")
+    return dim
 
 
 def path_str(path: Iterable[object]) -> str:
@@ -66,8 +295,18 @@ def plan_param(
     stacked: bool,
     mesh: Mesh,
     config: GTPConfig,
+    splits: tuple[DimSplit, ...] = (),
+    shard_dim: int | None = 0,
 ) -> ParamPlan | None:
-    """Decides whether one parameter is sharded; returns its plan or None (replicated).
+    """Decides whether one parameter is GTP-sharded; returns its plan or None.
+
+    Eligibility (rank, size) is judged on the model-parallel-local shape, which is what the
+    all-gather moves. None means "not GTP-sharded"; the caller still applies `splits`.
+
+    Args:
+      splits: model-parallel splits (`model_splits`); the `GatherSpec` describes the local
+        piece they leave on one rank.
+      shard_dim: per-layer dim to GTP-shard (`choose_shard_dim`); None: no dim is free.
 
     Raises:
       TypeError: an `include` pattern explicitly selects a non-floating parameter.
@@ -78,7 +317,10 @@ def plan_param(
     if any(re.search(p, path) for p in config.exclude):
         return None
     is_float = jnp.issubdtype(dtype, jnp.floating)
-    per_layer = shape[1:] if stacked else shape
+    per_layer = list(shape[1:] if stacked else shape)
+    for s in splits:
+        per_layer[s.dim] = s.local_size
+    per_layer = tuple(per_layer)
     if explicit:
         if not is_float:
             raise TypeError(
@@ -93,17 +335,21 @@ def plan_param(
     else:
         if not is_float or len(per_layer) < 2 or int(np.prod(per_layer)) < config.min_elements:
             return None
+    if shard_dim is None:
+        return None
     axis_size = mesh.shape[config.axis]
     align = config.alignment(axis_size)
-    padded = -(-per_layer[0] // align) * align
+    padded = -(-per_layer[shard_dim] // align) * align
     spec = GatherSpec(
         axis=config.axis,
         axis_size=axis_size,
-        shard_dim=0,
+        shard_dim=shard_dim,
         logical_shape=tuple(int(d) for d in per_layer),
         padded_size=int(padded),
         param_dtype=np.dtype(dtype),
         gather_dtype=config.gather_dtype,
         reduce_dtype=config.reduce_dtype,
+        gather_format=config.gather_format,
+        quant_backend=config.quant_backend,
     )
-    return ParamPlan(path=path, spec=spec, stacked=stacked)
+    return ParamPlan(path=path, spec=spec, stacked=stacked, splits=tuple(splits))

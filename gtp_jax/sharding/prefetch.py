@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gtp_jax.sharding.collectives import all_gather_shard, reduce_scatter_grad
+from gtp_jax.sharding.collectives import all_gather_shards, reduce_scatter_grad
 from gtp_jax.sharding.lazy import is_shard
 
 
@@ -127,7 +127,9 @@ def prefetch_scan(
     mid_layout, last_layout = _ResidualLayout(), _ResidualLayout()
 
     def gather(layer_shards: list[jax.Array]) -> list[jax.Array]:
-        return [all_gather_shard(s, spec) for s, spec in zip(layer_shards, specs)]
+        # One call per layer: low-precision formats agree on all scales of the layer with a
+        # single all-reduce.
+        return all_gather_shards(layer_shards, specs)
 
     # Every per-layer access is a dynamic index into the *whole* stacked array, which the
     # loop reads in place. Slicing a stack first (``s[1:]``) or concatenating per-layer

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import jax
 
-from gtp_jax.sharding.collectives import GATHERED_WEIGHT, GatherSpec
+from gtp_jax.sharding.collectives import GATHERED_WEIGHT, GatherSpec, regather_policy
 from gtp_jax.sharding.lazy import is_shard
 from gtp_jax.sharding.prefetch import prefetch_scan
 
@@ -19,14 +20,31 @@ def gathered_weight_policy(specs: Sequence[GatherSpec]) -> Callable[..., bool]:
     A name-based policy alone is not enough: it refuses to save the *named* value, but the
     value it names (the all-gather's output, or the slice that drops the padding) is still
     saveable, and JAX saves that instead. So this policy also refuses the outputs of
-    ``all_gather`` and of a ``slice`` that turns a padded weight into its logical shape.
+    ``all_gather`` and of a ``slice`` that turns a padded weight into its logical shape, and
+    of the nested checkpoint that wraps a whole low-precision gather (`gather_weight`).
     """
     unpads = {(s.padded_shape, s.logical_shape) for s in specs
               if s.padded_size != s.logical_shape[s.shard_dim]}
+    # A low-precision gather rebuilds the weight with ordinary ops (decode, unpack, scale,
+    # cast, reshape, unpad) that JAX inlines from the nested checkpoint, and any of them
+    # could be saved instead. Those ops all work on arrays with the element count of the
+    # gathered payload, block scales or weight, so nothing computed from such an operand is
+    # saved, except the matmul outputs that consume the weight (activations). Over-matching
+    # (an activation with the same element count) only costs a recompute, never correctness.
+    gathered_sizes = set().union(*(_gathered_sizes(s) for s in specs if s.quantized))
+
+    def gathered_operand(aval: Any) -> bool:
+        shape = getattr(aval, "shape", None)
+        return shape is not None and len(shape) >= 1 and math.prod(shape) in gathered_sizes
 
     def policy(prim: Any, *avals: Any, **params: Any) -> bool:
         if prim.name in ("all_gather", "all_gather_invariant"):
             return False
+        if gathered_sizes and prim.name != "dot_general" and any(
+                gathered_operand(a) for a in avals):
+            return False
+        if prim.name == "checkpoint" and params.get("policy") is regather_policy:
+            return False  # a whole low-precision gather (`gather_weight`)
         if prim.name == "name" and params.get("name") == GATHERED_WEIGHT:
             return False
         if prim.name == "slice" and avals:
@@ -36,6 +54,20 @@ def gathered_weight_policy(specs: Sequence[GatherSpec]) -> Callable[..., bool]:
         return True
 
     return policy
+
+
+def _gathered_sizes(spec: GatherSpec) -> set[int]:
+    """Element counts of the arrays a low-precision gather of `spec` builds the weight from."""
+    from gtp_jax import pallas  # deferred: only low-precision gathers need the kernels
+
+    q = jax.eval_shape(lambda x: pallas.quantize(x, spec.gather_format, axis=spec.block_axis,
+                                                 backend="reference"),
+                       jax.ShapeDtypeStruct(spec.padded_shape, spec.param_dtype))
+    sizes = {math.prod(spec.padded_shape), math.prod(spec.logical_shape),
+             q.payload.size, 2 * q.payload.size}  # nvfp4 packs two values per byte
+    if q.block_scales is not None:
+        sizes.add(q.block_scales.size)
+    return sizes
 
 
 def scan_layers(

@@ -1,0 +1,205 @@
+"""Multi-process runs: one JAX process per host (or per GPU), joined by `jax.distributed`.
+
+Every process runs the same program on its local devices; `jax.devices()` then lists the
+devices of all processes and the mesh (`gtp_jax.make_mesh`) spans them. Process 0 runs the
+coordination service at ``coordinator`` (``HOST:PORT``, reachable from every process).
+Across processes, CPU collectives go through gloo and GPU collectives through NCCL.
+
+Launch (the same command on every process, only ``--process-id`` differs)::
+
+    # CPU, 2 local processes x 4 simulated devices each (mesh dp=2 x gtp=4)
+    python -m gtp_jax train --coordinator localhost:12355 --num-processes 2 --process-id 0 &
+    python -m gtp_jax train --coordinator localhost:12355 --num-processes 2 --process-id 1
+
+    # GPUs, one process per host (all local GPUs), e.g. 2 hosts x 8 GPUs
+    python -m gtp_jax train --coordinator host0:12355 --num-processes 2 --process-id $RANK \\
+        --dp 2 --gtp 8
+
+    # GPUs, one process per GPU on one 8-GPU host
+    for i in $(seq 0 7); do python -m gtp_jax train --coordinator localhost:12355 \\
+        --num-processes 8 --process-id $i --local-device-ids $i --gtp 8 & done
+
+Instead of the flags, ``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES`` and
+``JAX_PROCESS_ID`` may be set (all three), or ``--distributed-auto`` lets JAX detect a
+SLURM, Open MPI, Kubernetes or Cloud TPU job (`jax.distributed.initialize` with no args).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping, Sequence
+
+import jax
+
+ENV_COORDINATOR = "JAX_COORDINATOR_ADDRESS"
+ENV_NUM_PROCESSES = "JAX_NUM_PROCESSES"
+ENV_PROCESS_ID = "JAX_PROCESS_ID"
+
+
+@dataclasses.dataclass(frozen=True)
+class DistributedConfig:
+    """How this process joins a multi-process run.
+
+    Attributes:
+      coordinator: ``HOST:PORT`` of process 0's coordination service (``[v6addr]:PORT``
+        for IPv6). None together with `num_processes` and `process_id`: a single process.
+      num_processes: number of processes in the run, >= 1.
+      process_id: this process's index, ``0 <= process_id < num_processes``.
+      local_device_ids: the local devices this process uses (e.g. ``(3,)`` for one process
+        per GPU); None: all visible devices.
+      auto: let JAX detect the cluster (SLURM, Open MPI, Kubernetes, Cloud TPU); the three
+        fields above may then stay None.
+    """
+
+    coordinator: str | None = None
+    num_processes: int | None = None
+    process_id: int | None = None
+    local_device_ids: tuple[int, ...] | None = None
+    auto: bool = False
+
+    def __post_init__(self) -> None:
+        given = {"coordinator": self.coordinator, "num_processes": self.num_processes,
+                 "process_id": self.process_id}
+        if not self.auto and any(v is not None for v in given.values()):
+            missing = [k for k, v in given.items() if v is None]
+            if missing:
+                flags = ", ".join("--" + k.replace("_", "-") for k in missing)
+                raise ValueError(
+                    f"DistributedConfig: {', '.join(missing)} not set ({flags}); a multi-process "
+                    "run needs --coordinator HOST:PORT, --num-processes N and --process-id I "
+                    "on every process (or --distributed-auto under SLURM/Open MPI)."
+                )
+        if self.coordinator is not None:
+            parse_address(self.coordinator)
+        if self.num_processes is not None:
+            _check_int("num_processes", self.num_processes, 1)
+        if self.process_id is not None:
+            _check_int("process_id", self.process_id, 0)
+            if self.num_processes is not None and self.process_id >= self.num_processes:
+                raise ValueError(
+                    f"DistributedConfig.process_id={self.process_id} must be < num_processes="
+                    f"{self.num_processes}; use --process-id 0..{self.num_processes - 1}."
+                )
+        if self.local_device_ids is not None:
+            ids = tuple(self.local_device_ids)
+            for i in ids:
+                _check_int("local_device_ids", i, 0)
+            if not ids or len(set(ids)) != len(ids):
+                raise ValueError(
+                    f"DistributedConfig.local_device_ids={ids} must be distinct device ids, "
+                    "e.g. --local-device-ids 0 or 0,1."
+                )
+            object.__setattr__(self, "local_device_ids", ids)
+        if not isinstance(self.auto, bool):
+            raise TypeError(f"DistributedConfig.auto={self.auto!r} must be a bool.")
+
+    @property
+    def enabled(self) -> bool:
+        """Whether `initialize` calls `jax.distributed.initialize`."""
+        return self.auto or self.coordinator is not None
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> DistributedConfig:
+        """Reads ``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES``, ``JAX_PROCESS_ID``.
+
+        Returns a single-process config when none is set.
+
+        Raises:
+          ValueError: only some are set, or a value is not an int.
+        """
+        env = os.environ if env is None else env
+        names = (ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID)
+        values = {n: env.get(n) for n in names}
+        if all(v is None for v in values.values()):
+            return cls()
+        missing = [n for n, v in values.items() if v is None]
+        if missing:
+            present = [n for n in names if n not in missing]
+            raise ValueError(
+                f"{', '.join(missing)} not set while {', '.join(present)} is; set all three "
+                "environment variables or none."
+            )
+        ints = {}
+        for name in (ENV_NUM_PROCESSES, ENV_PROCESS_ID):
+            try:
+                ints[name] = int(values[name])
+            except ValueError as err:
+                raise ValueError(f"{name}={values[name]!r} must be an integer.") from err
+        return cls(coordinator=values[ENV_COORDINATOR], num_processes=ints[ENV_NUM_PROCESSES],
+                   process_id=ints[ENV_PROCESS_ID])
+
+
+def parse_address(address: str) -> tuple[str, int]:
+    """``"host:1234"`` / ``"[::1]:1234"`` -> (host, port); ValueError naming the fix."""
+    if not isinstance(address, str) or ":" not in address:
+        raise ValueError(
+            f"coordinator={address!r} must be HOST:PORT, e.g. --coordinator localhost:12355."
+        )
+    host, _, port_text = address.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    try:
+        port = int(port_text)
+    except ValueError:
+        port = -1
+    if not host or not 1 <= port <= 65535:
+        raise ValueError(
+            f"coordinator={address!r}: need a host and a port in 1..65535, e.g. "
+            "--coordinator localhost:12355."
+        )
+    return host, port
+
+
+def initialize(config: DistributedConfig) -> None:
+    """Joins the run described by `config` (no-op for a single process).
+
+    Call before anything touches a JAX backend (device queries, arrays). Blocks until all
+    `num_processes` processes have joined (JAX's initialization timeout applies).
+    """
+    if not isinstance(config, DistributedConfig):
+        raise TypeError(f"initialize expects a DistributedConfig, got {type(config).__name__}.")
+    if not config.enabled or jax.distributed.is_initialized():
+        return
+    try:
+        # Cross-process collectives on CPU; this is already the default on current JAX, set
+        # explicitly because older versions defaulted to none (single-process CPU only).
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    except (AttributeError, ValueError):  # pragma: no cover - option renamed or removed
+        pass
+    if config.auto and config.coordinator is None:
+        jax.distributed.initialize(local_device_ids=config.local_device_ids)
+        return
+    jax.distributed.initialize(
+        coordinator_address=config.coordinator,
+        num_processes=config.num_processes,
+        process_id=config.process_id,
+        local_device_ids=list(config.local_device_ids) if config.local_device_ids else None,
+    )
+
+
+def shutdown() -> None:
+    """Leaves the run (all processes call it at the end); no-op for a single process.
+
+    An explicit shutdown lets the processes disconnect from the coordination service
+    together instead of each one's exit looking like a failure to the others.
+    """
+    if jax.distributed.is_initialized():
+        jax.distributed.shutdown()
+
+
+def is_primary() -> bool:
+    """True on the process that prints and writes run-level files (process 0)."""
+    return jax.process_index() == 0
+
+
+def _check_int(name: str, value: object, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        flag = "--" + name.replace("_", "-")
+        raise ValueError(
+            f"DistributedConfig.{name}={value!r} must be an int >= {minimum} ({flag})."
+        )
+
+
+__all__: Sequence[str] = ("DistributedConfig", "initialize", "is_primary", "parse_address",
+                          "shutdown")

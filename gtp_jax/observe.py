@@ -1,0 +1,186 @@
+"""Observability for training runs: profiler traces, MFU, device memory, JSON metrics.
+
+MFU (model FLOPs utilization) = achieved model FLOP/s over the devices' peak:
+
+    MFU = flops_per_token * tokens_per_second / (num_devices * peak_flops_per_device)
+
+with ``flops_per_token = TransformerConfig.train_flops_per_token(seq_len)`` =
+``6 * (block params + head params) + 6 * n_layers * d_model * seq_len`` (forward + backward
+matmuls; causal attention at half the dense cost; embedding lookup, norms and recompute not
+counted). The peak is the dense tensor-core rate of the device kind (`PEAK_FLOPS`) for the
+compute dtype: bfloat16, or for float32 compute the TF32 rate, which XLA's default matmul
+precision uses for float32 dots on NVIDIA GPUs since Ampere. Devices without an entry
+(CPU, unknown kinds) report MFU as n/a.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import json
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+
+#: Dense peak FLOP/s per device by device-kind substring and compute dtype (datasheets:
+#: NVIDIA SXM parts without sparsity; TPU bf16 MXU rates, also used for float32 dots,
+#: which run as bf16 passes at default precision). Longer keys are matched first.
+PEAK_FLOPS: dict[str, dict[str, float]] = {
+    "H100 PCIe": {"bfloat16": 756e12, "float32": 378e12},
+    "H100": {"bfloat16": 989e12, "float32": 494e12},
+    "H200": {"bfloat16": 989e12, "float32": 494e12},
+    "GH200": {"bfloat16": 989e12, "float32": 494e12},
+    "B200": {"bfloat16": 2250e12, "float32": 1100e12},
+    "A100": {"bfloat16": 312e12, "float32": 156e12},
+    "TPU v4": {"bfloat16": 275e12, "float32": 275e12},
+    "TPU v5 lite": {"bfloat16": 197e12, "float32": 197e12},
+    "TPU v5p": {"bfloat16": 459e12, "float32": 459e12},
+    "TPU v6 lite": {"bfloat16": 918e12, "float32": 918e12},
+}
+
+
+def peak_flops(device_kind: str, dtype: str) -> float | None:
+    """Peak dense FLOP/s of one device of `device_kind` computing in `dtype`, or None."""
+    for key in sorted(PEAK_FLOPS, key=len, reverse=True):
+        if key in device_kind:
+            return PEAK_FLOPS[key].get(dtype)
+    return None
+
+
+def memory_per_device(devices: Sequence[jax.Device] | None = None) -> dict[str, int] | None:
+    """Largest ``bytes_in_use`` / ``peak_bytes_in_use`` / ``bytes_limit`` over `devices`.
+
+    `devices` defaults to this process's devices. Returns None when the backend keeps no
+    allocator statistics (``Device.memory_stats()`` is None on CPU).
+    """
+    devices = jax.local_devices() if devices is None else devices
+    stats = [d.memory_stats() for d in devices]
+    if not stats or any(s is None for s in stats):
+        return None
+    keys = ("bytes_in_use", "peak_bytes_in_use", "bytes_limit")
+    return {k: max(int(s.get(k, 0)) for s in stats) for k in keys}
+
+
+@dataclasses.dataclass(frozen=True)
+class ObserveConfig:
+    """What a training run records besides its progress bar and summary.
+
+    Attributes:
+      profile_dir: write a `jax.profiler` trace here (TensorBoard/XProf ``.xplane.pb`` and a
+        Perfetto ``perfetto_trace.json.gz`` under ``plugins/profile/<run>/``; in a
+        multi-process run each process writes under ``process_<i>/``). None: no trace.
+      profile_steps: (first, last) optimizer steps to trace, 1-based and inclusive; None:
+        the default window, steps 2..4 of the run (step 1 compiles), clipped to the run.
+      metrics_json: write per-step metrics and the summary to this JSON file (process 0).
+    """
+
+    profile_dir: str | None = None
+    profile_steps: tuple[int, int] | None = None
+    metrics_json: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.profile_steps is not None:
+            if self.profile_dir is None:
+                raise ValueError("--profile-steps needs --profile-dir DIR (where the trace goes).")
+            steps = tuple(self.profile_steps)
+            if (len(steps) != 2 or any(isinstance(s, bool) or not isinstance(s, int)
+                                       for s in steps) or not 1 <= steps[0] <= steps[1]):
+                raise ValueError(
+                    f"profile_steps={self.profile_steps!r} must be (first, last) with "
+                    "1 <= first <= last, e.g. --profile-steps 3:5."
+                )
+            object.__setattr__(self, "profile_steps", steps)
+        for name in ("profile_dir", "metrics_json"):
+            value = getattr(self, name)
+            if value is not None:
+                value = os.fspath(value)
+                if not value:
+                    raise ValueError(f"ObserveConfig.{name} must be a non-empty path.")
+                object.__setattr__(self, name, value)
+        if self.metrics_json is not None and os.path.isdir(self.metrics_json):
+            raise ValueError(
+                f"--metrics-json {self.metrics_json!r} is a directory; pass a file path such "
+                "as metrics.json."
+            )
+
+    def profile_window(self, first_step: int, last_step: int) -> tuple[int, int] | None:
+        """The steps to trace in a run of steps `first_step`..`last_step`, or None.
+
+        Raises:
+          ValueError: `profile_steps` lies outside the run.
+        """
+        if self.profile_dir is None:
+            return None
+        if self.profile_steps is None:
+            start = min(first_step + 1, last_step)
+            return start, min(start + 2, last_step)
+        lo, hi = self.profile_steps
+        if lo < first_step or hi > last_step:
+            raise ValueError(
+                f"--profile-steps {lo}:{hi} lies outside this run's steps "
+                f"{first_step}..{last_step}; choose a range inside it."
+            )
+        return lo, hi
+
+
+def parse_steps(text: str) -> tuple[int, int]:
+    """``"3:5"`` -> (3, 5); ``"4"`` -> (4, 4). ValueError naming the expected format."""
+    parts = text.split(":")
+    try:
+        values = [int(p) for p in parts]
+    except ValueError:
+        values = []
+    if len(values) == 1:
+        values = values * 2
+    if len(values) != 2:
+        raise ValueError(f"--profile-steps {text!r}: use FIRST:LAST, e.g. --profile-steps 3:5.")
+    return values[0], values[1]
+
+
+class StepProfiler:
+    """Starts a `jax.profiler` trace before step `first` and stops it after step `last`."""
+
+    def __init__(self, directory: str, window: tuple[int, int]):
+        if jax.process_count() > 1:
+            # Traces are named after the host; local processes would overwrite each other.
+            directory = os.path.join(directory, f"process_{jax.process_index()}")
+        self.directory = directory
+        self.window = window
+        self.active = False
+        self.trace_path: str | None = None
+
+    def before(self, step: int) -> None:
+        if step == self.window[0] and not self.active:
+            os.makedirs(self.directory, exist_ok=True)
+            jax.profiler.start_trace(self.directory, create_perfetto_trace=True)
+            self.active = True
+
+    def after(self, step: int) -> None:
+        if step == self.window[1]:
+            self.stop()
+
+    def stop(self) -> None:
+        if not self.active:
+            return
+        jax.profiler.stop_trace()
+        self.active = False
+        found = sorted(glob.glob(os.path.join(self.directory, "plugins", "profile", "*",
+                                              "perfetto_trace.json.gz")), key=os.path.getmtime)
+        self.trace_path = found[-1] if found else None
+
+
+def write_json(path: str, payload: dict[str, Any]) -> None:
+    """Writes `payload` to `path` atomically (temporary file + rename)."""
+    parent = os.path.dirname(os.path.abspath(path))
+    os.makedirs(parent, exist_ok=True)
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(payload, f, indent=1)
+        f.write("\n")
+    os.replace(tmp, path)
+
+
+__all__ = ["PEAK_FLOPS", "ObserveConfig", "StepProfiler", "memory_per_device", "parse_steps",
+           "peak_flops", "write_json"]

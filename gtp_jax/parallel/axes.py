@@ -1,0 +1,89 @@
+"""Which model-parallel mesh axes the code being traced runs under.
+
+`gtp_jax.ShardedModule` traces the wrapped module inside ``jax.shard_map`` and, while it does,
+publishes the tensor-parallel and expert-parallel axes of its mesh here. Model code reads them
+with `current_axes` to decide whether to run Megatron tensor/sequence parallelism (``tp``) or
+expert parallelism (``ep``); outside a sharded call (the unsharded reference model) both are
+None and the same code runs the plain single-device math.
+
+The value is read at trace time only: gradient rules get the axis names they need as static
+arguments, so nothing depends on the context being active when the backward pass is traced.
+Code that calls ``jax.shard_map`` itself can publish axes with `use_axes`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+from collections.abc import Iterator
+
+from jax.sharding import Mesh
+
+#: Mesh axis of Megatron tensor + sequence parallelism.
+TP_AXIS = "tp"
+#: Mesh axis of expert parallelism.
+EP_AXIS = "ep"
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelAxes:
+    """Model-parallel axes of the current ``shard_map`` (None: that parallelism is off).
+
+    Attributes:
+      tp: tensor/sequence-parallel axis name, or None.
+      tp_size: number of ranks on `tp` (1 when off).
+      ep: expert-parallel axis name, or None.
+      ep_size: number of ranks on `ep` (1 when off).
+    """
+
+    tp: str | None = None
+    tp_size: int = 1
+    ep: str | None = None
+    ep_size: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "ep"):
+            axis, size = getattr(self, name), getattr(self, f"{name}_size")
+            if not isinstance(size, int) or size < 1:
+                raise ValueError(f"ParallelAxes.{name}_size={size!r} must be a positive int.")
+            if axis is None and size != 1:
+                raise ValueError(
+                    f"ParallelAxes: {name}_size={size} needs an axis name ({name}=None).")
+
+    @classmethod
+    def from_mesh(cls, mesh: Mesh) -> ParallelAxes:
+        """``tp``/``ep`` of `mesh` when their size is > 1 (size-1 axes count as off)."""
+        tp = mesh.shape.get(TP_AXIS, 1)
+        ep = mesh.shape.get(EP_AXIS, 1)
+        return cls(tp=TP_AXIS if tp > 1 else None, tp_size=int(tp),
+                   ep=EP_AXIS if ep > 1 else None, ep_size=int(ep))
+
+
+_OFF = ParallelAxes()
+_CURRENT: contextvars.ContextVar[ParallelAxes | None] = contextvars.ContextVar(
+    "gtp_jax_parallel_axes", default=None)
+
+
+def current_axes() -> ParallelAxes:
+    """The `ParallelAxes` published by the enclosing sharded call (all off outside one)."""
+    axes = _CURRENT.get()
+    return _OFF if axes is None else axes
+
+
+@contextlib.contextmanager
+def use_axes(axes: ParallelAxes) -> Iterator[ParallelAxes]:
+    """Publishes `axes` to model code traced inside the ``with`` block.
+
+    Example (inside your own ``jax.shard_map`` body)::
+
+        with use_axes(ParallelAxes.from_mesh(mesh)):
+            logits = model(tokens)
+    """
+    if not isinstance(axes, ParallelAxes):
+        raise TypeError(f"use_axes: expected a ParallelAxes, got {type(axes).__name__}.")
+    token = _CURRENT.set(axes)
+    try:
+        yield axes
+    finally:
+        _CURRENT.reset(token)

@@ -1,0 +1,289 @@
+"""Collective matmuls on the sequence dimension: all-gather + GEMM and GEMM + reduce-scatter.
+
+These are the two communication patterns of Megatron sequence parallelism (see `tp`):
+
+* `all_gather_matmul`: ``all_gather(x, seq) @ w`` -- the column-parallel layer's input is
+  sequence-sharded and must be gathered before its GEMM;
+* `matmul_reduce_scatter`: ``psum_scatter(h @ w, seq)`` -- the row-parallel layer's output
+  is a partial sum and leaves sequence-sharded.
+
+Each has two implementations behind one ``custom_vjp``, chosen with ``overlap``:
+
+* ``overlap=False``: one ``all_gather`` / ``psum_scatter`` and one GEMM (XLA may or may not
+  overlap them with neighbouring work);
+* ``overlap=True``: a ring of ``jax.lax.ppermute`` steps ("collective matmul", as in
+  Wang et al., ASPLOS'23 and the TE/Megatron userbuffer overlap): with ``n`` ranks the GEMM
+  is cut into ``n`` sequence chunks, and each step multiplies the chunk in hand while the
+  next chunk (all-gather) or the running partial sum (reduce-scatter) travels to the
+  neighbour. Nothing in a step depends on that step's transfer, so the latency-hiding
+  scheduler can run them concurrently. The ring is unrolled (``n`` is small and static),
+  which leaves the scheduler free to move every transfer.
+
+The backward passes are the dual rings: the input gradient of an all-gather-matmul is a
+matmul-reduce-scatter and vice versa, and the weight gradient is accumulated chunk by chunk
+while the input (resp. the output gradient) is all-gathered around the ring. Both
+implementations save only the *local* (sequence-sharded) activation for the backward pass
+and re-gather it there -- the sequence-parallel memory saving -- so they differ only in
+scheduling and agree to float rounding.
+
+XLA's own collective matmul ("windowed einsum", flags ``--xla_gpu_threshold_for_windowed_
+einsum_mib``, ``--xla_gpu_multi_streamed_windowed_einsum``, ``--xla_gpu_operand_bytes_
+threshold_for_windowed_einsum``, ``--xla_gpu_experimental_enable_alltoall_windowed_einsum``,
+present in jaxlib 0.10.2) is a rewrite of the SPMD partitioner: it applies to einsums that
+XLA partitions itself under ``jit`` with sharded operands, not to explicit collectives
+inside ``shard_map``, so it cannot replace these functions here; ``python -m gtp_jax.bench
+parallel --micro`` times both on the same GEMM.
+
+Every function runs inside ``jax.shard_map`` with `axis_name` a manual mesh axis. Shapes:
+activations are ``[batch, seq, *features]`` with the sequence on dim 1.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+_F32 = jnp.float32
+
+
+def _ring_perm(n: int) -> list[tuple[int, int]]:
+    """Every rank sends to its right neighbour."""
+    return [(j, (j + 1) % n) for j in range(n)]
+
+
+def _as_2d(w: jax.Array, n_contract: int) -> jax.Array:
+    return w.reshape(math.prod(w.shape[:n_contract]), -1)
+
+
+def _x3(x: jax.Array, n_contract: int) -> jax.Array:
+    """``[B, S, *k]`` -> ``[B, S, prod(k)]``."""
+    return x.reshape(x.shape[0], x.shape[1], math.prod(x.shape[x.ndim - n_contract:]))
+
+
+def _mm(x: jax.Array, w: jax.Array, out_dtype=None) -> jax.Array:
+    """``[B, S, K] @ [K, N] -> [B, S, N]``."""
+    return jnp.einsum("bsk,kn->bsn", x, w, preferred_element_type=out_dtype)
+
+
+def _wgrad(x: jax.Array, dy: jax.Array, out_dtype=None) -> jax.Array:
+    """``sum_{b,s} x[b,s,:]^T dy[b,s,:]`` -> ``[K, N]``."""
+    return jnp.einsum("bsk,bsn->kn", x, dy, preferred_element_type=out_dtype)
+
+
+def _chunk(x: jax.Array, index: jax.Array, size: int) -> jax.Array:
+    return lax.dynamic_slice_in_dim(x, index * size, size, axis=1)
+
+
+# ------------------------------------------------------------------------ ring building blocks
+
+
+def ring_all_gather_fold(x: jax.Array, axis_name: str, fn, carry):
+    """Passes every rank's `x` around the ring once, folding ``carry = fn(carry, chunk, src)``.
+
+    Step ``i`` (of ``n``) holds the chunk of rank ``src = (me - i) mod n``; the hop that
+    brings the next chunk is issued before `fn` runs on the current one and does not depend
+    on it, so transfer and compute can overlap.
+
+    Args:
+      x: this rank's chunk (any shape).
+      axis_name: manual mesh axis of the ring.
+      fn: ``(carry, chunk, src: int32 scalar) -> carry``.
+      carry: initial carry.
+
+    Returns:
+      The final carry.
+    """
+    n = lax.axis_size(axis_name)
+    me = lax.axis_index(axis_name)
+    chunk = x
+    for i in range(n):
+        incoming = lax.ppermute(chunk, axis_name, _ring_perm(n)) if i < n - 1 else None
+        carry = fn(carry, chunk, (me - i) % n)
+        chunk = incoming
+    return carry
+
+
+def ring_reduce_scatter(partial_fn, axis_name: str, dtype) -> jax.Array:
+    """Reduce-scatter of per-chunk partial results, accumulated around the ring.
+
+    Step ``i`` computes ``partial_fn(c)`` for chunk ``c = (me - i - 1) mod n`` and adds it to
+    the accumulator received from the left neighbour, which has been summing the same chunk;
+    after ``n`` steps each rank holds the full sum of its own chunk. The hop of the
+    accumulator and the partial GEMM of a step are independent.
+
+    Args:
+      partial_fn: ``(c: int32 scalar) -> array``, this rank's contribution to chunk ``c``
+        (float32 preferred; every call must return the same shape).
+      axis_name: manual mesh axis of the ring.
+      dtype: dtype the accumulator travels in (the partials are added in float32).
+
+    Returns:
+      This rank's chunk of the sum, in `dtype`.
+    """
+    n = lax.axis_size(axis_name)
+    me = lax.axis_index(axis_name)
+    acc = partial_fn((me - 1) % n).astype(dtype)
+    for i in range(1, n):
+        part = partial_fn((me - i - 1) % n)
+        acc = lax.ppermute(acc, axis_name, _ring_perm(n))
+        acc = (acc.astype(_F32) + part.astype(_F32)).astype(dtype)
+    return acc
+
+
+def _ring_ag_mm(x3: jax.Array, w2: jax.Array, axis_name: str) -> jax.Array:
+    """``all_gather(x3, seq) @ w2`` as a ring: ``[B, S_l, K] -> [B, n * S_l, N]``."""
+    n = lax.axis_size(axis_name)
+    b, s, _ = x3.shape
+    out = jnp.zeros((b, n * s, w2.shape[1]), x3.dtype)
+
+    def step(out, chunk, src):
+        return lax.dynamic_update_slice_in_dim(out, _mm(chunk, w2), src * s, axis=1)
+
+    return ring_all_gather_fold(x3, axis_name, step, out)
+
+
+def _ring_mm_rs(h3: jax.Array, w2: jax.Array, axis_name: str) -> jax.Array:
+    """``psum_scatter(h3 @ w2, seq)`` as a ring: ``[B, S, K] -> [B, S / n, N]``."""
+    s = h3.shape[1] // lax.axis_size(axis_name)
+    return ring_reduce_scatter(lambda c: _mm(_chunk(h3, c, s), w2, _F32), axis_name, h3.dtype)
+
+
+# ------------------------------------------------------------------------ all-gather + matmul
+
+
+def _check(x: jax.Array, w: jax.Array, n_contract: int, what: str) -> None:
+    if x.ndim < 2 + n_contract or w.ndim <= n_contract:
+        raise ValueError(
+            f"{what}: x {x.shape} must be [batch, seq, *k] and w {w.shape} [*k, *out] with "
+            f"n_contract={n_contract} contracted dims.")
+    if tuple(x.shape[x.ndim - n_contract:]) != tuple(w.shape[:n_contract]):
+        raise ValueError(
+            f"{what}: contracted dims of x {x.shape} and w {w.shape} differ "
+            f"(n_contract={n_contract}).")
+
+
+def all_gather_matmul(x: jax.Array, w: jax.Array, axis_name: str, *, overlap: bool = True,
+                      n_contract: int = 1) -> jax.Array:
+    """``all_gather(x, axis_name, seq dim) @ w`` (column-parallel input projection).
+
+    Args:
+      x: ``[B, S_local, *k]`` this rank's sequence chunk (chunks in rank order).
+      w: ``[*k, *out]`` this rank's weight (any float dtype equal to `x`'s).
+      axis_name: manual mesh axis the sequence is sharded over (``"tp"``).
+      overlap: ring of ppermutes overlapped with chunk GEMMs (True) or one all-gather (False).
+      n_contract: how many trailing dims of `x` / leading dims of `w` are contracted.
+
+    Returns:
+      ``[B, n * S_local, *out]`` in `x`'s dtype: the full-sequence GEMM with this rank's `w`.
+      Gradients: ``dx`` is a (ring) reduce-scatter of ``dy @ w^T``; ``dw`` accumulates
+      ``x_chunk^T dy_chunk`` while `x` is re-gathered (not saved gathered).
+    """
+    _check(x, w, n_contract, "all_gather_matmul")
+    return _ag_mm(x, w, axis_name, bool(overlap), int(n_contract))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _ag_mm(x, w, axis_name, overlap, n_contract):
+    return _ag_mm_fwd(x, w, axis_name, overlap, n_contract)[0]
+
+
+def _ag_mm_fwd(x, w, axis_name, overlap, n_contract):
+    x3, w2 = _x3(x, n_contract), _as_2d(w, n_contract)
+    if overlap:
+        y = _ring_ag_mm(x3, w2, axis_name)
+    else:
+        y = _mm(lax.all_gather(x3, axis_name, axis=1, tiled=True), w2)
+    out_shape = (y.shape[0], y.shape[1], *w.shape[n_contract:])
+    # Residuals: the local chunk (not the gathered sequence) and the weight object as given,
+    # so a layer loop that recognises gathered weights among residuals still can.
+    return y.reshape(out_shape), (x, w)
+
+
+def _ag_mm_bwd(axis_name, overlap, n_contract, res, dy):
+    x, w = res
+    x3, w2 = _x3(x, n_contract), _as_2d(w, n_contract)
+    dy3 = dy.reshape(dy.shape[0], dy.shape[1], -1)
+    s = x3.shape[1]
+    if overlap:
+        dx3 = ring_reduce_scatter(lambda c: _mm(_chunk(dy3, c, s), w2.T, _F32), axis_name,
+                                  x3.dtype)
+
+        def acc(dw, chunk, src):
+            return dw + _wgrad(chunk, _chunk(dy3, src, s), _F32)
+
+        dw2 = ring_all_gather_fold(x3, axis_name, acc, jnp.zeros(w2.shape, _F32))
+    else:
+        dx3 = lax.psum_scatter(_mm(dy3, w2.T), axis_name, scatter_dimension=1, tiled=True)
+        dw2 = _wgrad(lax.all_gather(x3, axis_name, axis=1, tiled=True), dy3)
+    return dx3.reshape(x.shape).astype(x.dtype), dw2.reshape(w.shape).astype(w.dtype)
+
+
+_ag_mm.defvjp(_ag_mm_fwd, _ag_mm_bwd)
+
+
+# ------------------------------------------------------------------------ matmul + reduce-scatter
+
+
+def matmul_reduce_scatter(h: jax.Array, w: jax.Array, axis_name: str, *, overlap: bool = True,
+                          n_contract: int = 1) -> jax.Array:
+    """``psum_scatter(h @ w, axis_name, seq dim)`` (row-parallel output projection).
+
+    Args:
+      h: ``[B, S, *k]`` full sequence, this rank's slice of the contracted features.
+      w: ``[*k, *out]`` this rank's rows of the weight.
+      axis_name: manual mesh axis; ``S`` must be divisible by its size.
+      overlap: ring of ppermuted partial sums (True) or one ``psum_scatter`` (False).
+      n_contract: how many trailing dims of `h` / leading dims of `w` are contracted.
+
+    Returns:
+      ``[B, S / n, *out]`` in `h`'s dtype: this rank's sequence chunk of the sum over ranks.
+      Gradients: ``dy`` is all-gathered (ring) once and used for both ``dh = dy_full @ w^T``
+      and ``dw = h^T dy_full``.
+    """
+    _check(h, w, n_contract, "matmul_reduce_scatter")
+    n = lax.axis_size(axis_name)
+    if h.shape[1] % n:
+        raise ValueError(
+            f"matmul_reduce_scatter: sequence length {h.shape[1]} is not divisible by the "
+            f"{n} ranks of axis {axis_name!r}; pad the sequence (gtp_jax.parallel.tp.pad_seq).")
+    return _mm_rs(h, w, axis_name, bool(overlap), int(n_contract))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _mm_rs(h, w, axis_name, overlap, n_contract):
+    return _mm_rs_fwd(h, w, axis_name, overlap, n_contract)[0]
+
+
+def _mm_rs_fwd(h, w, axis_name, overlap, n_contract):
+    h3, w2 = _x3(h, n_contract), _as_2d(w, n_contract)
+    if overlap:
+        y = _ring_mm_rs(h3, w2, axis_name)
+    else:
+        y = lax.psum_scatter(_mm(h3, w2), axis_name, scatter_dimension=1, tiled=True)
+    return y.reshape(y.shape[0], y.shape[1], *w.shape[n_contract:]), (h, w)
+
+
+def _mm_rs_bwd(axis_name, overlap, n_contract, res, dy):
+    h, w = res
+    h3, w2 = _x3(h, n_contract), _as_2d(w, n_contract)
+    dy3 = dy.reshape(dy.shape[0], dy.shape[1], -1)
+    s = dy3.shape[1]
+    if overlap:
+        def step(carry, chunk, src):
+            dh, dw = carry
+            dh = lax.dynamic_update_slice_in_dim(dh, _mm(chunk, w2.T), src * s, axis=1)
+            return dh, dw + _wgrad(_chunk(h3, src, s), chunk, _F32)
+
+        init = (jnp.zeros(h3.shape, h3.dtype), jnp.zeros(w2.shape, _F32))
+        dh3, dw2 = ring_all_gather_fold(dy3, axis_name, step, init)
+    else:
+        dy_full = lax.all_gather(dy3, axis_name, axis=1, tiled=True)
+        dh3, dw2 = _mm(dy_full, w2.T), _wgrad(h3, dy_full)
+    return dh3.reshape(h.shape).astype(h.dtype), dw2.reshape(w.shape).astype(w.dtype)
+
+
+_mm_rs.defvjp(_mm_rs_fwd, _mm_rs_bwd)

@@ -1,0 +1,153 @@
+"""Multi-process runs (`gtp_jax.distributed`): 2 CPU processes x 4 devices (gloo
+collectives) train like 1 process x 8 devices; configuration errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import max_rel_err
+
+from gtp_jax.__main__ import main as cli_main
+from gtp_jax.checkpoint import CheckpointConfig, Checkpointer
+from gtp_jax.distributed import DistributedConfig, initialize, parse_address
+from gtp_jax.train import TrainConfig, train
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+#: Same run as test_train.RUN (one compiled train step for the suite), as CLI flags.
+RUN = TrainConfig(steps=6, batch_size=8, seq_len=32, warmup=2, dp=2, gtp=4, pad_for_alignment=8)
+RUN_FLAGS = ["--steps", "6", "--batch", "8", "--seq", "32", "--warmup", "2", "--dp", "2",
+             "--gtp", "4", "--pad-for-alignment", "8"]
+
+#: Per-step losses of the 2-process run vs the 1-process run. Both compute the same math on
+#: the same batches and mesh, but the cross-process all-reduces (gloo) add the 8 per-device
+#: partial sums in another order than the in-process CPU collectives, so float32 results
+#: can differ by an ulp (about 6e-8 relative) per reduction; over 6 AdamW steps we measured
+#: at most 1.7e-7. 1e-6 allows that and nothing more (a wrong batch split, a missing gradient
+#: reduction or a lost process would change the loss in the 3rd or 2nd decimal). Both
+#: reduction orders are fixed, so the difference is deterministic, not flaky.
+LOSS_RTOL = 1e-6
+#: The saved parameters and AdamW moments after 6 steps, per array: max |diff| / max |ref|.
+#: Measured at most 2.4e-6 (the embedding: Adam divides by sqrt(nu) of rows whose gradients
+#: are tiny, which amplifies rounding differences); 1e-5 bounds that.
+STATE_RTOL = 1e-5
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def test_two_processes_match_one_process(tmp_path: Path) -> None:
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)  # the CLI gives each process 8 / 2 = 4 simulated devices
+    port = _free_port()
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "gtp_jax", "train", *RUN_FLAGS,
+             "--coordinator", f"localhost:{port}", "--num-processes", "2",
+             "--process-id", str(i), "--metrics-json", str(tmp_path / f"metrics{i}.json"),
+             "--checkpoint-dir", str(tmp_path / "ck2")],
+            cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for i in range(2)
+    ]
+    try:
+        # The 1-process reference (8 devices, this pytest process) while they run.
+        reference = train(RUN, progress=False, checkpoint=CheckpointConfig(tmp_path / "ck1"))
+        outputs = [p.communicate(timeout=600) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for i, (p, (out, err)) in enumerate(zip(procs, outputs)):
+        assert p.returncode == 0, f"process {i}\nstdout:\n{out}\nstderr:\n{err}"
+    # Process 0 alone prints the summary, shows progress and writes metrics.
+    assert "on 8 cpu devices in 2 processes" in outputs[0][0]
+    assert "summary (cpu, mesh dp=2 ep=1 gtp=4 tp=1, 2 processes" in outputs[0][0]
+    assert "step 6/6" in outputs[0][1]
+    assert "summary" not in outputs[1][0] and "step 6/6" not in outputs[1][1]
+    assert not (tmp_path / "metrics1.json").exists()
+
+    metrics = json.loads((tmp_path / "metrics0.json").read_text())
+    assert metrics["summary"]["process_count"] == 2
+    assert metrics["summary"]["num_devices"] == 8
+    losses = [s["loss"] for s in metrics["steps"]]
+    assert len(losses) == len(reference.losses) == 6
+    np.testing.assert_allclose(losses, reference.losses, rtol=LOSS_RTOL, atol=0)
+
+    # Both processes wrote their own shards of one checkpoint; together they are the state.
+    two = Checkpointer(CheckpointConfig(tmp_path / "ck2")).read_arrays(6)
+    one = Checkpointer(CheckpointConfig(tmp_path / "ck1")).read_arrays(6)
+    assert two.keys() == one.keys()
+    for key, value in one.items():
+        assert two[key].shape == value.shape and two[key].dtype == value.dtype, key
+        assert max_rel_err(two[key], value) <= STATE_RTOL, key
+
+
+# ---------------------------------------------------------------------- errors
+
+
+def test_distributed_config_validation() -> None:
+    assert not DistributedConfig().enabled
+    cfg = DistributedConfig(coordinator="node0:1234", num_processes=4, process_id=3,
+                            local_device_ids=[2])
+    assert cfg.enabled and cfg.local_device_ids == (2,)
+    assert parse_address("[::1]:80") == ("::1", 80)
+    bad = [
+        ({"coordinator": "localhost", "num_processes": 2, "process_id": 0}, "HOST:PORT"),
+        ({"coordinator": "localhost:99999", "num_processes": 2, "process_id": 0}, "1..65535"),
+        ({"coordinator": "localhost:x", "num_processes": 2, "process_id": 0}, "1..65535"),
+        ({"coordinator": "localhost:1234", "num_processes": 2, "process_id": 2},
+         "--process-id 0..1"),
+        ({"coordinator": "localhost:1234", "num_processes": 2, "process_id": -1},
+         r"process_id=-1 must be an int >= 0 \(--process-id\)"),
+        ({"coordinator": "localhost:1234", "num_processes": 0, "process_id": 0},
+         "--num-processes"),
+        ({"coordinator": "localhost:1234", "process_id": 0}, "num_processes not set"),
+        ({"coordinator": "a:1", "num_processes": 1, "process_id": 0, "local_device_ids": (1, 1)},
+         "distinct"),
+    ]
+    for kwargs, message in bad:
+        with pytest.raises(ValueError, match=message):
+            DistributedConfig(**kwargs)
+    with pytest.raises(TypeError, match="DistributedConfig"):
+        initialize({"coordinator": "localhost:1234"})  # type: ignore[arg-type]
+
+
+def test_distributed_config_from_env() -> None:
+    assert DistributedConfig.from_env({}) == DistributedConfig()
+    env = {"JAX_COORDINATOR_ADDRESS": "h:5", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "1"}
+    assert DistributedConfig.from_env(env) == DistributedConfig("h:5", 2, 1)
+    with pytest.raises(ValueError, match="JAX_PROCESS_ID not set"):
+        DistributedConfig.from_env({k: v for k, v in env.items() if k != "JAX_PROCESS_ID"})
+    with pytest.raises(ValueError, match="JAX_NUM_PROCESSES='two' must be an integer"):
+        DistributedConfig.from_env({**env, "JAX_NUM_PROCESSES": "two"})
+    with pytest.raises(ValueError, match="--process-id 0..1"):
+        DistributedConfig.from_env({**env, "JAX_PROCESS_ID": "5"})
+
+
+def test_cli_rejects_bad_process_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    # In process: each of these fails before JAX starts or any process joins a run.
+    cases = [
+        (["--coordinator", "localhost:1", "--num-processes", "2", "--process-id", "2"],
+         "--process-id 0..1"),
+        (["--coordinator", "localhost:0", "--num-processes", "2", "--process-id", "0"],
+         "1..65535"),
+        (["--coordinator", "localhost:1", "--num-processes", "3", "--process-id", "0"],
+         "--num-processes 3 does not divide the 8 devices"),
+        (["--coordinator", "localhost:1", "--num-processes", "2", "--process-id", "0",
+          "--local-device-ids", "0,a"], "--local-device-ids '0,a'"),
+    ]
+    for flags, message in cases:
+        assert cli_main(["train", *flags]) == 2, flags
+        err = capsys.readouterr().err
+        assert message in err, (flags, err)
