@@ -36,7 +36,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -216,17 +215,9 @@ def run_micro_variant(args: argparse.Namespace) -> dict:
 def _spawn(worker: str, args: argparse.Namespace, env: dict | None = None) -> dict | None:
     cmd = [sys.executable, "-X", "faulthandler", "-m", "gtp_jax.bench", "parallel",
            "--worker", worker, *args.passthrough]
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout,
-                              env=env)
-    except subprocess.TimeoutExpired:
-        print(f"[{worker}] timed out after {args.timeout:.0f} s", flush=True)
-        return None
-    for line in proc.stdout.splitlines():
-        if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT "):])
-    print(f"[{worker}] failed (rc {proc.returncode}):\n{proc.stderr[-3000:]}", flush=True)
-    return None
+    from gtp_jax.bench.overlap import run_for_result
+
+    return run_for_result(worker, cmd, args.timeout, env)
 
 
 def _fmt(value, spec: str) -> str:
