@@ -230,6 +230,12 @@ def cast_only(
     interpret = _util.resolve_interpret(interpret)
     axis = check_quantizable(x, "x", axis)
     amax = check_amax(fmt, amax, required=True)
+    return _checked_cast(x, amax, fmt, axis, backend, interpret)
+
+
+def _checked_cast(x: jax.Array, amax: jax.Array | None, fmt: str, axis: int, backend: str,
+                  interpret: bool) -> QuantizedTensor:
+    """Casts with `amax`; eager calls raise on a non-finite amax (or NaN mxfp8 block)."""
     if amax is not None:
         raise_if_nonfinite(amax, "x")
     out = cast_impl(x, amax, fmt, axis, backend, interpret)
@@ -278,12 +284,7 @@ def quantize(
     amax = check_amax(fmt, amax, required=False)
     if fmt != "mxfp8" and amax is None:
         amax = _multi_amax((x,), backend, interpret)[0]
-    if amax is not None:
-        raise_if_nonfinite(amax, "x")
-    out = cast_impl(x, amax, fmt, axis, backend, interpret)
-    if fmt == "mxfp8":
-        _raise_if_nan_blocks(out)
-    return out
+    return _checked_cast(x, amax, fmt, axis, backend, interpret)
 
 
 # --------------------------------------------------------------------------- dequantize

@@ -35,25 +35,23 @@ def amax(x: np.ndarray) -> np.float32:
     return np.float32(a.max()) if a.size else np.float32(0)
 
 
-def fp8_scale(amax_value: np.floating) -> np.float32:
+def _per_tensor_scale(amax_value: np.floating, target: float, cap: float) -> np.float32:
+    """``min(target / amax, cap)``; 1 for amax 0, NaN for a non-finite amax."""
     a = np.float32(amax_value)
     if not np.isfinite(a):
         return np.float32(np.nan)
     if a <= 0:
         return np.float32(1)
     with np.errstate(over="ignore", divide="ignore"):
-        return np.float32(min(np.float32(E4M3_MAX) / a, np.float32(F32_MAX)))
+        return np.float32(min(np.float32(target) / a, np.float32(cap)))
+
+
+def fp8_scale(amax_value: np.floating) -> np.float32:
+    return _per_tensor_scale(amax_value, E4M3_MAX, F32_MAX)
 
 
 def nvfp4_global_scale(amax_value: np.floating) -> np.float32:
-    a = np.float32(amax_value)
-    if not np.isfinite(a):
-        return np.float32(np.nan)
-    if a <= 0:
-        return np.float32(1)
-    with np.errstate(over="ignore", divide="ignore"):
-        return np.float32(min(np.float32(NVFP4_GLOBAL_MAX) / a,
-                              np.float32(NVFP4_GLOBAL_SCALE_CAP)))
+    return _per_tensor_scale(amax_value, NVFP4_GLOBAL_MAX, NVFP4_GLOBAL_SCALE_CAP)
 
 
 def fp8_cast(x: np.ndarray, scale: np.floating) -> np.ndarray:
