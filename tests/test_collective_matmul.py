@@ -94,15 +94,19 @@ def _lowered(tp: int, overlap: bool) -> str:
 def test_ring_uses_ppermutes_not_gathers(tp) -> None:
     """Forward + backward of one column + one row GEMM, as lowered StableHLO.
 
-    Ring: the forward all-gather-matmul and matmul-reduce-scatter take tp - 1 hops each; the
-    backward's dual rings take tp - 1 hops for each of: column dgrad (reduce-scatter ring),
-    column wgrad (re-gather of x), row dgrad+wgrad (one gather ring of dy). No all-gather or
-    reduce-scatter of activations is left. Plain: one all-gather / reduce-scatter each.
+    Ring: the forward all-gather-matmul and matmul-reduce-scatter take tp - 1 hops each, and
+    the row GEMM's backward gathers dy around the ring (tp - 1 hops). The column GEMM's
+    backward is the bulk-overlapped pair in both modes: one all-gather of x (re-gathered,
+    not saved gathered) and one reduce-scatter of dx. Plain: one collective each.
     """
     ring = _lowered(tp, True)
-    assert ring.count("stablehlo.collective_permute") == 5 * (tp - 1)
-    assert "stablehlo.all_gather" not in ring
-    assert "stablehlo.reduce_scatter" not in ring
+    assert ring.count("stablehlo.collective_permute") == 3 * (tp - 1)
+    # One barrier per hop keeps the chunk GEMMs apart: on GPUs XLA otherwise merges them into
+    # one GEMM that waits for the last hop (seen in the optimized HLO on H200; XLA:CPU does
+    # not merge them, so only their presence can be checked here).
+    assert ring.count("stablehlo.optimization_barrier") == 3 * (tp - 1)
+    assert ring.count("stablehlo.all_gather") == 1
+    assert ring.count("stablehlo.reduce_scatter") == 1
     plain = _lowered(tp, False)
     assert "stablehlo.collective_permute" not in plain
     # fwd: AG(x); bwd: AG(x) again for dw (not saved gathered) and AG(dy) of the row GEMM.

@@ -17,14 +17,26 @@ Each has two implementations behind one ``custom_vjp``, chosen with ``overlap``:
   next chunk (all-gather) or the running partial sum (reduce-scatter) travels to the
   neighbour. Nothing in a step depends on that step's transfer, so the latency-hiding
   scheduler can run them concurrently. The ring is unrolled (``n`` is small and static),
-  which leaves the scheduler free to move every transfer.
+  which leaves the scheduler free to move every transfer. Gathered chunks are processed in
+  ring order and put in rank order once at the end (`unrotate`), so no GEMM output is
+  written into a zero-filled buffer chunk by chunk.
 
-The backward passes are the dual rings: the input gradient of an all-gather-matmul is a
-matmul-reduce-scatter and vice versa, and the weight gradient is accumulated chunk by chunk
-while the input (resp. the output gradient) is all-gathered around the ring. Both
-implementations save only the *local* (sequence-sharded) activation for the backward pass
-and re-gather it there -- the sequence-parallel memory saving -- so they differ only in
-scheduling and agree to float rounding.
+Backward passes (the split TransformerEngine's userbuffer overlap also uses):
+
+* all-gather-matmul (column-parallel): "bulk" overlap -- the re-gather of the input is
+  independent of the input-gradient GEMM ``dy @ w^T``, and the reduce-scatter of that
+  gradient is independent of the weight-gradient GEMM ``x^T dy``, so each collective has a
+  full-size GEMM to hide behind and no GEMM is cut into chunks. With ``overlap=True`` and
+  ``False`` this is the same program; it is written so the latency-hiding scheduler can
+  overlap the pairs.
+* matmul-reduce-scatter (row-parallel): the output gradient must be all-gathered before
+  either GEMM can start, so with ``overlap=True`` it travels around the ring while the
+  input-gradient GEMM of the chunk in hand runs, and the weight gradient is accumulated
+  chunk by chunk.
+
+Both save only the *local* (sequence-sharded) activation for the backward pass and
+re-gather it there -- the sequence-parallel memory saving -- so the two implementations
+differ only in scheduling and agree to float rounding.
 
 XLA's own collective matmul ("windowed einsum", flags ``--xla_gpu_threshold_for_windowed_
 einsum_mib``, ``--xla_gpu_multi_streamed_windowed_einsum``, ``--xla_gpu_operand_bytes_
@@ -81,43 +93,73 @@ def _chunk(x: jax.Array, index: jax.Array, size: int) -> jax.Array:
 # ------------------------------------------------------------------------ ring building blocks
 
 
-def ring_all_gather_fold(x: jax.Array, axis_name: str, fn, carry):
-    """Passes every rank's `x` around the ring once, folding ``carry = fn(carry, chunk, src)``.
+def _left_perm(n: int) -> list[tuple[int, int]]:
+    """Every rank sends to its left neighbour: step i of a ring holds rank ``me + i``'s chunk."""
+    return [(j, (j - 1) % n) for j in range(n)]
 
-    Step ``i`` (of ``n``) holds the chunk of rank ``src = (me - i) mod n``; the hop that
-    brings the next chunk is issued before `fn` runs on the current one and does not depend
-    on it, so transfer and compute can overlap.
+
+def ring_gather_map(x, axis_name: str, fn) -> list:
+    """Passes every rank's `x` around the ring once and applies `fn` to each chunk in hand.
+
+    Step ``i`` (of ``n``) holds the chunk of rank ``(me + i) mod n``; the hop that brings
+    the next chunk is issued before `fn` runs on the current one and does not depend on it,
+    so transfer and compute can overlap. The results stay in this ring order (no
+    rank-dependent indexing inside the loop); `unrotate` puts them in rank order once.
 
     Args:
       x: this rank's chunk (any shape).
       axis_name: manual mesh axis of the ring.
-      fn: ``(carry, chunk, src: int32 scalar) -> carry``.
-      carry: initial carry.
+      fn: ``chunk -> pytree``.
 
     Returns:
-      The final carry.
+      ``[fn(chunk of rank (me + i) mod n) for i in range(n)]``.
     """
     n = lax.axis_size(axis_name)
-    me = lax.axis_index(axis_name)
-    chunk = x
+    send = compute = x
+    outs = []
     for i in range(n):
-        incoming = lax.ppermute(chunk, axis_name, _ring_perm(n)) if i < n - 1 else None
-        carry = fn(carry, chunk, (me - i) % n)
-        chunk = incoming
-    return carry
+        incoming = lax.ppermute(send, axis_name, _left_perm(n)) if i < n - 1 else None
+        out = fn(compute)
+        if incoming is not None:
+            # The next chunk's compute waits for this chunk's result. Without the barrier XLA
+            # merges the chunk GEMMs (they share the weight) into one GEMM over the
+            # concatenated chunks, which must wait for the last transfer: no overlap left.
+            out, compute = lax.optimization_barrier((out, incoming))
+            send = incoming
+        outs.append(out)
+    return outs
 
 
-def ring_reduce_scatter(partial_fn, axis_name: str, dtype) -> jax.Array:
+def unrotate(chunks: list[jax.Array], axis_name: str, axis: int = 1) -> jax.Array:
+    """Concatenates ring-ordered chunks (`ring_gather_map`) in rank order along `axis`.
+
+    Chunk ``i`` came from rank ``(me + i) mod n``, so rank order is the ring order rotated
+    by ``me``: one dynamic slice of the doubled concatenation, which XLA emits as a single
+    pass over the output (instead of zero-filling it and updating one chunk at a time).
+    """
+    n = len(chunks)
+    if n == 1:
+        return chunks[0]
+    size = chunks[0].shape[axis]
+    me = lax.axis_index(axis_name)
+    doubled = jnp.concatenate(chunks + chunks, axis=axis)
+    return lax.dynamic_slice_in_dim(doubled, ((n - me) % n) * size, n * size, axis=axis)
+
+
+def ring_reduce_scatter(h, partial_fn, axis_name: str, dtype) -> jax.Array:
     """Reduce-scatter of per-chunk partial results, accumulated around the ring.
 
-    Step ``i`` computes ``partial_fn(c)`` for chunk ``c = (me - i - 1) mod n`` and adds it to
-    the accumulator received from the left neighbour, which has been summing the same chunk;
-    after ``n`` steps each rank holds the full sum of its own chunk. The hop of the
+    Step ``i`` computes ``partial_fn(h, c)`` for chunk ``c = (me - i - 1) mod n`` and adds
+    it to the accumulator received from the left neighbour, which has been summing the same
+    chunk; after ``n`` steps each rank holds the full sum of its own chunk. The hop of the
     accumulator and the partial GEMM of a step are independent.
 
     Args:
-      partial_fn: ``(c: int32 scalar) -> array``, this rank's contribution to chunk ``c``
-        (float32 preferred; every call must return the same shape).
+      h: the operand the partials are computed from (threaded through an optimization
+        barrier so that partial ``i + 1`` is computed after partial ``i``, not merged
+        with it into one GEMM that would have to finish before the first hop).
+      partial_fn: ``(h, c: int32 scalar) -> array``, this rank's contribution to chunk
+        ``c`` (every call must return the same shape).
       axis_name: manual mesh axis of the ring.
       dtype: dtype the accumulator travels in (the partials are added in float32).
 
@@ -126,9 +168,10 @@ def ring_reduce_scatter(partial_fn, axis_name: str, dtype) -> jax.Array:
     """
     n = lax.axis_size(axis_name)
     me = lax.axis_index(axis_name)
-    acc = partial_fn((me - 1) % n).astype(dtype)
+    acc = partial_fn(h, (me - 1) % n).astype(dtype)
     for i in range(1, n):
-        part = partial_fn((me - i - 1) % n)
+        acc, h = lax.optimization_barrier((acc, h))
+        part = partial_fn(h, (me - i - 1) % n)
         acc = lax.ppermute(acc, axis_name, _ring_perm(n))
         acc = (acc.astype(_F32) + part.astype(_F32)).astype(dtype)
     return acc
@@ -136,20 +179,15 @@ def ring_reduce_scatter(partial_fn, axis_name: str, dtype) -> jax.Array:
 
 def _ring_ag_mm(x3: jax.Array, w2: jax.Array, axis_name: str) -> jax.Array:
     """``all_gather(x3, seq) @ w2`` as a ring: ``[B, S_l, K] -> [B, n * S_l, N]``."""
-    n = lax.axis_size(axis_name)
-    b, s, _ = x3.shape
-    out = jnp.zeros((b, n * s, w2.shape[1]), x3.dtype)
-
-    def step(out, chunk, src):
-        return lax.dynamic_update_slice_in_dim(out, _mm(chunk, w2), src * s, axis=1)
-
-    return ring_all_gather_fold(x3, axis_name, step, out)
+    return unrotate(ring_gather_map(x3, axis_name, lambda chunk: _mm(chunk, w2)), axis_name)
 
 
 def _ring_mm_rs(h3: jax.Array, w2: jax.Array, axis_name: str) -> jax.Array:
     """``psum_scatter(h3 @ w2, seq)`` as a ring: ``[B, S, K] -> [B, S / n, N]``."""
     s = h3.shape[1] // lax.axis_size(axis_name)
-    return ring_reduce_scatter(lambda c: _mm(_chunk(h3, c, s), w2, _F32), axis_name, h3.dtype)
+    # Partials leave the GEMM in the activation dtype (as a psum_scatter's operand would);
+    # the ring adds each one to the travelling sum in float32.
+    return ring_reduce_scatter(h3, lambda h, c: _mm(_chunk(h, c, s), w2), axis_name, h3.dtype)
 
 
 # ------------------------------------------------------------------------ all-gather + matmul
@@ -179,8 +217,9 @@ def all_gather_matmul(x: jax.Array, w: jax.Array, axis_name: str, *, overlap: bo
 
     Returns:
       ``[B, n * S_local, *out]`` in `x`'s dtype: the full-sequence GEMM with this rank's `w`.
-      Gradients: ``dx`` is a (ring) reduce-scatter of ``dy @ w^T``; ``dw`` accumulates
-      ``x_chunk^T dy_chunk`` while `x` is re-gathered (not saved gathered).
+      Gradients: ``dx`` is a reduce-scatter of ``dy @ w^T`` overlapped with the ``dw``
+      GEMM, and ``dw = all_gather(x)^T dy`` re-gathers `x` (not saved gathered) beside the
+      ``dx`` GEMM ("bulk" overlap, in both modes).
     """
     _check(x, w, n_contract, "all_gather_matmul")
     return _ag_mm(x, w, axis_name, bool(overlap), int(n_contract))
@@ -204,21 +243,14 @@ def _ag_mm_fwd(x, w, axis_name, overlap, n_contract):
 
 
 def _ag_mm_bwd(axis_name, overlap, n_contract, res, dy):
+    del overlap  # bulk overlap in both modes (module docstring)
     x, w = res
     x3, w2 = _x3(x, n_contract), _as_2d(w, n_contract)
     dy3 = dy.reshape(dy.shape[0], dy.shape[1], -1)
-    s = x3.shape[1]
-    if overlap:
-        dx3 = ring_reduce_scatter(lambda c: _mm(_chunk(dy3, c, s), w2.T, _F32), axis_name,
-                                  x3.dtype)
-
-        def acc(dw, chunk, src):
-            return dw + _wgrad(chunk, _chunk(dy3, src, s), _F32)
-
-        dw2 = ring_all_gather_fold(x3, axis_name, acc, jnp.zeros(w2.shape, _F32))
-    else:
-        dx3 = lax.psum_scatter(_mm(dy3, w2.T), axis_name, scatter_dimension=1, tiled=True)
-        dw2 = _wgrad(lax.all_gather(x3, axis_name, axis=1, tiled=True), dy3)
+    # all_gather(x) runs beside the dgrad GEMM, psum_scatter(dgrad) beside the wgrad GEMM.
+    x_full = lax.all_gather(x3, axis_name, axis=1, tiled=True)
+    dx3 = lax.psum_scatter(_mm(dy3, w2.T), axis_name, scatter_dimension=1, tiled=True)
+    dw2 = _wgrad(x_full, dy3)
     return dx3.reshape(x.shape).astype(x.dtype), dw2.reshape(w.shape).astype(w.dtype)
 
 
@@ -271,15 +303,13 @@ def _mm_rs_bwd(axis_name, overlap, n_contract, res, dy):
     h, w = res
     h3, w2 = _x3(h, n_contract), _as_2d(w, n_contract)
     dy3 = dy.reshape(dy.shape[0], dy.shape[1], -1)
-    s = dy3.shape[1]
     if overlap:
-        def step(carry, chunk, src):
-            dh, dw = carry
-            dh = lax.dynamic_update_slice_in_dim(dh, _mm(chunk, w2.T), src * s, axis=1)
-            return dh, dw + _wgrad(_chunk(h3, src, s), chunk, _F32)
-
-        init = (jnp.zeros(h3.shape, h3.dtype), jnp.zeros(w2.shape, _F32))
-        dh3, dw2 = ring_all_gather_fold(dy3, axis_name, step, init)
+        # dy travels around the ring while the dgrad GEMM of the chunk in hand runs; the
+        # wgrad is one full-size GEMM on the reassembled dy (no slicing of h, no float32
+        # accumulator passes), free to overlap the next layer's backward transfers.
+        pairs = ring_gather_map(dy3, axis_name, lambda chunk: (chunk, _mm(chunk, w2.T)))
+        dh3 = unrotate([dh for _, dh in pairs], axis_name)
+        dw2 = _wgrad(h3, unrotate([c for c, _ in pairs], axis_name))
     else:
         dy_full = lax.all_gather(dy3, axis_name, axis=1, tiled=True)
         dh3, dw2 = _mm(dy_full, w2.T), _wgrad(h3, dy_full)
