@@ -114,7 +114,7 @@ def run_variant(args: argparse.Namespace) -> dict:
         times.append(time.perf_counter() - start)
     trace = None
     if args.profile_dir and variant in args.profile_variants.split(","):
-        trace = _profile(run_step, Path(args.profile_dir) / variant, PROFILE_STEPS)
+        trace = profile_steps(run_step, Path(args.profile_dir) / variant, PROFILE_STEPS)
     nnx.update((model, optimizer), holder[0])
     med = statistics.median(times)
     stats = [d.memory_stats() or {} for d in devices]
@@ -139,8 +139,13 @@ def run_variant(args: argparse.Namespace) -> dict:
     }
 
 
-def _profile(run_step, directory: Path, steps: int) -> dict | None:
-    """Traces `steps` steps and returns the per-step overlap numbers of device 0."""
+def profile_steps(run_step, directory: Path, steps: int) -> dict | None:
+    """Traces ``run_step(i)`` for ``i < steps`` and returns device 0's per-step overlap numbers.
+
+    `run_step` returns an array to block on. The trace (``perfetto_trace.json.gz``) is left
+    in `directory`; the result holds communication, hidden, exposed and compute ms per step
+    (see `gtp_jax.bench.trace`), or None when the trace has no device kernels (CPU).
+    """
     import jax
 
     from gtp_jax.bench.trace import analyze_events, find_trace, load_events

@@ -40,6 +40,8 @@ import sys
 import time
 from pathlib import Path
 
+from gtp_jax.bench.overlap import profile_steps, run_for_result
+
 MODEL_VARIANTS = ("no_tp", "tp", "tp_overlap", "tp_gtp", "tp_gtp_overlap",
                   "no_tp_moe", "tp_overlap_moe", "tp_gtp_overlap_moe")
 MICRO_VARIANTS = ("gemm_only", "ag_gemm", "ag_gemm_ring", "ag_gemm_xla",
@@ -136,6 +138,10 @@ def run_model_variant(args: argparse.Namespace) -> dict:
         loss, _ = step(model, optimizer, batches[i % 4])
         jax.block_until_ready(loss)
         times.append(time.perf_counter() - start)
+    trace = None
+    if args.profile_dir and variant in args.profile_variants.split(","):
+        trace = profile_steps(lambda i: step(model, optimizer, batches[i % 4])[0],
+                              Path(args.profile_dir) / variant, 3)
     stats = [d.memory_stats() or {} for d in devices]
     peak = max((s.get("peak_bytes_in_use", 0) for s in stats), default=0)
     state = (gtp_jax.bytes_per_device(nnx.state(model, nnx.Param))
@@ -147,13 +153,18 @@ def run_model_variant(args: argparse.Namespace) -> dict:
         "loss_step1": first_loss, "grad_norm_step1": first_norm, "loss_last": float(loss),
         "step_ms": statistics.median(times) * 1e3, "step_ms_min": min(times) * 1e3,
         "peak_mem_gib": peak / 2**30 if peak else None,
-        "param_opt_gib": state / 2**30,
+        "param_opt_gib": state / 2**30, "trace": trace,
         "jax": jax.__version__, "xla_flags": os.environ.get("XLA_FLAGS", ""),
     }
 
 
 def run_micro_variant(args: argparse.Namespace) -> dict:
-    """Times one collective-matmul implementation on ``tp`` devices at the model's sizes."""
+    """Times one collective-matmul implementation on ``tp`` devices at the model's sizes.
+
+    Forward alone and forward + backward (gradients of ``x`` and ``w`` for a fixed
+    cotangent), each a separate ``jit``; with ``--profile-dir`` the forward + backward is
+    traced afterwards and its hidden / exposed communication measured.
+    """
     import jax
     import jax.numpy as jnp
     from jax.sharding import NamedSharding
@@ -169,59 +180,98 @@ def run_micro_variant(args: argparse.Namespace) -> dict:
     mesh = gtp_jax.make_mesh(tp=tp, devices=devices)
     cfg = _model_config(args, "tp")
     dtype = cfg.dtype
-    b, s = args.batch or 2, args.seq
+    b, s = args.batch or 4, args.seq
     d, f = cfg.d_model, 2 * cfg.d_ff  # the gate_up projection: the largest column GEMM
-    key = jax.random.split(jax.random.key(0), 2)
+    key = jax.random.split(jax.random.key(0), 3)
     ag = variant.startswith(("ag", "gemm_only"))
     if ag:  # x [b, s, d] sequence-sharded, w [d, f] column-sharded
         x = jax.random.normal(key[0], (b, s, d), dtype)
-        w = jax.random.normal(key[1], (d, f), dtype)
+        w = jax.random.normal(key[1], (d, f), dtype) * d ** -0.5
         x_spec, w_spec, out_spec = P(None, "tp", None), P(None, "tp"), P(None, None, "tp")
+        out_shape = (b, s, f)
     else:  # h [b, s, f] feature-sharded, w [f, d] row-sharded -> out sequence-sharded
         x = jax.random.normal(key[0], (b, s, f), dtype)
-        w = jax.random.normal(key[1], (f, d), dtype)
+        w = jax.random.normal(key[1], (f, d), dtype) * f ** -0.5
         x_spec, w_spec, out_spec = P(None, None, "tp"), P("tp", None), P(None, "tp", None)
-    if variant == "gemm_only":  # the local GEMM of the column-parallel layer, no collective
-        x_spec = P()
+        out_shape = (b, s, d)
+    shape = f"[{b},{s},{x.shape[-1]}]x{list(w.shape)}"
+    if variant == "gemm_only":
+        shape = f"[{b},{s},{d}]x[{d}, {f // tp}] per rank"
+        # Each rank's local GEMM of the column-parallel layer on the full sequence (the same
+        # FLOPs as the row-parallel one), with nothing replicated, so neither direction
+        # communicates: a leading rank dim sharded over tp.
+        x = jnp.broadcast_to(x, (tp, *x.shape))
+        w = w.reshape(d, tp, f // tp).transpose(1, 0, 2)
+        x_spec = w_spec = out_spec = P("tp")
+        out_shape = (tp, b, s, f // tp)
+    ct = jax.random.normal(key[2], out_shape, dtype)
 
     def body(xl, wl):
         if variant == "gemm_only":
-            return jnp.einsum("bsk,kn->bsn", xl, wl)
+            return jnp.einsum("rbsk,rkn->rbsn", xl, wl)
         if ag:
             return all_gather_matmul(xl, wl, "tp", overlap=variant == "ag_gemm_ring")
         return matmul_reduce_scatter(xl, wl, "tp", overlap=variant == "gemm_rs_ring")
 
+    out_sharding = NamedSharding(mesh, out_spec)
     if variant.endswith("_xla"):  # XLA partitions the einsum itself (windowed einsum flags)
-        fn = jax.jit(lambda a, c: jnp.einsum("bsk,kn->bsn", a, c),
-                     out_shardings=NamedSharding(mesh, out_spec))
+        def forward(a, c):
+            return jax.lax.with_sharding_constraint(jnp.einsum("bsk,kn->bsn", a, c),
+                                                    out_sharding)
     else:
-        fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(x_spec, w_spec),
-                                   out_specs=out_spec, check_vma=False))
+        forward = jax.shard_map(body, mesh=mesh, in_specs=(x_spec, w_spec),
+                                out_specs=out_spec, check_vma=False)
+
+    def forward_backward(a, c, t):
+        # The output is returned too, so the forward GEMM is not dead code.
+        y, vjp = jax.vjp(forward, a, c)
+        return y, vjp(t)
+
+    fwd = jax.jit(forward)
+    fwd_bwd = jax.jit(forward_backward)
     x = jax.device_put(x, NamedSharding(mesh, x_spec))
     w = jax.device_put(w, NamedSharding(mesh, w_spec))
-    for _ in range(args.warmup):
-        jax.block_until_ready(fn(x, w))
-    times = []
-    for _ in range(max(args.steps, 20)):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(x, w))
-        times.append(time.perf_counter() - start)
+    ct = jax.device_put(ct, out_sharding)
+
+    def timed(fn, *a) -> float:
+        # Calls are dispatched back to back and synchronised once per round, so the host's
+        # per-call dispatch latency (comparable to these sub-millisecond kernels) overlaps
+        # device work instead of being added to it; the median round is reported.
+        for _ in range(args.warmup):
+            jax.block_until_ready(fn(*a))
+        rounds, per_round = [], 10
+        for _ in range(max(args.steps // per_round, 5)):
+            start = time.perf_counter()
+            for _ in range(per_round):
+                out = fn(*a)
+            jax.block_until_ready(out)
+            rounds.append((time.perf_counter() - start) / per_round)
+        return statistics.median(rounds) * 1e3
+
+    ms_fwd = timed(fwd, x, w)
+    ms_fwd_bwd = timed(fwd_bwd, x, w, ct)
+    trace = None
+    if args.profile_dir and variant in args.profile_variants.split(","):
+        trace = profile_steps(lambda i: fwd_bwd(x, w, ct)[0], Path(args.profile_dir) / variant, 5)
     return {"variant": variant, "tp": tp, "device_kind": devices[0].device_kind,
-            "shape": f"[{b},{s},{x.shape[-1]}]x{list(w.shape)}", "dtype": str(dtype),
-            "ms": statistics.median(times) * 1e3,
+            "shape": shape, "dtype": str(dtype),
+            "ms": ms_fwd, "ms_fwd_bwd": ms_fwd_bwd, "trace": trace,
             "xla_flags": os.environ.get("XLA_FLAGS", "")}
 
 
 def _spawn(worker: str, args: argparse.Namespace, env: dict | None = None) -> dict | None:
     cmd = [sys.executable, "-X", "faulthandler", "-m", "gtp_jax.bench", "parallel",
            "--worker", worker, *args.passthrough]
-    from gtp_jax.bench.overlap import run_for_result
-
     return run_for_result(worker, cmd, args.timeout, env)
 
 
 def _fmt(value, spec: str) -> str:
     return "-" if value is None else format(value, spec)
+
+
+def _traced(row: dict) -> str:
+    tr = row.get("trace")
+    return f"{tr['comm_ms']:.3f} / {tr['hidden_fraction'] * 100:.0f}%" if tr else "-"
 
 
 def format_model_table(rows: list[dict]) -> str:
@@ -231,7 +281,7 @@ def format_model_table(rows: list[dict]) -> str:
         return next((r for r in rows if r["variant"] == name), None)
 
     lines = ["| variant | mesh | loss@1 | grad norm@1 | loss@last | step ms | vs no_tp | "
-             "peak GiB | param+opt GiB |", "|" + "---|" * 9]
+             "peak GiB | param+opt GiB | comm ms / hidden (trace) |", "|" + "---|" * 10]
     for r in rows:
         ref = base(r)
         mesh = " ".join(f"{k}{v}" for k, v in r["mesh"].items() if v > 1) or "1 device"
@@ -239,17 +289,22 @@ def format_model_table(rows: list[dict]) -> str:
         lines.append(
             f"| {r['variant']} | {mesh} | {r['loss_step1']:.5f} | {r['grad_norm_step1']:.5f} | "
             f"{r['loss_last']:.5f} | {r['step_ms']:.1f} | {ratio} | "
-            f"{_fmt(r['peak_mem_gib'], '.2f')} | {r['param_opt_gib']:.3f} |")
+            f"{_fmt(r['peak_mem_gib'], '.2f')} | {r['param_opt_gib']:.3f} | {_traced(r)} |")
     return "\n".join(lines)
 
 
 def format_micro_table(rows: list[dict]) -> str:
     """Markdown table of the collective-matmul timings, with the GEMM budget ratio."""
-    gemm = next((r["ms"] for r in rows if r["variant"] == "gemm_only"), None)
-    lines = ["| variant | shape | ms | GEMM-only / this |", "|---|---|---|---|"]
+    gemm = next((r for r in rows if r["variant"] == "gemm_only"), None)
+    lines = ["| variant | shape | fwd ms | GEMM / this | fwd+bwd ms | GEMM / this | "
+             "comm ms / hidden (trace, fwd+bwd) |", "|---|---|---|---|---|---|---|"]
     for r in rows:
-        ratio = f"{gemm / r['ms']:.2f}" if gemm else "-"
-        lines.append(f"| {r['variant']} | {r['shape']} | {r['ms']:.3f} | {ratio} |")
+        fb = r.get("ms_fwd_bwd")
+        ratio = f"{gemm['ms'] / r['ms']:.2f}" if gemm else "-"
+        ratio_fb = f"{gemm['ms_fwd_bwd'] / fb:.2f}" if gemm and fb and gemm.get(
+            "ms_fwd_bwd") else "-"
+        lines.append(f"| {r['variant']} | {r['shape']} | {r['ms']:.3f} | {ratio} | "
+                     f"{_fmt(fb, '.3f')} | {ratio_fb} | {_traced(r)} |")
     return "\n".join(lines)
 
 
@@ -281,6 +336,11 @@ def _parser() -> argparse.ArgumentParser:
                         f"{','.join(MICRO_VARIANTS)})")
     parser.add_argument("--micro", action="store_true",
                         help="time the collective matmuls instead of training steps")
+    parser.add_argument("--profile-dir", default=None,
+                        help="trace the --profile-variants after timing (jax.profiler) and "
+                        "report their hidden / exposed communication")
+    parser.add_argument("--profile-variants", default="tp,tp_overlap,ag_gemm,ag_gemm_ring,"
+                        "gemm_rs,gemm_rs_ring")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per variant")
     parser.add_argument("--json", default=None, help="also write all results to this file")
     parser.add_argument("--cpu-devices", type=int, default=8,
