@@ -163,23 +163,31 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     total = math.prod(cpu_sizes.values())
-    processes = dist.num_processes or 1
+    if dist.num_processes and total % dist.num_processes:  # fail before joining a run
+        return _processes_error(dist.num_processes, total)
+
+    from gtp_jax.distributed import initialize, joined_process_count, shutdown  # noqa: PLC0415
+
+    # Joining starts no backend, and with --distributed-auto it is what tells us the
+    # process count the simulated CPU devices are divided by.
+    initialize(dist)
+    processes = joined_process_count(dist)
     if total % processes:
-        print(f"error: --num-processes {processes} does not divide the {total} devices of the "
-              "mesh; each process must get the same number of (simulated CPU) devices.",
-              file=sys.stderr)
-        return 2
+        return _processes_error(processes, total)
     _simulate_cpu_devices(total // processes)
-
     # XLA_FLAGS are set: JAX may start a backend from here on.
-    from gtp_jax.distributed import initialize, shutdown  # noqa: PLC0415
-
-    initialize(dist)  # before any backend query below
     code = _run(args, sizes, cpu_sizes, checkpoint, observe)
     # Not in a `finally`: after an exception the shutdown barrier would wait for processes
     # that may never arrive; JAX's failure detection ends the others instead.
     shutdown()
     return code
+
+
+def _processes_error(processes: int, total: int) -> int:
+    print(f"error: --num-processes {processes} does not divide the {total} devices of the "
+          "mesh; each process must get the same number of (simulated CPU) devices.",
+          file=sys.stderr)
+    return 2
 
 
 def _run(args: argparse.Namespace, sizes: dict[str, int | None], cpu_sizes: dict[str, int],

@@ -178,6 +178,23 @@ def initialize(config: DistributedConfig) -> None:
     )
 
 
+def joined_process_count(config: DistributedConfig) -> int:
+    """Number of processes in the run, readable after `initialize` and before any backend.
+
+    With ``auto`` the count comes from the detected cluster (JAX's distributed state), so a
+    launcher may set up simulated CPU devices per process before the CPU backend starts.
+    """
+    if config.num_processes is not None:
+        return config.num_processes
+    if not config.enabled:
+        return 1
+    try:
+        from jax._src import distributed as jax_distributed  # noqa: PLC0415
+        return int(jax_distributed.global_state.num_processes)
+    except (ImportError, AttributeError):  # pragma: no cover - private state moved
+        return 1
+
+
 def shutdown() -> None:
     """Leaves the run (all processes call it at the end); no-op for a single process.
 

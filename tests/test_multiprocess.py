@@ -40,25 +40,44 @@ LOSS_RTOL = 1e-6
 STATE_RTOL = 1e-5
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
+def _free_ompi_port() -> int:
+    """A free port that Open MPI's job-id rule maps to (JAX uses 61440 + id % 4096)."""
+    for port in range(62000, 65536):
+        with socket.socket() as s:
+            try:
+                s.bind(("localhost", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port in 62000..65535")
+
+
+def _launch_env(process_id: int, port: int) -> tuple[dict[str, str], list[str]]:
+    """How each process joins: process 0 by the JAX_* environment variables, process 1 as
+    `mpirun` would start it (Open MPI's variables) with --distributed-auto, so both launch
+    paths of `gtp_jax.distributed` join one real run."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)  # the CLI gives each process 8 / 2 = 4 simulated devices
+    if process_id == 0:
+        env.update(JAX_COORDINATOR_ADDRESS=f"localhost:{port}", JAX_NUM_PROCESSES="2",
+                   JAX_PROCESS_ID="0")
+        return env, []
+    env.update(OMPI_MCA_orte_hnp_uri=f"{(port - 61440) * 4096}.0;tcp://127.0.0.1:1",
+               OMPI_COMM_WORLD_SIZE="2", OMPI_COMM_WORLD_RANK=str(process_id),
+               OMPI_COMM_WORLD_LOCAL_RANK=str(process_id))
+    return env, ["--distributed-auto"]
 
 
 def test_two_processes_match_one_process(tmp_path: Path) -> None:
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    env.pop("XLA_FLAGS", None)  # the CLI gives each process 8 / 2 = 4 simulated devices
-    port = _free_port()
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-m", "gtp_jax", "train", *RUN_FLAGS,
-             "--coordinator", f"localhost:{port}", "--num-processes", "2",
-             "--process-id", str(i), "--metrics-json", str(tmp_path / f"metrics{i}.json"),
+    port = _free_ompi_port()
+    procs = []
+    for i in range(2):
+        env, flags = _launch_env(i, port)
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "gtp_jax", "train", *RUN_FLAGS, *flags,
+             "--metrics-json", str(tmp_path / f"metrics{i}.json"),
              "--checkpoint-dir", str(tmp_path / "ck2")],
-            cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        for i in range(2)
-    ]
+            cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     try:
         # The 1-process reference (8 devices, this pytest process) while they run.
         reference = train(RUN, progress=False, checkpoint=CheckpointConfig(tmp_path / "ck1"))
