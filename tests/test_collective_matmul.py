@@ -20,8 +20,10 @@ from jax.sharding import PartitionSpec as P
 import gtp_jax
 from gtp_jax.parallel import (
     all_gather_matmul,
+    all_gather_matmul_chunks,
     column_parallel,
     matmul_reduce_scatter,
+    matmul_reduce_scatter_chunks,
     row_parallel,
 )
 
@@ -35,11 +37,18 @@ def _mlp_ref(x, w1, w2):
 
 
 @functools.cache
-def _sharded_mlp(tp: int, overlap: bool):
-    """`_mlp_ref` under (dp=8/tp, tp): x sequence-sharded, w1/w2 split on their head dim."""
+def _sharded_mlp(tp: int, overlap: bool | str):
+    """`_mlp_ref` under (dp=8/tp, tp): x sequence-sharded, w1/w2 split on their head dim.
+
+    ``overlap="chunks"``: the ring-ordered pair (`all_gather_matmul_chunks` ->
+    elementwise per chunk -> `matmul_reduce_scatter_chunks`).
+    """
     mesh = gtp_jax.make_mesh(dp=8 // tp, tp=tp)
 
     def body(x, w1, w2):
+        if overlap == "chunks":
+            hs = [jnp.tanh(c) for c in all_gather_matmul_chunks(x, w1, "tp")]
+            return matmul_reduce_scatter_chunks(hs, w2, "tp", n_contract=2)
         h = jnp.tanh(column_parallel(x, w1, "tp", overlap=overlap))
         return row_parallel(h, w2, "tp", overlap=overlap, n_contract=2)
 
@@ -73,7 +82,7 @@ def test_column_row_parallel_match_reference_and_each_other(tp, key) -> None:
 
     (_, y_ref), g_ref = jax.value_and_grad(ref_loss, argnums=(0, 1, 2), has_aux=True)(x, w1, w2)
     results = {}
-    for overlap in (False, True):
+    for overlap in (False, True, "chunks"):
         (_, y), grads = _sharded_mlp(tp, overlap)(x, w1, w2, ct)
         chex.assert_trees_all_equal_shapes((y, grads), (y_ref, g_ref))
         assert_close(y, y_ref, FP32_RTOL, f"overlap={overlap} output")
@@ -81,8 +90,9 @@ def test_column_row_parallel_match_reference_and_each_other(tp, key) -> None:
             assert_close(g, r, FP32_RTOL, f"overlap={overlap} grad {name}")
         results[overlap] = (y, grads)
     # Ring and plain collectives: same products, only the order of the partial sums differs.
-    for a, b in zip(jax.tree.leaves(results[True]), jax.tree.leaves(results[False])):
-        assert_close(a, b, FP32_RTOL, "overlap vs plain")
+    for mode in (True, "chunks"):
+        for a, b in zip(jax.tree.leaves(results[mode]), jax.tree.leaves(results[False])):
+            assert_close(a, b, FP32_RTOL, f"overlap={mode} vs plain")
 
 
 def _lowered(tp: int, overlap: bool) -> str:
@@ -107,6 +117,14 @@ def test_ring_uses_ppermutes_not_gathers(tp) -> None:
     assert ring.count("stablehlo.optimization_barrier") == 3 * (tp - 1)
     assert ring.count("stablehlo.all_gather") == 1
     assert ring.count("stablehlo.reduce_scatter") == 1
+    # The ring-ordered pair: forward 2 rings, backward 2 for the column GEMM (dx ring, x
+    # re-gather) and 1 for the row GEMM (dy), and no slicing or rank reordering at all.
+    chunks = _lowered(tp, "chunks")
+    assert chunks.count("stablehlo.collective_permute") == 5 * (tp - 1)
+    assert chunks.count("stablehlo.optimization_barrier") == 5 * (tp - 1)
+    assert "stablehlo.all_gather" not in chunks and "stablehlo.reduce_scatter" not in chunks
+    assert "stablehlo.dynamic_slice" not in chunks
+    assert "stablehlo.dynamic_update_slice" not in chunks
     plain = _lowered(tp, False)
     assert "stablehlo.collective_permute" not in plain
     # fwd: AG(x); bwd: AG(x) again for dw (not saved gathered) and AG(dy) of the row GEMM.
@@ -126,3 +144,6 @@ def test_collective_matmul_argument_errors() -> None:
         run(matmul_reduce_scatter, jnp.zeros((2, 6, 3)), jnp.zeros((3, 5)))
     with pytest.raises(ValueError, match="contracted dims"):
         run(all_gather_matmul, jnp.zeros((2, 4, 3)), jnp.zeros((4, 5)))
+    with pytest.raises(ValueError, match="hs must be a list of 4 ring-ordered chunks"):
+        run(lambda h, w, ax: matmul_reduce_scatter_chunks([h, h], w, ax),
+            jnp.zeros((2, 4, 3)), jnp.zeros((3, 5)))

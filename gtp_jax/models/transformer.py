@@ -30,6 +30,10 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from gtp_jax.parallel.axes import TP_AXIS, current_axes
+from gtp_jax.parallel.collective_matmul import (
+    all_gather_matmul_chunks,
+    matmul_reduce_scatter_chunks,
+)
 from gtp_jax.parallel.moe import MoE
 from gtp_jax.parallel.tp import column_parallel, pad_seq, padded_len, row_parallel, seq_chunk
 from gtp_jax.sharding.mesh import data_axes
@@ -296,6 +300,16 @@ class SwiGLU(nnx.Module):
             gate, up = jnp.split(self.gate_up(x), 2, axis=-1)
             return self.down(jax.nn.silu(gate) * up)
         x, w = _promote(x, self.gate_up.kernel[...], self.cfg.dtype)
+        if self.cfg.overlaps("gate_up") and self.cfg.overlaps("down"):
+            # Both rings: the sequence chunks stay in ring order through the elementwise
+            # middle, so no pass puts them in rank order (all_gather_matmul_chunks).
+            hs = []
+            for chunk in all_gather_matmul_chunks(x, w, tp):
+                gate, up = jnp.split(chunk, 2, axis=-1)
+                hs.append(jax.nn.silu(gate) * up)
+            hs = [_promote(h, self.down.kernel[...], self.cfg.dtype)[0] for h in hs]
+            _, w = _promote(hs[0], self.down.kernel[...], self.cfg.dtype)
+            return matmul_reduce_scatter_chunks(hs, w, tp)
         gate, up = jnp.split(column_parallel(x, w, tp, overlap=self.cfg.overlaps("gate_up")),
                              2, axis=-1)
         h, w = _promote(jax.nn.silu(gate) * up, self.down.kernel[...], self.cfg.dtype)

@@ -7,7 +7,12 @@
 """
 
 from gtp_jax.parallel.axes import EP_AXIS, TP_AXIS, ParallelAxes, current_axes, use_axes
-from gtp_jax.parallel.collective_matmul import all_gather_matmul, matmul_reduce_scatter
+from gtp_jax.parallel.collective_matmul import (
+    all_gather_matmul,
+    all_gather_matmul_chunks,
+    matmul_reduce_scatter,
+    matmul_reduce_scatter_chunks,
+)
 from gtp_jax.parallel.moe import MoE, Routing, combine, dispatch, expert_capacity, moe_ffn, route
 from gtp_jax.parallel.tp import (
     column_parallel,
@@ -26,12 +31,14 @@ __all__ = [
     "Routing",
     "TP_AXIS",
     "all_gather_matmul",
+    "all_gather_matmul_chunks",
     "column_parallel",
     "combine",
     "current_axes",
     "dispatch",
     "expert_capacity",
     "matmul_reduce_scatter",
+    "matmul_reduce_scatter_chunks",
     "moe_ffn",
     "pad_seq",
     "padded_len",

@@ -109,17 +109,17 @@ def ring_gather_map(x, axis_name: str, fn) -> list:
     Args:
       x: this rank's chunk (any shape).
       axis_name: manual mesh axis of the ring.
-      fn: ``chunk -> pytree``.
+      fn: ``(i, chunk) -> pytree``, ``i`` the (static) step.
 
     Returns:
-      ``[fn(chunk of rank (me + i) mod n) for i in range(n)]``.
+      ``[fn(i, chunk of rank (me + i) mod n) for i in range(n)]``.
     """
     n = lax.axis_size(axis_name)
     send = compute = x
     outs = []
     for i in range(n):
         incoming = lax.ppermute(send, axis_name, _left_perm(n)) if i < n - 1 else None
-        out = fn(compute)
+        out = fn(i, compute)
         if incoming is not None:
             # The next chunk's compute waits for this chunk's result. Without the barrier XLA
             # merges the chunk GEMMs (they share the weight) into one GEMM over the
@@ -146,20 +146,20 @@ def unrotate(chunks: list[jax.Array], axis_name: str, axis: int = 1) -> jax.Arra
     return lax.dynamic_slice_in_dim(doubled, ((n - me) % n) * size, n * size, axis=axis)
 
 
-def ring_reduce_scatter(h, partial_fn, axis_name: str, dtype) -> jax.Array:
+def ring_reduce_scatter(operand, partial_fn, axis_name: str, dtype) -> jax.Array:
     """Reduce-scatter of per-chunk partial results, accumulated around the ring.
 
-    Step ``i`` computes ``partial_fn(h, c)`` for chunk ``c = (me - i - 1) mod n`` and adds
-    it to the accumulator received from the left neighbour, which has been summing the same
-    chunk; after ``n`` steps each rank holds the full sum of its own chunk. The hop of the
-    accumulator and the partial GEMM of a step are independent.
+    Step ``i`` computes ``partial_fn(operand, i)``, this rank's contribution to the chunk of
+    rank ``(me - i - 1) mod n``, and adds it to the accumulator received from the left
+    neighbour, which has been summing the same chunk; after ``n`` steps each rank holds the
+    full sum of its own chunk. The hop of the accumulator and the partial GEMM of a step are
+    independent.
 
     Args:
-      h: the operand the partials are computed from (threaded through an optimization
-        barrier so that partial ``i + 1`` is computed after partial ``i``, not merged
-        with it into one GEMM that would have to finish before the first hop).
-      partial_fn: ``(h, c: int32 scalar) -> array``, this rank's contribution to chunk
-        ``c`` (every call must return the same shape).
+      operand: what the partials are computed from (any pytree), threaded through an
+        optimization barrier so that partial ``i + 1`` is computed after partial ``i``, not
+        merged with it into one GEMM that would have to finish before the first hop.
+      partial_fn: ``(operand, i: static step) -> array`` (every call the same shape).
       axis_name: manual mesh axis of the ring.
       dtype: dtype the accumulator travels in (the partials are added in float32).
 
@@ -167,11 +167,10 @@ def ring_reduce_scatter(h, partial_fn, axis_name: str, dtype) -> jax.Array:
       This rank's chunk of the sum, in `dtype`.
     """
     n = lax.axis_size(axis_name)
-    me = lax.axis_index(axis_name)
-    acc = partial_fn(h, (me - 1) % n).astype(dtype)
+    acc = partial_fn(operand, 0).astype(dtype)
     for i in range(1, n):
-        acc, h = lax.optimization_barrier((acc, h))
-        part = partial_fn(h, (me - i - 1) % n)
+        acc, operand = lax.optimization_barrier((acc, operand))
+        part = partial_fn(operand, i)
         acc = lax.ppermute(acc, axis_name, _ring_perm(n))
         acc = (acc.astype(_F32) + part.astype(_F32)).astype(dtype)
     return acc
@@ -179,15 +178,21 @@ def ring_reduce_scatter(h, partial_fn, axis_name: str, dtype) -> jax.Array:
 
 def _ring_ag_mm(x3: jax.Array, w2: jax.Array, axis_name: str) -> jax.Array:
     """``all_gather(x3, seq) @ w2`` as a ring: ``[B, S_l, K] -> [B, n * S_l, N]``."""
-    return unrotate(ring_gather_map(x3, axis_name, lambda chunk: _mm(chunk, w2)), axis_name)
+    return unrotate(ring_gather_map(x3, axis_name, lambda _, chunk: _mm(chunk, w2)), axis_name)
 
 
 def _ring_mm_rs(h3: jax.Array, w2: jax.Array, axis_name: str) -> jax.Array:
     """``psum_scatter(h3 @ w2, seq)`` as a ring: ``[B, S, K] -> [B, S / n, N]``."""
-    s = h3.shape[1] // lax.axis_size(axis_name)
+    n = lax.axis_size(axis_name)
+    s = h3.shape[1] // n
+    me = lax.axis_index(axis_name)
+
+    def partial(h, i):
+        return _mm(_chunk(h, (me - i - 1) % n, s), w2)
+
     # Partials leave the GEMM in the activation dtype (as a psum_scatter's operand would);
     # the ring adds each one to the travelling sum in float32.
-    return ring_reduce_scatter(h3, lambda h, c: _mm(_chunk(h, c, s), w2), axis_name, h3.dtype)
+    return ring_reduce_scatter(h3, partial, axis_name, h3.dtype)
 
 
 # ------------------------------------------------------------------------ all-gather + matmul
@@ -307,7 +312,7 @@ def _mm_rs_bwd(axis_name, overlap, n_contract, res, dy):
         # dy travels around the ring while the dgrad GEMM of the chunk in hand runs; the
         # wgrad is one full-size GEMM on the reassembled dy (no slicing of h, no float32
         # accumulator passes), free to overlap the next layer's backward transfers.
-        pairs = ring_gather_map(dy3, axis_name, lambda chunk: (chunk, _mm(chunk, w2.T)))
+        pairs = ring_gather_map(dy3, axis_name, lambda _, chunk: (chunk, _mm(chunk, w2.T)))
         dh3 = unrotate([dh for _, dh in pairs], axis_name)
         dw2 = _wgrad(h3, unrotate([c for c, _ in pairs], axis_name))
     else:
@@ -317,3 +322,113 @@ def _mm_rs_bwd(axis_name, overlap, n_contract, res, dy):
 
 
 _mm_rs.defvjp(_mm_rs_fwd, _mm_rs_bwd)
+
+
+# ------------------------------------------------------------------------ ring-ordered pair
+
+
+def all_gather_matmul_chunks(x: jax.Array, w: jax.Array, axis_name: str, *,
+                             n_contract: int = 1) -> list[jax.Array]:
+    """Ring all-gather + GEMM whose output stays in *ring order*, as a list of chunks.
+
+    For a column-parallel GEMM followed only by position-independent (elementwise) work and
+    `matmul_reduce_scatter_chunks` -- the MLP. Chunk ``i`` is rank ``(me + i) mod n``'s
+    sequence chunk times `w`; the reduce-scatter ring then finds every chunk it needs at a
+    static list position, so neither the forward nor the backward of the pair copies a
+    slice or puts chunks in rank order (`unrotate`).
+
+    Args:
+      x: ``[B, S_local, *k]`` this rank's sequence chunk.
+      w: ``[*k, *out]`` this rank's columns of the weight (same dtype as `x`).
+      axis_name: manual mesh axis the sequence is sharded over (``"tp"``).
+      n_contract: how many trailing dims of `x` / leading dims of `w` are contracted.
+
+    Returns:
+      ``n`` arrays ``[B, S_local, *out]`` in `x`'s dtype, in ring order. Gradients: ``dx``
+      by a reduce-scatter ring over the chunk cotangents, ``dw`` accumulated chunk by chunk
+      while `x` is re-gathered around the ring.
+    """
+    _check(x, w, n_contract, "all_gather_matmul_chunks")
+    return _ag_mm_chunks(x, w, axis_name, int(n_contract))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _ag_mm_chunks(x, w, axis_name, n_contract):
+    return _ag_mm_chunks_fwd(x, w, axis_name, n_contract)[0]
+
+
+def _ag_mm_chunks_fwd(x, w, axis_name, n_contract):
+    x3, w2 = _x3(x, n_contract), _as_2d(w, n_contract)
+    out_shape = (x.shape[0], x.shape[1], *w.shape[n_contract:])
+    ys = ring_gather_map(x3, axis_name, lambda _, chunk: _mm(chunk, w2).reshape(out_shape))
+    return ys, (x, w)
+
+
+def _ag_mm_chunks_bwd(axis_name, n_contract, res, dys):
+    x, w = res
+    x3, w2 = _x3(x, n_contract), _as_2d(w, n_contract)
+    dy3 = [dy.reshape(dy.shape[0], dy.shape[1], -1) for dy in dys]
+    n = len(dy3)
+    # Step i of the reduce-scatter ring needs rank (me - i - 1)'s chunk: list entry n - 1 - i.
+    dx3 = ring_reduce_scatter(dy3, lambda d, i: _mm(d[n - 1 - i], w2.T), axis_name, x3.dtype)
+    dws = ring_gather_map(x3, axis_name, lambda i, chunk: _wgrad(chunk, dy3[i], _F32))
+    return dx3.reshape(x.shape).astype(x.dtype), sum(dws).reshape(w.shape).astype(w.dtype)
+
+
+_ag_mm_chunks.defvjp(_ag_mm_chunks_fwd, _ag_mm_chunks_bwd)
+
+
+def matmul_reduce_scatter_chunks(hs: list[jax.Array], w: jax.Array, axis_name: str, *,
+                                 n_contract: int = 1) -> jax.Array:
+    """`matmul_reduce_scatter` of a ring-ordered list (from `all_gather_matmul_chunks`).
+
+    Args:
+      hs: ``n`` arrays ``[B, S_local, *k]`` in ring order (entry ``i``: rank
+        ``(me + i) mod n``'s sequence chunk), this rank's slice of the contracted features.
+      w: ``[*k, *out]`` this rank's rows of the weight.
+      axis_name: manual mesh axis (``"tp"``); ``len(hs)`` must equal its size.
+      n_contract: how many trailing dims of each `hs` entry / leading dims of `w` contract.
+
+    Returns:
+      ``[B, S_local, *out]`` in the dtype of `hs`: this rank's sequence chunk of the sum over
+      ranks. Gradients: ``dy`` travels around the ring once; each step's chunk gives that
+      chunk's ``dh`` (returned in ring order) and its share of ``dw``.
+    """
+    n = lax.axis_size(axis_name)
+    if not isinstance(hs, (list, tuple)) or len(hs) != n:
+        raise ValueError(
+            f"matmul_reduce_scatter_chunks: hs must be a list of {n} ring-ordered chunks "
+            f"(one per rank of {axis_name!r}, as all_gather_matmul_chunks returns), got "
+            f"{type(hs).__name__} of length {len(hs) if isinstance(hs, (list, tuple)) else '-'}.")
+    for h in hs:
+        _check(h, w, n_contract, "matmul_reduce_scatter_chunks")
+    return _mm_rs_chunks(list(hs), w, axis_name, int(n_contract))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _mm_rs_chunks(hs, w, axis_name, n_contract):
+    return _mm_rs_chunks_fwd(hs, w, axis_name, n_contract)[0]
+
+
+def _mm_rs_chunks_fwd(hs, w, axis_name, n_contract):
+    h3 = [_x3(h, n_contract) for h in hs]
+    w2 = _as_2d(w, n_contract)
+    n = len(h3)
+    y = ring_reduce_scatter(h3, lambda hl, i: _mm(hl[n - 1 - i], w2), axis_name, h3[0].dtype)
+    return y.reshape(y.shape[0], y.shape[1], *w.shape[n_contract:]), (hs, w)
+
+
+def _mm_rs_chunks_bwd(axis_name, n_contract, res, dy):
+    hs, w = res
+    h3 = [_x3(h, n_contract) for h in hs]
+    w2 = _as_2d(w, n_contract)
+    dy3 = dy.reshape(dy.shape[0], dy.shape[1], -1)
+    pairs = ring_gather_map(
+        dy3, axis_name,
+        lambda i, chunk: (_mm(chunk, w2.T), _wgrad(h3[i], chunk, _F32)))
+    dhs = [dh.reshape(h.shape).astype(h.dtype) for (dh, _), h in zip(pairs, hs)]
+    dw = sum(g for _, g in pairs)
+    return dhs, dw.reshape(w.shape).astype(w.dtype)
+
+
+_mm_rs_chunks.defvjp(_mm_rs_chunks_fwd, _mm_rs_chunks_bwd)
