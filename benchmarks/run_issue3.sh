@@ -11,20 +11,7 @@ timeout 540 python3 -m gtp_jax.bench overlap --preset 1b --steps 20 --warmup 2 \
   --variants compute_only_dots,replicated_dots,xla_fsdp_dots,gtp_dots,gtp_prefetch_dots \
   --profile-dir "$PROF" --profile-variants replicated_dots,xla_fsdp_dots,gtp_dots,gtp_prefetch_dots \
   --json "$OUT/overlap.json" 2>&1 | tee "$OUT/model.log" | grep -v -i deprecat | grep -E "^\[|^\||^device" | tail -20
-python3 - "$PROF" "$OUT" <<'PY'
-import gzip, json, sys
-from pathlib import Path
-from gtp_jax.bench.trace import analyze_events, find_trace, load_events, summarize, trim
-prof, out = Path(sys.argv[1]), Path(sys.argv[2])
-for d in sorted(p for p in prof.iterdir() if p.is_dir()):
-    try:
-        events = load_events(find_trace(d))
-    except ValueError as e:
-        print(d.name, e); continue
-    print(f"\n## {d.name} (3 steps)"); print(summarize(analyze_events(events), steps=3))
-    with gzip.open(out / f"trace_{d.name}_excerpt.json.gz", "wt") as f:
-        json.dump({"traceEvents": trim(events, max_ms=160)}, f)
-PY
+python3 -m gtp_jax.bench.trace "$PROF" --each --steps 3 --excerpt-dir "$OUT" --excerpt-ms 160
 # Two single-variant experiments: bf16 gradient reduce-scatter, and fewer NCCL channels (SMs
 # taken from the overlapped GEMMs).
 COMMON="--preset 1b --steps 20 --warmup 2 --per-device-batch 4 --timeout 110 --attention cudnn --no-remat-gathered"

@@ -75,3 +75,26 @@ def test_trim_keeps_device_kernels_in_window_and_reads_back(tmp_path):
 def test_missing_trace_is_a_clear_error(tmp_path):
     with pytest.raises(ValueError, match="create_perfetto_trace=True"):
         find_trace(tmp_path)
+
+
+def test_cli_each_summarizes_every_variant_and_writes_excerpts(tmp_path, capsys):
+    from gtp_jax.bench.trace import main
+
+    profiles = tmp_path / "prof"
+    for variant in ("tp", "tp_overlap"):
+        path = profiles / variant / "plugins" / "profile" / "run" / "perfetto_trace.json.gz"
+        path.parent.mkdir(parents=True)
+        with gzip.open(path, "wt") as f:
+            json.dump({"traceEvents": _gpu_trace()}, f)
+    (profiles / "empty").mkdir()
+    out = tmp_path / "out"
+    out.mkdir()
+    assert main([str(profiles), "--each", "--excerpt-dir", str(out), "--excerpt-ms", "0.1"]) == 0
+    text = capsys.readouterr().out
+    assert "## tp (1 steps)" in text and "## tp_overlap (1 steps)" in text
+    assert "| /device:GPU:0 | 0.08 | 37.5% | 0.05 |" in text
+    assert "empty" in text  # reported, not fatal
+    excerpt = load_events(out / "trace_tp_excerpt.json.gz")
+    assert {e["name"] for e in excerpt if e["ph"] == "X"} == {
+        "nvjet_tst_gemm", "loop_fusion_3",
+        "ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage)"}

@@ -14,7 +14,9 @@ ops) is communication; every other kernel on a device stream is compute. Per dev
   during which some stream was computing;
 * ``exposed_ms = comm_ms - hidden_ms`` and ``hidden_fraction = hidden_ms / comm_ms``.
 
-Usage: ``python -m gtp_jax.bench.trace TRACE.json.gz [--steps N] [--json OUT]``.
+Usage: ``python -m gtp_jax.bench.trace TRACE.json.gz [--steps N] [--json OUT]``, or
+``python -m gtp_jax.bench.trace PROFILE_DIR --each [--excerpt-dir D]`` for the per-variant
+folders a benchmark's ``--profile-dir`` holds.
 """
 
 from __future__ import annotations
@@ -196,7 +198,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("trace", help="perfetto_trace.json.gz, or a jax.profiler log dir")
     parser.add_argument("--steps", type=int, default=1, help="steps captured in the trace")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--each", action="store_true",
+                        help="TRACE is a folder of profiler dirs (one per benchmark variant, "
+                        "as --profile-dir writes them): summarize each")
+    parser.add_argument("--excerpt-dir", default=None,
+                        help="with --each: also write trace_<variant>_excerpt.json.gz here")
+    parser.add_argument("--excerpt-ms", type=float, default=60.0,
+                        help="device time kept in each excerpt (see `trim`)")
     args = parser.parse_args(argv)
+    if args.each:
+        return _each(Path(args.trace), args.steps, args.excerpt_dir, args.excerpt_ms)
     path = Path(args.trace)
     if path.is_dir():
         path = find_trace(path)
@@ -204,6 +215,21 @@ def main(argv: list[str] | None = None) -> int:
     print(summarize(results, args.steps))
     if args.json:
         Path(args.json).write_text(json.dumps([r.as_dict() for r in results], indent=1))
+    return 0
+
+
+def _each(folder: Path, steps: int, excerpt_dir: str | None, excerpt_ms: float) -> int:
+    for d in sorted(p for p in folder.iterdir() if p.is_dir()):
+        try:
+            events = load_events(find_trace(d))
+        except ValueError as err:
+            print(d.name, err)
+            continue
+        print(f"\n## {d.name} ({steps} steps)")
+        print(summarize(analyze_events(events), steps))
+        if excerpt_dir:
+            with gzip.open(Path(excerpt_dir) / f"trace_{d.name}_excerpt.json.gz", "wt") as f:
+                json.dump({"traceEvents": trim(events, max_ms=excerpt_ms)}, f)
     return 0
 
 
