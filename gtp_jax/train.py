@@ -305,16 +305,17 @@ def build_model_and_optimizer(cfg: TrainConfig) -> tuple[gtp_jax.ShardedModule, 
                                             gather_format=cfg.gather_format,
                                             prefetch=cfg.prefetch))
     optimizer = nnx.Optimizer(model, make_optimizer(cfg), wrt=nnx.Param)
-    _replicate_stray_leaves(optimizer, mesh)
+    replicate_stray_leaves(optimizer, mesh)
     return model, optimizer
 
 
-def _replicate_stray_leaves(obj: nnx.Optimizer, mesh: jax.sharding.Mesh) -> None:
-    """Puts arrays that are not on the mesh (``optax`` creates its step counters on one
-    device, uncommitted) replicated on it, where `train_step` leaves them after a step.
+def replicate_stray_leaves(obj: nnx.Module | nnx.Optimizer, mesh: jax.sharding.Mesh) -> None:
+    """Puts arrays of `obj` that are not on `mesh` (``optax`` creates its step counters on one
+    device, uncommitted) replicated on it, where a jitted step leaves them after one update.
 
     Then step 1 sees the same input shardings as every later step (and as a restored
-    checkpoint), and the train step compiles once instead of twice.
+    checkpoint), and the step compiles once instead of twice. Values are unchanged; arrays
+    already placed with a ``NamedSharding`` are left as they are.
     """
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     state = nnx.state(obj)

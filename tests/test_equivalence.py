@@ -49,6 +49,7 @@ from jax.sharding import PartitionSpec as P
 
 import gtp_jax
 from gtp_jax.models import Transformer, lm_loss, preset
+from gtp_jax.train import replicate_stray_leaves
 
 # float32: only the summation order of cross-device reductions differs (a few ulps of 2**-23).
 FP32_RTOL = 1e-5
@@ -106,10 +107,7 @@ def make_optimizer(model: nnx.Module, mesh=None) -> nnx.Optimizer:
     """
     opt = nnx.Optimizer(model, adamw(), wrt=nnx.Param)
     if mesh is not None:
-        replicated = NamedSharding(mesh, P())
-        state = nnx.state(opt, nnx.OptState)
-        nnx.update(opt, jax.tree.map(
-            lambda x: jax.device_put(x, replicated) if jnp.ndim(x) == 0 else x, state))
+        replicate_stray_leaves(opt, mesh)
     return opt
 
 

@@ -29,13 +29,13 @@ import optax
 import pytest
 from conftest import assert_close, flat_values, path_str
 from flax import nnx
-from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import gtp_jax
 from gtp_jax.models import Transformer, preset
 from gtp_jax.sharding.module import unshard_values
 from gtp_jax.sharding.plan import ParamPlan, SplitPlan
+from gtp_jax.train import replicate_stray_leaves
 
 FP32_RTOL = 1e-5
 STEPS = 3
@@ -58,10 +58,7 @@ def make_optimizer(model: nnx.Module, mesh=None) -> nnx.Optimizer:
     step hits the jit cache instead of recompiling (no effect on values)."""
     opt = nnx.Optimizer(model, adamw(), wrt=nnx.Param)
     if mesh is not None:
-        replicated = NamedSharding(mesh, P())
-        state = nnx.state(opt, nnx.OptState)
-        nnx.update(opt, jax.tree.map(
-            lambda x: jax.device_put(x, replicated) if jnp.ndim(x) == 0 else x, state))
+        replicate_stray_leaves(opt, mesh)
     return opt
 
 

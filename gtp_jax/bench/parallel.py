@@ -97,11 +97,10 @@ def run_model_variant(args: argparse.Namespace) -> dict:
     import jax.numpy as jnp
     import optax
     from flax import nnx
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
 
     import gtp_jax
     from gtp_jax.models import Transformer, lm_loss
+    from gtp_jax.train import replicate_stray_leaves
 
     variant = args.worker
     devices = jax.devices()
@@ -113,12 +112,7 @@ def run_model_variant(args: argparse.Namespace) -> dict:
     model = gtp_jax.shard(Transformer(cfg, rngs=nnx.Rngs(0)), mesh, gtp_jax.GTPConfig(
         gather_dtype=cfg.dtype, prefetch=args.prefetch))
     optimizer = nnx.Optimizer(model, optax.adamw(args.lr), wrt=nnx.Param)
-    # Step counters start on one device and come back replicated after the first update,
-    # which would recompile the step; placing them on the mesh first avoids that.
-    replicated = NamedSharding(mesh, P())
-    nnx.update(optimizer, jax.tree.map(
-        lambda x: jax.device_put(x, replicated) if jnp.ndim(x) == 0 else x,
-        nnx.state(optimizer, nnx.OptState)))
+    replicate_stray_leaves(optimizer, mesh)  # one compile of the step, not two
 
     @nnx.jit(donate_argnums=(0, 1))
     def step(model, optimizer, tokens):

@@ -307,9 +307,9 @@ class SwiGLU(nnx.Module):
             for chunk in all_gather_matmul_chunks(x, w, tp):
                 gate, up = jnp.split(chunk, 2, axis=-1)
                 hs.append(jax.nn.silu(gate) * up)
-            hs = [_promote(h, self.down.kernel[...], self.cfg.dtype)[0] for h in hs]
-            _, w = _promote(hs[0], self.down.kernel[...], self.cfg.dtype)
-            return matmul_reduce_scatter_chunks(hs, w, tp)
+            w = self.down.kernel[...]
+            hs = [_promote(h, w, self.cfg.dtype)[0] for h in hs]
+            return matmul_reduce_scatter_chunks(hs, _promote(hs[0], w, self.cfg.dtype)[1], tp)
         gate, up = jnp.split(column_parallel(x, w, tp, overlap=self.cfg.overlaps("gate_up")),
                              2, axis=-1)
         h, w = _promote(jax.nn.silu(gate) * up, self.down.kernel[...], self.cfg.dtype)
