@@ -14,6 +14,7 @@ apply_default_xla_flags()
 
 from gtp_jax import parallel  # noqa: E402
 from gtp_jax.config import GTPConfig  # noqa: E402
+from gtp_jax.errors import UsageError, UsageTypeError  # noqa: E402
 from gtp_jax.parallel import ParallelAxes, current_axes  # noqa: E402
 from gtp_jax.sharding import (  # noqa: E402
     GTPShard,
@@ -51,4 +52,6 @@ __all__ = [
     "shard_key",
     "unshard",
     "unshard_values",
+    "UsageError",
+    "UsageTypeError",
 ]

@@ -13,10 +13,17 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
+from gtp_jax.errors import UsageError, UsageTypeError
+
 #: Low-precision gather formats. None gathers in the parameter dtype (or `gather_dtype`).
 GATHER_FORMATS = (None, "fp8", "mxfp8", "nvfp4")
 #: Implementations of the quantize / dequantize kernels (`gtp_jax.pallas`).
 QUANT_BACKENDS = ("pallas", "reference")
+
+
+#: Dtypes weights can be gathered and gradients reduced in (the arithmetic dtypes of a
+#: matmul). 8- and 4-bit gathers need scales and are chosen with `gather_format` instead.
+WIDE_FLOAT_DTYPES = tuple(np.dtype(jnp.dtype(d)) for d in ("float32", "bfloat16", "float16"))
 
 
 def _as_float_dtype(value: Any, field: str) -> np.dtype | None:
@@ -25,13 +32,13 @@ def _as_float_dtype(value: Any, field: str) -> np.dtype | None:
     try:
         dtype = np.dtype(jnp.dtype(value))
     except TypeError as err:
-        raise TypeError(
+        raise UsageTypeError(
             f"GTPConfig.{field}={value!r} is not a dtype; use e.g. 'bfloat16'.") from err
-    if not jnp.issubdtype(dtype, jnp.floating):
-        raise TypeError(
-            f"GTPConfig.{field}={dtype} must be a floating dtype "
-            "(float32, bfloat16 or float16)."
-        )
+    if dtype not in WIDE_FLOAT_DTYPES:
+        hint = (" For 8- or 4-bit gathers set gather_format='fp8', 'mxfp8' or 'nvfp4' "
+                "(scaled formats) instead." if jnp.issubdtype(dtype, jnp.floating) else "")
+        raise UsageTypeError(
+            f"GTPConfig.{field}={dtype} must be float32, bfloat16 or float16.{hint}")
     return dtype
 
 
@@ -87,44 +94,60 @@ class GTPConfig:
 
     def __post_init__(self) -> None:
         if not isinstance(self.axis, str) or not self.axis:
-            raise TypeError(f"GTPConfig.axis={self.axis!r} must be a mesh axis name such as 'gtp'.")
-        if not isinstance(self.pad_for_alignment, int) or self.pad_for_alignment < 0:
-            raise ValueError(
+            raise UsageTypeError(
+                f"GTPConfig.axis={self.axis!r} must be a mesh axis name such as 'gtp'.")
+        if (isinstance(self.pad_for_alignment, bool) or not isinstance(self.pad_for_alignment, int)
+                or self.pad_for_alignment < 0):
+            raise UsageError(
                 f"GTPConfig.pad_for_alignment={self.pad_for_alignment!r} must be an int >= 0 "
                 "(0 or 1: pad only to divisibility by the axis size)."
             )
-        if not isinstance(self.min_elements, int) or self.min_elements < 0:
-            raise ValueError(f"GTPConfig.min_elements={self.min_elements!r} must be an int >= 0.")
+        if (isinstance(self.min_elements, bool) or not isinstance(self.min_elements, int)
+                or self.min_elements < 0):
+            raise UsageError(f"GTPConfig.min_elements={self.min_elements!r} must be an int >= 0.")
         for field in ("include", "exclude"):
             patterns = getattr(self, field)
-            if isinstance(patterns, str):
+            if patterns is None:
+                patterns = ()  # no patterns: the same as the default
+            elif isinstance(patterns, str):
                 patterns = (patterns,)
-            patterns = tuple(patterns)
+            try:
+                patterns = tuple(patterns)
+            except TypeError as err:
+                raise UsageTypeError(
+                    f"GTPConfig.{field}={patterns!r} must be a regular expression or a "
+                    "sequence of them, e.g. ('mlp/.*kernel',).") from err
             for pattern in patterns:
+                if not isinstance(pattern, str):
+                    raise UsageTypeError(
+                        f"GTPConfig.{field} holds {pattern!r}; each entry must be a regular "
+                        "expression string.")
                 try:
                     re.compile(pattern)
-                except (re.error, TypeError) as err:
-                    raise ValueError(
+                except re.error as err:
+                    raise UsageError(
                         f"GTPConfig.{field} has an invalid regular expression {pattern!r}: {err}"
                     ) from err
             object.__setattr__(self, field, patterns)
         object.__setattr__(self, "gather_dtype", _as_float_dtype(self.gather_dtype, "gather_dtype"))
         reduce_dtype = _as_float_dtype(self.reduce_dtype, "reduce_dtype")
         if reduce_dtype is None:
-            raise TypeError("GTPConfig.reduce_dtype must be a floating dtype, not None.")
+            raise UsageTypeError("GTPConfig.reduce_dtype must be a floating dtype, not None.")
         object.__setattr__(self, "reduce_dtype", reduce_dtype)
         if self.gather_format not in GATHER_FORMATS:
-            raise ValueError(
+            raise UsageError(
                 f"GTPConfig.gather_format={self.gather_format!r} is unknown; "
                 f"choose one of {GATHER_FORMATS}."
             )
         if self.quant_backend not in QUANT_BACKENDS:
-            raise ValueError(
+            raise UsageError(
                 f"GTPConfig.quant_backend={self.quant_backend!r} is unknown; "
                 f"choose one of {QUANT_BACKENDS}."
             )
-        if not isinstance(self.prefetch, bool):
-            raise TypeError(f"GTPConfig.prefetch={self.prefetch!r} must be a bool.")
+        for field in ("prefetch", "remat_gathered"):
+            if not isinstance(getattr(self, field), bool):
+                raise UsageTypeError(
+                    f"GTPConfig.{field}={getattr(self, field)!r} must be True or False.")
 
     def alignment(self, axis_size: int) -> int:
         """The multiple that a sharded dimension is padded to on a mesh axis of `axis_size`."""

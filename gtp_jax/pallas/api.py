@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from gtp_jax.errors import UsageError, UsageTypeError
 from gtp_jax.pallas import _util, formats
 from gtp_jax.pallas.amax import multi_amax_pallas
 from gtp_jax.pallas.cast_fp8 import cast_fp8_pallas
@@ -29,24 +30,25 @@ from gtp_jax.pallas.tensor import (
 
 def check_fmt(fmt: Any) -> str:
     if fmt not in FORMATS:
-        raise ValueError(f"fmt={fmt!r} is unknown; use one of {FORMATS}.")
+        raise UsageError(f"fmt={fmt!r} is unknown; use one of {FORMATS}.")
     return fmt
 
 
 def check_backend(backend: Any) -> str:
     if backend not in BACKENDS:
-        raise ValueError(f"backend={backend!r} is unknown; use one of {BACKENDS} "
+        raise UsageError(f"backend={backend!r} is unknown; use one of {BACKENDS} "
                          "('reference' is the pure-JAX oracle).")
     return backend
 
 
 def check_array(x: Any, name: str) -> None:
     if not hasattr(x, "dtype") or not hasattr(x, "shape"):
-        raise TypeError(f"{name} must be a jax.Array (or numpy array), got {type(x).__name__}.")
+        raise UsageTypeError(
+            f"{name} must be a jax.Array (or numpy array), got {type(x).__name__}.")
     if np.dtype(x.dtype) not in SUPPORTED_DTYPES:
         kind = ("a float dtype the quantizers do not take"
                 if jnp.issubdtype(x.dtype, jnp.floating) else "not a float dtype")
-        raise TypeError(f"{name} has dtype {x.dtype} ({kind}); cast it to one of "
+        raise UsageTypeError(f"{name} has dtype {x.dtype} ({kind}); cast it to one of "
                         f"{[str(d) for d in SUPPORTED_DTYPES]} first.")
 
 
@@ -54,32 +56,38 @@ def check_quantizable(x: Any, name: str, axis: Any) -> int:
     """Checks `x` and `axis`; returns the normalised axis."""
     check_array(x, name)
     if x.ndim == 0:
-        raise ValueError(f"{name} is a scalar; quantize arrays of rank >= 1 "
+        raise UsageError(f"{name} is a scalar; quantize arrays of rank >= 1 "
                          "(e.g. x.reshape(1)).")
     if x.size == 0:
-        raise ValueError(f"{name} has shape {x.shape} (no elements); nothing to quantize.")
+        raise UsageError(f"{name} has shape {x.shape} (no elements); nothing to quantize.")
     _util.check_size(x.size, f"{name} (shape {x.shape})")
     if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)):
-        raise TypeError(f"axis={axis!r} must be an int (the block / contraction axis).")
+        raise UsageTypeError(f"axis={axis!r} must be an int (the block / contraction axis).")
     if not -x.ndim <= axis < x.ndim:
-        raise ValueError(f"axis={axis} is out of range for {name} of rank {x.ndim}.")
+        raise UsageError(f"axis={axis} is out of range for {name} of rank {x.ndim}.")
     return int(axis) % x.ndim
 
 
 def check_amax(fmt: str, amax: Any, required: bool) -> jax.Array | None:
     if fmt == "mxfp8":
         if amax is not None:
-            raise ValueError("amax must be None for fmt='mxfp8': MXFP8 has only per-block "
+            raise UsageError("amax must be None for fmt='mxfp8': MXFP8 has only per-block "
                              "power-of-two scales, there is no per-tensor scale to agree on.")
         return None
     if amax is None:
         if required:
-            raise ValueError(f"amax is required for cast_only(fmt={fmt!r}); compute it with "
+            raise UsageError(f"amax is required for cast_only(fmt={fmt!r}); compute it with "
                              "compute_amax (and reduce it across devices) first.")
         return None
     if jnp.shape(amax) != ():
-        raise ValueError(f"amax must be a scalar (the tensor's max |x|), got shape "
+        raise UsageError(f"amax must be a scalar (the tensor's max |x|), got shape "
                          f"{jnp.shape(amax)}.")
+    if is_concrete(amax):
+        value = float(np.asarray(amax, np.float32))
+        if np.isfinite(value) and value < 0:
+            # A negative max |x| would flip every element's sign through the scale.
+            raise UsageError(f"amax={value} is negative; amax is the tensor's max |x| (>= 0), "
+                             "e.g. from compute_amax.")
     return jnp.asarray(amax, jnp.float32)
 
 
@@ -99,7 +107,7 @@ def raise_if_nonfinite(amax: jax.Array, what: str, indexed: bool = False) -> Non
     if bad.size:
         i = int(bad[0])
         where = f"{what}[{i}]" if indexed else what
-        raise ValueError(
+        raise UsageError(
             f"{where} has a non-finite amax ({values[i]}): it contains NaN or Inf, so its "
             "scale would be NaN and every element would dequantize to NaN. Fix the values "
             "(e.g. skip the step or lower the learning rate) or pass a finite amax= for "
@@ -136,10 +144,10 @@ def multi_amax(
     check_backend(backend)
     interpret = _util.resolve_interpret(interpret)
     if isinstance(tensors, (jax.Array, np.ndarray)) or not isinstance(tensors, Sequence):
-        raise TypeError("tensors must be a list or tuple of arrays (for one array x, pass "
+        raise UsageTypeError("tensors must be a list or tuple of arrays (for one array x, pass "
                         f"[x]); got {type(tensors).__name__}.")
     if len(tensors) == 0:
-        raise ValueError("tensors is empty; pass at least one array.")
+        raise UsageError("tensors is empty; pass at least one array.")
     for i, t in enumerate(tensors):
         check_array(t, f"tensors[{i}]")
         _util.check_size(t.size, f"tensors[{i}] (shape {t.shape})")
@@ -313,15 +321,16 @@ def dequantize(
     check_backend(backend)
     _util.resolve_interpret(interpret)
     if not isinstance(q, QuantizedTensor):
-        raise TypeError(f"q must be a QuantizedTensor (from quantize), got {type(q).__name__}.")
+        raise UsageTypeError(
+            f"q must be a QuantizedTensor (from quantize), got {type(q).__name__}.")
     check_fmt(q.fmt)
     if not jnp.issubdtype(dtype, jnp.floating):
-        raise TypeError(f"dtype={dtype!r} must be a floating dtype such as jnp.bfloat16.")
+        raise UsageTypeError(f"dtype={dtype!r} must be a floating dtype such as jnp.bfloat16.")
     if q.fmt != "fp8":
         expected = tuple(q.shape[:q.axis]) + tuple(q.shape[q.axis + 1:])
         got = tuple(q.payload.shape[:q.axis]) + tuple(q.payload.shape[q.axis + 1:])
         if got != expected:
-            raise ValueError(f"q.payload has shape {q.payload.shape}, inconsistent with the "
+            raise UsageError(f"q.payload has shape {q.payload.shape}, inconsistent with the "
                              f"logical shape {q.shape} (axis {q.axis}).")
     return _dequantize(q, np.dtype(dtype))
 

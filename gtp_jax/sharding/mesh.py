@@ -24,6 +24,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from gtp_jax.errors import UsageError, UsageTypeError
+
 #: Mesh axis names, outermost first.
 AXES: tuple[str, ...] = ("dp", "ep", "gtp", "tp")
 #: Axes whose ranks see different data (the batch is split over them). ``tp`` ranks share data.
@@ -57,11 +59,23 @@ def make_mesh(
     sizes = {"dp": dp, "ep": ep, "gtp": gtp, "tp": tp}
     for name, size in sizes.items():
         if not isinstance(size, (int, np.integer)) or isinstance(size, bool) or size < 1:
-            raise ValueError(f"make_mesh: {name}={size!r} must be a positive int.")
+            raise UsageError(f"make_mesh: {name}={size!r} must be a positive int.")
     devices = list(jax.devices() if devices is None else devices)
+    if not devices:
+        raise UsageError("make_mesh: devices= is empty; pass the devices to use (e.g. "
+                         "jax.devices()), or leave devices=None for all devices.")
+    bad = [d for d in devices if not isinstance(d, jax.Device)]
+    if bad:
+        raise UsageTypeError(f"make_mesh: devices= must hold jax.Device objects, got "
+                             f"{type(bad[0]).__name__}; pass e.g. jax.devices()[:4].")
+    ids = [d.id for d in devices]
+    if len(set(ids)) != len(ids):
+        repeated = sorted({i for i in ids if ids.count(i) > 1})
+        raise UsageError(f"make_mesh: devices= lists device ids {repeated} more than once; "
+                         "each device can hold one mesh position.")
     product = math.prod(sizes.values())
     if product != len(devices):
-        raise ValueError(
+        raise UsageError(
             f"make_mesh: dp*ep*gtp*tp = {dp}*{ep}*{gtp}*{tp} = {product} does not equal the "
             f"number of devices ({len(devices)}); choose sizes whose product is {len(devices)}, "
             "or pass devices= with that many devices."
@@ -73,6 +87,7 @@ def make_mesh(
 
 def axis_groups(mesh: Mesh, axis: str) -> list[list[int]]:
     """The device-id groups that communicate over `axis` (one list per group, sorted)."""
+    _check_mesh(mesh, "axis_groups")
     _check_axis(mesh, axis, "axis")
     ids = np.vectorize(lambda d: d.id)(mesh.devices)
     moved = np.moveaxis(ids, mesh.axis_names.index(axis), -1)
@@ -85,6 +100,7 @@ def describe_mesh(mesh: Mesh, *, print_fn=None) -> dict[str, list[list[int]]]:
 
     With `print_fn` (e.g. ``print``) it also writes one line per axis.
     """
+    _check_mesh(mesh, "describe_mesh")
     groups = {axis: axis_groups(mesh, axis) for axis in mesh.axis_names}
     if print_fn is not None:
         shape = ", ".join(f"{a}={mesh.shape[a]}" for a in mesh.axis_names)
@@ -106,8 +122,11 @@ def data_size(mesh: Mesh) -> int:
 
 def data_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
     """Placement for a batch-major input of rank `ndim`: dim 0 split over the data axes."""
+    _check_mesh(mesh, "data_sharding")
+    if isinstance(ndim, bool) or not isinstance(ndim, (int, np.integer)):
+        raise UsageTypeError(f"data_sharding: ndim={ndim!r} must be an int (the input's rank).")
     if ndim < 1:
-        raise ValueError(f"data_sharding: ndim={ndim} must be >= 1 (dim 0 is the batch).")
+        raise UsageError(f"data_sharding: ndim={ndim} must be >= 1 (dim 0 is the batch).")
     return NamedSharding(mesh, P(data_axes(mesh), *([None] * (ndim - 1))))
 
 
@@ -125,9 +144,15 @@ def shard_key(key: jax.Array, axes: Sequence[str]) -> jax.Array:
     return jax.random.fold_in(key, index)
 
 
+def _check_mesh(mesh: object, where: str) -> None:
+    if not isinstance(mesh, Mesh):
+        raise UsageTypeError(f"{where}: mesh must be a jax.sharding.Mesh (build one with "
+                             f"gtp_jax.make_mesh), got {type(mesh).__name__}.")
+
+
 def _check_axis(mesh: Mesh, axis: str, what: str) -> None:
     if axis not in mesh.axis_names:
-        raise ValueError(
+        raise UsageError(
             f"{what}={axis!r} is not an axis of the mesh (axes: {mesh.axis_names}); "
             "build the mesh with gtp_jax.make_mesh or name an existing axis."
         )
