@@ -101,3 +101,54 @@ def test_prefetch_gathers_next_layer_before_current_dot():
     assert bodies, "no loop body with both an all-gather and a dot"
     body = bodies[0]
     assert body.index("all-gather") < body.index("dot")
+
+
+def _odd_layer_program(prefetch: bool, num_layers: int = 4):
+    """Loss and grads of a loop whose layer transposes, rescales and casts its gathered
+    weights before use (what an arbitrary user layer may do)."""
+    mesh = get_mesh("gtp8")
+    spec = gtp_jax.sharding.GatherSpec(axis="gtp", axis_size=8, shard_dim=0, logical_shape=(24, 16),
+                              padded_size=24, param_dtype=np.dtype("float32"),
+                              gather_dtype=None, reduce_dtype=np.dtype("float32"))
+    P = jax.sharding.PartitionSpec
+
+    def layer(h, w):
+        h1 = h @ w["a"].T                                   # [b, 24] from a transpose
+        w2 = (w["b"] * 1.0).astype(jax.numpy.float32)       # a new array, same values
+        return jax.numpy.tanh(h1) @ w2 + 0.1 * h
+
+    def local_loss(h, a, b):
+        params = {"a": gtp_jax.GTPShard(a, spec), "b": gtp_jax.GTPShard(b, spec)}
+        out = gtp_jax.scan_layers(layer, h, params, prefetch=prefetch)
+        return jax.lax.psum(jax.numpy.sum(out ** 2), "gtp")
+
+    loss = jax.shard_map(local_loss, mesh=mesh, out_specs=P(),
+                         in_specs=(P("gtp"), P(None, "gtp"), P(None, "gtp")), check_vma=False)
+
+    def reference(h, a, b):
+        def body(c, w):
+            return layer(c, {"a": w[0], "b": w[1]}), None
+        return jax.numpy.sum(jax.lax.scan(body, h, (a, b))[0] ** 2)
+
+    keys = jax.random.split(jax.random.key(3), 3)
+    h = jax.random.normal(keys[0], (16, 16))
+    a = 0.2 * jax.random.normal(keys[1], (num_layers, 24, 16))
+    b = 0.2 * jax.random.normal(keys[2], (num_layers, 24, 16))
+    return loss, reference, (h, a, b)
+
+
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_loop_saves_no_weight_derived_residual(prefetch):
+    # Whatever the layer does to its gathered weights (transpose, rescale, cast), nothing
+    # computed from the weights alone is stacked as a residual: the backward recomputes it
+    # from the re-gathered weights. Stacked residuals of a [24, 16] weight would show up as
+    # [layers, 24, 16] or [layers, 16, 24] buffers in the compiled gradient program.
+    loss, reference, args = _odd_layer_program(prefetch)
+    grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+    hlo = grad.lower(*args).compile().as_text()
+    assert not re.findall(r"f32\[[23],(24,16|16,24)\]", hlo)
+    (value, grads), (ref_value, ref_grads) = grad(*args), jax.value_and_grad(
+        reference, argnums=(0, 1, 2))(*args)
+    assert abs(float(value) - float(ref_value)) <= 1e-5 * abs(float(ref_value))
+    for g, r in zip(grads, ref_grads):
+        assert max_rel_err(np.asarray(g), np.asarray(r)) < 1e-5

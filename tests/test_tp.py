@@ -68,10 +68,10 @@ def lm_step(model: nnx.Module, opt: nnx.Optimizer, tokens: jax.Array):
     cfg = getattr(model, "cfg", None) or model.module.cfg
 
     def loss_fn(m):
-        logits, aux = m(tokens[:, :-1], return_aux=True)
+        out = m(tokens[:, :-1])
         ce = optax.softmax_cross_entropy_with_integer_labels(
-            logits.astype(jnp.float32), tokens[:, 1:]).mean()
-        return ce + cfg.moe_aux_weight * aux.mean(), logits
+            out.logits.astype(jnp.float32), tokens[:, 1:]).mean()
+        return ce + cfg.moe_aux_weight * out.aux.mean(), out.logits
 
     (loss, logits), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model)
     opt.update(model, grads)

@@ -116,7 +116,8 @@ def run_model_variant(args: argparse.Namespace) -> dict:
 
     @nnx.jit(donate_argnums=(0, 1))
     def step(model, optimizer, tokens):
-        loss, grads = nnx.value_and_grad(lm_loss)(model, tokens)
+        loss, grads = nnx.value_and_grad(lm_loss)(model, tokens,
+                                                  aux_weight=cfg.moe_aux_weight)
         optimizer.update(model, grads)
         return loss, optax.global_norm(grads)
 

@@ -20,7 +20,7 @@ over ``tp`` are zero-padded (padded heads stay exactly zero, see `Attention`).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -222,14 +222,9 @@ def _init(stddev: float):
 
 
 def _promote(x: jax.Array, w: jax.Array, dtype: Any) -> tuple[jax.Array, jax.Array]:
-    """Casts input and kernel to the compute dtype, as ``nnx.Linear`` does.
-
-    A cast to the same dtype is skipped so that a gathered weight keeps its identity (the
-    prefetching layer loop recognises gathered weights among saved residuals by identity).
-    """
+    """Casts input and kernel to the compute dtype, as ``nnx.Linear`` does."""
     dtype = dtype or jnp.result_type(x, w)
-    return (x if x.dtype == dtype else x.astype(dtype),
-            w if w.dtype == dtype else w.astype(dtype))
+    return x.astype(dtype), w.astype(dtype)
 
 
 class Attention(nnx.Module):
@@ -319,8 +314,8 @@ class SwiGLU(nnx.Module):
 class Block(nnx.Module):
     """Pre-norm transformer block: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``.
 
-    With ``cfg.moe_experts`` the MLP is a `gtp_jax.parallel.MoE` and the block returns
-    ``(x, aux)`` (``aux``: float32 ``[batch]`` load-balancing loss).
+    Returns ``(x, aux)``: ``aux`` is float32 ``[batch]``, the load-balancing loss of a
+    `gtp_jax.parallel.MoE` MLP (``cfg.moe_experts``), zeros for a dense MLP.
     """
 
     def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs):
@@ -338,12 +333,12 @@ class Block(nnx.Module):
             self.mlp = SwiGLU(cfg, rngs=rngs)
 
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array,
-                 valid_len: int | None = None) -> Any:
+                 valid_len: int | None = None) -> tuple[jax.Array, jax.Array]:
         x = x + self.attn(self.attn_norm(x), cos, sin)
         if isinstance(self.mlp, MoE):
             y, aux = self.mlp(self.mlp_norm(x), valid_len)
             return x + y, aux
-        return x + self.mlp(self.mlp_norm(x))
+        return x + self.mlp(self.mlp_norm(x)), jnp.zeros((x.shape[0],), jnp.float32)
 
 
 def _stacked_blocks(cfg: TransformerConfig, rngs: nnx.Rngs) -> Block:
@@ -366,12 +361,27 @@ _REMAT = {
 }
 
 
+class LMOutput(NamedTuple):
+    """What `Transformer` returns.
+
+    Attributes:
+      logits: ``[batch, seq, vocab]`` in ``cfg.dtype``.
+      aux: float32 ``[batch]``: each sequence's MoE load-balancing loss summed over layers
+        (zeros for a dense model).
+    """
+
+    logits: jax.Array
+    aux: jax.Array
+
+
 class Transformer(nnx.Module):
     """Decoder-only language model.
 
     Example:
       >>> model = Transformer(preset("tiny"), rngs=nnx.Rngs(0))      # doctest: +SKIP
-      >>> logits = model(jnp.zeros((2, 16), jnp.int32))              # [2, 16, 256]
+      >>> out = model(jnp.zeros((2, 16), jnp.int32))                 # doctest: +SKIP
+      >>> out.logits.shape                                           # doctest: +SKIP
+      (2, 16, 256)
     """
 
     def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs):
@@ -386,11 +396,9 @@ class Transformer(nnx.Module):
             cfg.d_model, cfg.vocab_size, use_bias=False, dtype=cfg.dtype,
             param_dtype=cfg.param_dtype, kernel_init=_init(0.02), rngs=rngs)
 
-    def __call__(self, tokens: jax.Array, return_aux: bool = False) -> Any:
-        """``tokens: int32[batch, seq]`` -> logits ``[batch, seq, vocab]`` in ``cfg.dtype``.
+    def __call__(self, tokens: jax.Array) -> LMOutput:
+        """``tokens: int32[batch, seq]`` -> `LMOutput` (logits ``[batch, seq, vocab]``, aux).
 
-        With ``return_aux=True`` returns ``(logits, aux)``, ``aux``: float32 ``[batch]``, the
-        MoE load-balancing loss of each sequence summed over layers (zeros without MoE).
         Under tensor parallelism (inside a sharded call) the logits are this rank's chunk of
         the padded sequence; `gtp_output_layout` reassembles and unpads them.
         """
@@ -408,25 +416,19 @@ class Transformer(nnx.Module):
         cos, sin = rope_tables(padded_len(seq_len, axes.tp_size), cfg.head_dim, cfg.rope_theta)
         x = self.embed(tokens)
         graphdef, stacked = nnx.split(self.blocks)
-        moe = cfg.moe_experts > 0
 
         def layer(carry: Any, params: Any) -> Any:
-            block = nnx.merge(graphdef, params)
-            if not moe:
-                return block(carry, cos, sin)
             h, aux = carry
-            h, layer_aux = block(h, cos, sin, seq_len)
+            h, layer_aux = nnx.merge(graphdef, params)(h, cos, sin, seq_len)
             return h, aux + layer_aux
 
-        carry = (x, jnp.zeros((x.shape[0],), jnp.float32)) if moe else x
-        carry = scan_layers(layer, carry, stacked, remat_policy=_REMAT[cfg.remat])
-        x, aux = carry if moe else (carry, jnp.zeros((x.shape[0],), jnp.float32))
+        carry = (x, jnp.zeros((x.shape[0],), jnp.float32))
+        x, aux = scan_layers(layer, carry, stacked, remat_policy=_REMAT[cfg.remat])
         x = self.final_norm(x)
         logits = self.embed.attend(x) if self.lm_head is None else self.lm_head(x)
-        return (logits, aux) if return_aux else logits
+        return LMOutput(logits, aux)
 
-    def gtp_output_layout(self, mesh: Any, tokens: jax.Array,
-                          return_aux: bool = False) -> OutputLayout | None:
+    def gtp_output_layout(self, mesh: Any, tokens: jax.Array) -> OutputLayout | None:
         """Output placement under `gtp_jax.shard`: logits sequence-sharded over ``tp``.
 
         The logits leave ``shard_map`` as ``[batch, padded_seq, vocab]`` with
@@ -438,37 +440,22 @@ class Transformer(nnx.Module):
             return None
         data = data_axes(mesh)
         seq_len = tokens.shape[1]
-        logits = P(data, TP_AXIS)
-        specs = (logits, P(data)) if return_aux else logits
+        specs = LMOutput(P(data, TP_AXIS), P(data))
         if padded_len(seq_len, tp) == seq_len:
             return OutputLayout(specs)
-
-        def unpad(out: Any) -> Any:
-            if return_aux:
-                return out[0][:, :seq_len], out[1]
-            return out[:, :seq_len]
-
-        return OutputLayout(specs, unpad)
+        return OutputLayout(specs, lambda out: out._replace(logits=out.logits[:, :seq_len]))
 
 
-def _config_of(model: Any) -> TransformerConfig | None:
-    cfg = getattr(model, "cfg", None)
-    if cfg is None:
-        cfg = getattr(getattr(model, "module", None), "cfg", None)
-    return cfg if isinstance(cfg, TransformerConfig) else None
-
-
-def lm_loss(model: nnx.Module, tokens: jax.Array) -> jax.Array:
+def lm_loss(model: nnx.Module, tokens: jax.Array, aux_weight: float = 0.0) -> jax.Array:
     """Mean next-token cross-entropy (float32) of ``tokens: int32[batch, seq + 1]``.
 
-    For a mixture-of-experts model (`TransformerConfig.moe_experts`) the load-balancing loss
-    (mean over sequences, summed over layers) times ``moe_aux_weight`` is added.
+    Args:
+      model: returns an `LMOutput` for ``tokens[:, :-1]`` (a `Transformer`, sharded or not).
+      tokens: int32 ``[batch, seq + 1]``; position ``t + 1`` is the target of position ``t``.
+      aux_weight: weight of the MoE load-balancing loss (mean over sequences), e.g.
+        ``TransformerConfig.moe_aux_weight``; 0 ignores it.
     """
-    cfg = _config_of(model)
-    if cfg is not None and cfg.moe_experts:
-        logits, aux = model(tokens[:, :-1], return_aux=True)
-        ce = optax.softmax_cross_entropy_with_integer_labels(
-            logits.astype(jnp.float32), tokens[:, 1:]).mean()
-        return ce + cfg.moe_aux_weight * aux.mean()
-    logits = model(tokens[:, :-1]).astype(jnp.float32)
-    return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+    out = model(tokens[:, :-1])
+    ce = optax.softmax_cross_entropy_with_integer_labels(
+        out.logits.astype(jnp.float32), tokens[:, 1:]).mean()
+    return ce + aux_weight * out.aux.mean() if aux_weight else ce

@@ -242,8 +242,7 @@ def _ag_mm_fwd(x, w, axis_name, overlap, n_contract):
     else:
         y = _mm(lax.all_gather(x3, axis_name, axis=1, tiled=True), w2)
     out_shape = (y.shape[0], y.shape[1], *w.shape[n_contract:])
-    # Residuals: the local chunk (not the gathered sequence) and the weight object as given,
-    # so a layer loop that recognises gathered weights among residuals still can.
+    # Residuals: the local chunk, not the gathered sequence.
     return y.reshape(out_shape), (x, w)
 
 

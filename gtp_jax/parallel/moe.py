@@ -207,17 +207,13 @@ def moe_ffn(x: jax.Array, router: jax.Array, w_in: jax.Array, w_out: jax.Array, 
     buf = dispatch(full, routing.slot, num_experts, capacity)
     if ep is not None:
         buf = lax.all_to_all(buf, ep, split_axis=0, concat_axis=1, tiled=True)
-    out = expert_ffn(buf, _cast(w_in, buf.dtype), _cast(w_out, buf.dtype))
+    out = expert_ffn(buf, w_in.astype(buf.dtype), w_out.astype(buf.dtype))
     if ep is not None:
         out = lax.all_to_all(out, ep, split_axis=1, concat_axis=0, tiled=True)
     y = combine(out, routing.gate, routing.slot)
     return seq_reduce_scatter(y, tp), routing.aux
 
 
-def _cast(x: jax.Array, dtype: Any) -> jax.Array:
-    # No-op casts keep the object identity of gathered weights, which the prefetching layer
-    # loop uses to drop them from the saved residuals.
-    return x if x.dtype == dtype else x.astype(dtype)
 
 
 class MoE(nnx.Module):
@@ -260,7 +256,7 @@ class MoE(nnx.Module):
                  ) -> tuple[jax.Array, jax.Array]:
         axes = current_axes()
         dtype = self.dtype or x.dtype
-        y, aux = moe_ffn(_cast(x, dtype), self.router.kernel[...], self.w_in[...],
+        y, aux = moe_ffn(x.astype(dtype), self.router.kernel[...], self.w_in[...],
                          self.w_out[...], top_k=self.top_k,
                          capacity_factor=self.capacity_factor, valid_len=valid_len,
                          tp=axes.tp, ep=axes.ep)

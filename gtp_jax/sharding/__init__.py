@@ -7,7 +7,7 @@ from gtp_jax.sharding.collectives import (
     gather_weight,
     reduce_scatter_grad,
 )
-from gtp_jax.sharding.lazy import GTPShard, materialize
+from gtp_jax.sharding.lazy import GTPShard
 from gtp_jax.sharding.mesh import (
     AXES,
     axis_groups,
@@ -63,7 +63,6 @@ __all__ = [
     "gather_weight",
     "gathered_weight_policy",
     "make_mesh",
-    "materialize",
     "reduce_scatter_grad",
     "scan_layers",
     "shard",

@@ -11,7 +11,7 @@ from typing import Any
 
 import jax
 
-from gtp_jax.sharding.collectives import GatherSpec, gather_weight
+from gtp_jax.sharding.collectives import GatherSpec
 
 
 @jax.tree_util.register_pytree_node_class
@@ -58,17 +58,3 @@ class GTPShard:
 
 def is_shard(x: Any) -> bool:
     return isinstance(x, GTPShard)
-
-
-def materialize(tree: Any) -> Any:
-    """Gathers every `GTPShard` leaf of `tree` (see `gather_weight`); other leaves pass through.
-
-    Call inside ``shard_map`` on one layer's parameters (shards of shape ``spec.shard_shape``).
-    """
-    return jax.tree.map(
-        lambda x: gather_weight(x.shard, x.spec) if is_shard(x) else x, tree, is_leaf=is_shard
-    )
-
-
-def has_shards(tree: Any) -> bool:
-    return any(is_shard(x) for x in jax.tree.leaves(tree, is_leaf=is_shard))

@@ -10,7 +10,7 @@ import jax
 
 from gtp_jax.sharding.collectives import GATHERED_WEIGHT, GatherSpec, regather_policy
 from gtp_jax.sharding.lazy import is_shard
-from gtp_jax.sharding.prefetch import prefetch_scan
+from gtp_jax.sharding.loop import layer_loop
 
 Carry = TypeVar("Carry")
 
@@ -82,7 +82,7 @@ def scan_layers(
 
     On plain stacked arrays (the unsharded model) this is an ordinary ``lax.scan``. On
     stacked `GTPShard` leaves (inside a `gtp_jax.shard`-ed module) it is a ``custom_vjp``
-    loop (`gtp_jax.sharding.prefetch.prefetch_scan`) that all-gathers one layer at a time
+    loop (`gtp_jax.sharding.loop.layer_loop`) that all-gathers one layer at a time
     in the forward *and* the backward pass, reduce-scatters each layer's weight gradient,
     and never keeps a gathered weight from the forward pass for the backward pass.
 
@@ -106,8 +106,8 @@ def scan_layers(
     if shards:
         if prefetch is None:
             prefetch = any(x.prefetch for x in shards)
-        return prefetch_scan(layer_fn, carry, stacked_params, remat_policy=remat_policy,
-                             prefetch=prefetch)
+        return layer_loop(layer_fn, carry, stacked_params, remat_policy=remat_policy,
+                          schedule="prefetch" if prefetch else "plain")
 
     def body(c, layer_params):
         return layer_fn(c, layer_params), None

@@ -1,0 +1,345 @@
+"""The layer loop over GTP shards: one ``custom_vjp`` whose schedule picks the gather order.
+
+`layer_loop` runs ``carry = layer(carry, params[i])`` over a stack of layers whose weights
+are `GTPShard`s. It is one ``jax.custom_vjp`` (`_loop`, rules `_loop_fwd` / `_loop_bwd`)
+over a static `LoopSpec`; the spec's schedule picks the forward and backward bodies:
+
+``"plain"``
+  each iteration gathers its own layer just before use; the backward loop re-gathers it
+  and reduce-scatters its weight gradient right after computing it.
+``"prefetch"``
+  double buffering: the forward iteration ``i`` issues layer ``i + 1``'s gather before
+  running layer ``i`` (no data dependence between the two, so at most two gathered layers
+  are alive); the backward iteration ``i`` gathers layer ``i - 1`` and reduce-scatters layer
+  ``i + 1``'s gradient (one step late) while layer ``i``'s backward runs.
+
+Residuals. Each layer's autodiff residuals (under the layer's own remat policy) are split
+by what they depend on, read off the layer's jaxpr (`_ResidualSplit`): a residual computed
+from the layer's input activations is saved; a residual computed from the weights, the
+per-layer replicated parameters and constants alone is not, and the backward pass
+recomputes it from the re-gathered weights. So no gathered weight, and no cast, transpose
+or reshape of one, is kept from the forward pass, whatever the layer does with it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend.core import Literal
+
+from gtp_jax.sharding.collectives import GatherSpec, all_gather_shards, reduce_scatter_grad
+from gtp_jax.sharding.lazy import is_shard
+
+#: Loop schedules: see the module docstring.
+SCHEDULES = ("plain", "prefetch")
+
+
+class _ResidualSplit:
+    """Which of one layer's vjp residuals are saved, and how the others are recomputed.
+
+    Filled when the forward pass is traced (once per trace site: the scanned layers and a
+    peeled last layer have different traced backward functions), read when the backward
+    pass is traced.
+    """
+
+    def __init__(self) -> None:
+        self.treedef: Any = None
+        self.saved: tuple[bool, ...] = ()
+        self.jaxpr: Any = None  # closed jaxpr: (h, weights, plain, consts) -> residuals
+        self.num_h = 0  # leaves of the activations argument
+
+    def forward(self, layer: Callable, args: tuple) -> tuple[Any, list[jax.Array]]:
+        """Runs the layer; returns its output and the residuals that must be saved."""
+        out, pullback = jax.vjp(layer, *args)
+        leaves, treedef = jax.tree.flatten(pullback)
+        if self.jaxpr is None:
+            closed = jax.make_jaxpr(lambda *a: jax.tree.leaves(jax.vjp(layer, *a)[1]))(*args)
+            self.treedef, self.jaxpr = treedef, closed
+            self.num_h = len(jax.tree.leaves(args[0]))
+            self.saved = _activation_dependent(closed.jaxpr, self.num_h)
+        elif treedef != self.treedef or len(leaves) != len(self.saved):
+            raise RuntimeError(
+                "gtp_jax layer loop: the layer's residual structure differs between two "
+                "traces of the same layer; the layer function must be deterministic in "
+                "structure.")
+        return out, [x for x, keep in zip(leaves, self.saved) if keep]
+
+    def pullback(self, saved: list[jax.Array], args_but_h: tuple) -> Callable:
+        """The layer's vjp function from the saved residuals and the re-gathered weights.
+
+        `args_but_h` are the layer's arguments after the activations (weights, per-layer
+        parameters, constants); the recomputed residuals never read the activations.
+        """
+        flat = [None] * self.num_h + jax.tree.leaves(args_but_h)
+        missing = [i for i, keep in enumerate(self.saved) if not keep]
+        recomputed = iter(_eval_outputs(self.jaxpr, flat, missing))
+        kept = iter(saved)
+        leaves = [next(kept) if keep else next(recomputed) for keep in self.saved]
+        return jax.tree.unflatten(self.treedef, leaves)
+
+
+def _activation_dependent(jaxpr: Any, num_h: int) -> tuple[bool, ...]:
+    """Per output of `jaxpr`: True if it depends on one of the first `num_h` inputs, or on an
+    equation with effects (which must not run twice); such residuals are saved."""
+    tainted = set(jaxpr.invars[:num_h])
+    for eqn in jaxpr.eqns:
+        if eqn.effects or any(not isinstance(v, Literal) and v in tainted for v in eqn.invars):
+            tainted.update(eqn.outvars)
+    return tuple(not isinstance(v, Literal) and v in tainted for v in jaxpr.outvars)
+
+
+def _eval_outputs(closed: Any, args: list[Any], index: list[int]) -> list[Any]:
+    """Evaluates only outputs `index` of a closed jaxpr, running only the equations they
+    need (inputs they do not read may be None)."""
+    if not index:
+        return []
+    jaxpr = closed.jaxpr
+    outvars = [jaxpr.outvars[i] for i in index]
+    needed = {v for v in outvars if not isinstance(v, Literal)}
+    live = []
+    for eqn in reversed(jaxpr.eqns):
+        if any(v in needed for v in eqn.outvars):
+            live.append(eqn)
+            needed.update(v for v in eqn.invars if not isinstance(v, Literal))
+    pruned = jaxpr.replace(eqns=live[::-1], outvars=outvars)
+    return jax.core.eval_jaxpr(pruned, closed.consts, *args)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class LoopSpec:
+    """Static description of one layer loop (hashed by identity).
+
+    Attributes:
+      layer: ``(h, weights, plain, consts) -> h`` with `weights` the gathered weights of one
+        layer (list, in `gather_specs` order), `plain` that layer's slices of the
+        replicated stacked parameters and `consts` the closure-converted constants.
+      gather_specs: one `GatherSpec` per GTP-sharded stacked weight.
+      num_layers: length of the stack.
+      schedule: one of `SCHEDULES`.
+      mid, last: residual splits of the scanned layers and of the peeled last layer.
+    """
+
+    layer: Callable
+    gather_specs: tuple[GatherSpec, ...]
+    num_layers: int
+    schedule: str
+    mid: _ResidualSplit = dataclasses.field(default_factory=_ResidualSplit)
+    last: _ResidualSplit = dataclasses.field(default_factory=_ResidualSplit)
+
+    def gather(self, layer_shards: list[jax.Array]) -> list[jax.Array]:
+        # One call per layer: low-precision formats agree on all of a layer's scales with
+        # a single all-reduce.
+        return all_gather_shards(layer_shards, self.gather_specs)
+
+    def reduce_scatter(self, grads: list[jax.Array]) -> list[jax.Array]:
+        return [reduce_scatter_grad(g, s) for g, s in zip(grads, self.gather_specs)]
+
+
+def layer_loop(layer_fn: Callable[[Any, Any], Any], carry: Any, stacked_params: Any, *,
+               remat_policy: Callable[..., bool] | None = None,
+               schedule: str = "plain") -> Any:
+    """Runs ``carry = layer_fn(carry, params[i])`` over GTP-sharded stacked parameters.
+
+    Must run inside ``jax.shard_map`` over a mesh with the shards' GTP axis.
+
+    Args:
+      layer_fn: ``(carry, layer_params) -> carry``.
+      carry: initial carry (a pytree of arrays, e.g. activations ``[batch, seq, d]``).
+      stacked_params: pytree with a leading layer dim ``L``; `GTPShard` leaves (local
+        shards ``[L, *spec.shard_shape]``) are gathered one layer at a time, other leaves
+        (replicated stacked parameters) are sliced per layer.
+      remat_policy: optional ``jax.checkpoint`` policy applied to each layer.
+      schedule: ``"plain"`` or ``"prefetch"`` (see the module docstring).
+
+    Returns:
+      The final carry. Gradients flow to the shards (reduce-scattered, ``spec.param_dtype``),
+      the replicated parameters, the carry and anything `layer_fn` closes over.
+    """
+    if schedule not in SCHEDULES:
+        raise ValueError(f"layer_loop: schedule={schedule!r}; choose one of {SCHEDULES}.")
+    leaves, treedef = jax.tree.flatten(stacked_params, is_leaf=is_shard)
+    shard_pos = [i for i, x in enumerate(leaves) if is_shard(x)]
+    plain_pos = [i for i, x in enumerate(leaves) if not is_shard(x)]
+    specs = tuple(leaves[i].spec for i in shard_pos)
+    shards = [leaves[i].shard for i in shard_pos]
+    plain = [leaves[i] for i in plain_pos]
+    fn = layer_fn if remat_policy is None else jax.checkpoint(layer_fn, policy=remat_policy)
+
+    def apply(h: Any, weights: list[jax.Array], plain_i: list[jax.Array]) -> Any:
+        merged: list[Any] = [None] * len(leaves)
+        for pos, w in zip(shard_pos, weights):
+            merged[pos] = w
+        for pos, p in zip(plain_pos, plain_i):
+            merged[pos] = p
+        return fn(h, jax.tree.unflatten(treedef, merged))
+
+    example_w = [jax.ShapeDtypeStruct(s.logical_shape, s.compute_dtype) for s in specs]
+    example_p = [jax.ShapeDtypeStruct(p.shape[1:], p.dtype) for p in plain]
+    converted, consts = jax.closure_convert(apply, carry, example_w, example_p)
+    spec = LoopSpec(layer=lambda h, w, p, c: converted(h, w, p, *c), gather_specs=specs,
+                    num_layers=(shards or plain)[0].shape[0], schedule=schedule)
+    return _loop(spec, carry, shards, plain, list(consts))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _loop(spec: LoopSpec, h: Any, shards: list, plain: list, consts: list) -> Any:
+    return _FORWARD[spec.schedule](spec, h, shards, plain, consts, keep=False)[0]
+
+
+def _loop_fwd(spec: LoopSpec, h: Any, shards: list, plain: list, consts: list):
+    out, residuals = _FORWARD[spec.schedule](spec, h, shards, plain, consts, keep=True)
+    return out, (residuals, shards, plain, consts)
+
+
+def _loop_bwd(spec: LoopSpec, saved: tuple, ct: Any):
+    return _BACKWARD[spec.schedule](spec, saved, ct)
+
+
+_loop.defvjp(_loop_fwd, _loop_bwd)
+
+
+# --------------------------------------------------------------------------- helpers
+# Every per-layer access is a dynamic index into the *whole* stacked array, which the loop
+# reads in place. Slicing a stack first (``s[1:]``) or concatenating per-layer results
+# afterwards makes XLA materialize a copy of every stacked shard, residual and gradient.
+
+
+def _at(arrays: Sequence[jax.Array], i: Any) -> list[jax.Array]:
+    return [jax.lax.dynamic_index_in_dim(a, i, keepdims=False) for a in arrays]
+
+
+def _tree_at(tree: Any, i: Any) -> Any:
+    return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), tree)
+
+
+def _put(buffers: list[jax.Array], values: list[jax.Array], i: Any) -> list[jax.Array]:
+    return [jax.lax.dynamic_update_index_in_dim(b, v.astype(b.dtype), i, 0)
+            for b, v in zip(buffers, values)]
+
+
+def _run_layer(spec: LoopSpec, split: _ResidualSplit | None, h: Any, w: list, p: list,
+               consts: list) -> tuple[Any, list | None]:
+    if split is None:
+        return spec.layer(h, w, p, consts), None
+    return split.forward(spec.layer, (h, w, p, consts))
+
+
+def _layer_vjp(split: _ResidualSplit, saved: list, w: list, p: list, consts: list,
+               dh: Any, float_consts: list[bool]) -> tuple[Any, list, list, list]:
+    dh, dw, dp, dc = split.pullback(saved, (w, p, consts))(dh)
+    return dh, dw, dp, [d if f else None for d, f in zip(dc, float_consts)]
+
+
+def _is_float(consts: list) -> list[bool]:
+    return [jnp.issubdtype(c.dtype, jnp.inexact) for c in consts]
+
+
+def _add(acc: list, new: list) -> list:
+    return [a if n is None else a + n for a, n in zip(acc, new)]
+
+
+def _const_cts(dconsts: list[Any], consts: list[jax.Array]) -> list[Any]:
+    return [d if d is not None else np.zeros(c.shape, jax.dtypes.float0)
+            for d, c in zip(dconsts, consts)]
+
+
+# --------------------------------------------------------------------------- plain
+
+
+def _plain_forward(spec, h, shards, plain, consts, keep):
+    def body(h_, xs):
+        layer_shards, plain_i = xs
+        return _run_layer(spec, spec.mid if keep else None, h_, spec.gather(layer_shards),
+                          plain_i, consts)
+
+    return jax.lax.scan(body, h, (shards, plain))
+
+
+def _plain_backward(spec, saved, ct):
+    stacked_res, shards, plain, consts = saved
+    float_consts = _is_float(consts)
+    zero = [jnp.zeros(c.shape, c.dtype) if f else None for c, f in zip(consts, float_consts)]
+
+    def body(c, xs):
+        dh, dconsts = c
+        res_i, layer_shards, plain_i = xs
+        dh, dw, dp, dc = _layer_vjp(spec.mid, res_i, spec.gather(layer_shards), plain_i,
+                                    consts, dh, float_consts)
+        return (dh, _add(dconsts, dc)), (spec.reduce_scatter(dw), dp)
+
+    (dh, dconsts), (shard_grads, plain_grads) = jax.lax.scan(
+        body, (ct, zero), (stacked_res, shards, plain), reverse=True)
+    return dh, shard_grads, plain_grads, _const_cts(dconsts, consts)
+
+
+# --------------------------------------------------------------------------- prefetch
+
+
+def _prefetch_forward(spec, h, shards, plain, consts, keep):
+    last = spec.num_layers - 1
+    w = spec.gather(_at(shards, 0))
+    stacked_res = None
+    if last > 0:
+        def body(c, i):
+            h_, w_cur = c
+            w_next = spec.gather(_at(shards, i + 1))  # independent of this layer's compute
+            h_, res = _run_layer(spec, spec.mid if keep else None, h_, w_cur, _at(plain, i),
+                                 consts)
+            return (h_, w_next), res
+
+        (h, w), stacked_res = jax.lax.scan(body, (h, w), jnp.arange(last))
+    h, last_res = _run_layer(spec, spec.last if keep else None, h, w, _at(plain, last),
+                             consts)
+    return h, (stacked_res, last_res)
+
+
+def _prefetch_backward(spec, saved, ct):
+    (stacked_res, last_res), shards, plain, consts = saved
+    float_consts = _is_float(consts)
+    last = spec.num_layers - 1
+    # Gradients are written into full-size stacked buffers as they arrive (in place in the
+    # loop carry) instead of being concatenated at the end.
+    shard_buf = [jnp.zeros(s.shape, s.dtype) for s in shards]
+    plain_buf = [jnp.zeros(p.shape, p.dtype) for p in plain]
+
+    w = spec.gather(_at(shards, last))
+    w_prev = spec.gather(_at(shards, last - 1)) if last > 0 else None
+    dh, pending, dp_last, dc = _layer_vjp(spec.last, last_res, w, _at(plain, last), consts,
+                                          ct, float_consts)
+    plain_buf = _put(plain_buf, dp_last, last)
+    dconsts = [d if d is not None else jnp.zeros(c.shape, c.dtype) if f else None
+               for d, c, f in zip(dc, consts, float_consts)]
+    if last == 0:
+        shard_buf = _put(shard_buf, spec.reduce_scatter(pending), 0)
+        return dh, shard_buf, plain_buf, _const_cts(dconsts, consts)
+
+    if last > 1:
+        def body(c, i):
+            dh_, w_cur, pending_, dconsts_, sbuf, pbuf = c
+            w_next = spec.gather(_at(shards, i - 1))  # prefetch layer i - 1
+            sbuf = _put(sbuf, spec.reduce_scatter(pending_), i + 1)  # beside layer i
+            dh_, dw, dp, dc_ = _layer_vjp(spec.mid, _tree_at(stacked_res, i), w_cur,
+                                          _at(plain, i), consts, dh_, float_consts)
+            pbuf = _put(pbuf, dp, i)
+            return (dh_, w_next, dw, _add(dconsts_, dc_), sbuf, pbuf), None
+
+        carry = (dh, w_prev, pending, dconsts, shard_buf, plain_buf)
+        (dh, w_prev, pending, dconsts, shard_buf, plain_buf), _ = jax.lax.scan(
+            body, carry, jnp.arange(1, last), reverse=True)
+    shard_buf = _put(shard_buf, spec.reduce_scatter(pending), 1)
+    dh, dw0, dp0, dc = _layer_vjp(spec.mid, _tree_at(stacked_res, 0), w_prev, _at(plain, 0),
+                                  consts, dh, float_consts)
+    dconsts = _add(dconsts, dc)
+    shard_buf = _put(shard_buf, spec.reduce_scatter(dw0), 0)
+    plain_buf = _put(plain_buf, dp0, 0)
+    return dh, shard_buf, plain_buf, _const_cts(dconsts, consts)
+
+
+_FORWARD = {"plain": _plain_forward, "prefetch": _prefetch_forward}
+_BACKWARD = {"plain": _plain_backward, "prefetch": _prefetch_backward}
