@@ -7,27 +7,31 @@ all-gathered just in time inside ``jax.shard_map`` and reduce-scattered in the b
     model = gtp_jax.shard(MyNNXModel(rngs=nnx.Rngs(0)), mesh, gtp_jax.GTPConfig())
 """
 
-from gtp_jax.xla_flags import apply_default_xla_flags
+from gtp_jax.base.xla_flags import apply_default_xla_flags
 
-# Before anything starts the XLA backend: overlap depends on these flags (see xla_flags.py).
+# Before anything can start the XLA backend: compute/communication overlap on GPUs depends
+# on these flags. Opt out with GTP_JAX_NO_DEFAULT_XLA_FLAGS=1; `describe_mesh` and the
+# command line's summary show what was added (see `gtp_jax.base.xla_flags`).
 apply_default_xla_flags()
 
 from gtp_jax import parallel  # noqa: E402
-from gtp_jax.config import GTPConfig  # noqa: E402
-from gtp_jax.errors import UsageError, UsageTypeError  # noqa: E402
-from gtp_jax.parallel import ParallelAxes, current_axes  # noqa: E402
+from gtp_jax.base.axes import ParallelAxes, current_axes  # noqa: E402
+from gtp_jax.base.config import GTPConfig  # noqa: E402
+from gtp_jax.base.errors import UsageError, UsageTypeError  # noqa: E402
+from gtp_jax.base.mesh import (  # noqa: E402
+    data_axes,
+    data_sharding,
+    describe_mesh,
+    make_mesh,
+    shard_key,
+)
 from gtp_jax.sharding import (  # noqa: E402
     GTPShard,
     OutputLayout,
     ShardedModule,
     bytes_per_device,
-    data_axes,
-    data_sharding,
-    describe_mesh,
-    make_mesh,
     scan_layers,
     shard,
-    shard_key,
     unshard,
     unshard_values,
 )

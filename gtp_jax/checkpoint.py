@@ -76,12 +76,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from gtp_jax.sharding.module import LOGICAL_SHAPE
-
-try:
-    from gtp_jax.sharding.module import SPLIT_LAYOUT
-except ImportError:  # a gtp_jax without tp/ep splits: no array carries the metadata
-    SPLIT_LAYOUT = "gtp_split_layout"
+from gtp_jax.base.metadata import LOGICAL_SHAPE, SPLIT_LAYOUT
 
 #: Bumped when the layout below changes incompatibly.
 FORMAT_VERSION = 1

@@ -11,7 +11,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import gtp_jax
-from gtp_jax.sharding import AXES, axis_groups, data_size
+from gtp_jax.base.mesh import AXES, axis_groups, data_size
 
 
 @pytest.mark.parametrize("sizes", [
@@ -58,7 +58,7 @@ def test_describe_mesh_dp2_gtp4_and_printing() -> None:
     assert groups["tp"] == [[i] for i in range(8)]
     assert groups == {a: axis_groups(mesh, a) for a in AXES}
     assert lines[0] == "mesh (dp=2, ep=1, gtp=4, tp=1) over 8 devices"
-    assert len(lines) == 1 + len(AXES)
+    assert len(lines) == 2 + len(AXES)  # header, one line per axis, the XLA flags line
     assert any("gtp groups: [[0, 1, 2, 3], [4, 5, 6, 7]]" in ln for ln in lines)
 
 
@@ -170,3 +170,18 @@ def test_shard_key_reaches_modules_inside_sharded_call(key) -> None:
     assert keys_after.keys() == keys_before.keys() and len(keys_after) == 1
     for k, v in keys_before.items():
         np.testing.assert_array_equal(keys_after[k], v)
+
+
+def test_default_xla_flags_are_explicit_and_escapable() -> None:
+    from gtp_jax.base.xla_flags import DEFAULT_XLA_FLAGS, OPT_OUT, apply_default_xla_flags
+
+    flag = next(iter(DEFAULT_XLA_FLAGS))
+    env: dict[str, str] = {}
+    assert apply_default_xla_flags(env) == [f"{flag}={DEFAULT_XLA_FLAGS[flag]}"]
+    assert flag in env["XLA_FLAGS"]
+    user = {"XLA_FLAGS": f"{flag}=false"}  # the user's value wins, either way
+    assert apply_default_xla_flags(user) == [] and user["XLA_FLAGS"] == f"{flag}=false"
+    assert apply_default_xla_flags({OPT_OUT: "1"}) == []
+    lines: list[str] = []
+    gtp_jax.describe_mesh(gtp_jax.make_mesh(gtp=8), print_fn=lines.append)
+    assert "XLA flags" in lines[-1]

@@ -12,7 +12,7 @@ import pytest
 
 import gtp_jax
 from gtp_jax import pallas as gp
-from gtp_jax.errors import UsageError, UsageTypeError
+from gtp_jax.base.errors import UsageError, UsageTypeError
 
 
 @pytest.mark.parametrize("call, match", [

@@ -29,16 +29,16 @@ import optax
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from gtp_jax.parallel.axes import TP_AXIS, current_axes
+from gtp_jax.base.axes import TP_AXIS, current_axes
+from gtp_jax.base.mesh import data_axes
+from gtp_jax.base.metadata import STACKED, TP_DIM, TP_PARTS
 from gtp_jax.parallel.collective_matmul import (
     all_gather_matmul_chunks,
     matmul_reduce_scatter_chunks,
 )
 from gtp_jax.parallel.moe import MoE
 from gtp_jax.parallel.tp import column_parallel, pad_seq, padded_len, row_parallel, seq_chunk
-from gtp_jax.sharding.mesh import data_axes
 from gtp_jax.sharding.module import OutputLayout
-from gtp_jax.sharding.plan import STACKED, TP_DIM, TP_PARTS
 from gtp_jax.sharding.scan import scan_layers
 
 REMAT_POLICIES = ("none", "dots", "full")

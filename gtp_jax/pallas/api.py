@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gtp_jax.errors import UsageError, UsageTypeError
+from gtp_jax.base.errors import UsageError, UsageTypeError
 from gtp_jax.pallas import _util, formats
 from gtp_jax.pallas.amax import multi_amax_pallas
 from gtp_jax.pallas.cast_fp8 import cast_fp8_pallas

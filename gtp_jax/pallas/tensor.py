@@ -74,15 +74,6 @@ def round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
-def stored_shape(shape: tuple[int, ...], axis: int, block: int, per_byte: int = 1,
-                 per_block: bool = False) -> tuple[int, ...]:
-    """The shape of a stored leaf: ``shape`` with ``shape[axis]`` padded to `block` and
-    divided by `per_byte` (payload) or by `block` (``per_block=True``: block scales)."""
-    kp = round_up(shape[axis], block)
-    k = kp // block if per_block else kp // per_byte
-    return shape[:axis] + (k,) + shape[axis + 1:]
-
-
 def to_block_rows(x: jax.Array, axis: int, block: int) -> jax.Array:
     """``x`` as ``[num_blocks, block]`` rows of consecutive elements along `axis`.
 

@@ -6,7 +6,7 @@
 * `moe`: top-k routed mixture of experts with capacity, balance loss and ``ep`` all-to-all.
 """
 
-from gtp_jax.parallel.axes import EP_AXIS, TP_AXIS, ParallelAxes, current_axes, use_axes
+from gtp_jax.base.axes import EP_AXIS, TP_AXIS, ParallelAxes, current_axes, use_axes
 from gtp_jax.parallel.collective_matmul import (
     all_gather_matmul,
     all_gather_matmul_chunks,

@@ -48,9 +48,9 @@ import jax.numpy as jnp
 from flax import nnx
 from jax import lax
 
-from gtp_jax.parallel.axes import current_axes
+from gtp_jax.base.axes import current_axes
+from gtp_jax.base.metadata import EP_DIM, SHARD_DIM, TP_DIM, TP_PARTS
 from gtp_jax.parallel.tp import seq_all_gather, seq_reduce_scatter
-from gtp_jax.sharding.plan import EP_DIM, SHARD_DIM, TP_DIM, TP_PARTS
 
 
 def expert_capacity(seq_len: int, num_experts: int, top_k: int,

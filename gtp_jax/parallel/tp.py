@@ -129,13 +129,3 @@ def row_parallel(h: jax.Array, w: jax.Array, axis_name: str | None, *,
         y = _mm(_x3(h, n_contract), _as_2d(w, n_contract))
         return y.reshape(*h.shape[:2], *w.shape[n_contract:])
     return matmul_reduce_scatter(h, w, axis_name, overlap=overlap, n_contract=n_contract)
-
-
-def split_parts(x: jax.Array, parts: int) -> list[jax.Array]:
-    """Splits the last dim of a fused projection (e.g. ``[gate | up]``) into `parts`.
-
-    Under tensor parallelism a fused weight is stored part-interleaved per rank (see
-    `gtp_jax.sharding.plan.DimSplit`), so the local columns are again ``[gate_r | up_r]``
-    and the same split works with and without ``tp``.
-    """
-    return jnp.split(x, parts, axis=-1)

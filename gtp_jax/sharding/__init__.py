@@ -1,23 +1,14 @@
-"""Mesh layer, sharding plan, explicit collectives and the NNX module wrapper."""
+"""The GTP mechanism: sharding plan, explicit weight collectives, the layer loop, the module
+wrapper.
 
-from gtp_jax.sharding.collectives import (
-    GATHERED_WEIGHT,
-    GatherSpec,
-    all_gather_shard,
-    gather_weight,
-    reduce_scatter_grad,
-)
+Start with three files: `collectives` (a weight's all-gather and its gradient's
+reduce-scatter), `loop` (the scanned layer loop that gathers one layer at a time, with or
+without prefetch) and `module` (`shard` / `unshard`: where each weight is stored and how a
+call runs inside ``jax.shard_map``).
+"""
+
+from gtp_jax.sharding.collectives import GatherSpec, gather_weight, reduce_scatter_grad
 from gtp_jax.sharding.lazy import GTPShard
-from gtp_jax.sharding.mesh import (
-    AXES,
-    axis_groups,
-    data_axes,
-    data_sharding,
-    data_size,
-    describe_mesh,
-    make_mesh,
-    shard_key,
-)
 from gtp_jax.sharding.module import (
     OutputLayout,
     ShardedModule,
@@ -26,47 +17,18 @@ from gtp_jax.sharding.module import (
     unshard,
     unshard_values,
 )
-from gtp_jax.sharding.plan import (
-    EP_DIM,
-    SHARD_DIM,
-    STACKED,
-    TP_DIM,
-    TP_PARTS,
-    DimSplit,
-    ParamPlan,
-    SplitPlan,
-)
-from gtp_jax.sharding.scan import gathered_weight_policy, scan_layers
+from gtp_jax.sharding.scan import scan_layers
 
 __all__ = [
-    "AXES",
-    "DimSplit",
-    "EP_DIM",
-    "OutputLayout",
-    "SHARD_DIM",
-    "SplitPlan",
-    "TP_DIM",
-    "TP_PARTS",
-    "GATHERED_WEIGHT",
     "GTPShard",
     "GatherSpec",
-    "ParamPlan",
-    "STACKED",
+    "OutputLayout",
     "ShardedModule",
-    "all_gather_shard",
-    "axis_groups",
     "bytes_per_device",
-    "data_axes",
-    "data_sharding",
-    "data_size",
-    "describe_mesh",
     "gather_weight",
-    "gathered_weight_policy",
-    "make_mesh",
     "reduce_scatter_grad",
     "scan_layers",
     "shard",
-    "shard_key",
     "unshard",
     "unshard_values",
 ]

@@ -15,14 +15,13 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from gtp_jax.config import GTPConfig
-from gtp_jax.parallel.axes import ParallelAxes, use_axes
+from gtp_jax.base.axes import ParallelAxes, use_axes
+from gtp_jax.base.config import GTPConfig
+from gtp_jax.base.mesh import _check_axis, data_axes, data_size, shard_key
+from gtp_jax.base.metadata import LOGICAL_SHAPE, SPLIT_AXES, SPLIT_LAYOUT, STACKED
 from gtp_jax.sharding.collectives import gather_weight
 from gtp_jax.sharding.lazy import GTPShard
-from gtp_jax.sharding.mesh import _check_axis, data_axes, data_size, shard_key
 from gtp_jax.sharding.plan import (
-    SPLIT_AXES,
-    STACKED,
     ParamPlan,
     SplitPlan,
     choose_shard_dim,
@@ -31,14 +30,6 @@ from gtp_jax.sharding.plan import (
     plan_param,
 )
 from gtp_jax.sharding.scan import gathered_weight_policy
-
-#: Variable metadata holding a sharded weight's logical (unpadded) shape.
-LOGICAL_SHAPE = "gtp_logical_shape"
-#: Variable metadata of a weight split over ``tp``/``ep``: ``((axis, size, dim, parts), ...)``.
-#: With ``parts > 1`` the stored array is a permutation of the logical one along ``dim``
-#: (see `gtp_jax.sharding.plan.DimSplit`), so readers of stored arrays (checkpoints) must
-#: compare this layout, not only the shape.
-SPLIT_LAYOUT = "gtp_split_layout"
 
 
 @dataclasses.dataclass(frozen=True)

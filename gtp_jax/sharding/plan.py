@@ -30,24 +30,9 @@ import numpy as np
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from gtp_jax.config import GTPConfig
+from gtp_jax.base.config import GTPConfig
+from gtp_jax.base.metadata import EP_DIM, SHARD_DIM, SPLIT_AXES, TP_DIM, TP_PARTS
 from gtp_jax.sharding.collectives import GatherSpec
-
-#: Variable metadata key marking a parameter whose leading dim is a layer stack (scanned
-#: layers). Such weights are split along dim 1 and gathered one layer at a time.
-STACKED = "gtp_stacked"
-#: Variable metadata: per-layer dim split over the ``tp`` mesh axis (Megatron column/row).
-TP_DIM = "gtp_tp_dim"
-#: Variable metadata: the `TP_DIM` holds this many equal fused parts (``[gate | up]``: 2),
-#: each split over ``tp`` on its own so every rank holds a piece of every part.
-TP_PARTS = "gtp_tp_parts"
-#: Variable metadata: per-layer dim split over the ``ep`` mesh axis (the expert dim).
-EP_DIM = "gtp_ep_dim"
-#: Variable metadata: per-layer dim to GTP-shard (default: the first dim not split by a
-#: model-parallel axis).
-SHARD_DIM = "gtp_shard_dim"
-#: Metadata key -> mesh axis of the model-parallel splits.
-SPLIT_AXES: dict[str, str] = {TP_DIM: "tp", EP_DIM: "ep"}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -13,7 +13,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from gtp_jax.errors import UsageError, UsageTypeError
+from gtp_jax.base.errors import UsageError, UsageTypeError
 
 #: Low-precision gather formats. None gathers in the parameter dtype (or `gather_dtype`).
 GATHER_FORMATS = (None, "fp8", "mxfp8", "nvfp4")

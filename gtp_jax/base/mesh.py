@@ -24,12 +24,11 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from gtp_jax.errors import UsageError, UsageTypeError
+from gtp_jax.base.errors import UsageError, UsageTypeError
+from gtp_jax.base.xla_flags import describe_xla_flags
 
 #: Mesh axis names, outermost first.
 AXES: tuple[str, ...] = ("dp", "ep", "gtp", "tp")
-#: Axes whose ranks see different data (the batch is split over them). ``tp`` ranks share data.
-DATA_AXES: tuple[str, ...] = ("dp", "ep", "gtp")
 
 
 def make_mesh(
@@ -107,6 +106,7 @@ def describe_mesh(mesh: Mesh, *, print_fn=None) -> dict[str, list[list[int]]]:
         print_fn(f"mesh ({shape}) over {mesh.devices.size} devices")
         for axis, g in groups.items():
             print_fn(f"  {axis:>4} groups: {g}")
+        print_fn(f"  {describe_xla_flags()}")
     return groups
 
 
