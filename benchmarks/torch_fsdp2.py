@@ -2,9 +2,12 @@
 
 Launched by ``python -m gtp_jax.bench overlap --torch`` as
 ``torchrun --nproc_per_node=N benchmarks/torch_fsdp2.py``; env: PRESET, SEQ, MB (sequences
-per GPU), STEPS, LAYERS (0: the preset's). Same architecture (RMSNorm, rotary-free
-attention cost is identical for timing, SwiGLU, untied head), bf16 compute with fp32
-master weights, AdamW, ``fully_shard`` per block. Prints ``RESULT {json}`` on rank 0.
+per GPU), STEPS, LAYERS (0: the preset's), COMPILE (1, the default: each block
+``torch.compile``d, then ``fully_shard``, torchtitan's recipe; 0: eager), PROFILE (a path:
+write a chrome trace of 3 steps there, for ``python -m gtp_jax.bench.kernels``). Same
+architecture (RMSNorm, SwiGLU, untied head; rotary-free attention has the same cost), bf16
+compute with fp32 master weights, fused AdamW, ``fully_shard`` per block. Prints
+``RESULT {json}`` on rank 0.
 """
 
 import json
@@ -72,7 +75,10 @@ def main():
     torch.manual_seed(0)
     model = Decoder(vocab, d, heads, layers, ff).cuda()
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    compiled = os.environ.get("COMPILE", "1") != "0"
     for block in model.blocks:
+        if compiled:
+            block.compile()
         fully_shard(block, mp_policy=policy)
     fully_shard(model, mp_policy=policy)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
@@ -88,7 +94,7 @@ def main():
         opt.zero_grad(set_to_none=True)
         return loss
 
-    for _ in range(3):
+    for _ in range(5 if compiled else 3):  # compiling takes the first steps
         step()
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
@@ -99,11 +105,21 @@ def main():
         torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
     med = statistics.median(times)
+    if os.environ.get("PROFILE"):
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(3):
+                step()
+            torch.cuda.synchronize()
+        if rank == 0:
+            prof.export_chrome_trace(os.environ["PROFILE"])
     flops_per_token = 6.0 * (layers * (4 * d * d + 3 * d * ff) + vocab * d) + 6.0 * layers * d * seq
     flops = flops_per_token * mb * seq
     if rank == 0:
         print("RESULT " + json.dumps({
-            "variant": "torch_fsdp2", "devices": world,
+            "variant": "torch_fsdp2_compiled" if compiled else "torch_fsdp2_eager",
+            "devices": world,
             "device_kind": torch.cuda.get_device_name(), "preset": os.environ.get("PRESET", "1b"),
             "layers": layers, "seq": seq, "per_device_batch": mb, "step_ms": med * 1e3,
             "step_ms_min": min(times) * 1e3, "loss": float(loss),
