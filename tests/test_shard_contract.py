@@ -295,8 +295,12 @@ def _residuals(model, x) -> list[str]:
 def test_gtp1_keeps_user_remat_and_adds_nothing(key) -> None:
     mesh = gtp_jax.make_mesh(gtp=1, devices=jax.devices()[:1])
     ref = RematStack(rngs=nnx.Rngs(0))
-    sm = gtp_jax.shard(_copy(ref), mesh, gtp_jax.GTPConfig(min_elements=0))
     x = jax.random.normal(key, (4, 32))
+    # gather_dtype only casts, inside the user's remat: the bf16 copies are not saved either
+    bf16 = gtp_jax.shard(_copy(ref), mesh, gtp_jax.GTPConfig(min_elements=0,
+                                                             gather_dtype=jnp.bfloat16))
+    assert _residuals(bf16, x) == _residuals(ref, x) == ["f32[4,32]"] * 4
+    sm = gtp_jax.shard(_copy(ref), mesh, gtp_jax.GTPConfig(min_elements=0))
     assert _residuals(sm, x) == _residuals(ref, x)
 
     def temp(model):
@@ -307,3 +311,41 @@ def test_gtp1_keeps_user_remat_and_adds_nothing(key) -> None:
     assert temp(sm) <= temp(ref)
     g_ref, g = nnx.grad(_loss)(ref, x), nnx.grad(_loss)(sm, x)
     _assert_grads_equal(sm, g, g_ref, rtol=1e-5)
+
+
+def test_user_remat_is_honoured_with_gtp4(key) -> None:
+    """gtp>1: each block under the user's remat saves only its input; no gathered weight."""
+    mesh = gtp_jax.make_mesh(dp=2, gtp=4)
+    ref = RematStack(rngs=nnx.Rngs(0))
+    sm = gtp_jax.shard(_copy(ref), mesh, gtp_jax.GTPConfig(min_elements=0))
+    x = jax.random.normal(key, (8, 32))
+    ref_res = _residuals(ref, x)
+    assert ref_res == ["f32[8,32]"] * 4  # the four block inputs
+    # shard_map stacks each device's residual on dim 0: 8 devices x 1 example = 8 rows.
+    assert _residuals(sm, _place(mesh, x)) == ref_res
+    g_ref = nnx.grad(_loss)(ref, x)
+    g = nnx.jit(nnx.grad(_loss))(sm, _place(mesh, x))
+    _assert_grads_equal(sm, g, g_ref, rtol=1e-5)
+    # The backward pass re-gathers each weight inside its block.
+    graphdef, state = nnx.split(sm)
+    lowered = jax.jit(jax.grad(lambda s, x: _loss(nnx.merge(graphdef, s), x))).lower(
+        state, _place(mesh, x)).as_text()
+    assert lowered.count('"stablehlo.all_gather"') >= 2 * len(sm.plan)
+
+
+def test_without_user_remat_gathered_weights_are_still_not_saved(key) -> None:
+    class Plain(RematStack):
+        def __call__(self, x):
+            for block in self.blocks:
+                x = block(x)
+            return x
+
+    mesh = gtp_jax.make_mesh(dp=2, gtp=4)
+    x = _place(mesh, jax.random.normal(key, (8, 32)))
+    # a gathered kernel, as one device's or as 8 devices' residuals stacked on dim 0
+    kernels = {"f32[32,128]", "f32[128,32]", "f32[256,128]", "f32[1024,32]"}
+    for remat in (True, False):
+        sm = gtp_jax.shard(Plain(rngs=nnx.Rngs(0)), mesh,
+                           gtp_jax.GTPConfig(min_elements=0, remat_gathered=remat))
+        saved = kernels & set(_residuals(sm, x))
+        assert bool(saved) == (not remat), saved

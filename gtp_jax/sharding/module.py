@@ -18,8 +18,8 @@ from jax.sharding import PartitionSpec as P
 from gtp_jax.config import GTPConfig
 from gtp_jax.errors import UsageError, UsageTypeError
 from gtp_jax.parallel.axes import ParallelAxes, use_axes
-from gtp_jax.sharding.collectives import gather_weight
-from gtp_jax.sharding.lazy import GTPShard
+from gtp_jax.sharding.collectives import gather_weight, regather_policy
+from gtp_jax.sharding.lazy import GTPShard, LazyWeight, whole_weight
 from gtp_jax.sharding.mesh import _check_axis, data_axes, data_size, shard_key
 from gtp_jax.sharding.plan import (
     SPLIT_AXES,
@@ -220,6 +220,35 @@ def _reduce_side_state(module: nnx.Module, before: dict[str, Any], rules: dict[s
     return out
 
 
+# Name of the ``jax.checkpoint`` primitive across JAX versions.
+_REMAT_NAMES = ("checkpoint", "remat", "remat2")
+
+
+def _has_user_remat(body: Callable, mesh: Mesh, value_specs: list, arg_specs: list,
+                    values: list, args: list) -> bool:
+    """Whether the module's own code (not gtp_jax's gathers) uses ``jax.checkpoint``."""
+    if mesh.devices.size == 1:
+        fn = body
+    else:
+        fn = jax.shard_map(body, mesh=mesh, in_specs=(value_specs, arg_specs),
+                           out_specs=(P(), P()), check_vma=False)
+    jaxpr = jax.make_jaxpr(lambda v, a: jax.tree.leaves(fn(v, a)))(values, args).jaxpr
+
+    def walk(j) -> bool:
+        for eqn in j.eqns:
+            if eqn.primitive.name in _REMAT_NAMES and \
+                    eqn.params.get("policy") is not regather_policy:
+                return True
+            if eqn.primitive.name.startswith("custom_"):
+                continue  # opaque to an outer checkpoint's policy (e.g. gtp_jax.scan_layers)
+            for sub in jax.core.jaxprs_in_params(eqn.params):
+                if walk(sub):
+                    return True
+        return False
+
+    return walk(jaxpr)
+
+
 def _is_variable(x: Any) -> bool:
     return isinstance(x, nnx.Variable)
 
@@ -300,11 +329,11 @@ class ShardedModule(nnx.Module):
         reduce_axes = () if single else axes
         side_keys: list[tuple[tuple, nnx.Variable]] = []
 
-        def body(local_values, local_args):
+        def body(local_values, local_args, lazy=False):
             new_vars = []
             for path, var, x in zip(paths, variables, local_values):
                 if path in plans:
-                    x = self._local_weight(x, plans[path])
+                    x = self._local_weight(x, plans[path], lazy)
                 elif isinstance(var, nnx.RngKey):
                     x = shard_key(x, reduce_axes)
                 new_vars.append(var.replace(value=x))
@@ -321,10 +350,20 @@ class ShardedModule(nnx.Module):
             side_keys[:] = [(k, v) for k, v, _ in side]
             return out, [x for _, _, x in side]
 
-        gathered = [p.spec for p in self.plan
-                    if not p.stacked and (p.spec.axis_size > 1 or p.spec.quantized)]
-        if self.config.remat_gathered and gathered:
-            body = jax.checkpoint(body, policy=gathered_weight_policy(gathered))
+        # Weights the body builds (gathers, or casts to gather_dtype on a 1-wide axis).
+        built = [p.spec for p in self.plan if not p.stacked and (
+            p.spec.axis_size > 1 or p.spec.quantized or p.spec.gather_dtype is not None)]
+        gathered = [s for s in built if s.axis_size > 1 or s.quantized]
+        if self.config.remat_gathered and built:
+            if _has_user_remat(body, mesh, value_specs, arg_specs, values,
+                               [_unwrap(leaves[i]) for i in dynamic]):
+                # An outer checkpoint would impose its policy inside the module's own remat
+                # regions (JAX applies the outermost policy to nested ones). Instead each
+                # weight is gathered where it is read, inside those regions, whose policy
+                # then applies to it too.
+                body = functools.partial(body, lazy=True)
+            elif gathered:
+                body = jax.checkpoint(body, policy=gathered_weight_policy(gathered))
         run = body if single else jax.shard_map(
             body,
             mesh=mesh,
@@ -341,19 +380,14 @@ class ShardedModule(nnx.Module):
                 [(k, v.replace(value=x)) for (k, v), x in zip(side_keys, side)]))
         return out if layout.finalize is None else layout.finalize(out)
 
-    def _local_weight(self, x: jax.Array, plan: ParamPlan) -> Any:
+    def _local_weight(self, x: jax.Array, plan: ParamPlan, lazy: bool = False) -> Any:
         """The weight the module's math sees, from this device's stored piece (in the body)."""
         spec = plan.spec
         if plan.stacked:
             return GTPShard(x, spec, self.config.prefetch)
-        if spec.axis_size == 1 and not spec.quantized:
-            # One shard is the whole weight: nothing to gather or reduce-scatter, so the
-            # module sees its weight as if unwrapped (cast to gather_dtype if one is set).
-            if spec.padded_size != spec.logical_shape[spec.shard_dim]:
-                x = jax.lax.slice_in_dim(x, 0, spec.logical_shape[spec.shard_dim],
-                                         axis=spec.shard_dim)
-            return x if spec.gather_dtype is None else x.astype(spec.gather_dtype)
-        return gather_weight(x, spec)
+        if lazy:
+            return LazyWeight(x, spec)
+        return whole_weight(x, spec) if spec.axis_size == 1 else gather_weight(x, spec)
 
     def _output_layout(self, args: tuple, kwargs: dict) -> OutputLayout | None:
         hook = getattr(self.module, "gtp_output_layout", None)
