@@ -349,3 +349,38 @@ def test_without_user_remat_gathered_weights_are_still_not_saved(key) -> None:
                            gtp_jax.GTPConfig(min_elements=0, remat_gathered=remat))
         saved = kernels & set(_residuals(sm, x))
         assert bool(saved) == (not remat), saved
+
+
+@pytest.mark.parametrize("name,mesh_name", [
+    ("1b", "gtp8"), ("1b", "dp2_gtp4"), ("1b", "ep2_gtp2_tp2"),
+    ("tiny", "dp2_gtp4"), ("tiny", "ep2_gtp2_tp2")])
+def test_transformer_shard_dims_unchanged(name, mesh_name) -> None:
+    """Where its dims divide, the built-in transformer keeps its layout: the metadata's dim,
+    else the first free one. (The toy's 4 heads on gtp=8 would pad to 8, twice the bytes:
+    there the out kernel moves to its head dim of 24, as intended.)"""
+    from gtp_jax.models import Transformer, preset
+    from gtp_jax.sharding.plan import SHARD_DIM, STACKED, choose_shard_dim, model_splits
+
+    sizes = ({"d_model": 96, "n_heads": 4, "d_ff": 200, "vocab_size": 250, "n_layers": 3,
+              "max_seq_len": 16} if name == "tiny" else {})
+    cfg = preset(name, **sizes)
+    model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+    mesh = get_mesh(mesh_name)
+    align = gtp_jax.GTPConfig().alignment(mesh.shape["gtp"])
+    checked = 0
+    for keys, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        path, meta = "/".join(map(str, keys)), var.get_metadata()
+        shape = tuple(var.get_value().shape)
+        per_layer = shape[1:] if meta.get(STACKED) else shape
+        if len(per_layer) < 2:
+            continue
+        splits = model_splits(path, per_layer, meta, mesh, "gtp")
+        local = list(per_layer)
+        for sp in splits:
+            local[sp.dim] = sp.local_size
+        taken = {sp.dim for sp in splits}
+        first = next((d for d in range(len(local)) if d not in taken), None)
+        got = choose_shard_dim(path, tuple(local), meta, splits, align=align)
+        assert got == meta.get(SHARD_DIM, first), path
+        checked += 1
+    assert checked >= 5
