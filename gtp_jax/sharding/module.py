@@ -354,9 +354,12 @@ class ShardedModule(nnx.Module):
         built = [p.spec for p in self.plan if not p.stacked and (
             p.spec.axis_size > 1 or p.spec.quantized or p.spec.gather_dtype is not None)]
         gathered = [s for s in built if s.axis_size > 1 or s.quantized]
+        axes_in_use = ParallelAxes.from_mesh(mesh)
         if self.config.remat_gathered and built:
-            if _has_user_remat(body, mesh, value_specs, arg_specs, values,
-                               [_unwrap(leaves[i]) for i in dynamic]):
+            with use_axes(axes_in_use):
+                own_remat = _has_user_remat(body, mesh, value_specs, arg_specs, values,
+                                            [_unwrap(leaves[i]) for i in dynamic])
+            if own_remat:
                 # An outer checkpoint would impose its policy inside the module's own remat
                 # regions (JAX applies the outermost policy to nested ones). Instead each
                 # weight is gathered where it is read, inside those regions, whose policy
@@ -373,7 +376,7 @@ class ShardedModule(nnx.Module):
         )
         # The body is traced inside this call (also under jit/grad), so model code sees the
         # axes; backward rules never read them (they get axis names as static arguments).
-        with use_axes(ParallelAxes.from_mesh(mesh)):
+        with use_axes(axes_in_use):
             out, side = run(values, [_unwrap(leaves[i]) for i in dynamic])
         if side_keys:
             nnx.update(self.module, nnx.from_flat_state(
