@@ -282,6 +282,29 @@ class ShardedModule(nnx.Module):
     defines ``gtp_output_layout(mesh, *args, **kwargs) -> OutputLayout | None`` (same
     arguments as ``__call__``), e.g. to return sequence-sharded logits.
 
+    Call contract (each breach is a `gtp_jax.errors.UsageError` naming the argument, output
+    or variable, raised before any state changes):
+
+    * every array argument of rank >= 1 is a batch: split on dim 0, all with one leading
+      dim (a multiple of `gtp_jax.data_size`). Pass anything else (a table, a shared mask)
+      as `gtp_jax.replicated(x)`; the module receives it whole. An array whose leading dim
+      happens to equal the batch cannot be told apart: wrap it.
+    * with the default layout each output is per-example (leading dim = the shard's batch)
+      and is concatenated over the data shards; with no batch argument, outputs are
+      replicated.
+    * state other than parameters written in ``__call__`` is combined over the data shards,
+      never taken from one shard: by the variable's ``gtp_reduce`` metadata (`REDUCE`):
+      ``"mean"`` (default for floating state: right for batch means and EMAs of them, and
+      for values identical on every shard), ``"sum"`` (the old value plus every shard's
+      change: counts), ``"same"`` (declared identical on every shard; the default for
+      ``nnx.RngCount``). Written integer state without the metadata is refused. New values
+      (``sow``) must be per-example and are concatenated like outputs.
+    * memory policy: gathered weights are not saved for the backward pass
+      (``GTPConfig.remat_gathered``) and the module's own ``nnx.remat`` /
+      ``jax.checkpoint`` policies are kept: when the module has remat regions, each weight
+      is gathered where it is read, inside them. On a 1-wide GTP axis nothing is gathered,
+      and on one device no ``shard_map`` is added.
+
     Attributes:
       module: the wrapped module; its sharded parameters hold padded global arrays.
       mesh: the device mesh.
