@@ -10,6 +10,8 @@ Set by model code (``nnx.Param(..., gtp_tp_dim=1)`` or ``var.set_metadata(KEY, v
   split over ``tp`` on its own so every rank holds a piece of every part.
 - `EP_DIM`: per-layer dim split over the ``ep`` mesh axis (the expert dim).
 - `SHARD_DIM`: per-layer dim to GTP-shard (default: chosen by `gtp_jax.shard`).
+- `REDUCE`: how non-parameter state written in ``__call__`` is combined over the data
+  shards: ``"mean"``, ``"sum"`` (of the changes) or ``"same"`` (see `gtp_jax.ShardedModule`).
 
 Written by `gtp_jax.shard` on the parameters it places:
 
@@ -27,6 +29,7 @@ TP_DIM = "gtp_tp_dim"
 TP_PARTS = "gtp_tp_parts"
 EP_DIM = "gtp_ep_dim"
 SHARD_DIM = "gtp_shard_dim"
+REDUCE = "gtp_reduce"
 LOGICAL_SHAPE = "gtp_logical_shape"
 SPLIT_LAYOUT = "gtp_split_layout"
 

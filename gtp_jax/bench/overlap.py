@@ -8,6 +8,10 @@ Variants (each in its own subprocess, so peak memory is per variant):
   gtp_prefetch   gtp_jax.shard with GTPConfig(prefetch=True)
   *_dots         the same variant with remat="dots" (save matmul outputs only)
   torch_fsdp2    PyTorch FSDP2 peer (benchmarks/torch_fsdp2.py via torchrun), if importable
+  user_*         a user's own decoder (gtp_jax.bench.user_model: Python loop of blocks, each
+                 under nnx.remat; --user-d, --user-blocks): user_unwrapped (data parallel,
+                 weights replicated), user_gtp (gtp_jax.shard, gtp = all devices),
+                 user_xla_fsdp (XLA's automatic FSDP of the same model)
 
 Columns: median step time (>= 20 steps after warm-up), ratio to replicated, exposed
 communication (step minus compute_only, over step), peak device memory, parameter + gradient
@@ -29,6 +33,7 @@ import time
 from pathlib import Path
 
 VARIANTS = ("compute_only", "replicated", "xla_fsdp", "gtp", "gtp_prefetch")
+USER_VARIANTS = ("user_unwrapped", "user_gtp", "user_xla_fsdp")
 PROFILE_STEPS = 3
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12}  # dense bf16, SXM datasheet
 
@@ -51,19 +56,31 @@ def run_variant(args: argparse.Namespace) -> dict:
 
     variant = args.worker
     remat = "dots" if variant.endswith("_dots") else args.remat
-    variant_kind = variant.removesuffix("_dots")
+    user = variant.startswith("user_")
+    # The user model's variants map onto the built-in ones' placements.
+    variant_kind = {"user_unwrapped": "replicated", "user_gtp": "gtp",
+                    "user_xla_fsdp": "xla_fsdp"}.get(variant, variant.removesuffix("_dots"))
     devices = jax.devices()[:1] if variant_kind == "compute_only" else jax.devices()
     n = len(devices)
     on_gpu = jax.default_backend() == "gpu"
     overrides = {"n_layers": args.layers} if args.layers else {}
     attention = args.attention if on_gpu else None
-    cfg = preset(args.preset, dtype=jnp.bfloat16, remat=remat, max_seq_len=args.seq,
-                 attention_impl=attention, **overrides)
+    if user:
+        from gtp_jax.bench.user_model import UserDecoder, UserDecoderConfig, user_loss
+
+        cfg = UserDecoderConfig(d_model=args.user_d, n_blocks=args.user_blocks,
+                                n_heads=args.user_heads, d_ff=4 * args.user_d,
+                                vocab=args.user_vocab, remat=args.user_remat)
+        loss_fn, vocab = user_loss, cfg.vocab
+    else:
+        cfg = preset(args.preset, dtype=jnp.bfloat16, remat=remat, max_seq_len=args.seq,
+                     attention_impl=attention, **overrides)
+        loss_fn, vocab = lm_loss, cfg.vocab_size
     if variant_kind in ("gtp", "gtp_prefetch", "xla_fsdp"):
         mesh = gtp_jax.make_mesh(gtp=n, devices=devices)
     else:
         mesh = gtp_jax.make_mesh(dp=n, devices=devices)
-    model = Transformer(cfg, rngs=nnx.Rngs(0))
+    model = UserDecoder(cfg, rngs=nnx.Rngs(0)) if user else Transformer(cfg, rngs=nnx.Rngs(0))
     if variant_kind.startswith("gtp"):
         model = gtp_jax.shard(model, mesh, gtp_jax.GTPConfig(
             gather_dtype=jnp.bfloat16, prefetch=variant_kind == "gtp_prefetch",
@@ -73,7 +90,7 @@ def run_variant(args: argparse.Namespace) -> dict:
         state = nnx.state(model)
 
         def place(path, x):
-            stacked = len(path) > 0 and str(getattr(path[0], "key", "")) == "blocks"
+            stacked = not user and len(path) > 0 and str(getattr(path[0], "key", "")) == "blocks"
             spec = P()
             if variant_kind == "xla_fsdp" and x.ndim >= 2 + stacked:
                 spec = P(*([None] * stacked), "gtp")
@@ -90,12 +107,12 @@ def run_variant(args: argparse.Namespace) -> dict:
     @functools.partial(jax.jit, donate_argnums=0)
     def step(state, tokens):
         model, optimizer = nnx.merge(graphdef, state)
-        loss, grads = nnx.value_and_grad(lm_loss)(model, tokens)
+        loss, grads = nnx.value_and_grad(loss_fn)(model, tokens)
         optimizer.update(model, grads)
         return nnx.state((model, optimizer)), loss
 
     batch = args.per_device_batch * n
-    data = jax.random.randint(jax.random.key(1), (4, batch, args.seq + 1), 0, cfg.vocab_size)
+    data = jax.random.randint(jax.random.key(1), (4, batch, args.seq + 1), 0, vocab)
     placement = gtp_jax.data_sharding(mesh)
     batches = [jax.device_put(data[i], placement) for i in range(4)]
     holder = [state]
@@ -128,7 +145,8 @@ def run_variant(args: argparse.Namespace) -> dict:
     return {
         "variant": variant, "gather_format": args.gather_format, "devices": n,
         "device_kind": kind, "preset": args.preset,
-        "layers": cfg.n_layers, "seq": args.seq, "per_device_batch": args.per_device_batch,
+        "layers": cfg.n_blocks if user else cfg.n_layers, "seq": args.seq,
+        "per_device_batch": args.per_device_batch,
         "step_ms": med * 1e3, "step_ms_min": min(times) * 1e3, "loss": float(loss),
         "peak_mem_gib": peak / 2**30,
         "state_gib": (2 * param_bytes + opt_bytes) / 2**30,
@@ -170,7 +188,11 @@ def _spawn(variant: str, args: argparse.Namespace, timeout: float) -> dict | Non
            "--warmup", str(args.warmup), "--per-device-batch", str(args.per_device_batch),
            "--remat", args.remat, "--layers", str(args.layers or 0),
            "--attention", args.attention, "--reduce-dtype", args.reduce_dtype,
-           "--gather-format", args.gather_format]
+           "--gather-format", args.gather_format,
+           "--user-d", str(args.user_d), "--user-blocks", str(args.user_blocks),
+           "--user-heads", str(args.user_heads), "--user-vocab", str(args.user_vocab)]
+    if not args.user_remat:
+        cmd.append("--no-user-remat")
     if args.no_remat_gathered:
         cmd.append("--no-remat-gathered")
     if args.profile_dir:
@@ -214,7 +236,8 @@ def format_table(rows: list[dict]) -> str:
     lines = [head, "|" + "---|" * 8]
     for r in rows:
         suffix = "_dots" if r["variant"].endswith("_dots") else ""
-        base = find("replicated" + suffix) or find("replicated")
+        base = (find("user_unwrapped") if r["variant"].startswith("user_")
+                else find("replicated" + suffix) or find("replicated"))
         floor = find("compute_only" + suffix)
         ratio = f"{r['step_ms'] / base['step_ms']:.3f}x" if base else "-"
         exposed = "-"
@@ -229,7 +252,8 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line of ``python -m gtp_jax.bench overlap``."""
     parser = argparse.ArgumentParser(prog="python -m gtp_jax.bench overlap",
                                      description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -250,6 +274,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="GTPConfig.gather_format of the gtp variants")
     parser.add_argument("--no-remat-gathered", action="store_true",
                         help="GTPConfig(remat_gathered=False) for the gtp variants")
+    parser.add_argument("--user-d", type=int, default=2048, help="user_* model width")
+    parser.add_argument("--user-blocks", type=int, default=16, help="user_* model blocks")
+    parser.add_argument("--user-heads", type=int, default=16, help="user_* attention heads")
+    parser.add_argument("--user-vocab", type=int, default=32000, help="user_* vocabulary")
+    parser.add_argument("--no-user-remat", dest="user_remat", action="store_false",
+                        help="user_* model without its per-block nnx.remat")
     parser.add_argument("--torch", action="store_true", help="also run the PyTorch FSDP2 peer")
     parser.add_argument("--timeout", type=float, default=240.0, help="seconds per variant")
     parser.add_argument("--json", default=None, help="write all results to this file")
@@ -258,7 +288,11 @@ def main(argv: list[str] | None = None) -> int:
                         default="gtp,gtp_prefetch,gtp_dots,gtp_prefetch_dots",
                         help="variants to trace (3 steps after timing, so timing is unaffected)")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     if args.worker:
         print("RESULT " + json.dumps(run_variant(args)), flush=True)
         return 0

@@ -11,8 +11,10 @@ from gtp_jax.sharding.collectives import GatherSpec, gather_weight, reduce_scatt
 from gtp_jax.sharding.lazy import GTPShard
 from gtp_jax.sharding.module import (
     OutputLayout,
+    Replicated,
     ShardedModule,
     bytes_per_device,
+    replicated,
     shard,
     unshard,
     unshard_values,
@@ -20,6 +22,7 @@ from gtp_jax.sharding.module import (
 from gtp_jax.sharding.scan import scan_layers
 
 __all__ = [
+    "Replicated",
     "GTPShard",
     "GatherSpec",
     "OutputLayout",
@@ -27,6 +30,7 @@ __all__ = [
     "bytes_per_device",
     "gather_weight",
     "reduce_scatter_grad",
+    "replicated",
     "scan_layers",
     "shard",
     "unshard",

@@ -7,11 +7,12 @@ a `GTPShard`, so that `gtp_jax.scan_layers` can gather it one layer at a time.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import jax
 
-from gtp_jax.sharding.collectives import GatherSpec
+from gtp_jax.sharding.collectives import GatherSpec, gather_weight
 
 
 @jax.tree_util.register_pytree_node_class
@@ -58,3 +59,75 @@ class GTPShard:
 
 def is_shard(x: Any) -> bool:
     return isinstance(x, GTPShard)
+
+
+@jax.tree_util.register_pytree_node_class
+class LazyWeight:
+    """A weight shard gathered where the module reads it (``variable[...]`` or array use).
+
+    Inside a sharded module whose code has its own ``jax.checkpoint`` / ``nnx.remat``
+    regions, weights reach the module in this form, so each weight is gathered inside the
+    region that uses it: the region's own remat policy then decides what is saved, and a
+    region that saves only its inputs saves the shard, not the gathered weight (it is
+    re-gathered in the backward pass). Each read gathers again; XLA merges repeated
+    gathers of one weight in the same region.
+    """
+
+    __slots__ = ("shard", "spec")
+
+    def __init__(self, shard: jax.Array, spec: GatherSpec):
+        self.shard = shard
+        self.spec = spec
+
+    def tree_flatten(self):
+        return (self.shard,), self.spec
+
+    @classmethod
+    def tree_unflatten(cls, spec: GatherSpec, children: tuple[Any, ...]) -> LazyWeight:
+        return cls(children[0], spec)
+
+    def gather(self) -> jax.Array:
+        """The full logical weight (``spec.logical_shape``, ``spec.compute_dtype``)."""
+        if self.spec.axis_size == 1:
+            return whole_weight(self.shard, self.spec)
+        return gather_weight(self.shard, self.spec)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.spec.logical_shape
+
+    @property
+    def dtype(self):
+        return self.spec.compute_dtype
+
+    @property
+    def ndim(self) -> int:
+        return len(self.spec.logical_shape)
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.spec.logical_shape)
+
+    def __getitem__(self, key: Any) -> jax.Array:
+        return self.gather()[key]
+
+    def __jax_array__(self) -> jax.Array:
+        return self.gather()
+
+    def __repr__(self) -> str:
+        return f"LazyWeight(shape={self.shape}, shard={tuple(self.shard.shape)})"
+
+
+def whole_weight(shard: jax.Array, spec: GatherSpec) -> jax.Array:
+    """The weight of a 1-wide GTP axis, where the one shard is the whole (padded) weight.
+
+    Nothing is gathered or reduce-scattered: only the padding is dropped and the cast to
+    ``spec.gather_dtype`` applied, so the module computes as if it were not wrapped.
+    Low-precision formats still quantize (they change the values), through `gather_weight`.
+    """
+    if spec.quantized:
+        return gather_weight(shard, spec)
+    logical = spec.logical_shape[spec.shard_dim]
+    if spec.padded_size != logical:
+        shard = jax.lax.slice_in_dim(shard, 0, logical, axis=spec.shard_dim)
+    return shard if spec.gather_dtype is None else shard.astype(spec.gather_dtype)

@@ -17,10 +17,11 @@ from jax.sharding import PartitionSpec as P
 
 from gtp_jax.base.axes import ParallelAxes, use_axes
 from gtp_jax.base.config import GTPConfig
+from gtp_jax.base.errors import UsageError, UsageTypeError
 from gtp_jax.base.mesh import _check_axis, data_axes, data_size, shard_key
-from gtp_jax.base.metadata import LOGICAL_SHAPE, SPLIT_AXES, SPLIT_LAYOUT, STACKED
-from gtp_jax.sharding.collectives import gather_weight
-from gtp_jax.sharding.lazy import GTPShard
+from gtp_jax.base.metadata import LOGICAL_SHAPE, REDUCE, SPLIT_AXES, SPLIT_LAYOUT, STACKED
+from gtp_jax.sharding.collectives import gather_weight, regather_policy
+from gtp_jax.sharding.lazy import GTPShard, LazyWeight, whole_weight
 from gtp_jax.sharding.plan import (
     ParamPlan,
     SplitPlan,
@@ -50,6 +51,190 @@ class OutputLayout:
 # Variables written back after a call: everything but parameters and RNG keys (keys are
 # folded per shard inside the call and must not be written back folded).
 _SIDE_STATE = nnx.Not(nnx.Any(nnx.Param, nnx.RngKey))
+
+
+_REDUCE_RULES = ("mean", "sum", "same")
+
+
+@jax.tree_util.register_pytree_node_class
+class Replicated:
+    """An argument of a sharded module that every data shard receives whole (see `replicated`)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any):
+        self.value = value
+
+    def tree_flatten(self):
+        return (self.value,), None
+
+    @classmethod
+    def tree_unflatten(cls, _: None, children: tuple[Any, ...]) -> Replicated:
+        return cls(children[0])
+
+    def __repr__(self) -> str:
+        return f"replicated({self.value!r})"
+
+
+def replicated(x: Any) -> Replicated:
+    """Marks an array argument of a `ShardedModule` call as not batch-major.
+
+    A sharded module splits every array argument on dim 0 over the data axes. Wrap arrays
+    that are not per-example (a lookup table, a mask shared by all examples, a positional
+    table) as ``model(tokens, gtp_jax.replicated(table))``: the module receives the plain
+    array, whole and identical on every shard.
+
+    Args:
+      x: a ``jax.Array`` or ``np.ndarray`` of any shape and dtype.
+
+    Returns:
+      A wrapper (a pytree, so it may also pass through ``jax.jit``) that `ShardedModule`
+      unwraps.
+    """
+    if not isinstance(x, (jax.Array, np.ndarray)) and not hasattr(x, "shape"):
+        raise UsageTypeError(f"gtp_jax.replicated expects an array, got {type(x).__name__}.")
+    return Replicated(x)
+
+
+def _is_replicated(x: Any) -> bool:
+    return isinstance(x, Replicated)
+
+
+def _unwrap(x: Any) -> Any:
+    return x.value if isinstance(x, Replicated) else x
+
+
+def _arg_name(keys: tuple) -> str:
+    """``args[1]`` / ``kwargs['mask']`` from a path into ``(args, kwargs)``."""
+    head, rest = keys[0], keys[1:]
+    return ("args" if getattr(head, "idx", 0) == 0 else "kwargs") + jax.tree_util.keystr(rest)
+
+
+def _check_outputs(out: Any, local_batch: int | None) -> None:
+    """Outputs of the default layout are concatenated over the data shards: per-example only."""
+    if local_batch is None:
+        return
+    for keys, x in jax.tree_util.tree_flatten_with_path(out)[0]:
+        shape = tuple(jnp.shape(x))
+        if not shape:
+            raise UsageError(
+                "A gtp_jax-sharded module must return arrays with a leading batch "
+                f"dimension, got an output{jax.tree_util.keystr(keys)} of shape {shape}. Return "
+                "per-example values and reduce them (e.g. jnp.mean) outside the module.")
+        if shape[0] != local_batch:
+            raise UsageError(
+                f"Output{jax.tree_util.keystr(keys) or ''} has shape {shape} but each data shard "
+                f"holds {local_batch} examples: outputs are concatenated over the data shards, "
+                "so each must be per-example (leading dim = batch). Return per-example values "
+                "and reduce outside the module, or define gtp_output_layout on the module.")
+
+
+def _side_rules(paths: list[str], variables: list[nnx.Variable]) -> dict[str, str | None]:
+    """The reduction rule of each non-parameter variable (None: refused if written)."""
+    rules = {}
+    for path, var in zip(paths, variables):
+        if isinstance(var, (nnx.Param, nnx.RngKey)):
+            continue
+        rule = var.get_metadata().get(REDUCE)
+        if rule is not None and rule not in _REDUCE_RULES:
+            raise UsageError(
+                f"{path!r}: metadata {REDUCE}={rule!r} is not one of {_REDUCE_RULES}.")
+        if rule is None:
+            value = var.get_value()
+            if isinstance(var, nnx.RngCount):
+                rule = "same"  # every shard draws the same number of times
+            elif all(jnp.issubdtype(jnp.result_type(x), jnp.floating)
+                     for x in jax.tree.leaves(value)):
+                rule = "mean"
+        rules[path] = rule
+    return rules
+
+
+def _reduce_side_state(module: nnx.Module, before: dict[str, Any], rules: dict[str, str | None],
+                       local_batch: int | None, axes: tuple[str, ...]) -> list:
+    """``[(keys, variable, combined value)]`` of the state the call wrote (inside the body).
+
+    Rules (one value for the whole mesh, never one shard's): existing variables follow
+    `_side_rules` (``mean``: mean over the data shards; ``sum``: the old value plus the sum
+    of every shard's change; ``same``: identical on every shard, kept as is). New variables
+    (``sow``) must be per-example (leading dim = local batch) and are concatenated over the
+    data shards like outputs.
+    """
+    out = []
+    for keys, var in nnx.to_flat_state(nnx.state(module, _SIDE_STATE)):
+        path = path_str(_key_name(k) for k in keys)
+        value = var.get_value()
+        old = before.get(path)
+        if path in before and value is old:
+            continue  # not written
+        kind = type(var).__name__
+        if isinstance(var, nnx.Intermediate) or path not in before:
+            kept = {id(x) for x in jax.tree.leaves(old)}
+
+            def concat(x, path=path, kind=kind, kept=kept):
+                if id(x) in kept:
+                    return x
+                if local_batch is None or jnp.ndim(x) < 1 or jnp.shape(x)[0] != local_batch:
+                    raise UsageError(
+                        f"{path!r}: a {kind} value of shape {jnp.shape(x)} was stored in "
+                        "__call__; a sharded module can only keep per-example values (leading "
+                        f"dim = the {local_batch} examples of a data shard), which are "
+                        "concatenated over the shards. Sow per-example values, or return the "
+                        "value as an output.")
+                return jax.lax.all_gather(x, axes, axis=0, tiled=True) if axes else x
+
+            out.append((keys, var, jax.tree.map(concat, value)))
+            continue
+        rule = rules.get(path)
+        if rule is None:
+            dtypes = sorted({str(jnp.result_type(x)) for x in jax.tree.leaves(value)})
+            raise UsageError(
+                f"{path!r}: {kind} state of dtype {'/'.join(dtypes)} is written in __call__, "
+                "and each data shard computes its own value; declare how to combine them "
+                f"with metadata {REDUCE}='sum' (e.g. counts), 'mean' or 'same' (identical on "
+                f"every shard), e.g. {kind}(value, {REDUCE}='sum').")
+        if not axes:
+            pass  # one data shard: its value is the value
+        elif rule == "mean":
+            for x in jax.tree.leaves(value):
+                if not jnp.issubdtype(jnp.result_type(x), jnp.floating):
+                    raise UsageError(
+                        f"{path!r}: {REDUCE}='mean' needs floating state, got "
+                        f"{jnp.result_type(x)}; use 'sum' or 'same'.")
+            value = jax.tree.map(lambda x: jax.lax.pmean(x, axes), value)
+        elif rule == "sum":
+            value = jax.tree.map(lambda x, o: o + jax.lax.psum(x - o, axes), value, old)
+        out.append((keys, var, value))
+    return out
+
+
+# Name of the ``jax.checkpoint`` primitive across JAX versions.
+_REMAT_NAMES = ("checkpoint", "remat", "remat2")
+
+
+def _has_user_remat(body: Callable, mesh: Mesh, value_specs: list, arg_specs: list,
+                    values: list, args: list) -> bool:
+    """Whether the module's own code (not gtp_jax's gathers) uses ``jax.checkpoint``."""
+    if mesh.devices.size == 1:
+        fn = body
+    else:
+        fn = jax.shard_map(body, mesh=mesh, in_specs=(value_specs, arg_specs),
+                           out_specs=(P(), P()), check_vma=False)
+    jaxpr = jax.make_jaxpr(lambda v, a: jax.tree.leaves(fn(v, a)))(values, args).jaxpr
+
+    def walk(j) -> bool:
+        for eqn in j.eqns:
+            if eqn.primitive.name in _REMAT_NAMES and \
+                    eqn.params.get("policy") is not regather_policy:
+                return True
+            if eqn.primitive.name.startswith("custom_"):
+                continue  # opaque to an outer checkpoint's policy (e.g. gtp_jax.scan_layers)
+            for sub in jax.core.jaxprs_in_params(eqn.params):
+                if walk(sub):
+                    return True
+        return False
+
+    return walk(jaxpr)
 
 
 def _is_variable(x: Any) -> bool:
@@ -85,6 +270,29 @@ class ShardedModule(nnx.Module):
     defines ``gtp_output_layout(mesh, *args, **kwargs) -> OutputLayout | None`` (same
     arguments as ``__call__``), e.g. to return sequence-sharded logits.
 
+    Call contract (each breach is a `gtp_jax.base.errors.UsageError` naming the argument, output
+    or variable, raised before any state changes):
+
+    * every array argument of rank >= 1 is a batch: split on dim 0, all with one leading
+      dim (a multiple of `gtp_jax.data_size`). Pass anything else (a table, a shared mask)
+      as `gtp_jax.replicated(x)`; the module receives it whole. An array whose leading dim
+      happens to equal the batch cannot be told apart: wrap it.
+    * with the default layout each output is per-example (leading dim = the shard's batch)
+      and is concatenated over the data shards; with no batch argument, outputs are
+      replicated.
+    * state other than parameters written in ``__call__`` is combined over the data shards,
+      never taken from one shard: by the variable's ``gtp_reduce`` metadata (`REDUCE`):
+      ``"mean"`` (default for floating state: right for batch means and EMAs of them, and
+      for values identical on every shard), ``"sum"`` (the old value plus every shard's
+      change: counts), ``"same"`` (declared identical on every shard; the default for
+      ``nnx.RngCount``). Written integer state without the metadata is refused. New values
+      (``sow``) must be per-example and are concatenated like outputs.
+    * memory policy: gathered weights are not saved for the backward pass
+      (``GTPConfig.remat_gathered``) and the module's own ``nnx.remat`` /
+      ``jax.checkpoint`` policies are kept: when the module has remat regions, each weight
+      is gathered where it is read, inside them. On a 1-wide GTP axis nothing is gathered,
+      and on one device no ``shard_map`` is added.
+
     Attributes:
       module: the wrapped module; its sharded parameters hold padded global arrays.
       mesh: the device mesh.
@@ -112,42 +320,65 @@ class ShardedModule(nnx.Module):
             placed[p].partition_spec(jnp.ndim(x)) if p in placed else P()
             for p, x in zip(paths, values)
         ]
-        layout = self._output_layout(args, kwargs)
-        leaves, arg_tree = jax.tree.flatten((args, kwargs))
-        dynamic = [i for i, x in enumerate(leaves) if isinstance(x, (jax.Array, np.ndarray))]
-        arg_specs = [self._arg_spec(leaves[i], i) for i in dynamic]
-        side_tree = jax.tree.structure(nnx.state(self.module, _SIDE_STATE))
+        with_path, arg_tree = jax.tree_util.tree_flatten_with_path(
+            (args, kwargs), is_leaf=_is_replicated)
+        leaves = [x for _, x in with_path]
+        names = [_arg_name(keys) for keys, _ in with_path]
+        dynamic, arg_specs, batch = self._arg_specs(leaves, names)
+        local_batch = None if batch is None else batch // data_size(mesh)
+        plain_args, plain_kwargs = jax.tree.map(
+            lambda x: x.value if _is_replicated(x) else x, (args, kwargs), is_leaf=_is_replicated)
+        layout = self._output_layout(plain_args, plain_kwargs)
+        default_layout = layout is None
+        if default_layout:
+            # Without batch arguments every shard computes the same outputs: replicated.
+            layout = OutputLayout(P(axes) if batch is not None else P())
+        rules = _side_rules(paths, variables)
+        # On one device there is nothing to split or reduce: the body runs as is, without
+        # shard_map (whose transpose would add an all-reduce, and a buffer, per gradient).
+        single = mesh.devices.size == 1
+        reduce_axes = () if single else axes
+        side_keys: list[tuple[tuple, nnx.Variable]] = []
 
-        def body(local_values, local_args):
+        def body(local_values, local_args, lazy=False):
             new_vars = []
             for path, var, x in zip(paths, variables, local_values):
                 if path in plans:
-                    plan = plans[path]
-                    x = (GTPShard(x, plan.spec, self.config.prefetch) if plan.stacked
-                         else gather_weight(x, plan.spec))
+                    x = self._local_weight(x, plans[path], lazy)
                 elif isinstance(var, nnx.RngKey):
-                    x = shard_key(x, axes)
+                    x = shard_key(x, reduce_axes)
                 new_vars.append(var.replace(value=x))
+            before = {path: v.get_value() for path, v in zip(paths, new_vars)}
             module = nnx.merge(graphdef, jax.tree.unflatten(var_tree, new_vars))
             call_leaves = list(leaves)
             for i, x in zip(dynamic, local_args):
                 call_leaves[i] = x
             call_args, call_kwargs = jax.tree.unflatten(arg_tree, call_leaves)
             out = module(*call_args, **call_kwargs)
-            for x in jax.tree.leaves(out):
-                if jnp.ndim(x) < 1:
-                    raise ValueError(
-                        "A gtp_jax-sharded module must return arrays with a leading batch "
-                        f"dimension, got an output of shape {jnp.shape(x)}. Return per-example "
-                        "values and reduce them (e.g. jnp.mean) outside the module."
-                    )
-            return out, jax.tree.leaves(nnx.state(module, _SIDE_STATE))
+            if default_layout:
+                _check_outputs(out, local_batch)
+            side = _reduce_side_state(module, before, rules, local_batch, reduce_axes)
+            side_keys[:] = [(k, v) for k, v, _ in side]
+            return out, [x for _, _, x in side]
 
-        if self.config.remat_gathered:
-            gathered = [p.spec for p in self.plan if not p.stacked]
-            if gathered:
+        # Weights the body builds (gathers, or casts to gather_dtype on a 1-wide axis).
+        built = [p.spec for p in self.plan if not p.stacked and (
+            p.spec.axis_size > 1 or p.spec.quantized or p.spec.gather_dtype is not None)]
+        gathered = [s for s in built if s.axis_size > 1 or s.quantized]
+        axes_in_use = ParallelAxes.from_mesh(mesh)
+        if self.config.remat_gathered and built:
+            with use_axes(axes_in_use):
+                own_remat = _has_user_remat(body, mesh, value_specs, arg_specs, values,
+                                            [_unwrap(leaves[i]) for i in dynamic])
+            if own_remat:
+                # An outer checkpoint would impose its policy inside the module's own remat
+                # regions (JAX applies the outermost policy to nested ones). Instead each
+                # weight is gathered where it is read, inside those regions, whose policy
+                # then applies to it too.
+                body = functools.partial(body, lazy=True)
+            elif gathered:
                 body = jax.checkpoint(body, policy=gathered_weight_policy(gathered))
-        run = jax.shard_map(
+        run = body if single else jax.shard_map(
             body,
             mesh=mesh,
             in_specs=(value_specs, arg_specs),
@@ -156,34 +387,89 @@ class ShardedModule(nnx.Module):
         )
         # The body is traced inside this call (also under jit/grad), so model code sees the
         # axes; backward rules never read them (they get axis names as static arguments).
-        with use_axes(ParallelAxes.from_mesh(mesh)):
-            out, side = run(values, [leaves[i] for i in dynamic])
-        if side:
-            nnx.update(self.module, jax.tree.unflatten(side_tree, side))
+        with use_axes(axes_in_use):
+            out, side = run(values, [_unwrap(leaves[i]) for i in dynamic])
+        if side_keys:
+            nnx.update(self.module, nnx.from_flat_state(
+                [(k, v.replace(value=x)) for (k, v), x in zip(side_keys, side)]))
         return out if layout.finalize is None else layout.finalize(out)
 
-    def _output_layout(self, args: tuple, kwargs: dict) -> OutputLayout:
+    def _local_weight(self, x: jax.Array, plan: ParamPlan, lazy: bool = False) -> Any:
+        """The weight the module's math sees, from this device's stored piece (in the body)."""
+        spec = plan.spec
+        if plan.stacked:
+            return GTPShard(x, spec, self.config.prefetch)
+        if lazy:
+            return LazyWeight(x, spec)
+        return whole_weight(x, spec) if spec.axis_size == 1 else gather_weight(x, spec)
+
+    def _output_layout(self, args: tuple, kwargs: dict) -> OutputLayout | None:
         hook = getattr(self.module, "gtp_output_layout", None)
         layout = hook(self.mesh, *args, **kwargs) if callable(hook) else None
-        if layout is None:
-            return OutputLayout(P(data_axes(self.mesh)))
-        if not isinstance(layout, OutputLayout):
-            raise TypeError(
+        if layout is not None and not isinstance(layout, OutputLayout):
+            raise UsageTypeError(
                 f"{type(self.module).__name__}.gtp_output_layout must return an OutputLayout "
                 f"or None, got {type(layout).__name__}.")
         return layout
 
-    def _arg_spec(self, x: Any, index: int) -> P:
-        if np.ndim(x) == 0:
-            return P()
+    def _arg_specs(self, leaves: list, names: list[str]) -> tuple[list[int], list[P], int | None]:
+        """(indices of array leaves, their in_specs, the global batch or None).
+
+        Arrays of rank >= 1 are batch arguments, split on dim 0 over the data axes; they must
+        all have the same leading dim. `Replicated` arrays and scalars reach every shard whole.
+        """
         n = data_size(self.mesh)
-        if np.shape(x)[0] % n:
-            raise ValueError(
-                f"Argument {index} has batch dimension {np.shape(x)[0]}, which does not divide "
-                f"over the {n} data shards {data_axes(self.mesh)} of the mesh; use a batch "
-                f"size that is a multiple of {n}."
-            )
-        return P(data_axes(self.mesh))
+        dynamic, specs, batch, first = [], [], None, None
+        for i, (x, name) in enumerate(zip(leaves, names)):
+            if _is_replicated(x):
+                dynamic.append(i)
+                specs.append(P())
+                continue
+            if not isinstance(x, (jax.Array, np.ndarray)):
+                continue
+            dynamic.append(i)
+            if np.ndim(x) == 0:
+                specs.append(P())
+                continue
+            lead = int(np.shape(x)[0])
+            if lead % n:
+                raise UsageError(
+                    f"Argument {i} ({name}) has batch dimension {lead}, which does not divide "
+                    f"over the {n} data shards {data_axes(self.mesh)} of the mesh; use a batch "
+                    f"size that is a multiple of {n}, or pass an array that is not batch-major "
+                    "as gtp_jax.replicated(x).")
+            if batch is None:
+                batch, first = lead, name
+            elif lead != batch:
+                raise UsageError(
+                    f"Argument {i} ({name}) has leading dim {lead} but {first} has {batch}: "
+                    "every array argument of a sharded module is split on dim 0 as the batch, "
+                    "so all must share it; pass arrays that are not batch-major (tables, "
+                    "masks shared by all examples) as gtp_jax.replicated(x).")
+            specs.append(P(data_axes(self.mesh)))
+        return dynamic, specs, batch
+
+    def describe(self) -> list[str]:
+        """One line per GTP-sharded parameter: path, logical (per-layer, model-parallel-local)
+        shape, shard dim, padded size, and bytes per device vs replicated."""
+        lines = []
+        for p in self.plan:
+            spec = p.spec
+            layers = 1
+            if p.stacked:
+                value = nnx.to_flat_state(nnx.state(self.module))
+                layers = next(int(v.get_value().shape[0]) for k, v in value
+                              if path_str(_key_name(x) for x in k) == p.path)
+            item = np.dtype(spec.param_dtype).itemsize * layers
+            per_device = int(np.prod(spec.shard_shape)) * item
+            full = int(np.prod(spec.logical_shape)) * item
+            stack = f" x {layers} layers" if p.stacked else ""
+            lines.append(
+                f"{p.path}: shape {spec.logical_shape}{stack} "
+                f"dim {spec.shard_dim} padded {spec.logical_shape[spec.shard_dim]}->"
+                f"{spec.padded_size} over {spec.axis}={spec.axis_size}: {per_device} B/device "
+                f"vs {full} B replicated ({per_device / full:.3f}, ideal {1 / spec.axis_size:.3f})")
+        return lines
 
     def sharded_paths(self) -> list[str]:
         """Paths of the GTP-sharded parameters."""
@@ -250,7 +536,11 @@ def shard(module: nnx.Module, mesh: Mesh, config: GTPConfig | None = None) -> Sh
         if isinstance(var, nnx.Param):
             per_layer = tuple(int(d) for d in (value.shape[1:] if stacked else value.shape))
             splits = model_splits(path, per_layer, meta, mesh, config.axis)
-            shard_dim = choose_shard_dim(path, per_layer, meta, splits)
+            local = list(per_layer)
+            for s in splits:
+                local[s.dim] = s.local_size
+            shard_dim = choose_shard_dim(path, tuple(local), meta, splits,
+                                         align=config.alignment(mesh.shape[config.axis]))
             plan = plan_param(path, tuple(value.shape), np.dtype(value.dtype), stacked=stacked,
                               mesh=mesh, config=config, splits=splits, shard_dim=shard_dim)
             if plan is None and splits:
@@ -377,6 +667,13 @@ def _validate_shard_args(module: Any, mesh: Any, config: Any) -> None:
     if isinstance(module, ShardedModule):
         raise ValueError("gtp_jax.shard: this module is already sharded; pass the original "
                          "module, or gtp_jax.unshard(module) first.")
+    for keys, node in nnx.graph.iter_graph(module):
+        if isinstance(node, ShardedModule) and node is not module:
+            path = path_str(k for k in keys if not str(k).startswith("_pytree__"))
+            raise UsageError(
+                f"gtp_jax.shard: the module contains an already sharded module at {path!r}; "
+                "shard the outer module once, built from plain (unsharded) submodules, or "
+                f"replace it with gtp_jax.unshard(...) first.")
     if not isinstance(mesh, Mesh):
         raise TypeError(
             f"gtp_jax.shard: mesh must be a jax.sharding.Mesh (see gtp_jax.make_mesh), got "
@@ -407,5 +704,6 @@ def bytes_per_device(tree: Any, device: jax.Device | None = None) -> int:
     return total
 
 
-__all__: Sequence[str] = ("OutputLayout", "ShardedModule", "shard", "unshard",
+__all__: Sequence[str] = ("OutputLayout", "REDUCE", "Replicated", "ShardedModule", "replicated",
+                          "shard", "unshard",
                           "unshard_values", "bytes_per_device")

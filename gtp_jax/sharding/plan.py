@@ -243,10 +243,25 @@ def model_splits(path: str, per_layer: tuple[int, ...], metadata: dict, mesh: Me
     return tuple(splits)
 
 
+#: The leading free dim is kept unless padding it adds more than this fraction of the weight
+#: (per device); then the free dim with the least padding is chosen.
+PAD_TOLERANCE = 1 / 32
+
+
 def choose_shard_dim(path: str, per_layer: tuple[int, ...], metadata: dict,
-                     splits: tuple[DimSplit, ...]) -> int | None:
-    """The per-layer dim GTP shards: `SHARD_DIM` metadata, else the first dim no model-parallel
-    split uses (None when every dim is split).
+                     splits: tuple[DimSplit, ...], align: int = 1) -> int | None:
+    """The per-layer dim GTP shards (None when every dim is split over a model-parallel axis).
+
+    `SHARD_DIM` metadata wins. Otherwise the first dim no model-parallel split uses (it
+    gathers contiguously), unless padding it to a multiple of `align` (the GTP axis size
+    times ``GTPConfig.pad_for_alignment``) would add more than `PAD_TOLERANCE` of the
+    weight: then the free dim with the fewest padded elements (ties: the lowest index). A
+    ``[3, 3, 64, 64]`` conv kernel with ``align=64`` is thus split on its input channels
+    (dim 2) instead of its height, which would pad 3 rows to 64.
+
+    Args:
+      per_layer: the model-parallel-local per-layer shape (what is gathered).
+      align: the multiple each candidate dim is padded to.
 
     Raises:
       ValueError: `SHARD_DIM` is out of range or names a model-parallel dim.
@@ -254,7 +269,18 @@ def choose_shard_dim(path: str, per_layer: tuple[int, ...], metadata: dict,
     taken = {s.dim for s in splits}
     dim = metadata.get(SHARD_DIM)
     if dim is None:
-        return next((d for d in range(len(per_layer)) if d not in taken), None)
+        free = [d for d in range(len(per_layer)) if d not in taken]
+        if not free:
+            return None
+        align = max(int(align), 1)
+
+        def padded(d: int) -> int:
+            return -(-per_layer[d] // align) * align * int(np.prod(per_layer)) // max(
+                per_layer[d], 1)
+
+        first, best = free[0], min(free, key=lambda d: (padded(d), d))
+        logical = max(int(np.prod(per_layer)), 1)
+        return first if padded(first) <= logical * (1 + PAD_TOLERANCE) else best
     if not isinstance(dim, (int, np.integer)) or not -len(per_layer) <= dim < len(per_layer):
         raise ValueError(
             f"Parameter {path!r}: metadata {SHARD_DIM}={dim!r} is not a dim of its per-layer "

@@ -43,7 +43,8 @@ def gathered_weight_policy(specs: Sequence[GatherSpec]) -> Callable[..., bool]:
         if gathered_sizes and prim.name != "dot_general" and any(
                 gathered_operand(a) for a in avals):
             return False
-        if prim.name == "checkpoint" and params.get("policy") is regather_policy:
+        # The checkpoint primitive is named "remat2" in current JAX, "checkpoint" before.
+        if prim.name in ("checkpoint", "remat2") and params.get("policy") is regather_policy:
             return False  # a whole low-precision gather (`gather_weight`)
         if prim.name == "name" and params.get("name") == GATHERED_WEIGHT:
             return False

@@ -1,0 +1,82 @@
+"""A decoder written the way a user would, with nothing from gtp_jax inside.
+
+Used by ``python -m gtp_jax.bench overlap`` (the ``user_*`` variants) to check what
+`gtp_jax.shard` costs on a model the library never saw: a Python loop over blocks, each
+under the user's own ``nnx.remat``, attention and MLP from ``nnx.Linear``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+
+@dataclasses.dataclass(frozen=True)
+class UserDecoderConfig:
+    """Sizes of `UserDecoder` (defaults: the benchmark's d 2048, 16 blocks)."""
+
+    vocab: int = 32000
+    d_model: int = 2048
+    n_blocks: int = 16
+    n_heads: int = 16
+    d_ff: int = 8192
+    remat: bool = True
+    dtype: Any = jnp.bfloat16
+
+    def train_flops_per_token(self, seq: int) -> float:
+        """Matmul FLOPs of one training token (forward + backward, causal attention)."""
+        d, f = self.d_model, self.d_ff
+        per_block = 4 * d * d + 2 * d * f + seq * d  # projections, MLP, QK^T + AV (causal)
+        return 6.0 * (self.n_blocks * per_block + d * self.vocab)
+
+
+class _Block(nnx.Module):
+    def __init__(self, cfg: UserDecoderConfig, rngs: nnx.Rngs):
+        common = {"use_bias": False, "dtype": cfg.dtype, "rngs": rngs}
+        self.heads = cfg.n_heads
+        self.norm1 = nnx.RMSNorm(cfg.d_model, dtype=cfg.dtype, rngs=rngs)
+        self.qkv = nnx.Linear(cfg.d_model, 3 * cfg.d_model, **common)
+        self.out = nnx.Linear(cfg.d_model, cfg.d_model, **common)
+        self.norm2 = nnx.RMSNorm(cfg.d_model, dtype=cfg.dtype, rngs=rngs)
+        self.up = nnx.Linear(cfg.d_model, cfg.d_ff, **common)
+        self.down = nnx.Linear(cfg.d_ff, cfg.d_model, **common)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        b, s, d = x.shape
+        q, k, v = jnp.split(self.qkv(self.norm1(x)), 3, axis=-1)
+        q, k, v = (t.reshape(b, s, self.heads, d // self.heads) for t in (q, k, v))
+        att = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.out(att.reshape(b, s, d))
+        return x + self.down(jax.nn.gelu(self.up(self.norm2(x))))
+
+
+class UserDecoder(nnx.Module):
+    """Token ids ``[batch, seq]`` (int) -> logits ``[batch, seq, vocab]`` (float32)."""
+
+    def __init__(self, cfg: UserDecoderConfig, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.embed = nnx.Embed(cfg.vocab, cfg.d_model, dtype=cfg.dtype, rngs=rngs)
+        self.blocks = nnx.List([_Block(cfg, rngs) for _ in range(cfg.n_blocks)])
+        self.norm = nnx.RMSNorm(cfg.d_model, dtype=cfg.dtype, rngs=rngs)
+        self.head = nnx.Linear(cfg.d_model, cfg.vocab, use_bias=False, dtype=cfg.dtype,
+                               rngs=rngs)
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        x = self.embed(tokens)
+        for block in self.blocks:
+            if self.cfg.remat:
+                x = nnx.remat(lambda blk, h: blk(h))(block, x)
+            else:
+                x = block(x)
+        return self.head(self.norm(x)).astype(jnp.float32)
+
+
+def user_loss(model: nnx.Module, tokens: jax.Array) -> jax.Array:
+    """Next-token cross entropy of ``tokens [batch, seq + 1]`` (mean over all positions)."""
+    logits = model(tokens[:, :-1])
+    return jnp.mean(
+        -jnp.take_along_axis(jax.nn.log_softmax(logits), tokens[:, 1:, None], axis=-1))

@@ -1,0 +1,387 @@
+"""What `gtp_jax.shard` guarantees beyond equal outputs: written state, argument and output
+layout, nesting, shard-dim choice and the user's remat, each checked against the same module
+run unsharded."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import assert_unchanged, get_mesh, snapshot
+from flax import nnx
+from jax.ad_checkpoint import print_saved_residuals
+
+import gtp_jax
+from gtp_jax.base.errors import UsageError
+
+
+def _place(mesh, x):
+    return jax.device_put(x, gtp_jax.data_sharding(mesh, x.ndim))
+
+
+def _assert_grads_equal(sm, grads, grads_ref, rtol: float) -> None:
+    full = gtp_jax.unshard_values(sm, grads)
+    want = {"/".join(map(str, k)): v.get_value() for k, v in nnx.to_flat_state(grads_ref)}
+    assert set(full) == set(want)
+    for path, value in want.items():
+        np.testing.assert_allclose(np.asarray(full[path]), np.asarray(value), rtol=rtol,
+                                   atol=rtol * float(np.max(np.abs(value))), err_msg=path)
+
+
+def _copy(module):
+    return nnx.merge(*nnx.split(module))
+
+
+# --------------------------------------------------------------------------- written state
+
+
+class RunningMean(nnx.Variable):
+    pass
+
+
+class Count(nnx.Variable):
+    pass
+
+
+class Stateful(nnx.Module):
+    """A running mean (float), an example counter (int) and a sown per-example value."""
+
+    def __init__(self, rngs, count_rule=None, sow=False):
+        self.lin = nnx.Linear(16, 64, rngs=rngs)
+        self.mean = RunningMean(jnp.zeros((64,)))
+        meta = {} if count_rule is None else {"gtp_reduce": count_rule}
+        self.count = Count(jnp.zeros((), jnp.int32), **meta)
+        self.sow_it = sow
+
+    def __call__(self, x):
+        y = self.lin(x)
+        self.mean[...] = 0.5 * self.mean[...] + 0.5 * jnp.mean(y, axis=0)
+        self.count[...] = self.count[...] + x.shape[0]
+        if self.sow_it:
+            self.sow(nnx.Intermediate, "hidden", y)
+        return y
+
+
+def _xs(key, n=8):
+    return 10.0 + jax.random.normal(key, (n, 16))
+
+
+def test_float_state_is_mean_over_data_shards_and_int_state_sums(key) -> None:
+    mesh = get_mesh("dp2_gtp4")
+    ref = Stateful(nnx.Rngs(0), count_rule="sum")
+    sm = gtp_jax.shard(_copy(ref), mesh, gtp_jax.GTPConfig(min_elements=0))
+    step = nnx.jit(lambda m, x: m(x))
+    for i in range(2):
+        x = _xs(jax.random.fold_in(key, i))
+        out_ref = ref(x)
+        out = step(sm, _place(mesh, x))
+        np.testing.assert_allclose(np.asarray(out), np.asarray(out_ref), rtol=1e-5, atol=1e-5)
+    inner = sm.module
+    np.testing.assert_allclose(np.asarray(inner.mean[...]), np.asarray(ref.mean[...]),
+                               rtol=1e-5, atol=1e-5)
+    assert abs(float(np.mean(ref.mean[...]))) > 1.0  # not trivially zero
+    assert int(inner.count[...]) == int(ref.count[...]) == 16
+
+
+def test_int_state_without_rule_is_refused_and_nothing_changes(key) -> None:
+    mesh = get_mesh("dp2_gtp4")
+    sm = gtp_jax.shard(Stateful(nnx.Rngs(0)), mesh, gtp_jax.GTPConfig(min_elements=0))
+    before = snapshot(sm)
+    with pytest.raises(UsageError, match="'count'.*gtp_reduce"):
+        sm(_place(mesh, _xs(key)))
+    assert_unchanged(sm, before)
+
+
+def test_same_rule_keeps_identical_state(key) -> None:
+    class Steps(nnx.Module):
+        def __init__(self):
+            self.lin = nnx.Linear(16, 64, rngs=nnx.Rngs(0))
+            self.steps = Count(jnp.zeros((), jnp.int32), gtp_reduce="same")
+
+        def __call__(self, x):
+            self.steps[...] = self.steps[...] + 1  # identical on every shard
+            return self.lin(x)
+
+    mesh = get_mesh("dp2_gtp4")
+    ref = Steps()
+    sm = gtp_jax.shard(_copy(ref), mesh, gtp_jax.GTPConfig(min_elements=0))
+    for _ in range(3):
+        ref(_xs(key))
+        sm(_place(mesh, _xs(key)))
+    assert int(sm.module.steps[...]) == int(ref.steps[...]) == 3
+
+
+def test_sow_per_example_is_concatenated(key) -> None:
+    mesh = get_mesh("dp2_gtp4")
+    ref = Stateful(nnx.Rngs(0), count_rule="sum", sow=True)
+    sm = gtp_jax.shard(_copy(ref), mesh, gtp_jax.GTPConfig(min_elements=0))
+    x = _xs(key)
+    ref(x)
+    nnx.jit(lambda m, x: m(x))(sm, _place(mesh, x))
+    got, want = sm.module.hidden.get_value(), ref.hidden.get_value()
+    assert len(got) == len(want) == 1
+    np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want[0]), rtol=1e-5, atol=1e-5)
+
+
+def test_sow_not_per_example_is_refused(key) -> None:
+    class SowMean(nnx.Module):
+        def __init__(self):
+            self.lin = nnx.Linear(16, 64, rngs=nnx.Rngs(0))
+
+        def __call__(self, x):
+            y = self.lin(x)
+            self.sow(nnx.Intermediate, "avg", jnp.mean(y, axis=0))
+            return y
+
+    mesh = get_mesh("dp2_gtp4")
+    sm = gtp_jax.shard(SowMean(), mesh, gtp_jax.GTPConfig(min_elements=0))
+    before = snapshot(sm)
+    with pytest.raises(UsageError, match="'avg'.*per-example"):
+        sm(_place(mesh, _xs(key)))
+    assert_unchanged(sm, before)
+
+
+# --------------------------------------------------------------------------- args / outputs
+
+
+class WithTable(nnx.Module):
+    def __init__(self):
+        self.lin = nnx.Linear(16, 64, rngs=nnx.Rngs(0))
+
+    def __call__(self, x, table):
+        return self.lin(x) + jnp.sum(table, axis=0)
+
+
+class BatchSum(nnx.Module):
+    def __init__(self):
+        self.lin = nnx.Linear(16, 64, rngs=nnx.Rngs(0))
+
+    def __call__(self, x):
+        return jnp.sum(self.lin(x), axis=0)
+
+
+def test_output_not_per_example_is_refused(key) -> None:
+    mesh = get_mesh("dp2_gtp4")
+    sm = gtp_jax.shard(BatchSum(), mesh, gtp_jax.GTPConfig(min_elements=0))
+    with pytest.raises(UsageError, match=r"shape \(64,\).*per-example"):
+        sm(_place(mesh, _xs(key)))
+
+
+def test_replicated_argument_reaches_every_shard_whole(key) -> None:
+    mesh = get_mesh("dp2_gtp4")
+    ref = WithTable()
+    sm = gtp_jax.shard(_copy(ref), mesh, gtp_jax.GTPConfig(min_elements=0))
+    x = _xs(key)
+    # the same leading size as the batch: only the wrapper can tell them apart
+    table = jax.random.normal(jax.random.fold_in(key, 1), (8, 64))
+    out = nnx.jit(lambda m, x, t: m(x, gtp_jax.replicated(t)))(sm, _place(mesh, x), table)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref(x, table)), rtol=1e-5, atol=1e-5)
+    # also when the wrapper itself crosses jit
+    out = nnx.jit(lambda m, x, t: m(x, t))(sm, _place(mesh, x), gtp_jax.replicated(table))
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref(x, table)), rtol=1e-5, atol=1e-5)
+
+
+def test_batch_arguments_must_share_leading_dim(key) -> None:
+    mesh = get_mesh("dp2_gtp4")
+    sm = gtp_jax.shard(WithTable(), mesh, gtp_jax.GTPConfig(min_elements=0))
+    with pytest.raises(UsageError, match=r"Argument 1 \(args\[1\]\).*gtp_jax.replicated"):
+        sm(_place(mesh, _xs(key)), jnp.ones((16, 64)))
+    with pytest.raises(UsageError, match=r"kwargs\['table'\]"):
+        sm(_place(mesh, _xs(key)), table=jnp.ones((16, 64)))
+
+
+def test_nested_sharded_module_is_refused(mesh_gtp8) -> None:
+    class Outer(nnx.Module):
+        def __init__(self, inner):
+            self.head = nnx.Linear(64, 64, rngs=nnx.Rngs(1))
+            self.blocks = nnx.List([inner])
+
+    inner = gtp_jax.shard(nnx.Linear(16, 64, rngs=nnx.Rngs(0)), mesh_gtp8,
+                          gtp_jax.GTPConfig(min_elements=0))
+    outer = Outer(inner)
+    before = snapshot(outer)
+    with pytest.raises(UsageError, match="already sharded module at 'blocks/0'"):
+        gtp_jax.shard(outer, mesh_gtp8, gtp_jax.GTPConfig(min_elements=0))
+    assert_unchanged(outer, before)
+
+
+# --------------------------------------------------------------------------- shard dim
+
+
+class Convs(nnx.Module):
+    def __init__(self, rngs):
+        self.c1 = nnx.Conv(64, 64, (3, 3), rngs=rngs)
+        self.c2 = nnx.Conv(64, 64, (3, 3), rngs=rngs)
+
+    def __call__(self, x):
+        return self.c2(jax.nn.relu(self.c1(x)))
+
+
+def test_conv_kernel_is_one_over_n_per_device(key) -> None:
+    mesh = get_mesh("gtp8")
+    ref = Convs(nnx.Rngs(0))
+    cfg = gtp_jax.GTPConfig(pad_for_alignment=8)
+    sm = gtp_jax.shard(_copy(ref), mesh, cfg)
+    assert {p.path: p.spec.shard_dim for p in sm.plan} == {"c1/kernel": 2, "c2/kernel": 2}
+    kernels = 2 * 3 * 3 * 64 * 64 * 4
+    per_device = gtp_jax.bytes_per_device(nnx.state(sm, nnx.Param))
+    biases = 2 * 64 * 4
+    assert per_device - biases <= kernels / 8 * 1.03, sm.describe()
+    assert len(sm.describe()) == 2 and "dim 2" in sm.describe()[0]
+    x = jax.random.normal(key, (8, 6, 6, 64))
+
+    def loss(m, x):
+        return jnp.mean(m(x) ** 2)
+
+    np.testing.assert_allclose(np.asarray(nnx.jit(lambda m, x: m(x))(sm, _place(mesh, x))),
+                               np.asarray(ref(x)), rtol=1e-5, atol=1e-5)
+    g_ref = nnx.grad(loss)(ref, x)
+    g = nnx.jit(nnx.grad(loss))(sm, _place(mesh, x))
+    _assert_grads_equal(sm, g, g_ref, rtol=1e-4)
+
+
+def test_shard_dim_metadata_still_overrides() -> None:
+    mesh = get_mesh("gtp8")
+    conv = nnx.Conv(64, 64, (3, 3), rngs=nnx.Rngs(0), kernel_metadata={"gtp_shard_dim": 3})
+    sm = gtp_jax.shard(conv, mesh, gtp_jax.GTPConfig(pad_for_alignment=8))
+    assert sm.plan[0].spec.shard_dim == 3
+
+
+# --------------------------------------------------------------------------- user remat
+
+
+class Block(nnx.Module):
+    def __init__(self, d, rngs):
+        self.up = nnx.Linear(d, 4 * d, use_bias=False, rngs=rngs)
+        self.down = nnx.Linear(4 * d, d, use_bias=False, rngs=rngs)
+
+    def __call__(self, x):
+        return x + self.down(jnp.tanh(self.up(x)))
+
+
+class RematStack(nnx.Module):
+    """A user's model: python loop of blocks, each under nnx.remat (nothing from gtp_jax)."""
+
+    def __init__(self, d=32, n=4, rngs=None):
+        self.blocks = nnx.List([Block(d, rngs) for _ in range(n)])
+
+    def __call__(self, x):
+        for block in self.blocks:
+            x = nnx.remat(lambda b, h: b(h))(block, x)
+        return x
+
+
+def _loss(m, x):
+    return jnp.mean(m(x) ** 2)
+
+
+def _residuals(model, x) -> list[str]:
+    graphdef, state = nnx.split(model)
+
+    def f(s, x):
+        return _loss(nnx.merge(graphdef, s), x)
+
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        print_saved_residuals(f, state, x)
+    return sorted(line.split(" ")[0] for line in buf.getvalue().splitlines()
+                  if "from the argument" not in line)
+
+
+def test_gtp1_keeps_user_remat_and_adds_nothing(key) -> None:
+    mesh = gtp_jax.make_mesh(gtp=1, devices=jax.devices()[:1])
+    ref = RematStack(rngs=nnx.Rngs(0))
+    x = jax.random.normal(key, (4, 32))
+    # gather_dtype only casts, inside the user's remat: the bf16 copies are not saved either
+    bf16 = gtp_jax.shard(_copy(ref), mesh, gtp_jax.GTPConfig(min_elements=0,
+                                                             gather_dtype=jnp.bfloat16))
+    assert _residuals(bf16, x) == _residuals(ref, x) == ["f32[4,32]"] * 4
+    sm = gtp_jax.shard(_copy(ref), mesh, gtp_jax.GTPConfig(min_elements=0))
+    assert _residuals(sm, x) == _residuals(ref, x)
+
+    def temp(model):
+        graphdef, state = nnx.split(model)
+        fn = jax.jit(jax.grad(lambda s, x: _loss(nnx.merge(graphdef, s), x)))
+        return fn.lower(state, x).compile().memory_analysis().temp_size_in_bytes
+
+    assert temp(sm) <= temp(ref)
+    g_ref, g = nnx.grad(_loss)(ref, x), nnx.grad(_loss)(sm, x)
+    _assert_grads_equal(sm, g, g_ref, rtol=1e-5)
+
+
+def test_user_remat_is_honoured_with_gtp4(key) -> None:
+    """gtp>1: each block under the user's remat saves only its input; no gathered weight."""
+    mesh = gtp_jax.make_mesh(dp=2, gtp=4)
+    ref = RematStack(rngs=nnx.Rngs(0))
+    sm = gtp_jax.shard(_copy(ref), mesh, gtp_jax.GTPConfig(min_elements=0))
+    x = jax.random.normal(key, (8, 32))
+    ref_res = _residuals(ref, x)
+    assert ref_res == ["f32[8,32]"] * 4  # the four block inputs
+    # shard_map stacks each device's residual on dim 0: 8 devices x 1 example = 8 rows.
+    assert _residuals(sm, _place(mesh, x)) == ref_res
+    g_ref = nnx.grad(_loss)(ref, x)
+    g = nnx.jit(nnx.grad(_loss))(sm, _place(mesh, x))
+    _assert_grads_equal(sm, g, g_ref, rtol=1e-5)
+    # The backward pass re-gathers each weight inside its block.
+    graphdef, state = nnx.split(sm)
+    lowered = jax.jit(jax.grad(lambda s, x: _loss(nnx.merge(graphdef, s), x))).lower(
+        state, _place(mesh, x)).as_text()
+    assert lowered.count('"stablehlo.all_gather"') >= 2 * len(sm.plan)
+
+
+def test_without_user_remat_gathered_weights_are_still_not_saved(key) -> None:
+    class Plain(RematStack):
+        def __call__(self, x):
+            for block in self.blocks:
+                x = block(x)
+            return x
+
+    mesh = gtp_jax.make_mesh(dp=2, gtp=4)
+    x = _place(mesh, jax.random.normal(key, (8, 32)))
+    # a gathered kernel, as one device's or as 8 devices' residuals stacked on dim 0
+    kernels = {"f32[32,128]", "f32[128,32]", "f32[256,128]", "f32[1024,32]"}
+    for remat in (True, False):
+        sm = gtp_jax.shard(Plain(rngs=nnx.Rngs(0)), mesh,
+                           gtp_jax.GTPConfig(min_elements=0, remat_gathered=remat))
+        saved = kernels & set(_residuals(sm, x))
+        assert bool(saved) == (not remat), saved
+
+
+@pytest.mark.parametrize("name,mesh_name", [
+    ("1b", "gtp8"), ("1b", "dp2_gtp4"), ("1b", "ep2_gtp2_tp2"),
+    ("tiny", "dp2_gtp4"), ("tiny", "ep2_gtp2_tp2")])
+def test_transformer_shard_dims_unchanged(name, mesh_name) -> None:
+    """Where its dims divide, the built-in transformer keeps its layout: the metadata's dim,
+    else the first free one. (The toy's 4 heads on gtp=8 would pad to 8, twice the bytes:
+    there the out kernel moves to its head dim of 24, as intended.)"""
+    from gtp_jax.base.metadata import SHARD_DIM, STACKED
+    from gtp_jax.models import Transformer, preset
+    from gtp_jax.sharding.plan import choose_shard_dim, model_splits
+
+    sizes = ({"d_model": 96, "n_heads": 4, "d_ff": 200, "vocab_size": 250, "n_layers": 3,
+              "max_seq_len": 16} if name == "tiny" else {})
+    cfg = preset(name, **sizes)
+    model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+    mesh = get_mesh(mesh_name)
+    align = gtp_jax.GTPConfig().alignment(mesh.shape["gtp"])
+    checked = 0
+    for keys, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        path, meta = "/".join(map(str, keys)), var.get_metadata()
+        shape = tuple(var.get_value().shape)
+        per_layer = shape[1:] if meta.get(STACKED) else shape
+        if len(per_layer) < 2:
+            continue
+        splits = model_splits(path, per_layer, meta, mesh, "gtp")
+        local = list(per_layer)
+        for sp in splits:
+            local[sp.dim] = sp.local_size
+        taken = {sp.dim for sp in splits}
+        first = next((d for d in range(len(local)) if d not in taken), None)
+        got = choose_shard_dim(path, tuple(local), meta, splits, align=align)
+        assert got == meta.get(SHARD_DIM, first), path
+        checked += 1
+    assert checked >= 5
