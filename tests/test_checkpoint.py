@@ -20,6 +20,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 import gtp_jax
+from gtp_jax.errors import UsageError
 from gtp_jax.checkpoint import CheckpointConfig, Checkpointer
 from gtp_jax.sharding.module import LOGICAL_SHAPE
 from gtp_jax.train import TrainConfig, build_model_and_optimizer, model_config, train, train_step
@@ -222,13 +223,13 @@ def test_save_killed_before_finalize_keeps_previous(tmp_path: Path, mesh_dp2_gtp
 
 
 def test_config_errors(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="does not exist.*--checkpoint-dir"):
+    with pytest.raises(UsageError, match="does not exist.*CheckpointConfig.directory"):
         CheckpointConfig(tmp_path / "missing", resume=True)
-    with pytest.raises(ValueError, match="every"):
+    with pytest.raises(UsageError, match=r"CheckpointConfig\.every=-1"):
         CheckpointConfig(tmp_path, every=-1)
-    with pytest.raises(ValueError, match="keep"):
+    with pytest.raises(UsageError, match=r"CheckpointConfig\.keep=0"):
         CheckpointConfig(tmp_path, keep=0)
-    with pytest.raises(ValueError, match="non-empty path"):
+    with pytest.raises(UsageError, match="non-empty path"):
         CheckpointConfig("")
     assert CheckpointConfig("rel").directory == os.path.abspath("rel")
 
