@@ -247,6 +247,12 @@ class Checkpointer:
         self._manager.reload()
         return new
 
+    def set_aside_newer(self, step: int) -> list[str]:
+        """`set_aside` of every finalized step directory newer than `step` (those a run
+        resumed from `step` would save again); returns the new paths (process 0)."""
+        return [p for s in self._raw_steps() if s > step
+                for p in [self.set_aside(s)] if p is not None]
+
     # ------------------------------------------------------------------ save / restore
 
     def save(self, step: int, model: nnx.Module, optimizer: nnx.Optimizer | None = None, *,

@@ -272,7 +272,7 @@ def test_train_resume_errors_before_building_anything(tmp_path: Path, mesh_dp2_g
     _fake_run(other_seed, mesh_dp2_gtp4, seed=7)
     with pytest.raises(ValueError, match=r"different run \(seed: checkpoint 7 vs now 0\)"):
         train(SOURCE, progress=False, checkpoint=CheckpointConfig(other_seed, resume=True))
-    with pytest.raises(ValueError, match="already holds checkpoints.*--resume"):
+    with pytest.raises(UsageError, match="already holds checkpoints.*CheckpointConfig.resume"):
         train(SOURCE, progress=False, checkpoint=CheckpointConfig(other_seed))
     _fake_run(done, mesh_dp2_gtp4, steps=2)
     with pytest.raises(ValueError, match="nothing is left to train"):
