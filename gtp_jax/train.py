@@ -473,8 +473,8 @@ def _check_devices(cfg: TrainConfig) -> None:
     total, devices = cfg.dp * cfg.ep * cfg.gtp * cfg.tp, jax.device_count()
     if total != devices:
         raise UsageError(
-            f"the mesh TrainConfig.dp*ep*gtp*tp = {cfg.dp}*{cfg.ep}*{cfg.gtp}*{cfg.tp} = {total} "
-            f"must equal the {devices} devices; choose sizes whose product is {devices}."
+            f"the mesh dp*ep*gtp*tp = {cfg.dp}*{cfg.ep}*{cfg.gtp}*{cfg.tp} = {total} must equal "
+            f"the {devices} devices; choose TrainConfig.dp/ep/gtp/tp whose product is {devices}."
         )
 
 
