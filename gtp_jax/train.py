@@ -470,6 +470,25 @@ def _note(line: str) -> None:
 
 
 def _check_devices(cfg: TrainConfig) -> None:
+    """The mesh fits the devices and the model splits over tp and ep (checked here, before
+    anything is built, so the error names the configuration rather than a weight)."""
+    model_cfg = model_config(cfg)
+    widths = {"n_heads": model_cfg.n_heads, "d_ff": model_cfg.d_ff}
+    if model_cfg.moe_experts:
+        widths["moe_d_ff"] = model_cfg.moe_d_ff or model_cfg.d_ff
+    bad = [f"{name}={width}" for name, width in widths.items()
+           if cfg.tp > 1 and width % cfg.tp]
+    if bad:
+        raise UsageError(
+            f"TrainConfig.tp={cfg.tp} does not divide the {cfg.preset} preset's "
+            f"{', '.join(bad)}; choose a TrainConfig.tp that divides them (tp={cfg.tp} splits "
+            "the heads and the MLP width)."
+        )
+    if cfg.ep > 1 and model_cfg.moe_experts % cfg.ep:
+        raise UsageError(
+            f"TrainConfig.ep={cfg.ep} does not divide TrainConfig.moe_experts="
+            f"{model_cfg.moe_experts}; choose an ep that divides the expert count."
+        )
     total, devices = cfg.dp * cfg.ep * cfg.gtp * cfg.tp, jax.device_count()
     if total != devices:
         raise UsageError(

@@ -20,8 +20,8 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 import gtp_jax
-from gtp_jax.errors import UsageError
 from gtp_jax.checkpoint import CheckpointConfig, Checkpointer
+from gtp_jax.errors import UsageError
 from gtp_jax.sharding.module import LOGICAL_SHAPE
 from gtp_jax.train import TrainConfig, build_model_and_optimizer, model_config, train, train_step
 

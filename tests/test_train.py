@@ -118,7 +118,8 @@ def test_cli_rejects_bad_checkpoint_and_profile_flags(
     cases = [
         (["--resume"], "--resume needs --checkpoint-dir"),
         (["--resume", "--checkpoint-dir", str(tmp_path / "nope")], "does not exist"),
-        (["--profile-steps", "4:2", "--profile-dir", str(tmp_path)], "--profile-steps 3:5"),
+        (["--profile-steps", "4:2", "--profile-dir", str(tmp_path)],
+         "--profile-steps=(4, 2) must be (first, last) with 1 <= first <= last"),
         (["--profile-steps", "x", "--profile-dir", str(tmp_path)], "use FIRST:LAST"),
         (["--profile-steps", "2:3"], "--profile-steps needs --profile-dir"),
         (["--metrics-json", str(tmp_path)], "is a directory"),
