@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
+import threading
 from collections.abc import Mapping, Sequence
 
 import jax
@@ -172,9 +174,14 @@ def initialize(config: DistributedConfig) -> None:
     Call before anything touches a JAX backend (device queries, arrays). Blocks until all
     `num_processes` processes have joined, at most `DistributedConfig.timeout` seconds.
 
+    JAX terminates the process (a C++ fatal error that Python cannot catch) when the join
+    times out, so a watchdog thread reports first: at the deadline it writes one line to
+    stderr naming the coordinator, the expected process count and this process's id, and
+    exits with status 1. (JAX's own timeout is set a little later, as a backstop.)
+
     Raises:
-      DistributedJoinError: the run could not be joined in time (names the coordinator,
-        the expected process count and this process's id).
+      DistributedJoinError: joining failed with an exception (names the coordinator, the
+        expected process count and this process's id).
     """
     if not isinstance(config, DistributedConfig):
         raise UsageTypeError(
@@ -187,28 +194,58 @@ def initialize(config: DistributedConfig) -> None:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     except (AttributeError, ValueError):  # pragma: no cover - option renamed or removed
         pass
+    done = threading.Event()
+    watchdog = threading.Thread(target=_join_watchdog, args=(config, done), daemon=True,
+                                name="gtp_jax-join-watchdog")
+    watchdog.start()
     try:
         if config.auto and config.coordinator is None:
             jax.distributed.initialize(local_device_ids=config.local_device_ids,
-                                       initialization_timeout=config.timeout)
+                                       initialization_timeout=config.timeout + _JAX_MARGIN_S)
             return
         jax.distributed.initialize(
             coordinator_address=config.coordinator,
             num_processes=config.num_processes,
             process_id=config.process_id,
             local_device_ids=list(config.local_device_ids) if config.local_device_ids else None,
-            initialization_timeout=config.timeout,
+            initialization_timeout=config.timeout + _JAX_MARGIN_S,
         )
     except Exception as err:  # XlaRuntimeError (DEADLINE_EXCEEDED, UNAVAILABLE, ...)
         if isinstance(err, UsageError):
             raise
         detail = " ".join(str(err).split())[:300]
-        raise DistributedJoinError(
-            f"process {config.process_id} could not join the run of "
-            f"{config.num_processes} processes at coordinator {config.coordinator} within "
-            f"{config.timeout} s (DistributedConfig.timeout): {_missing_peers(detail)}"
-            f"{detail}"
-        ) from err
+        raise DistributedJoinError(f"{_join_failure(config)}: {_missing_peers(detail)}{detail}") \
+            from err
+    finally:
+        done.set()
+
+
+#: Seconds JAX's own initialization timeout runs past `DistributedConfig.timeout`.
+_JAX_MARGIN_S = 10
+
+
+def _join_failure(config: DistributedConfig) -> str:
+    return (f"process {config.process_id} could not join the run of {config.num_processes} "
+            f"processes at coordinator {config.coordinator} within {config.timeout} s "
+            "(DistributedConfig.timeout)")
+
+
+def _join_watchdog(config: DistributedConfig, done: threading.Event) -> None:
+    if done.wait(config.timeout):
+        return
+    if config.process_id == 0:
+        n = config.num_processes or 2
+        peers = list(range(1, n)) if n <= 9 else f"1..{n - 1}"
+        why = (f"some of the processes {peers} never registered with this process's "
+               "coordination service; check that they were started with the same coordinator "
+               "address and process count")
+    else:
+        why = "the coordinator (process 0) did not answer; check that it runs and is reachable"
+    # Written here, not by the caller: the main thread never returns from JAX.
+    sys.stderr.write(f"error: {_join_failure(config).replace(' (DistributedConfig.timeout)', '')}"
+                     f": {why}.\n")
+    sys.stderr.flush()
+    os._exit(1)  # the main thread is blocked inside JAX; only a hard exit ends it cleanly
 
 
 def _missing_peers(detail: str) -> str:
