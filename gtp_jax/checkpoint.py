@@ -224,11 +224,12 @@ class Checkpointer:
             try:
                 missing = self._missing_items(step)
                 if missing is not None:
-                    raise CheckpointCorruptError(f"item {missing!r} is missing")
+                    raise CheckpointCorruptError(
+                        f"checkpoint {self._step_path(step)}: item {missing!r} is missing")
                 out.append((step, self._read_meta(step)))
             except CheckpointCorruptError as err:
                 if report is not None:
-                    report(f"skipping checkpoint {self._step_path(step)}: {err}")
+                    report(f"skipping {err}")
         return out
 
     def set_aside(self, step: int) -> str | None:
@@ -297,6 +298,7 @@ class Checkpointer:
         savable = {path: _savable(value) for path, (_, value) in flat.items()}
         checksums, nonfinite = _digest(savable, infos, _mesh_of_model(model))
         if nonfinite:
+            self._manager.wait_until_finished()  # so that an async save in flight is listed
             last = self.latest_step()
             kept = (f"the last checkpoint (step {last}) is kept" if last is not None
                     else "no checkpoint was written")
@@ -374,7 +376,9 @@ class Checkpointer:
             new, info = values[key], _array_info(var, old)
             if key in relayout:
                 new = _relayout(new, stored[key], info, old.sharding)
-            elif tuple(stored[key]["shape"]) != tuple(old.shape):
+            else:
+                # Also on the same mesh: padding is outside the (logical) checksum, so it is
+                # re-zeroed rather than trusted.
                 new = _zero_padding(new, info)
             new_values[key], infos[key] = new, info
         self._verify(step, meta, new_values, infos, mesh)
@@ -415,6 +419,15 @@ class Checkpointer:
         return {path: np.asarray(_to_logical(values[path], info))
                 for path, info in stored.items()}
 
+    def verify(self, step: int | None = None) -> None:
+        """Reads every array of `step` (default: newest) and checks its checksum, without a
+        model (through host memory, like `read_arrays`).
+
+        Raises:
+          CheckpointCorruptError: missing, unreadable or modified files.
+        """
+        self.read_arrays(step)
+
     def wait(self) -> None:
         """Blocks until every started save is finalized (renamed into place)."""
         self._manager.wait_until_finished()
@@ -453,11 +466,13 @@ class Checkpointer:
                 **{_META_ITEM: self._ocp.args.JsonRestore()}))
             meta = restored[_META_ITEM]
         except Exception as err:  # orbax/json errors differ by cause; all mean "unreadable"
-            raise CheckpointCorruptError(f"its metadata cannot be read ({_first_line(err)})") \
-                from err
+            raise CheckpointCorruptError(
+                f"checkpoint {self._step_path(step)}: its metadata cannot be read "
+                f"({_first_line(err)})") from err
         if (not isinstance(meta, Mapping) or not isinstance(meta.get("arrays"), Mapping)
                 or meta.get("step") != step):
-            raise CheckpointCorruptError("its metadata is incomplete or names another step")
+            raise CheckpointCorruptError(f"checkpoint {self._step_path(step)}: its metadata is "
+                                         "incomplete or names another step")
         return dict(meta)
 
     def _read_items(self, step: int, args: Any) -> Any:
@@ -897,7 +912,7 @@ def _flatten_nested(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]
 
 def _zero_padding(value: jax.Array, info: Mapping[str, Any]) -> jax.Array:
     """Zeroes every element past the unpadded extent (a purely local, elementwise op)."""
-    if not info["padded"]:
+    if not info["padded"] or tuple(value.shape) == _extent(info):
         return value
     return _jit_mask(tuple(value.shape), _extent(info), value.sharding)(value)
 

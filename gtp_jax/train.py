@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import os
 import statistics
 import sys
 import time
@@ -544,13 +543,30 @@ def _train(cfg: TrainConfig, *, on_step: Callable[[int, float, float], None] | N
                     "the CheckpointConfig.directory of an earlier run, or drop "
                     "CheckpointConfig.resume to start a new run."
                 )
-            cfg = _check_resume(cfg, model_cfg, candidates[0][1], ckpt.config.directory)
+            cfg = _check_resume(cfg, model_cfg, candidates[0][1], ckpt.config.directory,
+                                steps_left=False)
+            while candidates and candidates[0][0] >= cfg.steps:
+                # Nothing left to train from this one, unless it is damaged: verify it
+                # before saying so (an older intact checkpoint may still have steps left).
+                try:
+                    ckpt.verify(candidates[0][0])
+                except CheckpointCorruptError as err:
+                    _note(f"skipping {err}")
+                    candidates.pop(0)
+                    continue
+                _check_resume(cfg, model_cfg, candidates[0][1], ckpt.config.directory)
+            if not candidates:
+                raise UsageError(f"no intact checkpoint in {ckpt.config.directory!r} to resume "
+                                 "from (each was skipped, see above).")
         elif ckpt.latest_step() is not None:
             raise UsageError(
                 f"CheckpointConfig.directory {ckpt.config.directory!r} already holds "
                 f"checkpoints (steps {ckpt.all_steps()}); set CheckpointConfig.resume to "
                 "continue that run, or use an empty directory for a new run."
             )
+    if cfg.schedule_steps is None:
+        # Recorded explicitly in checkpoints, so extending the run keeps this schedule.
+        cfg = dataclasses.replace(cfg, schedule_steps=cfg.steps)
     window = observe.profile_window((candidates[0][0] if candidates else 0) + 1, cfg.steps)
 
     model, optimizer = build_model_and_optimizer(cfg)
@@ -570,7 +586,7 @@ def _train(cfg: TrainConfig, *, on_step: Callable[[int, float, float], None] | N
             _check_resume(cfg, model_cfg, candidate, ckpt.config.directory)
             ckpt.restore(model, optimizer, step=step)
         except CheckpointCorruptError as err:
-            _note(f"skipping checkpoint {os.path.join(ckpt.config.directory, str(step))}: {err}")
+            _note(f"skipping {err}")
             continue
         meta, start = candidate, step
         break
@@ -704,8 +720,9 @@ def _run_step(cfg: TrainConfig, model: nnx.Module, optimizer: nnx.Optimizer,
 
 
 def _check_resume(cfg: TrainConfig, model_cfg: TransformerConfig, meta: dict[str, Any],
-                  directory: str) -> TrainConfig:
-    """Raises UsageError unless checkpoint `meta` belongs to a run `cfg` can continue.
+                  directory: str, *, steps_left: bool = True) -> TrainConfig:
+    """Raises UsageError unless checkpoint `meta` belongs to a run `cfg` can continue (and,
+    with `steps_left`, has steps left to train).
 
     Returns `cfg` with ``schedule_steps`` set to the saved run's schedule length, so that
     a run extended with a larger ``steps`` keeps its original LR schedule.
@@ -743,7 +760,7 @@ def _check_resume(cfg: TrainConfig, model_cfg: TransformerConfig, meta: dict[str
             f"checkpoint in {directory!r}: data position {extra['data'].get('position')} does "
             f"not match step {step}; the checkpoint is inconsistent, resume from another step."
         )
-    if step >= cfg.steps:
+    if steps_left and step >= cfg.steps:
         state = "finished" if step == cfg.steps else f"past TrainConfig.steps={cfg.steps}"
         raise UsageError(
             f"CheckpointConfig.resume: the run in {directory!r} is {state} (checkpoint at step "
