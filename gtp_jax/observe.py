@@ -187,9 +187,10 @@ MEMORY_ADVICE = ("lower TrainConfig.batch_size or TrainConfig.seq_len, set Train
 
 
 def device_memory_limit(device: jax.Device | None = None) -> int | None:
-    """``memory_stats()["bytes_limit"]`` of `device` (default: the first), or None where the
-    backend reports no limit (CPU)."""
-    device = jax.devices()[0] if device is None else device
+    """``memory_stats()["bytes_limit"]`` of `device` (default: this process's first device;
+    other processes' devices report no statistics), or None where the backend reports no
+    limit (CPU)."""
+    device = jax.local_devices()[0] if device is None else device
     stats = device.memory_stats()
     limit = stats.get("bytes_limit") if stats else None
     return int(limit) if limit else None

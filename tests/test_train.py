@@ -79,9 +79,10 @@ def test_cli_train_runs_and_loss_decreases(tmp_path: Path) -> None:
         trace = json.load(f)
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
     assert any("train" in str(e.get("name", "")) for e in events)
-    # Checkpoints every 8 steps and after the last; the newest 2 kept.
+    # Checkpoints every 8 steps and after the last; the newest 2 kept (and only those that
+    # are kept are listed). The lock file is removed at the end.
     assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["16", "20"]
-    assert f"checkpoints: steps [8, 16, 20] in {tmp_path / 'ck'}" in out
+    assert f"checkpoints: steps [16, 20] in {tmp_path / 'ck'}" in out
 
 
 def test_cli_help() -> None:
