@@ -37,7 +37,7 @@ How restoring onto a different mesh works (different gtp/dp/ep sizes, another
   mask then zeroes every row past the unpadded size, so the result does not depend on the
   saved padding being zero. Values are bit-exact: nothing is cast or recomputed. Only dims that
   carry the ``gtp_logical_shape`` metadata may differ in size; any other difference (model
-  config, parameter set, dtype) is a ValueError raised before anything is modified.
+  config, parameter set, dtype) is a UsageError raised before anything is modified.
 
   Weights split over ``tp``/``ep`` are stored in a split layout (``gtp_split_layout``
   metadata: per split dim, padded and, for fused dims, part-interleaved; see
@@ -54,7 +54,18 @@ every process has finished writing every item (`finalize`). A save interrupted b
 that rename (crash, kill, preemption) leaves the previous checkpoints untouched and is never
 listed as a step; ``cleanup_tmp_directories`` removes its leftovers (in the background
 after the directory is opened, before the next save).
-Only the `CheckpointConfig.keep` newest finalized steps are kept.
+Only the `CheckpointConfig.keep` newest finalized steps are kept. A step directory missing
+one of its items is not listed.
+
+Integrity: `save` computes, in one jitted pass, a 64-bit fingerprint of every array's
+logical values (padding dropped, split layouts undone; the same on any mesh) and checks that
+every floating-point value is finite. A non-finite state is refused (`NonFiniteStateError`)
+before orbax sees it, so it can neither replace nor rotate out the last finite checkpoint.
+The fingerprints go into ``meta`` (``"checksums"``); `restore` / `read_arrays` / `verify`
+recompute them over the restored logical values and raise `CheckpointCorruptError` (before
+any variable changes) on a mismatch or on files that cannot be read. `resume_candidates`
+lists the steps whose items and metadata are intact, reporting the others. See
+docs/reliability.md.
 
 orbax is imported lazily (when a `Checkpointer` is created), so training without
 checkpoints does not need it installed.
