@@ -642,26 +642,34 @@ def _bits(x: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(x, {1: jnp.uint8, 2: jnp.uint16}[size]).astype(jnp.uint32)
 
 
-def _fingerprint(x: jax.Array) -> jax.Array:
-    """uint32[2] hash of the bits and positions of the logical array `x`.
+def _fingerprint(x: jax.Array, extent: tuple[int, ...] | None = None) -> jax.Array:
+    """uint32[2] hash of the bits and positions of the logical array ``x[:extent]``.
 
-    Each element's bits are combined with its flat index and mixed by a bijection, then
-    summed mod 2**32 (integer sums do not depend on the reduction order, so the result is
-    the same on every mesh). Changing one element (e.g. one flipped bit) changes exactly
-    one summand and hence the sum; a multi-element change goes unnoticed with probability
-    about 2**-64 over the two lanes.
+    Each element's bits are combined with its flat index in the logical array and mixed by
+    a bijection, then summed mod 2**32 (integer sums do not depend on the reduction order,
+    so the result is the same on every mesh). Changing one element (e.g. one flipped bit)
+    changes exactly one summand and hence the sum; a multi-element change goes unnoticed
+    with probability about 2**-64 over the two lanes. Elements past `extent` (GTP padding)
+    are masked out instead of sliced off, so a sharded array is hashed where it lies, with
+    no re-layout and no extra copy.
     """
     b = _bits(x)
-    index = jnp.zeros(b.shape, jnp.uint32)
+    shape = b.shape
+    logical = tuple(extent) + shape[len(extent):] if extent is not None else shape
+    index = jnp.zeros(shape, jnp.uint32)
+    inside = jnp.ones(shape, bool)
     stride = 1
     for dim in reversed(range(b.ndim)):
-        index = index + jax.lax.broadcasted_iota(jnp.uint32, b.shape, dim) * jnp.uint32(
-            stride % 2**32)
-        stride *= b.shape[dim]
-    lane1 = jnp.sum(_fmix32(b ^ _fmix32(index)), dtype=jnp.uint32)
-    lane2 = jnp.sum(_fmix32(b + index * jnp.uint32(0x9E3779B9) + jnp.uint32(0x7F4A7C15)),
-                    dtype=jnp.uint32)
-    return jnp.stack([lane1, lane2])
+        iota = jax.lax.broadcasted_iota(jnp.uint32, shape, dim)
+        index = index + iota * jnp.uint32(stride % 2**32)
+        stride *= logical[dim]
+        if logical[dim] != shape[dim]:
+            inside &= iota < logical[dim]
+    zero = jnp.uint32(0)
+    lane1 = jnp.where(inside, _fmix32(b ^ _fmix32(index)), zero)
+    lane2 = jnp.where(inside, _fmix32(b + index * jnp.uint32(0x9E3779B9)
+                                      + jnp.uint32(0x7F4A7C15)), zero)
+    return jnp.stack([jnp.sum(lane1, dtype=jnp.uint32), jnp.sum(lane2, dtype=jnp.uint32)])
 
 
 def _digest(values: Mapping[str, Any], infos: Mapping[str, Mapping[str, Any]],
@@ -696,8 +704,11 @@ def _jit_digest(frozen: str, sharding: Any):
     def digest(arrays):
         prints, finite = [], []
         for x, info in zip(arrays, infos):
-            x = _to_logical(x, info)
-            prints.append(_fingerprint(x))
+            if _layout(info):  # tp/ep split: undo the permutation first
+                x, extent = _to_logical(x, info), None
+            else:  # at most GTP padding: hash in place, padding masked
+                extent = tuple(int(n) for n in info["logical_shape"])
+            prints.append(_fingerprint(x, extent))
             finite.append(jnp.all(jnp.isfinite(x)) if jnp.issubdtype(x.dtype, jnp.inexact)
                           else jnp.bool_(True))
         if not prints:

@@ -114,6 +114,12 @@ def test_fingerprint_changes_with_every_single_bit_flip() -> None:
     # Swapping two elements (same multiset of values) changes it too.
     x = jnp.arange(8.0)
     assert np.any(np.asarray(_fingerprint(x)) != np.asarray(_fingerprint(x[::-1])))
+    # Padding is masked in place: the same as hashing the sliced logical array, whatever
+    # the padding holds.
+    logical = jax.random.normal(jax.random.key(1), (5, 3, 7))
+    padded = jnp.full((8, 3, 9), 7.0).at[:5, :, :7].set(logical)
+    np.testing.assert_array_equal(np.asarray(_fingerprint(padded, (5, 3, 7))),
+                                  np.asarray(_fingerprint(logical)))
 
 
 def _data_files(step_dir: Path) -> list[Path]:
