@@ -11,9 +11,51 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import re
 import sys
 
+from gtp_jax.base.errors import UsageError
+
 DEFAULT_CPU_MESH = {"dp": 2, "gtp": 4, "tp": 1, "ep": 1}
+
+#: Library argument names -> the flags that set them. The library's errors name arguments
+#: (it is used without this CLI too); the CLI reports them as the flags the user typed.
+FLAGS = {
+    "TrainConfig.preset": "--preset", "TrainConfig.steps": "--steps",
+    "TrainConfig.batch_size": "--batch", "TrainConfig.seq_len": "--seq",
+    "TrainConfig.dp": "--dp", "TrainConfig.gtp": "--gtp", "TrainConfig.tp": "--tp",
+    "TrainConfig.ep": "--ep", "TrainConfig.lr": "--lr", "TrainConfig.warmup": "--warmup",
+    "TrainConfig.seed": "--seed", "TrainConfig.dtype": "--dtype",
+    "TrainConfig.gather_dtype": "--gather-dtype", "TrainConfig.gather_format": "--gather-format",
+    "TrainConfig.overlap": "--overlap", "TrainConfig.moe_experts": "--moe-experts",
+    "TrainConfig.moe_top_k": "--moe-top-k", "TrainConfig.moe_capacity_factor": "--moe-capacity",
+    "TrainConfig.prefetch": "--prefetch", "TrainConfig.pad_for_alignment": "--pad-for-alignment",
+    "TrainConfig.remat": "--remat", "TrainConfig.weight_decay": "weight_decay (no flag)",
+    "TrainConfig.schedule_steps": "schedule_steps (no flag; kept from the checkpoint)",
+    "CheckpointConfig.directory": "--checkpoint-dir",
+    "CheckpointConfig.every": "--checkpoint-every",
+    "CheckpointConfig.keep": "--keep-checkpoints", "CheckpointConfig.resume": "--resume",
+    "ObserveConfig.profile_dir": "--profile-dir", "ObserveConfig.profile_steps": "--profile-steps",
+    "ObserveConfig.metrics_json": "--metrics-json",
+    "DistributedConfig.coordinator": "--coordinator",
+    "DistributedConfig.num_processes": "--num-processes",
+    "DistributedConfig.process_id": "--process-id",
+    "DistributedConfig.local_device_ids": "--local-device-ids",
+    "DistributedConfig.auto": "--distributed-auto", "DistributedConfig.timeout":
+    "--distributed-timeout",
+}
+_ARGUMENT = re.compile(r"\b(?:TrainConfig|CheckpointConfig|ObserveConfig|DistributedConfig)\.\w+")
+
+
+def cli_message(err: BaseException) -> str:
+    """`err`'s message on one line, with library argument names replaced by their flags."""
+    text = " ".join(str(err).split())
+    return _ARGUMENT.sub(lambda m: FLAGS.get(m.group(0), m.group(0)), text)
+
+
+def _fail(err: BaseException, code: int) -> int:
+    print(f"error: {cli_message(err)}", file=sys.stderr)
+    return code
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -89,6 +131,8 @@ def _parser() -> argparse.ArgumentParser:
                            "process per GPU; unset: all visible devices")
     dist.add_argument("--distributed-auto", action="store_true",
                       help="let JAX detect the cluster (SLURM, Open MPI, Kubernetes)")
+    dist.add_argument("--distributed-timeout", type=int, default=300, metavar="SECONDS",
+                      help="how long to wait for every process to join the run")
 
     obs = train.add_argument_group("observability")
     obs.add_argument("--profile-dir", default=None,
@@ -116,9 +160,9 @@ def _device_ids(text: str | None) -> tuple[int, ...] | None:
         return None
     try:
         return tuple(int(t) for t in text.split(","))
-    except ValueError as err:
-        raise ValueError(
-            f"--local-device-ids {text!r}: use comma-separated ints, e.g. 0 or 0,1.") from err
+    except ValueError:
+        raise UsageError(
+            f"--local-device-ids {text!r}: use comma-separated ints, e.g. 0 or 0,1.") from None
 
 
 def _configs(args: argparse.Namespace) -> tuple[object, object | None, object]:
@@ -133,18 +177,19 @@ def _configs(args: argparse.Namespace) -> tuple[object, object | None, object]:
         dist = DistributedConfig(coordinator=args.coordinator, num_processes=args.num_processes,
                                  process_id=args.process_id,
                                  local_device_ids=_device_ids(args.local_device_ids),
-                                 auto=args.distributed_auto)
+                                 auto=args.distributed_auto, timeout=args.distributed_timeout)
     else:
         env = DistributedConfig.from_env()
         dist = DistributedConfig(coordinator=env.coordinator, num_processes=env.num_processes,
                                  process_id=env.process_id,
-                                 local_device_ids=_device_ids(args.local_device_ids))
+                                 local_device_ids=_device_ids(args.local_device_ids),
+                                 timeout=args.distributed_timeout)
     checkpoint = None
     if args.checkpoint_dir is not None:
         checkpoint = CheckpointConfig(args.checkpoint_dir, every=args.checkpoint_every,
                                       keep=args.keep_checkpoints, resume=args.resume)
     elif args.resume:
-        raise ValueError("--resume needs --checkpoint-dir DIR (the directory of the run to "
+        raise UsageError("--resume needs --checkpoint-dir DIR (the directory of the run to "
                          "continue).")
     observe = ObserveConfig(
         profile_dir=args.profile_dir,
@@ -159,18 +204,25 @@ def main(argv: list[str] | None = None) -> int:
     cpu_sizes = {k: (v if v is not None else DEFAULT_CPU_MESH[k]) for k, v in sizes.items()}
     try:
         dist, checkpoint, observe = _configs(args)
-    except (ValueError, TypeError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    except UsageError as err:  # other exceptions are bugs: they keep their traceback
+        return _fail(err, 2)
     total = math.prod(cpu_sizes.values())
     if dist.num_processes and total % dist.num_processes:  # fail before joining a run
         return _processes_error(dist.num_processes, total)
 
-    from gtp_jax.distributed import initialize, joined_process_count, shutdown  # noqa: PLC0415
+    from gtp_jax.distributed import (  # noqa: PLC0415
+        DistributedJoinError,
+        initialize,
+        joined_process_count,
+        shutdown,
+    )
 
     # Joining starts no backend, and with --distributed-auto it is what tells us the
     # process count the simulated CPU devices are divided by.
-    initialize(dist)
+    try:
+        initialize(dist)
+    except DistributedJoinError as err:
+        return _fail(err, 1)
     processes = joined_process_count(dist)
     if total % processes:
         return _processes_error(processes, total)
@@ -216,9 +268,15 @@ def _run(args: argparse.Namespace, sizes: dict[str, int | None], cpu_sizes: dict
                   f"seq={cfg.seq_len} mesh dp={cfg.dp} ep={cfg.ep} gtp={cfg.gtp} tp={cfg.tp} on "
                   f"{jax.device_count()} {jax.default_backend()} devices{procs}", flush=True)
         result = train(cfg, checkpoint=checkpoint, observe=observe)
-    except (ValueError, TypeError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    except UsageError as err:  # other exceptions are bugs: they keep their traceback
+        if jax.default_backend() == "cpu" and any(v is None for v in sizes.values()) and (
+                "TrainConfig.batch_size" in str(err) or "the mesh dp*ep*gtp*tp" in str(err)):
+            given = {k: v for k, v in cpu_sizes.items() if sizes[k] is None}
+            err = UsageError(f"{err} (with defaults {given} for the mesh sizes not given; "
+                             "pass --dp/--gtp/--tp/--ep explicitly)")
+        return _fail(err, 2)
+    except FloatingPointError as err:  # NaN/inf loss or state: not a bug, not a usage error
+        return _fail(err, 1)
     if primary:
         print(result.summary(), flush=True)
     return 0

@@ -37,7 +37,7 @@ How restoring onto a different mesh works (different gtp/dp/ep sizes, another
   mask then zeroes every row past the unpadded size, so the result does not depend on the
   saved padding being zero. Values are bit-exact: nothing is cast or recomputed. Only dims that
   carry the ``gtp_logical_shape`` metadata may differ in size; any other difference (model
-  config, parameter set, dtype) is a ValueError raised before anything is modified.
+  config, parameter set, dtype) is a UsageError raised before anything is modified.
 
   Weights split over ``tp``/``ep`` are stored in a split layout (``gtp_split_layout``
   metadata: per split dim, padded and, for fused dims, part-interleaved; see
@@ -54,7 +54,18 @@ every process has finished writing every item (`finalize`). A save interrupted b
 that rename (crash, kill, preemption) leaves the previous checkpoints untouched and is never
 listed as a step; ``cleanup_tmp_directories`` removes its leftovers (in the background
 after the directory is opened, before the next save).
-Only the `CheckpointConfig.keep` newest finalized steps are kept.
+Only the `CheckpointConfig.keep` newest finalized steps are kept. A step directory missing
+one of its items is not listed.
+
+Integrity: `save` computes, in one jitted pass, a 64-bit fingerprint of every array's
+logical values (padding dropped, split layouts undone; the same on any mesh) and checks that
+every floating-point value is finite. A non-finite state is refused (`NonFiniteStateError`)
+before orbax sees it, so it can neither replace nor rotate out the last finite checkpoint.
+The fingerprints go into ``meta`` (``"checksums"``); `restore` / `read_arrays` / `verify`
+recompute them over the restored logical values and raise `CheckpointCorruptError` (before
+any variable changes) on a mismatch or on files that cannot be read. `resume_candidates`
+lists the steps whose items and metadata are intact, reporting the others. See
+docs/reliability.md.
 
 orbax is imported lazily (when a `Checkpointer` is created), so training without
 checkpoints does not need it installed.
@@ -66,7 +77,9 @@ import dataclasses
 import functools
 import json
 import os
-from collections.abc import Mapping
+import socket
+import time
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -76,6 +89,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from gtp_jax.base.errors import UsageError, UsageTypeError
 from gtp_jax.base.metadata import LOGICAL_SHAPE, SPLIT_LAYOUT
 
 #: Bumped when the layout below changes incompatibly.
@@ -84,6 +98,20 @@ FORMAT_VERSION = 1
 #: Array items: one per saved object, so that a model can be restored without its optimizer.
 _ARRAY_ITEMS = ("model", "optimizer")
 _META_ITEM = "meta"
+#: File in the checkpoint directory naming the run that writes there (`DirectoryLock`).
+LOCK_FILE = ".gtp_jax.lock"
+
+
+class CheckpointCorruptError(UsageError):
+    """A checkpoint's files are missing, unreadable or fail their checksums."""
+
+
+class NonFiniteStateError(FloatingPointError):
+    """The state to save holds NaN or inf; nothing was written."""
+
+
+class CheckpointLockedError(UsageError):
+    """Another live run holds the checkpoint directory's lock."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,9 +140,8 @@ class CheckpointConfig:
     def __post_init__(self) -> None:
         directory = os.fspath(self.directory) if self.directory is not None else ""
         if not isinstance(directory, str) or not directory:
-            raise ValueError(
-                f"CheckpointConfig.directory={self.directory!r} must be a non-empty path; "
-                "pass --checkpoint-dir DIR."
+            raise UsageError(
+                f"CheckpointConfig.directory={self.directory!r} must be a non-empty path."
             )
         if "://" not in directory:  # keep gs:// and other URLs as given
             directory = os.path.abspath(directory)
@@ -122,14 +149,12 @@ class CheckpointConfig:
         for name, minimum in (("every", 0), ("keep", 1)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-                raise ValueError(
-                    f"CheckpointConfig.{name}={value!r} must be an int >= {minimum} "
-                    f"(--checkpoint-{name})."
-                )
+                raise UsageError(f"CheckpointConfig.{name}={value!r} must be an int >= {minimum}.")
         if self.resume and "://" not in directory and not os.path.isdir(directory):
-            raise ValueError(
-                f"--resume: checkpoint directory {directory!r} does not exist; pass the "
-                "--checkpoint-dir of an earlier run, or drop --resume to start a new run."
+            raise UsageError(
+                f"CheckpointConfig.resume: checkpoint directory {directory!r} does not exist; "
+                "pass the CheckpointConfig.directory of an earlier run, or set "
+                "CheckpointConfig.resume=False to start a new run."
             )
 
 
@@ -148,7 +173,7 @@ class Checkpointer:
 
     def __init__(self, config: CheckpointConfig):
         if not isinstance(config, CheckpointConfig):
-            raise TypeError(
+            raise UsageTypeError(
                 f"Checkpointer expects a CheckpointConfig, got {type(config).__name__}.")
         try:
             import orbax.checkpoint as ocp  # noqa: PLC0415  (optional dependency)
@@ -172,33 +197,83 @@ class Checkpointer:
     # ------------------------------------------------------------------ queries
 
     def all_steps(self) -> list[int]:
-        """Steps of the finalized checkpoints, oldest first."""
-        return sorted(self._manager.all_steps())
+        """Steps of the finalized, complete checkpoints, oldest first.
+
+        A step directory that lacks one of its items (e.g. half deleted by hand) is not
+        listed; `resume_candidates` reports it.
+        """
+        return [s for s in self._raw_steps() if self._missing_items(s) is None]
 
     def latest_step(self) -> int | None:
-        """The newest finalized step, or None if the directory holds none."""
-        return self._manager.latest_step()
+        """The newest finalized, complete step, or None if the directory holds none."""
+        steps = self.all_steps()
+        return steps[-1] if steps else None
 
     def read_meta(self, step: int | None = None) -> dict[str, Any]:
         """The JSON metadata of `step` (default: the newest), without reading any array.
 
         Raises:
-          ValueError: there is no such checkpoint.
+          UsageError: there is no such checkpoint.
+          CheckpointCorruptError: its metadata is missing or unreadable.
         """
         step = self._checked_step(step)
-        restored = self._manager.restore(
-            step, args=self._ocp.args.Composite(**{_META_ITEM: self._ocp.args.JsonRestore()}))
-        return dict(restored[_META_ITEM])
+        return self._read_meta(step)
+
+    def resume_candidates(self, report: Callable[[str], None] | None = None
+                          ) -> list[tuple[int, dict[str, Any]]]:
+        """``(step, meta)`` of every checkpoint whose items and metadata are intact, newest
+        first. Each step that is skipped (missing item, missing or garbled metadata) is
+        passed to `report` as one line naming it and why. Array data is verified by
+        `restore` (checksums)."""
+        out = []
+        for step in reversed(self._raw_steps()):
+            try:
+                missing = self._missing_items(step)
+                if missing is not None:
+                    raise CheckpointCorruptError(
+                        f"checkpoint {self._step_path(step)}: item {missing!r} is missing")
+                out.append((step, self._read_meta(step)))
+            except CheckpointCorruptError as err:
+                if report is not None:
+                    report(f"skipping {err}")
+        return out
+
+    def set_aside(self, step: int) -> str | None:
+        """Renames the (broken) checkpoint `step` to ``broken-<step>-<n>`` in the same
+        directory, so that a resumed run can save that step again without deleting what the
+        user may still want to inspect. Only process 0 renames; every process calls it.
+        Returns the new path (process 0), else None."""
+        new = None
+        if jax.process_index() == 0 and "://" not in self.config.directory:
+            n = 0
+            while os.path.exists(os.path.join(self.config.directory, f"broken-{step}-{n}")):
+                n += 1
+            new = os.path.join(self.config.directory, f"broken-{step}-{n}")
+            os.rename(self._step_path(step), new)
+        _sync_processes(f"gtp_jax_set_aside_{step}")
+        self._manager.reload()
+        return new
+
+    def set_aside_newer(self, step: int) -> list[str]:
+        """`set_aside` of every finalized step directory newer than `step` (those a run
+        resumed from `step` would save again); returns the new paths (process 0)."""
+        return [p for s in self._raw_steps() if s > step
+                for p in [self.set_aside(s)] if p is not None]
 
     # ------------------------------------------------------------------ save / restore
 
     def save(self, step: int, model: nnx.Module, optimizer: nnx.Optimizer | None = None, *,
-             extra: Mapping[str, Any] | None = None) -> None:
+             extra: Mapping[str, Any] | None = None, overwrite: bool = False) -> None:
         """Writes the arrays of `model` (and `optimizer`) as checkpoint `step`.
 
         Each process writes the shards of its own devices. With `CheckpointConfig.async_save`
         this returns once the arrays are copied to host memory; the write finishes in the
         background (`wait` / `close` block until it is finalized).
+
+        Before anything is written, one jitted pass over the state computes a checksum of
+        every array (stored in the metadata and verified by `restore`) and checks that every
+        floating-point value is finite: a state holding NaN/inf is never saved, so it cannot
+        replace (or, through `CheckpointConfig.keep`, delete) the last finite checkpoint.
 
         Args:
           step: optimizer step the state belongs to (>= 0); the directory's step name.
@@ -206,23 +281,59 @@ class Checkpointer:
           optimizer: an ``nnx.Optimizer`` of `model`, or None.
           extra: JSON-serializable data stored with the checkpoint (e.g. configs and the
             data-loader position), returned by `restore` / `read_meta` under ``"extra"``.
+          overwrite: replace an existing checkpoint `step` (and allow a step older than the
+            newest); without it such a save is a UsageError.
+
+        Raises:
+          UsageError: bad `step`, or `step` exists / is older than the newest and not
+            `overwrite`.
+          NonFiniteStateError: some array holds NaN or inf; nothing was written.
         """
         if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
-            raise ValueError(f"Checkpointer.save: step={step!r} must be an int >= 0.")
+            raise UsageError(f"Checkpointer.save: step={step!r} must be an int >= 0.")
+        step = int(step)
+        steps = self._raw_steps()
+        if not overwrite and steps and step <= steps[-1]:
+            what = "already exists" if step in steps else f"is older than the newest ({steps[-1]})"
+            raise UsageError(
+                f"Checkpointer.save: step {step} in {self.config.directory!r} {what}; pass "
+                "overwrite=True to replace it, or save a newer step."
+            )
         flat = _flat_arrays(model, optimizer)
-        tree = _nest({path: _savable(value) for path, (_, value) in flat.items()})
+        infos = {path: _array_info(var, value) for path, (var, value) in flat.items()}
+        savable = {path: _savable(value) for path, (_, value) in flat.items()}
+        checksums, nonfinite = _digest(savable, infos, _mesh_of_model(model))
+        if nonfinite:
+            self._manager.wait_until_finished()  # so that an async save in flight is listed
+            last = self.latest_step()
+            kept = (f"the last checkpoint (step {last}) is kept" if last is not None
+                    else "no checkpoint was written")
+            raise NonFiniteStateError(
+                f"the state at step {step} holds NaN/inf in {len(nonfinite)} of {len(flat)} "
+                f"arrays (e.g. {nonfinite[0]}); it was not saved and {kept}."
+            )
         meta = {
             "format_version": FORMAT_VERSION,
-            "step": int(step),
+            "step": step,
             "mesh": _mesh_of(model, flat),
             "process_count": jax.process_count(),
-            "arrays": {path: _array_info(var, value) for path, (var, value) in flat.items()},
+            "arrays": infos,
+            "checksums": checksums,
             "extra": dict(extra or {}),
         }
+        if overwrite and step in steps:
+            self._manager.wait_until_finished()
+            self._manager.delete(step)
         ocp = self._ocp
-        self._manager.save(int(step), args=ocp.args.Composite(
+        tree = _nest(savable)
+        started = self._manager.save(step, force=overwrite, args=ocp.args.Composite(
             **{name: ocp.args.StandardSave(sub) for name, sub in tree.items()},
             **{_META_ITEM: ocp.args.JsonSave(meta)}))
+        if not started:  # orbax declined (e.g. a step written concurrently by another run)
+            raise UsageError(
+                f"Checkpointer.save: orbax did not save step {step} in "
+                f"{self.config.directory!r} (steps there: {self._raw_steps()})."
+            )
 
     def restore(self, model: nnx.Module, optimizer: nnx.Optimizer | None = None,
                 step: int | None = None) -> dict[str, Any]:
@@ -230,18 +341,20 @@ class Checkpointer:
 
         `model` / `optimizer` may live on a different mesh than the one that saved (see the
         module docstring); their current arrays define the target shapes and shardings.
-        Everything is validated against the checkpoint's metadata before any array is read
-        or any variable changed.
+        Everything is validated against the checkpoint's metadata before any array is read,
+        and every restored array is verified against its checksum before any variable is
+        changed.
 
         Returns:
           The checkpoint's metadata (``"step"``, ``"extra"``, ``"mesh"``, ``"arrays"``).
 
         Raises:
-          ValueError: no such step, or the checkpoint does not match `model` / `optimizer`
+          UsageError: no such step, or the checkpoint does not match `model` / `optimizer`
             (missing or extra variables, other logical shapes or dtypes).
+          CheckpointCorruptError: unreadable files or a checksum mismatch.
         """
         step = self._checked_step(step)
-        meta = self.read_meta(step)
+        meta = self._read_meta(step)
         flat = _flat_arrays(model, optimizer)
         _check_compatible(meta, flat, self.config.directory, step)
         stored = meta["arrays"]
@@ -260,23 +373,29 @@ class Checkpointer:
                                                     sharding=replicated)
         ocp = self._ocp
         tree = _nest(target)
-        restored = self._manager.restore(step, args=ocp.args.Composite(**{
+        restored = self._read_items(step, ocp.args.Composite(**{
             # strict=False: padded dims may be restored into another padded size (re-padding).
             name: ocp.args.StandardRestore(sub, strict=False) for name, sub in tree.items()}))
         values = _flatten_nested({name: restored[name] for name in tree})
+        new_values, infos = {}, {}
+        for key, (var, old) in flat.items():
+            new, info = values[key], _array_info(var, old)
+            if key in relayout:
+                new = _relayout(new, stored[key], info, old.sharding)
+            else:
+                # Also on the same mesh: padding is outside the (logical) checksum, so it is
+                # re-zeroed rather than trusted.
+                new = _zero_padding(new, info)
+            new_values[key], infos[key] = new, info
+        self._verify(step, meta, new_values, infos, mesh)
         for obj, prefix in ((model, "model"), (optimizer, "optimizer")):
             if obj is None:
                 continue
             new_vars = []
             for path, var in nnx.to_flat_state(nnx.state(obj)):
                 key = _join((prefix, *path))
-                old = flat[key][1]
-                new, info = values[key], _array_info(var, old)
-                if key in relayout:
-                    new = _relayout(new, stored[key], info, old.sharding)
-                elif tuple(stored[key]["shape"]) != tuple(old.shape):
-                    new = _zero_padding(new, info)
-                new_vars.append((path, var.replace(value=_unsavable(new, old))))
+                new_vars.append((path, var.replace(value=_unsavable(new_values[key],
+                                                                    flat[key][1]))))
             nnx.update(obj, nnx.from_flat_state(new_vars))
         return meta
 
@@ -292,16 +411,28 @@ class Checkpointer:
           ``{"model/<path>" | "optimizer/<path>": array}`` with the saved dtypes.
         """
         step = self._checked_step(step)
-        stored = self.read_meta(step)["arrays"]
+        meta = self._read_meta(step)
+        stored = meta["arrays"]
         target = {path: np.empty(info["shape"], _numpy_dtype(info["dtype"]))
                   for path, info in stored.items()}
         ocp = self._ocp
         tree = _nest(target)
-        restored = self._manager.restore(step, args=ocp.args.Composite(**{
+        restored = self._read_items(step, ocp.args.Composite(**{
             name: ocp.args.StandardRestore(sub) for name, sub in tree.items()}))
-        values = _flatten_nested({name: restored[name] for name in tree})
-        return {path: np.asarray(_to_logical(np.asarray(values[path]), info))
+        values = {k: np.asarray(v)
+                  for k, v in _flatten_nested({name: restored[name] for name in tree}).items()}
+        self._verify(step, meta, values, stored, None)
+        return {path: np.asarray(_to_logical(values[path], info))
                 for path, info in stored.items()}
+
+    def verify(self, step: int | None = None) -> None:
+        """Reads every array of `step` (default: newest) and checks its checksum, without a
+        model (through host memory, like `read_arrays`).
+
+        Raises:
+          CheckpointCorruptError: missing, unreadable or modified files.
+        """
+        self.read_arrays(step)
 
     def wait(self) -> None:
         """Blocks until every started save is finalized (renamed into place)."""
@@ -318,24 +449,268 @@ class Checkpointer:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def _step_path(self, step: int) -> str:
+        return os.path.join(self.config.directory, str(step))
+
+    def _raw_steps(self) -> list[int]:
+        """Every finalized step directory orbax lists, complete or not, oldest first."""
+        return sorted(self._manager.all_steps())
+
+    def _missing_items(self, step: int) -> str | None:
+        """The first required item absent from step `step`'s directory, or None. (Only
+        local paths are checked; object stores list no empty directories.)"""
+        if "://" in self.config.directory:
+            return None
+        for item in ("model", _META_ITEM):
+            if not os.path.isdir(os.path.join(self._step_path(step), item)):
+                return item
+        return None
+
+    def _read_meta(self, step: int) -> dict[str, Any]:
+        try:
+            restored = self._manager.restore(step, args=self._ocp.args.Composite(
+                **{_META_ITEM: self._ocp.args.JsonRestore()}))
+            meta = restored[_META_ITEM]
+        except Exception as err:  # orbax/json errors differ by cause; all mean "unreadable"
+            raise CheckpointCorruptError(
+                f"checkpoint {self._step_path(step)}: its metadata cannot be read "
+                f"({_first_line(err)})") from err
+        if (not isinstance(meta, Mapping) or not isinstance(meta.get("arrays"), Mapping)
+                or meta.get("step") != step):
+            raise CheckpointCorruptError(f"checkpoint {self._step_path(step)}: its metadata is "
+                                         "incomplete or names another step")
+        return dict(meta)
+
+    def _read_items(self, step: int, args: Any) -> Any:
+        """orbax restore of array items; any read failure (missing, truncated or garbled
+        files) becomes a CheckpointCorruptError naming the step."""
+        try:
+            return self._manager.restore(step, args=args)
+        except Exception as err:  # tensorstore/orbax raise many types for damaged files
+            raise CheckpointCorruptError(
+                f"checkpoint {self._step_path(step)} cannot be read ({_first_line(err)})"
+            ) from err
+
+    def _verify(self, step: int, meta: Mapping[str, Any], values: Mapping[str, Any],
+                infos: Mapping[str, Any], mesh: Mesh | None) -> None:
+        """Compares the checksums of restored `values` with those recorded at save time."""
+        expected = meta.get("checksums")
+        if expected is None:  # written before checksums were recorded: nothing to verify
+            return
+        got, _ = _digest(values, infos, mesh)
+        bad = sorted(k for k in values if expected.get(k) != got[k])
+        if bad:
+            raise CheckpointCorruptError(
+                f"checkpoint {self._step_path(step)}: {len(bad)} array(s) fail their checksum "
+                f"(e.g. {bad[0]}); the files were modified or damaged after the save"
+            )
+
     def _checked_step(self, step: int | None) -> int:
         steps = self.all_steps()
         if step is None:
             if not steps:
-                raise ValueError(
+                raise UsageError(
                     f"checkpoint directory {self.config.directory!r} holds no finalized "
-                    "checkpoint; pass the --checkpoint-dir of an earlier run, or drop --resume."
+                    "checkpoint; pass the CheckpointConfig.directory of an earlier run, or set "
+                    "CheckpointConfig.resume=False."
                 )
             return steps[-1]
         if step not in steps:
-            raise ValueError(
+            raise UsageError(
                 f"checkpoint step {step} is not in {self.config.directory!r} (steps: {steps}); "
                 "pick one of those."
             )
         return int(step)
 
 
+class DirectoryLock:
+    """An exclusive lock on a checkpoint directory: the file ``<directory>/.gtp_jax.lock``
+    holding the owner's pid and host, created with ``O_EXCL`` (atomic on POSIX file
+    systems). A lock left by a process that is no longer alive on this host is taken over;
+    a live holder (or one on another host, whose liveness cannot be checked) makes
+    `acquire` raise `CheckpointLockedError` naming it.
+
+    Two runs writing one directory would delete each other's in-progress saves (orbax
+    removes temporary directories it finds on open) and interleave steps.
+    """
+
+    def __init__(self, directory: str):
+        self.path = os.path.join(directory, LOCK_FILE)
+        self.held = False
+
+    def acquire(self) -> None:
+        """Takes the lock (creating the directory if needed)."""
+        os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        me = {"pid": os.getpid(), "host": socket.gethostname(), "time": time.time()}
+        for _ in range(3):
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                holder = self._holder()
+                if holder is not None and not _stale(holder):
+                    raise CheckpointLockedError(
+                        f"checkpoint directory {os.path.dirname(self.path)!r} is in use by pid "
+                        f"{holder.get('pid')} on host {holder.get('host')} (lock file "
+                        f"{self.path}); wait for that run to end, or delete the lock file if "
+                        "that process is gone."
+                    ) from None
+                # Stale (dead pid on this host) or unreadable: remove and retry atomically.
+                try:
+                    os.remove(self.path)
+                except FileNotFoundError:
+                    pass
+                continue
+            with os.fdopen(fd, "w") as f:
+                json.dump(me, f)
+            self.held = True
+            return
+        raise CheckpointLockedError(f"could not take the lock {self.path}; another run races "
+                                    "for it.")
+
+    def release(self) -> None:
+        """Removes the lock file if this process holds it."""
+        if self.held:
+            holder = self._holder()
+            if holder is not None and holder.get("pid") == os.getpid():
+                os.remove(self.path)
+            self.held = False
+
+    def _holder(self) -> dict[str, Any] | None:
+        try:
+            with open(self.path) as f:
+                holder = json.load(f)
+            return holder if isinstance(holder, dict) else None
+        except (OSError, ValueError):
+            return None
+
+
+def _stale(holder: Mapping[str, Any]) -> bool:
+    """Whether a lock's holder is a process that no longer runs on this host."""
+    if holder.get("host") != socket.gethostname():
+        return False
+    pid = holder.get("pid")
+    if not isinstance(pid, int) or pid <= 0:
+        return True
+    if pid == os.getpid():
+        return False  # this process: a lock it holds itself is never stale
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # alive, owned by another user
+        return False
+    return False
+
+
 # ---------------------------------------------------------------------- helpers
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {text[0][:200]}" if text else type(err).__name__
+
+
+def _sync_processes(name: str) -> None:
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils  # noqa: PLC0415
+
+        multihost_utils.sync_global_devices(name)
+
+
+def _fmix32(h: jax.Array) -> jax.Array:
+    """MurmurHash3's finalizer: a bijection of uint32, so two different inputs never mix to
+    the same output."""
+    h = h ^ (h >> 16)
+    h = h * jnp.uint32(0x85EBCA6B)
+    h = h ^ (h >> 13)
+    h = h * jnp.uint32(0xC2B2AE35)
+    return h ^ (h >> 16)
+
+
+def _bits(x: jax.Array) -> jax.Array:
+    """The raw bits of `x` as uint32 (one word per element; 8-byte types add a dim of 2)."""
+    if x.dtype == jnp.bool_:
+        return x.astype(jnp.uint32)
+    size = np.dtype(x.dtype).itemsize
+    if size >= 4:
+        return jax.lax.bitcast_convert_type(x, jnp.uint32)
+    return jax.lax.bitcast_convert_type(x, {1: jnp.uint8, 2: jnp.uint16}[size]).astype(jnp.uint32)
+
+
+def _fingerprint(x: jax.Array, extent: tuple[int, ...] | None = None) -> jax.Array:
+    """uint32[2] hash of the bits and positions of the logical array ``x[:extent]``.
+
+    Each element's bits are combined with its flat index in the logical array and mixed by
+    a bijection, then summed mod 2**32 (integer sums do not depend on the reduction order,
+    so the result is the same on every mesh). Changing one element (e.g. one flipped bit)
+    changes exactly one summand and hence the sum; a multi-element change goes unnoticed
+    with probability about 2**-64 over the two lanes. Elements past `extent` (GTP padding)
+    are masked out instead of sliced off, so a sharded array is hashed where it lies, with
+    no re-layout and no extra copy.
+    """
+    b = _bits(x)
+    shape = b.shape
+    logical = tuple(extent) + shape[len(extent):] if extent is not None else shape
+    index = jnp.zeros(shape, jnp.uint32)
+    inside = jnp.ones(shape, bool)
+    stride = 1
+    for dim in reversed(range(b.ndim)):
+        iota = jax.lax.broadcasted_iota(jnp.uint32, shape, dim)
+        index = index + iota * jnp.uint32(stride % 2**32)
+        stride *= logical[dim]
+        if logical[dim] != shape[dim]:
+            inside &= iota < logical[dim]
+    zero = jnp.uint32(0)
+    lane1 = jnp.where(inside, _fmix32(b ^ _fmix32(index)), zero)
+    lane2 = jnp.where(inside, _fmix32(b + index * jnp.uint32(0x9E3779B9)
+                                      + jnp.uint32(0x7F4A7C15)), zero)
+    return jnp.stack([jnp.sum(lane1, dtype=jnp.uint32), jnp.sum(lane2, dtype=jnp.uint32)])
+
+
+def _digest(values: Mapping[str, Any], infos: Mapping[str, Mapping[str, Any]],
+            mesh: Mesh | None) -> tuple[dict[str, str], list[str]]:
+    """(checksum per array as 16 hex digits, arrays holding NaN/inf) in one jitted pass.
+
+    Both are computed over the logical array (padding dropped, tp/ep split layout undone),
+    so a checkpoint saved on one mesh verifies after a restore onto any other. The result
+    is replicated, so every process of a multi-process run gets the same answer.
+    """
+    keys = sorted(values)
+    if mesh is not None:
+        replicated = NamedSharding(mesh, P())
+        args = [v if isinstance(getattr(v, "sharding", None), NamedSharding)
+                else jax.device_put(v, replicated) for v in (values[k] for k in keys)]
+    else:
+        replicated, args = None, [values[k] for k in keys]
+    frozen = json.dumps([infos[k] for k in keys], sort_keys=True)
+    prints, finite = _jit_digest(frozen, replicated)(args)
+    prints = np.asarray(prints.addressable_data(0)) if hasattr(prints, "addressable_data") \
+        else np.asarray(prints)
+    finite = np.asarray(finite.addressable_data(0)) if hasattr(finite, "addressable_data") \
+        else np.asarray(finite)
+    checksums = {k: f"{int(a):08x}{int(b):08x}" for k, (a, b) in zip(keys, prints)}
+    return checksums, [k for k, ok in zip(keys, finite) if not ok]
+
+
+@functools.cache
+def _jit_digest(frozen: str, sharding: Any):
+    infos = json.loads(frozen)
+
+    def digest(arrays):
+        prints, finite = [], []
+        for x, info in zip(arrays, infos):
+            if _layout(info):  # tp/ep split: undo the permutation first
+                x, extent = _to_logical(x, info), None
+            else:  # at most GTP padding: hash in place, padding masked
+                extent = tuple(int(n) for n in info["logical_shape"])
+            prints.append(_fingerprint(x, extent))
+            finite.append(jnp.all(jnp.isfinite(x)) if jnp.issubdtype(x.dtype, jnp.inexact)
+                          else jnp.bool_(True))
+        if not prints:
+            return jnp.zeros((0, 2), jnp.uint32), jnp.zeros((0,), bool)
+        return jnp.stack(prints), jnp.stack(finite)
+
+    return jax.jit(digest, out_shardings=sharding) if sharding is not None else jax.jit(digest)
 
 
 def _join(path: Any) -> str:
@@ -346,7 +721,7 @@ def _flat_arrays(model: nnx.Module,
                  optimizer: nnx.Optimizer | None) -> dict[str, tuple[nnx.Variable, Any]]:
     """``{"model/<path>": (variable, value), "optimizer/<path>": ...}`` for array leaves."""
     if not isinstance(model, nnx.Module):
-        raise TypeError(f"model must be a flax.nnx.Module, got {type(model).__name__}.")
+        raise UsageTypeError(f"model must be a flax.nnx.Module, got {type(model).__name__}.")
     out: dict[str, tuple[nnx.Variable, Any]] = {}
     for obj, prefix in ((model, "model"), (optimizer, "optimizer")):
         if obj is None:
@@ -354,7 +729,7 @@ def _flat_arrays(model: nnx.Module,
         for path, var in nnx.to_flat_state(nnx.state(obj)):
             value = var.get_value()
             if not hasattr(value, "shape") or not hasattr(value, "dtype"):
-                raise TypeError(
+                raise UsageTypeError(
                     f"{prefix}/{_join(path)} holds a {type(value).__name__}, not an array; "
                     "only array state can be checkpointed."
                 )
@@ -483,11 +858,11 @@ def _abstract(value: Any, mesh: Mesh | None) -> jax.ShapeDtypeStruct:
 
 def _check_compatible(meta: Mapping[str, Any], flat: Mapping[str, tuple[nnx.Variable, Any]],
                       directory: str, step: int) -> None:
-    """Raises ValueError unless every target array can be filled from the checkpoint."""
+    """Raises UsageError unless every target array can be filled from the checkpoint."""
     where = f"checkpoint {directory!r} step {step}"
     version = meta.get("format_version")
     if version != FORMAT_VERSION:
-        raise ValueError(
+        raise UsageError(
             f"{where} has format_version={version!r}; this gtp_jax reads version "
             f"{FORMAT_VERSION}. Restore it with the gtp_jax version that wrote it."
         )
@@ -498,7 +873,7 @@ def _check_compatible(meta: Mapping[str, Any], flat: Mapping[str, tuple[nnx.Vari
     missing = sorted(set(flat) - set(stored))
     unexpected = sorted(set(stored) - set(flat))
     if missing or unexpected:
-        raise ValueError(
+        raise UsageError(
             f"{where} does not match the model/optimizer: missing {missing[:5]}"
             f"{'...' if len(missing) > 5 else ''}, unexpected {unexpected[:5]}"
             f"{'...' if len(unexpected) > 5 else ''}. Build the same model and optimizer "
@@ -508,12 +883,12 @@ def _check_compatible(meta: Mapping[str, Any], flat: Mapping[str, tuple[nnx.Vari
         info = _array_info(var, value)
         saved = stored[path]
         if saved["dtype"] != info["dtype"]:
-            raise ValueError(
+            raise UsageError(
                 f"{where}: {path} was saved as {saved['dtype']} but the target is "
                 f"{info['dtype']}; use the same parameter dtype as the saved run."
             )
         if list(saved["logical_shape"]) != info["logical_shape"]:
-            raise ValueError(
+            raise UsageError(
                 f"{where}: {path} has logical shape {tuple(saved['logical_shape'])} but the "
                 f"target has {tuple(info['logical_shape'])}; the model config differs from "
                 "the saved run's."
@@ -524,7 +899,7 @@ def _check_compatible(meta: Mapping[str, Any], flat: Mapping[str, tuple[nnx.Vari
         if len(old) != len(new) or any(
                 a != b and not (info["padded"] and min(a, b) >= n)
                 for a, b, n in zip(old, new, extent)):
-            raise ValueError(
+            raise UsageError(
                 f"{where}: {path} is stored as {tuple(old)} and cannot be restored into "
                 f"{tuple(new)} (only GTP padding may differ); the model config differs."
             )
@@ -554,7 +929,7 @@ def _flatten_nested(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]
 
 def _zero_padding(value: jax.Array, info: Mapping[str, Any]) -> jax.Array:
     """Zeroes every element past the unpadded extent (a purely local, elementwise op)."""
-    if not info["padded"]:
+    if not info["padded"] or tuple(value.shape) == _extent(info):
         return value
     return _jit_mask(tuple(value.shape), _extent(info), value.sharding)(value)
 
@@ -585,4 +960,5 @@ def _jit_relayout(saved: str, target: str, sharding: Any):
                    out_shardings=sharding)
 
 
-__all__ = ["FORMAT_VERSION", "CheckpointConfig", "Checkpointer"]
+__all__ = ["FORMAT_VERSION", "CheckpointConfig", "CheckpointCorruptError", "CheckpointLockedError",
+           "Checkpointer", "DirectoryLock", "NonFiniteStateError"]

@@ -28,13 +28,24 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
+import threading
 from collections.abc import Mapping, Sequence
 
 import jax
 
+from gtp_jax.base.errors import UsageError, UsageTypeError
+
 ENV_COORDINATOR = "JAX_COORDINATOR_ADDRESS"
 ENV_NUM_PROCESSES = "JAX_NUM_PROCESSES"
 ENV_PROCESS_ID = "JAX_PROCESS_ID"
+#: `jax.distributed.initialize`'s default ``initialization_timeout`` (seconds).
+DEFAULT_TIMEOUT = 300
+
+
+class DistributedJoinError(RuntimeError):
+    """This process could not join the multi-process run (a peer or the coordinator never
+    came); the message names the coordinator, the expected processes and this process."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +61,8 @@ class DistributedConfig:
         per GPU); None: all visible devices.
       auto: let JAX detect the cluster (SLURM, Open MPI, Kubernetes, Cloud TPU); the three
         fields above may then stay None.
+      timeout: seconds to wait for every process to join (``initialization_timeout`` of
+        `jax.distributed.initialize`), >= 1.
     """
 
     coordinator: str | None = None
@@ -57,6 +70,7 @@ class DistributedConfig:
     process_id: int | None = None
     local_device_ids: tuple[int, ...] | None = None
     auto: bool = False
+    timeout: int = DEFAULT_TIMEOUT
 
     def __post_init__(self) -> None:
         given = {"coordinator": self.coordinator, "num_processes": self.num_processes,
@@ -64,11 +78,11 @@ class DistributedConfig:
         if not self.auto and any(v is not None for v in given.values()):
             missing = [k for k, v in given.items() if v is None]
             if missing:
-                flags = ", ".join("--" + k.replace("_", "-") for k in missing)
-                raise ValueError(
-                    f"DistributedConfig: {', '.join(missing)} not set ({flags}); a multi-process "
-                    "run needs --coordinator HOST:PORT, --num-processes N and --process-id I "
-                    "on every process (or --distributed-auto under SLURM/Open MPI)."
+                names = ", ".join(f"DistributedConfig.{k}" for k in missing)
+                raise UsageError(
+                    f"{names} not set; a multi-process run needs DistributedConfig.coordinator "
+                    "(HOST:PORT), DistributedConfig.num_processes and DistributedConfig.process_id"
+                    " on every process (or DistributedConfig.auto under SLURM/Open MPI)."
                 )
         if self.coordinator is not None:
             parse_address(self.coordinator)
@@ -77,22 +91,24 @@ class DistributedConfig:
         if self.process_id is not None:
             _check_int("process_id", self.process_id, 0)
             if self.num_processes is not None and self.process_id >= self.num_processes:
-                raise ValueError(
-                    f"DistributedConfig.process_id={self.process_id} must be < num_processes="
-                    f"{self.num_processes}; use --process-id 0..{self.num_processes - 1}."
+                raise UsageError(
+                    f"DistributedConfig.process_id={self.process_id} must be in "
+                    f"0..{self.num_processes - 1} (DistributedConfig.num_processes="
+                    f"{self.num_processes})."
                 )
         if self.local_device_ids is not None:
             ids = tuple(self.local_device_ids)
             for i in ids:
                 _check_int("local_device_ids", i, 0)
             if not ids or len(set(ids)) != len(ids):
-                raise ValueError(
+                raise UsageError(
                     f"DistributedConfig.local_device_ids={ids} must be distinct device ids, "
-                    "e.g. --local-device-ids 0 or 0,1."
+                    "e.g. (0,) or (0, 1)."
                 )
             object.__setattr__(self, "local_device_ids", ids)
         if not isinstance(self.auto, bool):
-            raise TypeError(f"DistributedConfig.auto={self.auto!r} must be a bool.")
+            raise UsageTypeError(f"DistributedConfig.auto={self.auto!r} must be a bool.")
+        _check_int("timeout", self.timeout, 1)
 
     @property
     def enabled(self) -> bool:
@@ -106,7 +122,7 @@ class DistributedConfig:
         Returns a single-process config when none is set.
 
         Raises:
-          ValueError: only some are set, or a value is not an int.
+          UsageError: only some are set, or a value is not an int.
         """
         env = os.environ if env is None else env
         names = (ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID)
@@ -116,7 +132,7 @@ class DistributedConfig:
         missing = [n for n, v in values.items() if v is None]
         if missing:
             present = [n for n in names if n not in missing]
-            raise ValueError(
+            raise UsageError(
                 f"{', '.join(missing)} not set while {', '.join(present)} is; set all three "
                 "environment variables or none."
             )
@@ -125,16 +141,17 @@ class DistributedConfig:
             try:
                 ints[name] = int(values[name])
             except ValueError as err:
-                raise ValueError(f"{name}={values[name]!r} must be an integer.") from err
+                raise UsageError(f"{name}={values[name]!r} must be an integer.") from err
         return cls(coordinator=values[ENV_COORDINATOR], num_processes=ints[ENV_NUM_PROCESSES],
                    process_id=ints[ENV_PROCESS_ID])
 
 
 def parse_address(address: str) -> tuple[str, int]:
-    """``"host:1234"`` / ``"[::1]:1234"`` -> (host, port); ValueError naming the fix."""
+    """``"host:1234"`` / ``"[::1]:1234"`` -> (host, port); UsageError naming the fix."""
     if not isinstance(address, str) or ":" not in address:
-        raise ValueError(
-            f"coordinator={address!r} must be HOST:PORT, e.g. --coordinator localhost:12355."
+        raise UsageError(
+            f"DistributedConfig.coordinator={address!r} must be HOST:PORT, e.g. "
+            "localhost:12355."
         )
     host, _, port_text = address.rpartition(":")
     if host.startswith("[") and host.endswith("]"):
@@ -144,9 +161,9 @@ def parse_address(address: str) -> tuple[str, int]:
     except ValueError:
         port = -1
     if not host or not 1 <= port <= 65535:
-        raise ValueError(
-            f"coordinator={address!r}: need a host and a port in 1..65535, e.g. "
-            "--coordinator localhost:12355."
+        raise UsageError(
+            f"DistributedConfig.coordinator={address!r}: need a host and a port in 1..65535, "
+            "e.g. localhost:12355."
         )
     return host, port
 
@@ -155,10 +172,20 @@ def initialize(config: DistributedConfig) -> None:
     """Joins the run described by `config` (no-op for a single process).
 
     Call before anything touches a JAX backend (device queries, arrays). Blocks until all
-    `num_processes` processes have joined (JAX's initialization timeout applies).
+    `num_processes` processes have joined, at most `DistributedConfig.timeout` seconds.
+
+    JAX terminates the process (a C++ fatal error that Python cannot catch) when the join
+    times out, so a watchdog thread reports first: at the deadline it writes one line to
+    stderr naming the coordinator, the expected process count and this process's id, and
+    exits with status 1. (JAX's own timeout is set a little later, as a backstop.)
+
+    Raises:
+      DistributedJoinError: joining failed with an exception (names the coordinator, the
+        expected process count and this process's id).
     """
     if not isinstance(config, DistributedConfig):
-        raise TypeError(f"initialize expects a DistributedConfig, got {type(config).__name__}.")
+        raise UsageTypeError(
+            f"initialize expects a DistributedConfig, got {type(config).__name__}.")
     if not config.enabled or jax.distributed.is_initialized():
         return
     try:
@@ -167,15 +194,66 @@ def initialize(config: DistributedConfig) -> None:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     except (AttributeError, ValueError):  # pragma: no cover - option renamed or removed
         pass
-    if config.auto and config.coordinator is None:
-        jax.distributed.initialize(local_device_ids=config.local_device_ids)
+    done = threading.Event()
+    watchdog = threading.Thread(target=_join_watchdog, args=(config, done), daemon=True,
+                                name="gtp_jax-join-watchdog")
+    watchdog.start()
+    try:
+        if config.auto and config.coordinator is None:
+            jax.distributed.initialize(local_device_ids=config.local_device_ids,
+                                       initialization_timeout=config.timeout + _JAX_MARGIN_S)
+            return
+        jax.distributed.initialize(
+            coordinator_address=config.coordinator,
+            num_processes=config.num_processes,
+            process_id=config.process_id,
+            local_device_ids=list(config.local_device_ids) if config.local_device_ids else None,
+            initialization_timeout=config.timeout + _JAX_MARGIN_S,
+        )
+    except Exception as err:  # XlaRuntimeError (DEADLINE_EXCEEDED, UNAVAILABLE, ...)
+        if isinstance(err, UsageError):
+            raise
+        detail = " ".join(str(err).split())[:300]
+        raise DistributedJoinError(f"{_join_failure(config)}: {_missing_peers(detail)}{detail}") \
+            from err
+    finally:
+        done.set()
+
+
+#: Seconds JAX's own initialization timeout runs past `DistributedConfig.timeout`.
+_JAX_MARGIN_S = 10
+
+
+def _join_failure(config: DistributedConfig) -> str:
+    return (f"process {config.process_id} could not join the run of {config.num_processes} "
+            f"processes at coordinator {config.coordinator} within {config.timeout} s "
+            "(DistributedConfig.timeout)")
+
+
+def _join_watchdog(config: DistributedConfig, done: threading.Event) -> None:
+    if done.wait(config.timeout):
         return
-    jax.distributed.initialize(
-        coordinator_address=config.coordinator,
-        num_processes=config.num_processes,
-        process_id=config.process_id,
-        local_device_ids=list(config.local_device_ids) if config.local_device_ids else None,
-    )
+    if config.process_id == 0:
+        n = config.num_processes or 2
+        peers = list(range(1, n)) if n <= 9 else f"1..{n - 1}"
+        why = (f"some of the processes {peers} never registered with this process's "
+               "coordination service; check that they were started with the same coordinator "
+               "address and process count")
+    else:
+        why = "the coordinator (process 0) did not answer; check that it runs and is reachable"
+    # Written here, not by the caller: the main thread never returns from JAX.
+    sys.stderr.write(f"error: {_join_failure(config).replace(' (DistributedConfig.timeout)', '')}"
+                     f": {why}.\n")
+    sys.stderr.flush()
+    os._exit(1)  # the main thread is blocked inside JAX; only a hard exit ends it cleanly
+
+
+def _missing_peers(detail: str) -> str:
+    """``"missing process ids [..]; "`` when JAX's error lists the tasks that never joined."""
+    import re  # noqa: PLC0415
+
+    ids = sorted({int(m) for m in re.findall(r"/task:(\d+)", detail)})
+    return f"processes {ids} did not join; " if ids else ""
 
 
 def joined_process_count(config: DistributedConfig) -> int:
@@ -212,11 +290,8 @@ def is_primary() -> bool:
 
 def _check_int(name: str, value: object, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        flag = "--" + name.replace("_", "-")
-        raise ValueError(
-            f"DistributedConfig.{name}={value!r} must be an int >= {minimum} ({flag})."
-        )
+        raise UsageError(f"DistributedConfig.{name}={value!r} must be an int >= {minimum}.")
 
 
-__all__: Sequence[str] = ("DistributedConfig", "initialize", "is_primary", "parse_address",
-                          "shutdown")
+__all__: Sequence[str] = ("DEFAULT_TIMEOUT", "DistributedConfig", "DistributedJoinError",
+                          "initialize", "is_primary", "parse_address", "shutdown")

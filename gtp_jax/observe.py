@@ -19,10 +19,14 @@ import dataclasses
 import glob
 import json
 import os
+import tempfile
 from collections.abc import Sequence
 from typing import Any
 
 import jax
+import numpy as np
+
+from gtp_jax.base.errors import UsageError
 
 #: Dense peak FLOP/s per device by device-kind substring and compute dtype (datasheets:
 #: NVIDIA SXM parts without sparsity; TPU bf16 MXU rates, also used for float32 dots,
@@ -83,13 +87,14 @@ class ObserveConfig:
     def __post_init__(self) -> None:
         if self.profile_steps is not None:
             if self.profile_dir is None:
-                raise ValueError("--profile-steps needs --profile-dir DIR (where the trace goes).")
+                raise UsageError("ObserveConfig.profile_steps needs ObserveConfig.profile_dir "
+                                 "(where the trace goes).")
             steps = tuple(self.profile_steps)
             if (len(steps) != 2 or any(isinstance(s, bool) or not isinstance(s, int)
                                        for s in steps) or not 1 <= steps[0] <= steps[1]):
-                raise ValueError(
-                    f"profile_steps={self.profile_steps!r} must be (first, last) with "
-                    "1 <= first <= last, e.g. --profile-steps 3:5."
+                raise UsageError(
+                    f"ObserveConfig.profile_steps={self.profile_steps!r} must be (first, last) "
+                    "with 1 <= first <= last, e.g. (3, 5)."
                 )
             object.__setattr__(self, "profile_steps", steps)
         for name in ("profile_dir", "metrics_json"):
@@ -97,19 +102,19 @@ class ObserveConfig:
             if value is not None:
                 value = os.fspath(value)
                 if not value:
-                    raise ValueError(f"ObserveConfig.{name} must be a non-empty path.")
+                    raise UsageError(f"ObserveConfig.{name} must be a non-empty path.")
                 object.__setattr__(self, name, value)
         if self.metrics_json is not None and os.path.isdir(self.metrics_json):
-            raise ValueError(
-                f"--metrics-json {self.metrics_json!r} is a directory; pass a file path such "
-                "as metrics.json."
+            raise UsageError(
+                f"ObserveConfig.metrics_json={self.metrics_json!r} is a directory; pass a file "
+                "path such as metrics.json."
             )
 
     def profile_window(self, first_step: int, last_step: int) -> tuple[int, int] | None:
         """The steps to trace in a run of steps `first_step`..`last_step`, or None.
 
         Raises:
-          ValueError: `profile_steps` lies outside the run.
+          UsageError: `profile_steps` lies outside the run.
         """
         if self.profile_dir is None:
             return None
@@ -118,15 +123,15 @@ class ObserveConfig:
             return start, min(start + 2, last_step)
         lo, hi = self.profile_steps
         if lo < first_step or hi > last_step:
-            raise ValueError(
-                f"--profile-steps {lo}:{hi} lies outside this run's steps "
+            raise UsageError(
+                f"ObserveConfig.profile_steps=({lo}, {hi}) lies outside this run's steps "
                 f"{first_step}..{last_step}; choose a range inside it."
             )
         return lo, hi
 
 
 def parse_steps(text: str) -> tuple[int, int]:
-    """``"3:5"`` -> (3, 5); ``"4"`` -> (4, 4). ValueError naming the expected format."""
+    """``"3:5"`` -> (3, 5); ``"4"`` -> (4, 4). UsageError naming the expected format."""
     parts = text.split(":")
     try:
         values = [int(p) for p in parts]
@@ -135,7 +140,7 @@ def parse_steps(text: str) -> tuple[int, int]:
     if len(values) == 1:
         values = values * 2
     if len(values) != 2:
-        raise ValueError(f"--profile-steps {text!r}: use FIRST:LAST, e.g. --profile-steps 3:5.")
+        raise UsageError(f"ObserveConfig.profile_steps {text!r}: use FIRST:LAST, e.g. 3:5.")
     return values[0], values[1]
 
 
@@ -171,6 +176,126 @@ class StepProfiler:
         self.trace_path = found[-1] if found else None
 
 
+class DeviceMemoryError(UsageError):
+    """The run does not fit in device memory (estimated before compiling, or XLA's
+    ``RESOURCE_EXHAUSTED`` during a step)."""
+
+
+#: What to change when a run does not fit (named by TrainConfig field).
+MEMORY_ADVICE = ("lower TrainConfig.batch_size or TrainConfig.seq_len, set TrainConfig.remat "
+                 "to 'dots' or 'full', or shard more (a larger TrainConfig.gtp / tp).")
+
+
+def device_memory_limit(device: jax.Device | None = None) -> int | None:
+    """``memory_stats()["bytes_limit"]`` of `device` (default: this process's first device;
+    other processes' devices report no statistics), or None where the backend reports no
+    limit (CPU)."""
+    device = jax.local_devices()[0] if device is None else device
+    stats = device.memory_stats()
+    limit = stats.get("bytes_limit") if stats else None
+    return int(limit) if limit else None
+
+
+def estimate_train_memory(model_cfg: Any, *, batch_size: int, seq_len: int, dp: int = 1,
+                          gtp: int = 1, tp: int = 1, ep: int = 1) -> dict[str, int]:
+    """A rough lower estimate of one device's memory for a training step, in bytes.
+
+    Parts: ``params`` (parameters sharded over gtp*tp; experts over ep too), ``grads`` (as
+    many), ``optimizer`` (AdamW's two moments), ``gathered`` (one layer's weights all-gathered
+    for compute, twice for the backward pass), ``activations`` (residuals kept for the
+    backward pass per token and layer; `TransformerConfig.remat` "dots" keeps the matmul
+    outputs, "full" only each layer's input; attention scores count for "none" only) and
+    ``logits`` (float32 logits, their softmax and gradient for this device's tokens).
+    The constants are simple per-token counts, not XLA's buffer assignment: use the estimate
+    to refuse runs that cannot fit, not to predict peak memory. Measured against XLA's
+    compiled memory (``memory_analysis()``, CPU float32, dp=2 x gtp=4; tiny and small
+    presets, remat none/dots/full) XLA needed 1.5x to 3.6x this estimate, so a run refused by
+    it would not have fit.
+    """
+    p_item = np.dtype(model_cfg.param_dtype).itemsize
+    a_item = np.dtype(model_cfg.dtype).itemsize
+    d, f, layers = model_cfg.d_model, model_cfg.d_ff, model_cfg.n_layers
+    experts = max(1, model_cfg.moe_experts)
+    moe_ff = (model_cfg.moe_d_ff or f) if model_cfg.moe_experts else f
+    attn = 4 * d * d
+    mlp = 3 * d * moe_ff * experts
+    embed = model_cfg.vocab_size * d * (1 if model_cfg.tie_embeddings else 2)
+    shards = gtp * tp
+    param_count = layers * (attn / shards + mlp / (shards * (ep if experts > 1 else 1))) \
+        + embed / shards
+    params = int(param_count * p_item)
+    gathered = int(2 * (attn + mlp / (ep if experts > 1 else 1)) / tp * a_item)
+    tokens = batch_size * seq_len / (dp * ep * gtp)
+    per_token_layer = {
+        "none": a_item * (10 * d + 3 * moe_ff * min(experts, model_cfg.moe_top_k or 1))
+        + 4 * model_cfg.n_heads * seq_len,
+        "dots": a_item * (4 * d + 2 * moe_ff * min(experts, model_cfg.moe_top_k or 1)),
+        "full": a_item * 2 * d,
+    }[model_cfg.remat]
+    activations = int(tokens * layers * per_token_layer / tp)
+    logits = int(tokens * model_cfg.vocab_size * 4 * 3 / tp)
+    parts = {"params": params, "grads": params, "optimizer": 2 * params, "gathered": gathered,
+             "activations": activations, "logits": logits}
+    parts["total"] = sum(parts.values())
+    return parts
+
+
+def _nearest_existing(path: str) -> str:
+    path = os.path.abspath(path)
+    while not os.path.lexists(path):
+        parent = os.path.dirname(path)
+        if parent == path:
+            break
+        path = parent
+    return path
+
+
+def _probe(directory: str, name: str, target: str) -> None:
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".gtp_jax_probe_", dir=directory)
+        os.close(fd)
+        os.remove(probe)
+    except OSError as err:
+        raise UsageError(f"{name}={target!r} cannot be written ({err.strerror or err}); "
+                         "choose a writable location.") from None
+
+
+def _check_special(path: str, name: str) -> None:
+    real = os.path.realpath(path)
+    for root in ("/proc", "/sys", "/dev"):
+        if real == root or real.startswith(root + "/"):
+            raise UsageError(f"{name}={path!r} lies in {root}, which holds no regular files; "
+                             "choose a directory on a real file system.")
+
+
+def check_writable_dir(path: str, name: str) -> None:
+    """Raises UsageError (naming the argument `name`) unless directory `path` exists and
+    can be written, or can be created. URLs (``gs://...``) are not checked.
+
+    Called before training, so that a run never trains and then fails to write its
+    checkpoints or trace. Writes and removes one temporary probe file; creates nothing."""
+    if "://" in path:
+        return
+    _check_special(path, name)
+    if os.path.lexists(path) and not os.path.isdir(path):
+        raise UsageError(f"{name}={path!r} is a file, not a directory; choose a directory.")
+    base = _nearest_existing(path)
+    if not os.path.isdir(base):
+        raise UsageError(f"{name}={path!r} cannot be created: {base!r} is a file.")
+    _probe(base, name, path)
+
+
+def check_writable_file(path: str, name: str) -> None:
+    """Raises UsageError unless file `path` can be written (its directory exists and is
+    writable, or can be created); `path` itself must not be a directory."""
+    _check_special(path, name)
+    if os.path.isdir(path):
+        raise UsageError(f"{name}={path!r} is a directory; pass a file path.")
+    if os.path.lexists(path) and not os.access(path, os.W_OK):
+        raise UsageError(f"{name}={path!r} exists and is not writable.")
+    check_writable_dir(os.path.dirname(os.path.abspath(path)), name)
+
+
 def write_json(path: str, payload: dict[str, Any]) -> None:
     """Writes `payload` to `path` atomically (temporary file + rename)."""
     parent = os.path.dirname(os.path.abspath(path))
@@ -182,5 +307,7 @@ def write_json(path: str, payload: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
-__all__ = ["PEAK_FLOPS", "ObserveConfig", "StepProfiler", "memory_per_device", "parse_steps",
+__all__ = ["MEMORY_ADVICE", "PEAK_FLOPS", "DeviceMemoryError", "ObserveConfig",
+           "check_writable_dir", "check_writable_file", "device_memory_limit",
+           "estimate_train_memory", "StepProfiler", "memory_per_device", "parse_steps",
            "peak_flops", "write_json"]

@@ -20,6 +20,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 import gtp_jax
+from gtp_jax.base.errors import UsageError
 from gtp_jax.base.metadata import LOGICAL_SHAPE
 from gtp_jax.checkpoint import CheckpointConfig, Checkpointer
 from gtp_jax.train import TrainConfig, build_model_and_optimizer, model_config, train, train_step
@@ -222,13 +223,13 @@ def test_save_killed_before_finalize_keeps_previous(tmp_path: Path, mesh_dp2_gtp
 
 
 def test_config_errors(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="does not exist.*--checkpoint-dir"):
+    with pytest.raises(UsageError, match="does not exist.*CheckpointConfig.directory"):
         CheckpointConfig(tmp_path / "missing", resume=True)
-    with pytest.raises(ValueError, match="every"):
+    with pytest.raises(UsageError, match=r"CheckpointConfig\.every=-1"):
         CheckpointConfig(tmp_path, every=-1)
-    with pytest.raises(ValueError, match="keep"):
+    with pytest.raises(UsageError, match=r"CheckpointConfig\.keep=0"):
         CheckpointConfig(tmp_path, keep=0)
-    with pytest.raises(ValueError, match="non-empty path"):
+    with pytest.raises(UsageError, match="non-empty path"):
         CheckpointConfig("")
     assert CheckpointConfig("rel").directory == os.path.abspath("rel")
 
@@ -271,7 +272,7 @@ def test_train_resume_errors_before_building_anything(tmp_path: Path, mesh_dp2_g
     _fake_run(other_seed, mesh_dp2_gtp4, seed=7)
     with pytest.raises(ValueError, match=r"different run \(seed: checkpoint 7 vs now 0\)"):
         train(SOURCE, progress=False, checkpoint=CheckpointConfig(other_seed, resume=True))
-    with pytest.raises(ValueError, match="already holds checkpoints.*--resume"):
+    with pytest.raises(UsageError, match="already holds checkpoints.*CheckpointConfig.resume"):
         train(SOURCE, progress=False, checkpoint=CheckpointConfig(other_seed))
     _fake_run(done, mesh_dp2_gtp4, steps=2)
     with pytest.raises(ValueError, match="nothing is left to train"):

@@ -15,6 +15,7 @@ import pytest
 from conftest import max_rel_err
 
 from gtp_jax.__main__ import main as cli_main
+from gtp_jax.base.errors import UsageError, UsageTypeError
 from gtp_jax.checkpoint import CheckpointConfig, Checkpointer
 from gtp_jax.distributed import DistributedConfig, initialize, parse_address
 from gtp_jax.train import TrainConfig, train
@@ -126,19 +127,19 @@ def test_distributed_config_validation() -> None:
         ({"coordinator": "localhost:99999", "num_processes": 2, "process_id": 0}, "1..65535"),
         ({"coordinator": "localhost:x", "num_processes": 2, "process_id": 0}, "1..65535"),
         ({"coordinator": "localhost:1234", "num_processes": 2, "process_id": 2},
-         "--process-id 0..1"),
+         r"DistributedConfig\.process_id=2 must be in 0\.\.1"),
         ({"coordinator": "localhost:1234", "num_processes": 2, "process_id": -1},
-         r"process_id=-1 must be an int >= 0 \(--process-id\)"),
+         r"DistributedConfig\.process_id=-1 must be an int >= 0"),
         ({"coordinator": "localhost:1234", "num_processes": 0, "process_id": 0},
-         "--num-processes"),
+         r"DistributedConfig\.num_processes=0"),
         ({"coordinator": "localhost:1234", "process_id": 0}, "num_processes not set"),
         ({"coordinator": "a:1", "num_processes": 1, "process_id": 0, "local_device_ids": (1, 1)},
          "distinct"),
     ]
     for kwargs, message in bad:
-        with pytest.raises(ValueError, match=message):
+        with pytest.raises(UsageError, match=message):
             DistributedConfig(**kwargs)
-    with pytest.raises(TypeError, match="DistributedConfig"):
+    with pytest.raises(UsageTypeError, match="DistributedConfig"):
         initialize({"coordinator": "localhost:1234"})  # type: ignore[arg-type]
 
 
@@ -150,7 +151,7 @@ def test_distributed_config_from_env() -> None:
         DistributedConfig.from_env({k: v for k, v in env.items() if k != "JAX_PROCESS_ID"})
     with pytest.raises(ValueError, match="JAX_NUM_PROCESSES='two' must be an integer"):
         DistributedConfig.from_env({**env, "JAX_NUM_PROCESSES": "two"})
-    with pytest.raises(ValueError, match="--process-id 0..1"):
+    with pytest.raises(UsageError, match=r"process_id=5 must be in 0\.\.1"):
         DistributedConfig.from_env({**env, "JAX_PROCESS_ID": "5"})
 
 
@@ -158,7 +159,7 @@ def test_cli_rejects_bad_process_flags(capsys: pytest.CaptureFixture[str]) -> No
     # In process: each of these fails before JAX starts or any process joins a run.
     cases = [
         (["--coordinator", "localhost:1", "--num-processes", "2", "--process-id", "2"],
-         "--process-id 0..1"),
+         "--process-id=2 must be in 0..1 (--num-processes=2)"),
         (["--coordinator", "localhost:0", "--num-processes", "2", "--process-id", "0"],
          "1..65535"),
         (["--coordinator", "localhost:1", "--num-processes", "3", "--process-id", "0"],

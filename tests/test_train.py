@@ -79,9 +79,10 @@ def test_cli_train_runs_and_loss_decreases(tmp_path: Path) -> None:
         trace = json.load(f)
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
     assert any("train" in str(e.get("name", "")) for e in events)
-    # Checkpoints every 8 steps and after the last; the newest 2 kept.
+    # Checkpoints every 8 steps and after the last; the newest 2 kept (and only those that
+    # are kept are listed). The lock file is removed at the end.
     assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["16", "20"]
-    assert f"checkpoints: steps [8, 16, 20] in {tmp_path / 'ck'}" in out
+    assert f"checkpoints: steps [16, 20] in {tmp_path / 'ck'}" in out
 
 
 def test_cli_help() -> None:
@@ -118,7 +119,8 @@ def test_cli_rejects_bad_checkpoint_and_profile_flags(
     cases = [
         (["--resume"], "--resume needs --checkpoint-dir"),
         (["--resume", "--checkpoint-dir", str(tmp_path / "nope")], "does not exist"),
-        (["--profile-steps", "4:2", "--profile-dir", str(tmp_path)], "--profile-steps 3:5"),
+        (["--profile-steps", "4:2", "--profile-dir", str(tmp_path)],
+         "--profile-steps=(4, 2) must be (first, last) with 1 <= first <= last"),
         (["--profile-steps", "x", "--profile-dir", str(tmp_path)], "use FIRST:LAST"),
         (["--profile-steps", "2:3"], "--profile-steps needs --profile-dir"),
         (["--metrics-json", str(tmp_path)], "is a directory"),
@@ -194,8 +196,14 @@ def _expected_param_bytes(pad: int, gtp: int) -> tuple[int, int]:
         stacked = path[0] == "blocks"
         lead, layer = (shape[:1], shape[1:]) if stacked else ((), shape)
         if len(layer) >= 2 and math.prod(layer) >= 1024:
-            padded = -(-layer[0] // align) * align
-            per_device += math.prod(lead + (padded // gtp,) + layer[1:]) * itemsize
+            # The documented dim rule: the leading dim unless its padding adds more than
+            # 1/32 of the weight, else the dim with the fewest padded elements.
+            def padded(d: int, layer: tuple[int, ...] = layer) -> int:
+                return math.prod(layer) // layer[d] * (-(-layer[d] // align) * align)
+
+            dim = 0 if padded(0) <= math.prod(layer) * (1 + 1 / 32) else min(
+                range(len(layer)), key=lambda d: (padded(d), d))
+            per_device += math.prod(lead) * padded(dim) // gtp * itemsize
         else:
             per_device += math.prod(shape) * itemsize
     return per_device, replicated

@@ -14,6 +14,8 @@ from typing import Any
 
 import numpy as np
 
+from gtp_jax.base.errors import UsageError, UsageTypeError
+
 __all__ = ["VOCAB_SIZE", "ByteBatcher", "load_corpus", "split_train_eval"]
 
 #: Number of distinct tokens: one per byte value.
@@ -51,13 +53,13 @@ def split_train_eval(
     """
     data = _validated_tokens(data)
     if not 0.0 < eval_fraction < 1.0:
-        raise ValueError(
+        raise UsageError(
             f"eval_fraction={eval_fraction!r} must lie strictly between 0 and 1; "
             "use e.g. eval_fraction=0.05."
         )
     num_eval = max(1, round(len(data) * eval_fraction))
     if num_eval >= len(data):
-        raise ValueError(
+        raise UsageError(
             f"eval_fraction={eval_fraction!r} leaves no training tokens out of {len(data)}; "
             "use a smaller eval_fraction or more data."
         )
@@ -79,8 +81,8 @@ class ByteBatcher:
         position: number of batches already produced, >= 0.
 
     Raises:
-        ValueError: for any out-of-range argument, naming it and the fix.
-        TypeError: if an integer argument is not an integer.
+        UsageError: for any out-of-range argument, naming it and the fix.
+        UsageTypeError: if an integer argument is not an integer.
     """
 
     def __init__(
@@ -98,7 +100,7 @@ class ByteBatcher:
         self._seed = _validated_int("seed", seed, minimum=0)
         self._position = _validated_int("position", position, minimum=0)
         if self._seq_len + 1 > len(self._data):
-            raise ValueError(
+            raise UsageError(
                 f"seq_len={self._seq_len} needs windows of seq_len + 1 = {self._seq_len + 1} "
                 f"tokens but data has only {len(self._data)}; use seq_len <= "
                 f"{len(self._data) - 1} or more data."
@@ -166,7 +168,7 @@ class ByteBatcher:
         """
         missing = [key for key in _STATE_KEYS if key not in state]
         if missing:
-            raise ValueError(
+            raise UsageError(
                 f"state is missing {missing}; pass the dict returned by ByteBatcher.state_dict()."
             )
         return cls(
@@ -185,20 +187,20 @@ class ByteBatcher:
 
 
 def _validated_tokens(data: Any) -> np.ndarray:
-    """`data` as a 1-D integer array of byte tokens, or a ValueError saying what is wrong."""
+    """`data` as a 1-D integer array of byte tokens, or a UsageError saying what is wrong."""
     array = np.asarray(data)
     if array.ndim != 1:
-        raise ValueError(
+        raise UsageError(
             f"data must be 1-D but has shape {array.shape}; pass a flat token array, "
             "e.g. data.reshape(-1)."
         )
     if not np.issubdtype(array.dtype, np.integer):
-        raise ValueError(
+        raise UsageError(
             f"data must have an integer dtype (normally uint8) but has {array.dtype}; "
             "use e.g. load_corpus() or np.frombuffer(raw_bytes, dtype=np.uint8)."
         )
     if array.dtype != np.uint8 and array.size and (array.min() < 0 or array.max() >= VOCAB_SIZE):
-        raise ValueError(
+        raise UsageError(
             f"data values must lie in [0, {VOCAB_SIZE}) to be byte tokens but span "
             f"[{array.min()}, {array.max()}]; encode the text as bytes (uint8)."
         )
@@ -208,7 +210,8 @@ def _validated_tokens(data: Any) -> np.ndarray:
 def _validated_int(name: str, value: Any, *, minimum: int) -> int:
     """`value` as a Python int >= minimum, or an error naming the parameter."""
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name} must be an integer, got {value!r} ({type(value).__name__}).")
+        raise UsageTypeError(
+            f"{name} must be an integer, got {value!r} ({type(value).__name__}).")
     if value < minimum:
-        raise ValueError(f"{name}={value} must be >= {minimum}; pass {name}={minimum} or more.")
+        raise UsageError(f"{name}={value} must be >= {minimum}; pass {name}={minimum} or more.")
     return int(value)

@@ -1,0 +1,562 @@
+"""Reliability of training runs and their checkpoints: input validation before training,
+checksummed checkpoints with fallback to the newest intact one, no non-finite saves, the
+directory lock, extending a finished run, memory checks and one-line CLI errors."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import assert_unchanged, snapshot
+from flax import nnx
+
+import gtp_jax
+import gtp_jax.train as train_module
+from gtp_jax.__main__ import main as cli_main
+from gtp_jax.base.errors import UsageError, UsageTypeError
+from gtp_jax.checkpoint import (
+    LOCK_FILE,
+    CheckpointConfig,
+    CheckpointCorruptError,
+    Checkpointer,
+    CheckpointLockedError,
+    DirectoryLock,
+    NonFiniteStateError,
+    _fingerprint,
+)
+from gtp_jax.observe import (
+    DeviceMemoryError,
+    check_writable_dir,
+    check_writable_file,
+    estimate_train_memory,
+)
+from gtp_jax.train import (
+    MODEL_MAY_DIFFER,
+    RESUME_MAY_DIFFER,
+    TrainConfig,
+    TrainResult,
+    _check_resume,
+    _model_json,
+    check_memory_fits,
+    model_config,
+    train,
+)
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+#: The suite's shared run (test_train.py, test_checkpoint.py): its train step compiles once.
+RUN = TrainConfig(steps=6, batch_size=8, seq_len=32, warmup=2, dp=2, gtp=4, pad_for_alignment=8)
+
+
+def _linear(mesh: jax.sharding.Mesh, seed: int = 0) -> gtp_jax.ShardedModule:
+    return gtp_jax.shard(nnx.Linear(64, 48, rngs=nnx.Rngs(seed)), mesh,
+                         gtp_jax.GTPConfig(min_elements=1))
+
+
+# ---------------------------------------------------------------------- TrainConfig
+
+
+@pytest.mark.parametrize("field, value", [
+    ("lr", -1.0), ("lr", 0.0), ("lr", math.nan), ("lr", math.inf),
+    ("warmup", -1), ("weight_decay", -0.1), ("weight_decay", math.nan),
+    ("moe_capacity_factor", 0.0), ("moe_capacity_factor", math.inf), ("moe_top_k", 0),
+    ("moe_experts", -1), ("steps", 0), ("seed", -1), ("pad_for_alignment", -8),
+    ("schedule_steps", 0), ("preset", "huge"), ("remat", "some"), ("gather_format", "int4"),
+    ("dtype", "float16"),
+])
+def test_train_config_rejects_out_of_range_values(field: str, value: object) -> None:
+    with pytest.raises(UsageError, match=rf"TrainConfig\.{field}="):
+        TrainConfig(**{field: value})
+
+
+@pytest.mark.parametrize("field, value", [("steps", True), ("steps", 2.5), ("lr", "0.1"),
+                                          ("prefetch", 1)])
+def test_train_config_rejects_wrong_types(field: str, value: object) -> None:
+    with pytest.raises(UsageTypeError, match=rf"TrainConfig\.{field}="):
+        TrainConfig(**{field: value})
+
+
+def test_train_config_rejects_top_k_above_experts() -> None:
+    with pytest.raises(UsageError, match=r"moe_top_k=3 must be <= TrainConfig\.moe_experts=2"):
+        TrainConfig(moe_experts=2, moe_top_k=3)
+
+
+# ---------------------------------------------------------------------- checksums
+
+
+def test_fingerprint_changes_with_every_single_bit_flip() -> None:
+    # Every bit of every element of a small array (float32 and bfloat16), one at a time.
+    for dtype, word in ((jnp.float32, np.uint32), (jnp.bfloat16, np.uint16)):
+        x = jax.random.normal(jax.random.key(0), (3, 5), dtype)
+        bits = np.asarray(jax.lax.bitcast_convert_type(x, word)).reshape(-1)
+        base = np.asarray(_fingerprint(x))
+        flips = []
+        for i in range(bits.size):
+            for b in range(8 * bits.itemsize):
+                flipped = bits.copy()
+                flipped[i] ^= word(1 << b)
+                flips.append(flipped.reshape(x.shape))
+        as_dtype = functools.partial(jax.lax.bitcast_convert_type, new_dtype=dtype)
+        prints = jax.vmap(lambda y, f=as_dtype: _fingerprint(f(y)))(jnp.asarray(np.stack(flips)))
+        assert not np.any(np.all(np.asarray(prints) == base, axis=1)), dtype
+    # Swapping two elements (same multiset of values) changes it too.
+    x = jnp.arange(8.0)
+    assert np.any(np.asarray(_fingerprint(x)) != np.asarray(_fingerprint(x[::-1])))
+    # Padding is masked in place: the same as hashing the sliced logical array, whatever
+    # the padding holds.
+    logical = jax.random.normal(jax.random.key(1), (5, 3, 7))
+    padded = jnp.full((8, 3, 9), 7.0).at[:5, :, :7].set(logical)
+    np.testing.assert_array_equal(np.asarray(_fingerprint(padded, (5, 3, 7))),
+                                  np.asarray(_fingerprint(logical)))
+
+
+def _data_files(step_dir: Path) -> list[Path]:
+    """The array data files of a step's model item, largest first."""
+    files = [p for p in (step_dir / "model").rglob("*") if p.is_file() and "/d/" in str(p)]
+    return sorted(files, key=lambda p: p.stat().st_size, reverse=True)
+
+
+_ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
+
+
+def _array_bytes(data: bytes) -> int:
+    """Length of the first compressed frame of an OCDBT data file: chunk data of the
+    arrays (b-tree nodes follow as later frames)."""
+    end = data.find(_ZSTD_MAGIC, 4)
+    return end if end > 0 else len(data)
+
+
+def _flip_bit(path: Path, fraction: float, *, array_data: bool = True) -> None:
+    data = bytearray(path.read_bytes())
+    size = _array_bytes(bytes(data)) if array_data else len(data)
+    data[int(size * fraction)] ^= 0x10
+    path.write_bytes(bytes(data))
+
+
+def _garbage(path: Path, fraction: float) -> None:
+    data = bytearray(path.read_bytes())
+    at = min(int(len(data) * fraction), len(data) - 64)
+    data[at:at + 64] = bytes((i * 37 + 11) % 256 for i in range(64))
+    path.write_bytes(bytes(data))
+
+
+#: Damage to step 2's files -> whether the damaged step is still listed as a candidate
+#: (its metadata reads) and only its arrays fail to restore.
+CORRUPTIONS = {
+    "bit_flip_start": (lambda d: _flip_bit(_data_files(d)[0], 0.1), True),
+    "bit_flip_middle": (lambda d: _flip_bit(_data_files(d)[0], 0.5), True),
+    "bit_flip_end": (lambda d: _flip_bit(_data_files(d)[0], 0.98), True),
+    "garbage_64_bytes": (lambda d: _garbage(_data_files(d)[0], 0.4), True),
+    "truncated_data_file": (lambda d: os.truncate(_data_files(d)[0],
+                                                  _data_files(d)[0].stat().st_size // 2), True),
+    "deleted_item_dir": (lambda d: shutil.rmtree(d / "model"), False),
+    "garbled_meta_json": (lambda d: (d / "meta" / "metadata").write_text('{"step": 2, "arr'),
+                          False),
+    "missing_meta": (lambda d: shutil.rmtree(d / "meta"), False),
+}
+
+
+@pytest.fixture(scope="module")
+def two_steps(tmp_path_factory: pytest.TempPathFactory, mesh_dp2_gtp4) -> tuple[Path, dict]:
+    """A directory with steps 1 and 2 of a sharded linear layer (different weights), and
+    the logical weights of step 1."""
+    directory = tmp_path_factory.mktemp("two") / "ck"
+    model = _linear(mesh_dp2_gtp4)
+    with Checkpointer(CheckpointConfig(directory, async_save=False)) as ckpt:
+        ckpt.save(1, model)
+        step1 = ckpt.read_arrays(1)
+        model.module.kernel.set_value(model.module.kernel.get_value() * 2.0 + 0.5)
+        ckpt.save(2, model)
+    return directory, step1
+
+
+@pytest.mark.parametrize("case", list(CORRUPTIONS))
+def test_damaged_checkpoint_is_detected_and_skipped(two_steps, case: str, tmp_path: Path,
+                                                     mesh_dp2_gtp4) -> None:
+    source, step1 = two_steps
+    directory = tmp_path / "ck"
+    shutil.copytree(source, directory)
+    damage, still_listed = CORRUPTIONS[case]
+    damage(directory / "2")
+    model = _linear(mesh_dp2_gtp4, seed=5)
+    before = snapshot(model)
+    notes: list[str] = []
+    with Checkpointer(CheckpointConfig(directory, resume=True)) as ckpt:
+        candidates = ckpt.resume_candidates(report=notes.append)
+        assert [s for s, _ in candidates] == ([2, 1] if still_listed else [1]), notes
+        if still_listed:
+            assert not notes
+            with pytest.raises(CheckpointCorruptError, match=r"ck/2\b.*(checksum|cannot be read)"):
+                ckpt.restore(model, step=2)
+            assert_unchanged(model, before)  # nothing is changed by a failed restore
+            with pytest.raises(CheckpointCorruptError):
+                ckpt.read_arrays(2)
+        else:
+            assert len(notes) == 1 and "ck/2" in notes[0] and "skipping" in notes[0], notes
+            assert ckpt.all_steps() == ([1, 2] if "meta_json" in case else [1])
+        ckpt.restore(model, step=1)
+        np.testing.assert_array_equal(np.asarray(gtp_jax.unshard(model).kernel.get_value()),
+                                      step1["model/module/kernel"])
+    assert (directory / "2").exists()  # nothing was deleted
+
+
+def test_a_bit_flip_anywhere_never_restores_other_values(two_steps, tmp_path: Path,
+                                                         mesh_dp2_gtp4) -> None:
+    # Anywhere in the file (also in b-tree nodes, which may be harmless): either the restore
+    # fails, or it restores exactly the saved values.
+    source, _ = two_steps
+    saved = Checkpointer(CheckpointConfig(source)).read_arrays(2)
+    size = _data_files(source / "2")[0].stat().st_size
+    for i, fraction in enumerate((0.02, 0.25, 0.5, 0.75, 0.9, 0.99, (size - 1) / size)):
+        directory = tmp_path / f"ck{i}"
+        shutil.copytree(source, directory)
+        _flip_bit(_data_files(directory / "2")[0], fraction, array_data=False)
+        model = _linear(mesh_dp2_gtp4, seed=5)
+        with Checkpointer(CheckpointConfig(directory)) as ckpt:
+            try:
+                ckpt.restore(model, step=2)
+            except CheckpointCorruptError:
+                continue
+        np.testing.assert_array_equal(np.asarray(gtp_jax.unshard(model).kernel.get_value()),
+                                      saved["model/module/kernel"], err_msg=str(fraction))
+
+
+def test_incomplete_step_is_not_listed(two_steps, tmp_path: Path) -> None:
+    directory = tmp_path / "ck"
+    shutil.copytree(two_steps[0], directory)
+    shutil.rmtree(directory / "1" / "model")  # an old step half deleted by hand
+    with Checkpointer(CheckpointConfig(directory)) as ckpt:
+        assert ckpt.all_steps() == [2] and ckpt.latest_step() == 2
+
+
+def test_resume_falls_back_to_the_newest_intact_checkpoint(tmp_path: Path,
+                                                           capsys: pytest.CaptureFixture[str]
+                                                           ) -> None:
+    full = train(RUN, progress=False, checkpoint=CheckpointConfig(tmp_path / "run", every=3))
+    assert full.checkpoint_steps == [3, 6]
+    _flip_bit(_data_files(tmp_path / "run" / "6")[0], 0.5)
+    capsys.readouterr()
+    # The damaged step 6 is skipped, training resumes at step 3 and reproduces steps 4-6
+    # exactly; the damaged directory is renamed, not deleted.
+    resumed = train(RUN, progress=False,
+                    checkpoint=CheckpointConfig(tmp_path / "run", every=3, resume=True))
+    err = capsys.readouterr().err
+    assert resumed.first_step == 4 and resumed.losses == full.losses[3:]
+    assert "skipping checkpoint" in err and "run/6" in err, err
+    assert (tmp_path / "run" / "broken-6-0").is_dir()
+    assert Checkpointer(CheckpointConfig(tmp_path / "run")).all_steps() == [3, 6]
+
+
+def test_resume_with_no_intact_checkpoint_is_one_error(tmp_path: Path) -> None:
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(UsageError, match=r"no intact checkpoint in .*empty"):
+        train(RUN, progress=False, checkpoint=CheckpointConfig(empty, resume=True))
+    # A run killed during its very first save leaves only orbax's temporary directory.
+    killed = tmp_path / "killed"
+    (killed / "1.orbax-checkpoint-tmp-123" / "model").mkdir(parents=True)
+    with pytest.raises(UsageError, match=r"no intact checkpoint in .*killed"):
+        train(RUN, progress=False, checkpoint=CheckpointConfig(killed, resume=True))
+
+
+# ---------------------------------------------------------------------- saves
+
+
+def test_save_refuses_existing_and_older_steps(tmp_path: Path, mesh_dp2_gtp4) -> None:
+    model = _linear(mesh_dp2_gtp4)
+    with Checkpointer(CheckpointConfig(tmp_path / "ck", async_save=False)) as ckpt:
+        ckpt.save(2, model)
+        with pytest.raises(UsageError, match="step 2 .* already exists.*overwrite=True"):
+            ckpt.save(2, model)
+        with pytest.raises(UsageError, match=r"step 1 .* older than the newest \(2\)"):
+            ckpt.save(1, model)
+        model.module.kernel.set_value(model.module.kernel.get_value() + 1.0)
+        ckpt.save(2, model, overwrite=True)
+        assert ckpt.all_steps() == [2]
+        np.testing.assert_array_equal(ckpt.read_arrays(2)["model/module/kernel"],
+                                      np.asarray(gtp_jax.unshard(model).kernel.get_value()))
+
+
+def test_non_finite_state_is_never_saved(tmp_path: Path, mesh_dp2_gtp4) -> None:
+    model = _linear(mesh_dp2_gtp4)
+    with Checkpointer(CheckpointConfig(tmp_path / "ck", keep=1, async_save=False)) as ckpt:
+        ckpt.save(1, model)
+        good = ckpt.read_arrays(1)
+        kernel = model.module.kernel.get_value()
+        model.module.kernel.set_value(kernel.at[0, 0].set(jnp.nan))
+        with pytest.raises(NonFiniteStateError, match=r"step 2 .*1 of 2 arrays.*step 1\) is kept"):
+            ckpt.save(2, model)
+        assert ckpt.all_steps() == [1]  # keep=1 did not rotate the good one out
+        np.testing.assert_array_equal(ckpt.read_arrays(1)["model/module/kernel"],
+                                      good["model/module/kernel"])
+
+
+def test_train_stops_before_saving_a_non_finite_state(tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    # The loss of step 2 is finite (computed before the update); the update makes the
+    # weights NaN. The save of step 2 must refuse and keep step 1.
+    real_step = train_module.train_step
+    calls = []
+
+    def poisoning_step(model, optimizer, tokens):
+        loss = real_step(model, optimizer, tokens)
+        calls.append(1)
+        if len(calls) == 2:
+            var = model.module.embed.embedding
+            var.set_value(var.get_value() * jnp.nan)
+        return loss
+
+    monkeypatch.setattr(train_module, "train_step", poisoning_step)
+    directory = tmp_path / "ck"
+    with pytest.raises(FloatingPointError, match=r"step 2 .*not saved.*step 1\) is kept"):
+        train(RUN, progress=False, checkpoint=CheckpointConfig(directory, every=1, keep=1))
+    ckpt = Checkpointer(CheckpointConfig(directory))
+    assert ckpt.all_steps() == [1]
+    assert all(np.all(np.isfinite(v)) for v in ckpt.read_arrays().values()
+               if np.issubdtype(v.dtype, np.floating))
+    assert not (directory / LOCK_FILE).exists()  # released after the failure
+
+
+# ---------------------------------------------------------------------- resume checks
+
+
+def _meta(cfg: TrainConfig, **saved_changes: object) -> dict:
+    saved = dataclasses.replace(cfg, **saved_changes) if saved_changes else cfg
+    return {"step": 2, "extra": {"train_config": dataclasses.asdict(saved),
+                                 "model_config": _model_json(model_config(saved)),
+                                 "data": {"position": 2}}}
+
+
+def _other_value(value: object) -> object:
+    if isinstance(value, bool):
+        return not value
+    if isinstance(value, (int, float)):
+        return value + 1
+    return f"{value}-other"
+
+
+def test_resume_compares_every_field_that_is_not_layout_only() -> None:
+    cfg = TrainConfig(steps=6, schedule_steps=6, moe_experts=4, moe_top_k=2)
+    assert RESUME_MAY_DIFFER <= {f.name for f in dataclasses.fields(TrainConfig)}
+    compared = [f.name for f in dataclasses.fields(TrainConfig)
+                if f.name not in RESUME_MAY_DIFFER]
+    assert {"moe_top_k", "moe_capacity_factor", "lr", "dtype", "schedule_steps"} <= set(compared)
+    for name in compared:
+        meta = _meta(cfg)
+        # Change the saved value directly (some changed values would not validate).
+        meta["extra"]["train_config"][name] = _other_value(getattr(cfg, name) or 1)
+        with pytest.raises(UsageError, match=rf"different run \(.*\b{name}: checkpoint"):
+            _check_resume(cfg, model_config(cfg), meta, "/ck")
+    model_json = _model_json(model_config(cfg))
+    for name in (k for k in model_json if k not in MODEL_MAY_DIFFER):
+        meta = _meta(cfg)
+        meta["extra"]["model_config"][name] = _other_value(model_json[name] or 1)
+        with pytest.raises(UsageError, match=rf"model {name}: checkpoint"):
+            _check_resume(cfg, model_config(cfg), meta, "/ck")
+    # Layout-only fields may change.
+    moved = dataclasses.replace(cfg, dp=1, gtp=8, remat="dots", prefetch=True)
+    assert _check_resume(moved, model_config(moved), _meta(cfg), "/ck").schedule_steps == 6
+
+
+def test_resume_rejects_changed_moe_fields() -> None:
+    cfg = TrainConfig(steps=6, moe_experts=4, moe_top_k=2, moe_capacity_factor=1.25)
+    for change in ({"moe_top_k": 1}, {"moe_capacity_factor": 2.0}):
+        with pytest.raises(UsageError, match=f"{next(iter(change))}: checkpoint"):
+            _check_resume(cfg, model_config(cfg), _meta(cfg, **change), "/ck")
+
+
+def test_extending_a_finished_run_equals_an_uninterrupted_run(tmp_path: Path) -> None:
+    short = dataclasses.replace(RUN, steps=4)
+    first = train(short, progress=False, checkpoint=CheckpointConfig(tmp_path / "ck"))
+    with pytest.raises(UsageError, match=r"finished .*step 4.*nothing is left to train.*"
+                                         r"larger TrainConfig\.steps"):
+        train(short, progress=False, checkpoint=CheckpointConfig(tmp_path / "ck", resume=True))
+    extended = train(RUN, progress=False,
+                     checkpoint=CheckpointConfig(tmp_path / "ck", resume=True))
+    assert extended.first_step == 5 and len(extended.losses) == 2
+    # The same definition without interruption: the schedule spans the original 4 steps,
+    # the added steps train at its final LR.
+    whole = train(dataclasses.replace(RUN, schedule_steps=4), progress=False)
+    assert first.losses + extended.losses == whole.losses
+    meta = Checkpointer(CheckpointConfig(tmp_path / "ck")).read_meta()
+    assert meta["extra"]["train_config"]["schedule_steps"] == 4
+    # A second extension keeps the recorded schedule length.
+    again = dataclasses.replace(RUN, steps=8)
+    assert _check_resume(again, model_config(again), meta, "/ck").schedule_steps == 4
+    schedule = train_module.make_optimizer(dataclasses.replace(RUN, schedule_steps=4))
+    assert schedule is train_module.make_optimizer(
+        _check_resume(again, model_config(again), meta, "/ck"))
+
+
+# ---------------------------------------------------------------------- paths and lock
+
+
+def test_unwritable_paths_fail_before_training(tmp_path: Path) -> None:
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    with pytest.raises(UsageError, match=r"CheckpointConfig\.directory=.* is a file"):
+        check_writable_dir(str(a_file), "CheckpointConfig.directory")
+    with pytest.raises(UsageError, match="lies in /proc"):
+        check_writable_dir("/proc/gtp_jax_ck", "CheckpointConfig.directory")
+    with pytest.raises(UsageError, match=r"ObserveConfig\.metrics_json=.* is a file"):
+        check_writable_file(str(a_file / "metrics.json"), "ObserveConfig.metrics_json")
+    with pytest.raises(UsageError, match="lies in /proc"):
+        check_writable_file("/proc/self/metrics.json", "ObserveConfig.metrics_json")
+    check_writable_dir(str(tmp_path / "new" / "dir"), "CheckpointConfig.directory")
+    assert not (tmp_path / "new").exists()  # the check creates nothing
+    assert sorted(os.listdir(tmp_path)) == ["file"]  # and leaves no probe behind
+    with pytest.raises(UsageError, match=r"CheckpointConfig\.directory=.* is a file"):
+        train(RUN, progress=False, checkpoint=CheckpointConfig(a_file))
+
+
+def test_cli_rejects_unwritable_paths_in_one_line(tmp_path: Path,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    cases = [(["--checkpoint-dir", str(a_file)], "--checkpoint-dir="),
+             (["--checkpoint-dir", "/proc/ck"], "--checkpoint-dir='/proc/ck' lies in /proc"),
+             (["--profile-dir", str(a_file / "trace")], "--profile-dir="),
+             (["--metrics-json", str(a_file / "m.json")], "--metrics-json="),
+             (["--lr", "-1"], "--lr=-1.0 must be finite and > 0"),
+             (["--checkpoint-dir", str(tmp_path / "c"), "--keep-checkpoints", "0"],
+              "--keep-checkpoints=0 must be an int >= 1")]
+    for flags, message in cases:
+        assert cli_main(["train", "--steps", "2", "--batch", "8", "--seq", "32", *flags]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and err.count("\n") == 1 and message in err, err
+
+
+def test_directory_lock(tmp_path: Path) -> None:
+    directory = tmp_path / "ck"
+    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        directory.mkdir()
+        (directory / LOCK_FILE).write_text(json.dumps(
+            {"pid": holder.pid, "host": socket.gethostname()}))
+        with pytest.raises(CheckpointLockedError, match=rf"in use by pid {holder.pid} on host "):
+            DirectoryLock(str(directory)).acquire()
+        with pytest.raises(UsageError, match=rf"pid {holder.pid}"):
+            train(RUN, progress=False, checkpoint=CheckpointConfig(directory))
+    finally:
+        holder.kill()
+        holder.wait()
+    # The holder is gone: its lock is stale and is taken over.
+    lock = DirectoryLock(str(directory))
+    lock.acquire()
+    assert json.loads((directory / LOCK_FILE).read_text())["pid"] == os.getpid()
+    lock.release()
+    assert not (directory / LOCK_FILE).exists()
+
+
+# ---------------------------------------------------------------------- memory
+
+
+def test_memory_estimate_and_refusal(monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = model_config(RUN)
+    base = estimate_train_memory(cfg, batch_size=8, seq_len=32, dp=2, gtp=4)
+    # Parameters: about num_params * 4 bytes / gtp (embeddings and layers all sharded).
+    assert base["params"] == pytest.approx(cfg.num_params() * 4 / 4, rel=0.1)
+    assert base["optimizer"] == 2 * base["params"]
+    assert base["total"] == sum(v for k, v in base.items() if k != "total")
+    bigger = estimate_train_memory(cfg, batch_size=64, seq_len=32, dp=2, gtp=4)
+    assert bigger["activations"] == 8 * base["activations"]
+    remat = {mode: estimate_train_memory(dataclasses.replace(cfg, remat=mode), batch_size=8,
+                                         seq_len=32, dp=2, gtp=4)["activations"]
+             for mode in ("none", "dots", "full")}
+    assert remat["full"] < remat["dots"] < remat["none"]
+
+    assert check_memory_fits(RUN, bytes_limit=2**40)["total"] == base["total"]
+    with pytest.raises(DeviceMemoryError, match=r"estimated .* GiB per device .* but a device "
+                                                r"has 0\.00 GiB; .*remat"):
+        check_memory_fits(RUN, bytes_limit=1000)
+    # train() refuses before building anything when the device reports a small limit.
+    monkeypatch.setattr(train_module, "device_memory_limit", lambda: 1000)
+    monkeypatch.setattr(train_module, "build_model_and_optimizer",
+                        lambda cfg: pytest.fail("built a model"))
+    with pytest.raises(DeviceMemoryError):
+        train(RUN, progress=False)
+
+
+def test_xla_out_of_memory_becomes_one_line(monkeypatch: pytest.MonkeyPatch,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    def oom(model, optimizer, tokens):
+        raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 1.2GiB")
+
+    monkeypatch.setattr(train_module, "train_step", oom)
+    with pytest.raises(DeviceMemoryError, match=r"out of device memory at step 1 .*remat"):
+        train(RUN, progress=False)
+    assert cli_main(["train", "--steps", "2", "--batch", "8", "--seq", "32"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: out of device memory") and "--remat" in err, err
+
+    def bug(model, optimizer, tokens):
+        raise RuntimeError("INTERNAL: something else")
+
+    # Any other failure is a bug: it keeps its type and traceback, also through the CLI.
+    monkeypatch.setattr(train_module, "train_step", bug)
+    with pytest.raises(RuntimeError, match="INTERNAL"):
+        cli_main(["train", "--steps", "2", "--batch", "8", "--seq", "32"])
+
+
+def test_cli_does_not_hide_bugs(monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(*args, **kwargs):
+        raise ValueError("an internal invariant failed")  # a plain ValueError is a bug
+
+    monkeypatch.setattr(train_module, "train", broken)
+    with pytest.raises(ValueError, match="internal invariant"):
+        cli_main(["train", "--steps", "2", "--batch", "8", "--seq", "32"])
+
+
+# ---------------------------------------------------------------------- summary and CLI
+
+
+def test_summary_names_the_real_window_and_existing_checkpoints(tmp_path: Path) -> None:
+    result = TrainResult(losses=[3.0, 2.0], step_times=[1.0, 0.5], tokens_per_step=10,
+                         param_bytes_per_device=1, state_bytes_per_device=1,
+                         replicated_param_bytes=1, replicated_state_bytes=1, num_params=1,
+                         mesh_shape={"dp": 1}, backend="cpu")
+    assert "(mean of last 2 steps)" in result.summary()
+    kept = train(RUN, progress=False,
+                 checkpoint=CheckpointConfig(tmp_path / "ck", every=2, keep=1))
+    assert kept.checkpoint_steps == [6] and "checkpoints: steps [6]" in kept.summary()
+
+
+def test_cli_mesh_that_does_not_fit_names_the_cause(capsys: pytest.CaptureFixture[str]) -> None:
+    # In this process JAX already has 8 CPU devices: --gtp 3 with the default dp=2 is a
+    # 6-device mesh (and batch 16 does not split over 6).
+    assert cli_main(["train", "--steps", "1", "--gtp", "3"]) == 2
+    err = capsys.readouterr().err
+    assert "--batch=16 must be a multiple of dp*ep*gtp = 2*1*3 = 6" in err, err
+    assert "defaults {'dp': 2" in err, err
+    assert cli_main(["train", "--steps", "1", "--gtp", "3", "--batch", "12"]) == 2
+    err = capsys.readouterr().err
+    assert "dp*ep*gtp*tp = 2*1*3*1 = 6 must equal the 8 devices" in err, err
+
+
+def test_distributed_join_timeout_is_one_line(tmp_path: Path) -> None:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    proc = subprocess.run(
+        [sys.executable, "-m", "gtp_jax", "train", "--steps", "1", "--coordinator",
+         f"localhost:{port}", "--num-processes", "2", "--process-id", "0",
+         "--distributed-timeout", "2"],
+        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert len(lines) == 1, proc.stderr
+    assert (f"process 0 could not join the run of 2 processes at coordinator localhost:{port} "
+            "within 2 s") in lines[0] and "[1]" in lines[0]
