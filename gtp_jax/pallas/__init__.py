@@ -7,7 +7,7 @@ the NaN / Inf policy: `gtp_jax.pallas.formats`; leaf layout: `gtp_jax.pallas.ten
 
 API (every function takes ``backend="pallas" | "reference"`` and ``interpret=``):
   * `quantize` / `dequantize` / `multi_amax` (one launch for many tensors);
-  * split phase: `compute_amax` -> `reduce_amax` (ONE all-reduce for N tensors) ->
+  * split phase: `multi_amax` -> `reduce_amax` (ONE all-reduce for N tensors) ->
     `cast_only`; `quantize_coalesced` runs the three inside ``shard_map``;
   * `gather_quantized`: all-gather a quantized shard (payload + block scales).
 
@@ -41,7 +41,6 @@ reference; the 64-expert amax in one launch at 76%, 2.4x the XLA loop of 129 lau
 
 from gtp_jax.pallas.api import (
     cast_only,
-    compute_amax,
     dequantize,
     multi_amax,
     quantize,
@@ -72,7 +71,6 @@ __all__ = [
     "FormatSpec",
     "QuantizedTensor",
     "cast_only",
-    "compute_amax",
     "dequantize",
     "gather_quantized",
     "multi_amax",

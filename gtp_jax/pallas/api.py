@@ -77,7 +77,7 @@ def check_amax(fmt: str, amax: Any, required: bool) -> jax.Array | None:
     if amax is None:
         if required:
             raise UsageError(f"amax is required for cast_only(fmt={fmt!r}); compute it with "
-                             "compute_amax (and reduce it across devices) first.")
+                             "multi_amax (and reduce it across devices) first.")
         return None
     if jnp.shape(amax) != ():
         raise UsageError(f"amax must be a scalar (the tensor's max |x|), got shape "
@@ -87,7 +87,7 @@ def check_amax(fmt: str, amax: Any, required: bool) -> jax.Array | None:
         if np.isfinite(value) and value < 0:
             # A negative max |x| would flip every element's sign through the scale.
             raise UsageError(f"amax={value} is negative; amax is the tensor's max |x| (>= 0), "
-                             "e.g. from compute_amax.")
+                             "e.g. from multi_amax.")
     return jnp.asarray(amax, jnp.float32)
 
 
@@ -132,6 +132,10 @@ def multi_amax(
 ) -> jax.Array:
     """``max|x|`` of each tensor; the Pallas backend uses ONE kernel launch for all.
 
+    Also phase 1 of the split-phase quantize: phase 2 reduces the local amaxes with ONE
+    collective (`reduce_amax`), phase 3 casts each tensor with `cast_only(t, fmt, amax[i])`;
+    `quantize_coalesced` does all three.
+
     Args:
       tensors: non-empty sequence of arrays of any (possibly different) shapes and
         float32 / bfloat16 / float16 dtypes. Local values: no mesh axis is involved.
@@ -152,24 +156,6 @@ def multi_amax(
         check_array(t, f"tensors[{i}]")
         _util.check_size(t.size, f"tensors[{i}] (shape {t.shape})")
     return _multi_amax(tuple(tensors), backend, interpret)
-
-
-def compute_amax(
-    tensors: Sequence[jax.Array],
-    *,
-    backend: str = "pallas",
-    interpret: bool | None = None,
-) -> jax.Array:
-    """Phase 1 of the split-phase quantize: local amaxes of many tensors, one launch.
-
-    Same as `multi_amax`. Phase 2 reduces the result with ONE collective
-    (`reduce_amax`), phase 3 casts each tensor with `cast_only(t, fmt, amax[i])`;
-    `quantize_coalesced` does all three.
-
-    Returns:
-      float32[len(tensors)] local (per-device) amaxes.
-    """
-    return multi_amax(tensors, backend=backend, interpret=interpret)
 
 
 # --------------------------------------------------------------------------- cast
@@ -224,7 +210,7 @@ def cast_only(
         inside ``shard_map``).
       fmt: "fp8", "mxfp8" or "nvfp4".
       amax: float32 scalar, required for fp8 / nvfp4 (the tensor amax, typically
-        ``reduce_amax(compute_amax(...))[i]``); must be None for mxfp8.
+        ``reduce_amax(multi_amax(...))[i]``); must be None for mxfp8.
       axis: block / contraction axis (mxfp8 / nvfp4), default the last.
       backend: "pallas" or "reference".
       interpret: Pallas interpreter; None = True unless the default backend is a GPU.

@@ -5,7 +5,7 @@ per-tensor scale (fp8, nvfp4) all shards of a weight must share ONE scale, other
 gathered payloads would not decode consistently. `quantize_coalesced` agrees on them
 for all tensors at once:
 
-  1. local amax of every shard: `compute_amax` (one kernel launch for all tensors);
+  1. local amax of every shard: `multi_amax` (one kernel launch for all tensors);
   2. ONE ``pmax`` of the float32[N] vector over the mesh axis (a single all-reduce,
      whatever N is), done on the int32 bit patterns so NaN wins on every backend (NCCL's
      float max would drop it);
