@@ -329,7 +329,7 @@ def test_quantized_tensor_is_a_pytree(request):
     chex.assert_shape(q.block_scales, (6, 3))
     chex.assert_type(q.block_scales, jnp.float8_e4m3fn)
     chex.assert_shape(q.global_scale, ())
-    assert (q.shape, q.fmt, q.axis) == ((6, 40), "nvfp4", 1)
+    assert (q.shape, q.format, q.axis) == ((6, 40), "nvfp4", 1)
     q2 = jax.jit(lambda t: t)(q)
     assert jax.tree.structure(q2) == treedef
     assert q.nbytes == 6 * 24 + 6 * 3 + 4
@@ -341,7 +341,7 @@ def test_quantized_tensor_is_a_pytree(request):
 @pytest.mark.parametrize(
     "call, exc, match",
     [
-        (lambda x: gp.quantize(x, "fp16"), ValueError, r"fmt='fp16' is unknown"),
+        (lambda x: gp.quantize(x, "fp16"), ValueError, r"format='fp16' is unknown"),
         (lambda x: gp.quantize(x, "fp8", backend="cuda"), ValueError, r"backend='cuda'"),
         (lambda x: gp.quantize(x.astype(jnp.int32), "fp8"), TypeError, r"x has dtype int32"),
         (lambda x: gp.quantize(x.astype(jnp.float8_e5m2), "fp8"), TypeError, "float8_e5m2"),

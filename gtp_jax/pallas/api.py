@@ -28,10 +28,10 @@ from gtp_jax.pallas.tensor import (
 # --------------------------------------------------------------------------- validation
 
 
-def check_fmt(fmt: Any) -> str:
-    if fmt not in FORMATS:
-        raise UsageError(f"fmt={fmt!r} is unknown; use one of {FORMATS}.")
-    return fmt
+def check_format(format: Any) -> str:
+    if format not in FORMATS:
+        raise UsageError(f"format={format!r} is unknown; use one of {FORMATS}.")
+    return format
 
 
 def check_backend(backend: Any) -> str:
@@ -68,15 +68,15 @@ def check_quantizable(x: Any, name: str, axis: Any) -> int:
     return int(axis) % x.ndim
 
 
-def check_amax(fmt: str, amax: Any, required: bool) -> jax.Array | None:
-    if fmt == "mxfp8":
+def check_amax(format: str, amax: Any, required: bool) -> jax.Array | None:
+    if format == "mxfp8":
         if amax is not None:
-            raise UsageError("amax must be None for fmt='mxfp8': MXFP8 has only per-block "
+            raise UsageError("amax must be None for format='mxfp8': MXFP8 has only per-block "
                              "power-of-two scales, there is no per-tensor scale to agree on.")
         return None
     if amax is None:
         if required:
-            raise UsageError(f"amax is required for cast_only(fmt={fmt!r}); compute it with "
+            raise UsageError(f"amax is required for cast_only(format={format!r}); compute it with "
                              "multi_amax (and reduce it across devices) first.")
         return None
     if jnp.shape(amax) != ():
@@ -133,7 +133,7 @@ def multi_amax(
     """``max|x|`` of each tensor; the Pallas backend uses ONE kernel launch for all.
 
     Also phase 1 of the split-phase quantize: phase 2 reduces the local amaxes with ONE
-    collective (`reduce_amax`), phase 3 casts each tensor with `cast_only(t, fmt, amax[i])`;
+    collective (`reduce_amax`), phase 3 casts each tensor with `cast_only(t, format, amax[i])`;
     `quantize_coalesced` does all three.
 
     Args:
@@ -161,22 +161,22 @@ def multi_amax(
 # --------------------------------------------------------------------------- cast
 
 
-@functools.partial(jax.jit, static_argnames=("fmt", "axis", "backend", "interpret"))
-def cast_impl(x: jax.Array, amax: jax.Array | None, fmt: str, axis: int, backend: str,
+@functools.partial(jax.jit, static_argnames=("format", "axis", "backend", "interpret"))
+def cast_impl(x: jax.Array, amax: jax.Array | None, format: str, axis: int, backend: str,
               interpret: bool) -> QuantizedTensor:
     """Jitted cast of already validated arguments (shared by quantize / cast_only /
     quantize_coalesced); `amax` is None only for mxfp8."""
     shape = tuple(x.shape)
     pallas = backend == "pallas"
-    if fmt == "fp8":
+    if format == "fp8":
         scale = formats.fp8_scale(amax)
         if pallas:
             payload = cast_fp8_pallas(x, scale, interpret=interpret)
         else:
             payload = formats.fp8_cast_reference(x, scale)
-        return QuantizedTensor(payload, None, scale, shape, fmt, axis)
-    rows = to_block_rows(x, axis, SPECS[fmt].block)
-    if fmt == "mxfp8":
+        return QuantizedTensor(payload, None, scale, shape, format, axis)
+    rows = to_block_rows(x, axis, SPECS[format].block)
+    if format == "mxfp8":
         if pallas:
             payload_rows, scale_rows = quantize_mxfp8_pallas(rows, interpret=interpret)
         else:
@@ -191,12 +191,12 @@ def cast_impl(x: jax.Array, amax: jax.Array | None, fmt: str, axis: int, backend
             payload_rows, scale_rows = formats.nvfp4_cast_reference(rows, global_scale)
     payload = from_block_rows(payload_rows, shape, axis)
     scales = from_block_rows(scale_rows, shape, axis)
-    return QuantizedTensor(payload, scales, global_scale, shape, fmt, axis)
+    return QuantizedTensor(payload, scales, global_scale, shape, format, axis)
 
 
 def cast_only(
     x: jax.Array,
-    fmt: str,
+    format: str,
     amax: jax.Array | float | None = None,
     *,
     axis: int = -1,
@@ -208,7 +208,7 @@ def cast_only(
     Args:
       x: array of rank >= 1, float32 / bfloat16 / float16 (e.g. a local weight shard
         inside ``shard_map``).
-      fmt: "fp8", "mxfp8" or "nvfp4".
+      format: "fp8", "mxfp8" or "nvfp4".
       amax: float32 scalar, required for fp8 / nvfp4 (the tensor amax, typically
         ``reduce_amax(multi_amax(...))[i]``); must be None for mxfp8.
       axis: block / contraction axis (mxfp8 / nvfp4), default the last.
@@ -219,21 +219,21 @@ def cast_only(
     Raises:
       ValueError: (eager calls only) if `amax` is not finite.
     """
-    check_fmt(fmt)
+    check_format(format)
     check_backend(backend)
     interpret = _util.resolve_interpret(interpret)
     axis = check_quantizable(x, "x", axis)
-    amax = check_amax(fmt, amax, required=True)
-    return _checked_cast(x, amax, fmt, axis, backend, interpret)
+    amax = check_amax(format, amax, required=True)
+    return _checked_cast(x, amax, format, axis, backend, interpret)
 
 
-def _checked_cast(x: jax.Array, amax: jax.Array | None, fmt: str, axis: int, backend: str,
+def _checked_cast(x: jax.Array, amax: jax.Array | None, format: str, axis: int, backend: str,
                   interpret: bool) -> QuantizedTensor:
     """Casts with `amax`; eager calls raise on a non-finite amax (or NaN mxfp8 block)."""
     if amax is not None:
         raise_if_nonfinite(amax, "x")
-    out = cast_impl(x, amax, fmt, axis, backend, interpret)
-    if fmt == "mxfp8":
+    out = cast_impl(x, amax, format, axis, backend, interpret)
+    if format == "mxfp8":
         _raise_if_nan_blocks(out)
     return out
 
@@ -246,18 +246,18 @@ def _raise_if_nan_blocks(q: QuantizedTensor) -> None:
 
 def quantize(
     x: jax.Array,
-    fmt: str,
+    format: str,
     *,
     axis: int = -1,
     amax: jax.Array | float | None = None,
     backend: str = "pallas",
     interpret: bool | None = None,
 ) -> QuantizedTensor:
-    """Quantizes `x` to `fmt` (fused amax + cast).
+    """Quantizes `x` to `format` (fused amax + cast).
 
     Args:
       x: array of rank >= 1, float32 / bfloat16 / float16.
-      fmt: "fp8" (e4m3 + per-tensor scale), "mxfp8" (e4m3 + e8m0 per 32 along `axis`) or
+      format: "fp8" (e4m3 + per-tensor scale), "mxfp8" (e4m3 + e8m0 per 32 along `axis`) or
         "nvfp4" (packed e2m1 + e4m3 per 16 along `axis` + per-tensor scale); the exact
         rules are in `gtp_jax.pallas.formats`.
       axis: block / contraction axis (ignored by fp8's layout), default the last.
@@ -271,14 +271,14 @@ def quantize(
       ValueError / TypeError: bad arguments (checked before any work); in eager calls
         also a non-finite amax (NaN / Inf in `x`), which under jit propagates as NaN.
     """
-    check_fmt(fmt)
+    check_format(format)
     check_backend(backend)
     interpret = _util.resolve_interpret(interpret)
     axis = check_quantizable(x, "x", axis)
-    amax = check_amax(fmt, amax, required=False)
-    if fmt != "mxfp8" and amax is None:
+    amax = check_amax(format, amax, required=False)
+    if format != "mxfp8" and amax is None:
         amax = _multi_amax((x,), backend, interpret)[0]
-    return _checked_cast(x, amax, fmt, axis, backend, interpret)
+    return _checked_cast(x, amax, format, axis, backend, interpret)
 
 
 # --------------------------------------------------------------------------- dequantize
@@ -309,10 +309,10 @@ def dequantize(
     if not isinstance(q, QuantizedTensor):
         raise UsageTypeError(
             f"q must be a QuantizedTensor (from quantize), got {type(q).__name__}.")
-    check_fmt(q.fmt)
+    check_format(q.format)
     if not jnp.issubdtype(dtype, jnp.floating):
         raise UsageTypeError(f"dtype={dtype!r} must be a floating dtype such as jnp.bfloat16.")
-    if q.fmt != "fp8":
+    if q.format != "fp8":
         expected = tuple(q.shape[:q.axis]) + tuple(q.shape[q.axis + 1:])
         got = tuple(q.payload.shape[:q.axis]) + tuple(q.payload.shape[q.axis + 1:])
         if got != expected:
@@ -323,13 +323,13 @@ def dequantize(
 
 @functools.partial(jax.jit, static_argnames=("dtype",))
 def _dequantize(q: QuantizedTensor, dtype: np.dtype) -> jax.Array:
-    spec = SPECS[q.fmt]
-    if q.fmt == "fp8":
+    spec = SPECS[q.format]
+    if q.format == "fp8":
         return formats.fp8_decode(q.payload, q.global_scale).astype(dtype)
     width = spec.block // spec.elems_per_byte
     payload_rows = leaf_rows(q.payload, q.axis, width)
     scale_rows = leaf_rows(q.block_scales, q.axis, 1)
-    if q.fmt == "mxfp8":
+    if q.format == "mxfp8":
         values = formats.mxfp8_decode(payload_rows, scale_rows)
     else:
         values = formats.nvfp4_decode(payload_rows, scale_rows, q.global_scale)

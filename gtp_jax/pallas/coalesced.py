@@ -45,7 +45,7 @@ def reduce_amax(amax: jax.Array, axis_name: AxisName) -> jax.Array:
 
 def quantize_coalesced(
     tensors: Sequence[jax.Array],
-    fmt: str,
+    format: str,
     axis_name: AxisName,
     *,
     axis: int | Sequence[int] = -1,
@@ -62,7 +62,7 @@ def quantize_coalesced(
 
     Args:
       tensors: N >= 1 local shards (rank >= 1, float32 / bfloat16 / float16).
-      fmt: "fp8", "mxfp8" or "nvfp4".
+      format: "fp8", "mxfp8" or "nvfp4".
       axis_name: mesh axis the shards are split over (e.g. "gtp"); None: no reduction.
       axis: block / contraction axis, one int for all tensors or one per tensor.
       backend: "pallas" or "reference".
@@ -71,7 +71,7 @@ def quantize_coalesced(
       list of N `QuantizedTensor` of the local shards; for fp8 / nvfp4 their
       ``global_scale`` is identical on every device of `axis_name`.
     """
-    api.check_fmt(fmt)
+    api.check_format(format)
     api.check_backend(backend)
     interpret = _util.resolve_interpret(interpret)
     if isinstance(tensors, jax.Array) or not isinstance(tensors, Sequence):
@@ -85,13 +85,13 @@ def quantize_coalesced(
                          "int or one per tensor.")
     axes = [api.check_quantizable(t, f"tensors[{i}]", a)
             for i, (t, a) in enumerate(zip(tensors, axes))]
-    if fmt == "mxfp8":
-        return [api.cast_only(t, fmt, None, axis=a, backend=backend, interpret=interpret)
+    if format == "mxfp8":
+        return [api.cast_only(t, format, None, axis=a, backend=backend, interpret=interpret)
                 for t, a in zip(tensors, axes)]
     local = api.multi_amax(tensors, backend=backend, interpret=interpret)
     agreed = local if axis_name is None else reduce_amax(local, axis_name)
     api.raise_if_nonfinite(agreed, "tensors", indexed=True)
-    return [api.cast_impl(t, agreed[i], fmt, a, backend, interpret)
+    return [api.cast_impl(t, agreed[i], format, a, backend, interpret)
             for i, (t, a) in enumerate(zip(tensors, axes))]
 
 
@@ -119,7 +119,7 @@ def gather_quantized(q: QuantizedTensor, axis_name: AxisName, *, dim: int = 0,
     """
     if not isinstance(q, QuantizedTensor):
         raise TypeError(f"q must be a QuantizedTensor, got {type(q).__name__}.")
-    api.check_fmt(q.fmt)
+    api.check_format(q.format)
     ndim = len(q.shape)
     if isinstance(dim, bool) or not isinstance(dim, int) or not -ndim <= dim < ndim:
         raise ValueError(f"dim={dim!r} must be an int in [-{ndim}, {ndim}) for a tensor of "
@@ -127,7 +127,7 @@ def gather_quantized(q: QuantizedTensor, axis_name: AxisName, *, dim: int = 0,
     dim %= ndim
     if q.block and dim == q.axis and q.shape[dim] % q.block:
         raise ValueError(
-            f"cannot gather a {q.fmt} shard of shape {q.shape} along its block axis {dim}: "
+            f"cannot gather a {q.format} shard of shape {q.shape} along its block axis {dim}: "
             f"its length {q.shape[dim]} is not a multiple of the block size {q.block}, so "
             "the zero padding would land inside the gathered tensor. Pad the shard dim to a "
             f"multiple of {q.block} (e.g. GTPConfig.pad_for_alignment) or quantize along "
@@ -142,7 +142,7 @@ def gather_quantized(q: QuantizedTensor, axis_name: AxisName, *, dim: int = 0,
     scales = gathered[1] if q.block_scales is not None else None
     factor = payload.shape[dim] // q.payload.shape[dim]
     shape = q.shape[:dim] + (q.shape[dim] * factor,) + q.shape[dim + 1:]
-    return QuantizedTensor(payload, scales, q.global_scale, shape, q.fmt, q.axis)
+    return QuantizedTensor(payload, scales, q.global_scale, shape, q.format, q.axis)
 
 
 def _gather_fused(leaves: list[jax.Array], axis_name: AxisName) -> list[jax.Array]:

@@ -39,7 +39,7 @@ class QuantizedTensor:
       global_scale: float32[] per-tensor scale (fp8 ``448/amax``, nvfp4 ``2688/amax``;
         None for mxfp8). Replicated: never gather it.
       shape: logical (unpadded) shape of the tensor (static).
-      fmt: "fp8", "mxfp8" or "nvfp4" (static).
+      format: "fp8", "mxfp8" or "nvfp4" (static).
       axis: block / contraction axis, ``0 <= axis < len(shape)`` (static).
     """
 
@@ -47,7 +47,7 @@ class QuantizedTensor:
     block_scales: jax.Array | None
     global_scale: jax.Array | None
     shape: tuple[int, ...]
-    fmt: str
+    format: str
     axis: int
 
     @property
@@ -60,13 +60,13 @@ class QuantizedTensor:
     @property
     def block(self) -> int:
         """Elements per block scale (0 for per-tensor fp8)."""
-        return SPECS[self.fmt].block
+        return SPECS[self.format].block
 
 
 jax.tree_util.register_dataclass(
     QuantizedTensor,
     data_fields=["payload", "block_scales", "global_scale"],
-    meta_fields=["shape", "fmt", "axis"],
+    meta_fields=["shape", "format", "axis"],
 )
 
 
