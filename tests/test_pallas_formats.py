@@ -261,13 +261,13 @@ def test_nvfp4_round_trip_bound(request, dtype):
 
 @pytest.mark.parametrize("fmt", ["mxfp8", "nvfp4"])
 def test_padding_never_leaks(request, fmt):
-    """A block axis of 21 is zero padded: the stored leaves equal those of the explicitly
+    """A block dim of 21 is zero padded: the stored leaves equal those of the explicitly
     zero-padded tensor, and dequantize returns exactly the logical part of its decode."""
     x = np.asarray(weights(rng_for(request.node.nodeid), (3, 21, 5)))
-    q = gp.quantize(jnp.asarray(x), fmt, axis=1, backend="reference")
+    q = gp.quantize(jnp.asarray(x), fmt, dim=1, backend="reference")
     kp = -(-21 // q.block) * q.block
     xp = np.pad(x, [(0, 0), (0, kp - 21), (0, 0)])
-    qp = gp.quantize(jnp.asarray(xp), fmt, axis=1, backend="reference")
+    qp = gp.quantize(jnp.asarray(xp), fmt, dim=1, backend="reference")
     for a, b in zip(jax.tree.leaves(q), jax.tree.leaves(qp)):
         assert_bits_equal(a, b, "leaf")
     out = gp.dequantize(q, jnp.float32)
@@ -329,7 +329,7 @@ def test_quantized_tensor_is_a_pytree(request):
     chex.assert_shape(q.block_scales, (6, 3))
     chex.assert_type(q.block_scales, jnp.float8_e4m3fn)
     chex.assert_shape(q.global_scale, ())
-    assert (q.shape, q.format, q.axis) == ((6, 40), "nvfp4", 1)
+    assert (q.shape, q.format, q.dim) == ((6, 40), "nvfp4", 1)
     q2 = jax.jit(lambda t: t)(q)
     assert jax.tree.structure(q2) == treedef
     assert q.nbytes == 6 * 24 + 6 * 3 + 4
@@ -345,7 +345,7 @@ def test_quantized_tensor_is_a_pytree(request):
         (lambda x: gp.quantize(x, "fp8", backend="cuda"), ValueError, r"backend='cuda'"),
         (lambda x: gp.quantize(x.astype(jnp.int32), "fp8"), TypeError, r"x has dtype int32"),
         (lambda x: gp.quantize(x.astype(jnp.float8_e5m2), "fp8"), TypeError, "float8_e5m2"),
-        (lambda x: gp.quantize(x, "mxfp8", axis=2), ValueError, r"axis=2 is out of range"),
+        (lambda x: gp.quantize(x, "mxfp8", dim=2), ValueError, r"dim=2 is out of range"),
         (lambda x: gp.quantize(x, "mxfp8", amax=1.0), ValueError, r"amax must be None"),
         (lambda x: gp.quantize(x, "fp8", amax=jnp.ones(2)), ValueError, "must be a scalar"),
         (lambda x: gp.quantize(x[0, 0], "fp8"), ValueError, "is a scalar"),

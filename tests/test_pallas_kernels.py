@@ -32,9 +32,9 @@ from gtp_jax.pallas.cast_nvfp4 import cast_nvfp4_pallas
 DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
 
 
-def np_block_rows(x, axis: int, block: int) -> np.ndarray:
-    """numpy twin of `tensor.to_block_rows` (blocks along `axis`, zero padded)."""
-    xm = np.moveaxis(np.asarray(x), axis, -1)
+def np_block_rows(x, dim: int, block: int) -> np.ndarray:
+    """numpy twin of `tensor.to_block_rows` (blocks along `dim`, zero padded)."""
+    xm = np.moveaxis(np.asarray(x), dim, -1)
     pad = -xm.shape[-1] % block
     xm = np.pad(xm, [(0, 0)] * (xm.ndim - 1) + [(0, pad)])
     return xm.reshape(-1, block)
@@ -42,7 +42,7 @@ def np_block_rows(x, axis: int, block: int) -> np.ndarray:
 
 def block_rows(rng, block: int, dtype) -> jax.Array:
     """Block rows from tensors of awkward shapes (non-multiples of the block, tiny,
-    another axis) plus every special block; a row count that no tile divides."""
+    another dim) plus every special block; a row count that no tile divides."""
     parts = [
         np_block_rows(weights(rng, (7, 45), dtype), 1, block),
         np_block_rows(weights(rng, (1,), dtype), 0, block),
@@ -146,12 +146,12 @@ def test_nvfp4_kernel_matches_reference(request, dtype):
 
 @pytest.mark.parametrize("fmt", gp.FORMATS)
 def test_quantize_pallas_equals_reference(request, fmt):
-    """The public API end to end (amax kernel, layout, cast kernel, padding, axis != -1)."""
+    """The public API end to end (amax kernel, layout, cast kernel, padding, dim != -1)."""
     rng = rng_for(request.node.nodeid)
     cases = [(weights(rng, (3, 37, 5), jnp.bfloat16), 1), (jnp.asarray([-2.5]), -1)]
-    for x, axis in cases:
-        qp = gp.quantize(x, fmt, axis=axis, interpret=True)
-        qr = gp.quantize(x, fmt, axis=axis, backend="reference")
+    for x, dim in cases:
+        qp = gp.quantize(x, fmt, dim=dim, interpret=True)
+        qr = gp.quantize(x, fmt, dim=dim, backend="reference")
         assert jax.tree.structure(qp) == jax.tree.structure(qr)
         for a, b in zip(jax.tree.leaves(qp), jax.tree.leaves(qr)):
             assert_bits_equal(a, b, f"{fmt} {x.shape} leaf")
@@ -220,7 +220,7 @@ def test_coalesced_gather_equals_full_quantize(request, fmt, mesh_name, fused):
         assert_bits_equal(values[i], gp.dequantize(expected, jnp.float32), f"tensor {i}")
 
 
-def test_gather_along_block_axis_needs_whole_blocks():
+def test_gather_along_block_dim_needs_whole_blocks():
     q = gp.quantize(jnp.ones((20,)), "nvfp4", backend="reference")
     with pytest.raises(ValueError, match=r"not a multiple of the block size 16"):
         gp.gather_quantized(q, "gtp", dim=0)

@@ -475,7 +475,7 @@ def _gather_times(w: Any, iters: int, interpret: bool) -> list[dict]:
 
             def gather(*parts, q=q, local_shape=local_shape, fused=fused):
                 scales = parts[1] if len(parts) > 1 else None
-                local = gp.QuantizedTensor(parts[0], scales, None, local_shape, q.format, q.axis)
+                local = gp.QuantizedTensor(parts[0], scales, None, local_shape, q.format, q.dim)
                 full = gp.gather_quantized(local, "gtp", dim=0, fused=fused)
                 return full.payload, full.block_scales
         fn = jax.jit(jax.shard_map(gather, mesh=mesh, in_specs=(P("gtp"),) * len(leaves),

@@ -1,7 +1,7 @@
 """Low-precision quantization kernels (Pallas, Triton GPU backend) for weight gathering.
 
 Formats: ``"fp8"`` (e4m3 + per-tensor fp32 scale), ``"mxfp8"`` (e4m3 + one e8m0 scale per
-32 elements along the contraction axis, OCP MX v1.0) and ``"nvfp4"`` (packed e2m1 + one
+32 elements along the contraction dim, OCP MX v1.0) and ``"nvfp4"`` (packed e2m1 + one
 e4m3 scale per 16 elements + per-tensor fp32 scale). Exact rules, rounding, packing and
 the NaN / Inf policy: `gtp_jax.pallas.formats`; leaf layout: `gtp_jax.pallas.tensor`.
 
@@ -13,7 +13,7 @@ API (every function takes ``backend="pallas" | "reference"`` and ``interpret=``)
 
 Wiring a low-precision GTP gather (inside ``shard_map`` over axis "gtp", shard dim 0)::
 
-    qs = quantize_coalesced(local_shards, "nvfp4", "gtp")      # axis=-1 blocks
+    qs = quantize_coalesced(local_shards, "nvfp4", "gtp")      # dim=-1 blocks
     full = [dequantize(gather_quantized(q, "gtp", dim=0), jnp.bfloat16) for q in qs]
 
 Caveat for oracles on GPU: with the default ``--xla_allow_excess_precision=true``, XLA:GPU

@@ -52,8 +52,8 @@ def check_array(x: Any, name: str) -> None:
                         f"{[str(d) for d in SUPPORTED_DTYPES]} first.")
 
 
-def check_quantizable(x: Any, name: str, axis: Any) -> int:
-    """Checks `x` and `axis`; returns the normalised axis."""
+def check_quantizable(x: Any, name: str, dim: Any) -> int:
+    """Checks `x` and `dim`; returns the normalised dim."""
     check_array(x, name)
     if x.ndim == 0:
         raise UsageError(f"{name} is a scalar; quantize arrays of rank >= 1 "
@@ -61,11 +61,11 @@ def check_quantizable(x: Any, name: str, axis: Any) -> int:
     if x.size == 0:
         raise UsageError(f"{name} has shape {x.shape} (no elements); nothing to quantize.")
     _util.check_size(x.size, f"{name} (shape {x.shape})")
-    if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)):
-        raise UsageTypeError(f"axis={axis!r} must be an int (the block / contraction axis).")
-    if not -x.ndim <= axis < x.ndim:
-        raise UsageError(f"axis={axis} is out of range for {name} of rank {x.ndim}.")
-    return int(axis) % x.ndim
+    if isinstance(dim, bool) or not isinstance(dim, (int, np.integer)):
+        raise UsageTypeError(f"dim={dim!r} must be an int (the block / contraction dim).")
+    if not -x.ndim <= dim < x.ndim:
+        raise UsageError(f"dim={dim} is out of range for {name} of rank {x.ndim}.")
+    return int(dim) % x.ndim
 
 
 def check_amax(format: str, amax: Any, required: bool) -> jax.Array | None:
@@ -161,8 +161,8 @@ def multi_amax(
 # --------------------------------------------------------------------------- cast
 
 
-@functools.partial(jax.jit, static_argnames=("format", "axis", "backend", "interpret"))
-def cast_impl(x: jax.Array, amax: jax.Array | None, format: str, axis: int, backend: str,
+@functools.partial(jax.jit, static_argnames=("format", "dim", "backend", "interpret"))
+def cast_impl(x: jax.Array, amax: jax.Array | None, format: str, dim: int, backend: str,
               interpret: bool) -> QuantizedTensor:
     """Jitted cast of already validated arguments (shared by quantize / cast_only /
     quantize_coalesced); `amax` is None only for mxfp8."""
@@ -174,8 +174,8 @@ def cast_impl(x: jax.Array, amax: jax.Array | None, format: str, axis: int, back
             payload = cast_fp8_pallas(x, scale, interpret=interpret)
         else:
             payload = formats.fp8_cast_reference(x, scale)
-        return QuantizedTensor(payload, None, scale, shape, format, axis)
-    rows = to_block_rows(x, axis, SPECS[format].block)
+        return QuantizedTensor(payload, None, scale, shape, format, dim)
+    rows = to_block_rows(x, dim, SPECS[format].block)
     if format == "mxfp8":
         if pallas:
             payload_rows, scale_rows = quantize_mxfp8_pallas(rows, interpret=interpret)
@@ -189,9 +189,9 @@ def cast_impl(x: jax.Array, amax: jax.Array | None, format: str, axis: int, back
                                                          interpret=interpret)
         else:
             payload_rows, scale_rows = formats.nvfp4_cast_reference(rows, global_scale)
-    payload = from_block_rows(payload_rows, shape, axis)
-    scales = from_block_rows(scale_rows, shape, axis)
-    return QuantizedTensor(payload, scales, global_scale, shape, format, axis)
+    payload = from_block_rows(payload_rows, shape, dim)
+    scales = from_block_rows(scale_rows, shape, dim)
+    return QuantizedTensor(payload, scales, global_scale, shape, format, dim)
 
 
 def cast_only(
@@ -199,7 +199,7 @@ def cast_only(
     format: str,
     amax: jax.Array | float | None = None,
     *,
-    axis: int = -1,
+    dim: int = -1,
     backend: str = "pallas",
     interpret: bool | None = None,
 ) -> QuantizedTensor:
@@ -211,7 +211,7 @@ def cast_only(
       format: "fp8", "mxfp8" or "nvfp4".
       amax: float32 scalar, required for fp8 / nvfp4 (the tensor amax, typically
         ``reduce_amax(multi_amax(...))[i]``); must be None for mxfp8.
-      axis: block / contraction axis (mxfp8 / nvfp4), default the last.
+      dim: block / contraction dim (mxfp8 / nvfp4), default the last.
       backend: "pallas" or "reference".
       interpret: Pallas interpreter; None = True unless the default backend is a GPU.
     Returns:
@@ -222,17 +222,17 @@ def cast_only(
     check_format(format)
     check_backend(backend)
     interpret = _util.resolve_interpret(interpret)
-    axis = check_quantizable(x, "x", axis)
+    dim = check_quantizable(x, "x", dim)
     amax = check_amax(format, amax, required=True)
-    return _checked_cast(x, amax, format, axis, backend, interpret)
+    return _checked_cast(x, amax, format, dim, backend, interpret)
 
 
-def _checked_cast(x: jax.Array, amax: jax.Array | None, format: str, axis: int, backend: str,
+def _checked_cast(x: jax.Array, amax: jax.Array | None, format: str, dim: int, backend: str,
                   interpret: bool) -> QuantizedTensor:
     """Casts with `amax`; eager calls raise on a non-finite amax (or NaN mxfp8 block)."""
     if amax is not None:
         raise_if_nonfinite(amax, "x")
-    out = cast_impl(x, amax, format, axis, backend, interpret)
+    out = cast_impl(x, amax, format, dim, backend, interpret)
     if format == "mxfp8":
         _raise_if_nan_blocks(out)
     return out
@@ -248,7 +248,7 @@ def quantize(
     x: jax.Array,
     format: str,
     *,
-    axis: int = -1,
+    dim: int = -1,
     amax: jax.Array | float | None = None,
     backend: str = "pallas",
     interpret: bool | None = None,
@@ -257,10 +257,10 @@ def quantize(
 
     Args:
       x: array of rank >= 1, float32 / bfloat16 / float16.
-      format: "fp8" (e4m3 + per-tensor scale), "mxfp8" (e4m3 + e8m0 per 32 along `axis`) or
-        "nvfp4" (packed e2m1 + e4m3 per 16 along `axis` + per-tensor scale); the exact
+      format: "fp8" (e4m3 + per-tensor scale), "mxfp8" (e4m3 + e8m0 per 32 along `dim`) or
+        "nvfp4" (packed e2m1 + e4m3 per 16 along `dim` + per-tensor scale); the exact
         rules are in `gtp_jax.pallas.formats`.
-      axis: block / contraction axis (ignored by fp8's layout), default the last.
+      dim: block / contraction dim (ignored by fp8's layout), default the last.
       amax: None for current scaling (amax of `x`, one kernel pass); a float32 scalar
         for delayed scaling (fp8 / nvfp4 only; values beyond it saturate).
       backend: "pallas" (Triton kernels) or "reference" (pure JAX oracle).
@@ -274,11 +274,11 @@ def quantize(
     check_format(format)
     check_backend(backend)
     interpret = _util.resolve_interpret(interpret)
-    axis = check_quantizable(x, "x", axis)
+    dim = check_quantizable(x, "x", dim)
     amax = check_amax(format, amax, required=False)
     if format != "mxfp8" and amax is None:
         amax = _multi_amax((x,), backend, interpret)[0]
-    return _checked_cast(x, amax, format, axis, backend, interpret)
+    return _checked_cast(x, amax, format, dim, backend, interpret)
 
 
 # --------------------------------------------------------------------------- dequantize
@@ -313,11 +313,11 @@ def dequantize(
     if not jnp.issubdtype(dtype, jnp.floating):
         raise UsageTypeError(f"dtype={dtype!r} must be a floating dtype such as jnp.bfloat16.")
     if q.format != "fp8":
-        expected = tuple(q.shape[:q.axis]) + tuple(q.shape[q.axis + 1:])
-        got = tuple(q.payload.shape[:q.axis]) + tuple(q.payload.shape[q.axis + 1:])
+        expected = tuple(q.shape[:q.dim]) + tuple(q.shape[q.dim + 1:])
+        got = tuple(q.payload.shape[:q.dim]) + tuple(q.payload.shape[q.dim + 1:])
         if got != expected:
             raise UsageError(f"q.payload has shape {q.payload.shape}, inconsistent with the "
-                             f"logical shape {q.shape} (axis {q.axis}).")
+                             f"logical shape {q.shape} (dim {q.dim}).")
     return _dequantize(q, np.dtype(dtype))
 
 
@@ -327,13 +327,13 @@ def _dequantize(q: QuantizedTensor, dtype: np.dtype) -> jax.Array:
     if q.format == "fp8":
         return formats.fp8_decode(q.payload, q.global_scale).astype(dtype)
     width = spec.block // spec.elems_per_byte
-    payload_rows = leaf_rows(q.payload, q.axis, width)
-    scale_rows = leaf_rows(q.block_scales, q.axis, 1)
+    payload_rows = leaf_rows(q.payload, q.dim, width)
+    scale_rows = leaf_rows(q.block_scales, q.dim, 1)
     if q.format == "mxfp8":
         values = formats.mxfp8_decode(payload_rows, scale_rows)
     else:
         values = formats.nvfp4_decode(payload_rows, scale_rows, q.global_scale)
-    padded = tuple(q.shape[:q.axis]) + (q.payload.shape[q.axis] * spec.elems_per_byte,) \
-        + tuple(q.shape[q.axis + 1:])
-    full = from_block_rows(values, padded, q.axis)
-    return slice_logical(full, q.shape, q.axis).astype(dtype)
+    padded = tuple(q.shape[:q.dim]) + (q.payload.shape[q.dim] * spec.elems_per_byte,) \
+        + tuple(q.shape[q.dim + 1:])
+    full = from_block_rows(values, padded, q.dim)
+    return slice_logical(full, q.shape, q.dim).astype(dtype)

@@ -129,7 +129,7 @@ def all_gather_shards(shards: Sequence[jax.Array], specs: Sequence[GatherSpec]
         from gtp_jax import pallas  # deferred: the kernels load only when a format is used
 
         qs = pallas.quantize_coalesced([shards[i] for i in idx], gather_format, axis,
-                                       axis=[specs[i].block_axis for i in idx],
+                                       dim=[specs[i].block_axis for i in idx],
                                        backend=backend)
         for i, q in zip(idx, qs):
             spec = specs[i]
