@@ -1,5 +1,5 @@
-"""The pure-JAX reference formats (the oracle) against independent numpy / ml_dtypes
-definitions, round-trip error bounds derived from the formats, the NaN policy, the
+"""The pure-JAX reference formats against the numpy oracle (`gtp_jax.pallas.oracle`) and
+ml_dtypes, round-trip error bounds derived from the formats, the NaN policy, the
 QuantizedTensor pytree and argument validation. No Pallas kernels run here (see
 test_pallas_kernels.py for kernel == reference)."""
 
@@ -89,12 +89,7 @@ def assert_same_float(actual, expected, what: str = "") -> None:
                                   np.asarray(expected, np.float32), err_msg=what)
 
 
-# --------------------------------------------------------------------------- numpy oracles
-
-np_amax = oracle.amax
-np_fp8 = oracle.fp8_cast
-np_mxfp8 = oracle.mxfp8_cast
-np_nvfp4 = oracle.nvfp4_cast
+# --------------------------------------------------------------------------- helpers
 
 
 def finite_normal(block: int, dtype) -> np.ndarray:
@@ -107,10 +102,10 @@ def finite_normal(block: int, dtype) -> np.ndarray:
     return rows[ok]
 
 
-# --------------------------------------------------------------------------- oracle checks
+# --------------------------------------------------------------------------- reference == oracle
 
 
-def test_amax_reference_matches_numpy(request):
+def test_amax_reference_matches_oracle(request):
     rng = rng_for(request.node.nodeid)
     xs = [weights(rng, (33, 17)), jnp.asarray(special_blocks(16, jnp.float32)[1]),
           jnp.asarray(special_blocks(16, jnp.float32)[6]), jnp.zeros((0, 3)),
@@ -118,39 +113,40 @@ def test_amax_reference_matches_numpy(request):
     got = gp.multi_amax(xs, backend="reference")
     chex.assert_shape(got, (len(xs),))
     chex.assert_type(got, jnp.float32)
-    assert_same_float(got, [np_amax(x) for x in xs], "amax (denormals exact, NaN wins)")
+    assert_same_float(got, [oracle.amax(x) for x in xs], "amax (denormals exact, NaN wins)")
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_fp8_reference_matches_numpy(request, dtype):
+def test_fp8_reference_matches_oracle(request, dtype):
     x = weights(rng_for(request.node.nodeid), (37, 29), dtype)
-    amax = np_amax(x)
+    amax = oracle.amax(x)
     for given in (amax, amax / 4):  # current scaling, and delayed with saturation
         q = gp.quantize(x, "fp8", amax=given, backend="reference")
         scale = np.float32(448) / np.float32(given)
         assert_bits_equal(q.global_scale, np.float32(scale), "fp8 scale")
-        assert_bits_equal(q.payload, np_fp8(np.asarray(x, np.float32), scale), "fp8 payload")
+        assert_bits_equal(q.payload, oracle.fp8_cast(np.asarray(x, np.float32), scale),
+                          "fp8 payload")
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
-def test_mxfp8_reference_matches_numpy(request, dtype):
+def test_mxfp8_reference_matches_oracle(request, dtype):
     rows = np.concatenate([np.asarray(weights(rng_for(request.node.nodeid), (40, 32), dtype),
                                       np.float32),
                            finite_normal(32, dtype)])
     payload, scales = jax.jit(formats.mxfp8_cast_reference)(jnp.asarray(rows).astype(dtype))
-    exp_payload, exp_scales = np_mxfp8(rows)
+    exp_payload, exp_scales = oracle.mxfp8_cast(rows)
     assert_bits_equal(scales, exp_scales, "e8m0 scales")
     assert_bits_equal(payload, exp_payload, "mxfp8 payload")
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_nvfp4_reference_matches_numpy(request, dtype):
+def test_nvfp4_reference_matches_oracle(request, dtype):
     rows = np.concatenate([np.asarray(weights(rng_for(request.node.nodeid), (60, 16), dtype),
                                       np.float32),
                            finite_normal(16, dtype)])
-    g = np.float32(formats.NVFP4_GLOBAL_MAX) / np_amax(rows)
+    g = np.float32(formats.NVFP4_GLOBAL_MAX) / oracle.amax(rows)
     payload, scales = jax.jit(formats.nvfp4_cast_reference)(jnp.asarray(rows).astype(dtype), g)
-    exp_payload, exp_scales = np_nvfp4(rows, g)
+    exp_payload, exp_scales = oracle.nvfp4_cast(rows, g)
     assert_bits_equal(scales, exp_scales, "e4m3 block scales")
     assert_bits_equal(payload, exp_payload, "packed e2m1")
 

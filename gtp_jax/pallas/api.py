@@ -37,7 +37,7 @@ def check_format(format: Any) -> str:
 def check_backend(backend: Any) -> str:
     if backend not in BACKENDS:
         raise UsageError(f"backend={backend!r} is unknown; use one of {BACKENDS} "
-                         "('reference' is the pure-JAX oracle).")
+                         "('reference' is the pure-JAX reference implementation).")
     return backend
 
 
@@ -263,7 +263,7 @@ def quantize(
       dim: block / contraction dim (ignored by fp8's layout), default the last.
       amax: None for current scaling (amax of `x`, one kernel pass); a float32 scalar
         for delayed scaling (fp8 / nvfp4 only; values beyond it saturate).
-      backend: "pallas" (Triton kernels) or "reference" (pure JAX oracle).
+      backend: "pallas" (Triton kernels) or "reference" (pure-JAX reference).
       interpret: Pallas interpreter; None = True unless the default backend is a GPU.
     Returns:
       `QuantizedTensor` with the logical shape of `x`.

@@ -1,4 +1,4 @@
-"""Format definitions and the pure-JAX reference implementation (the oracle).
+"""Format definitions and the pure-JAX reference implementation (``backend="reference"``).
 
 Every number format is defined here once, in plain `jax.numpy`; the Pallas kernels in
 `amax.py`, `cast_fp8.py`, `cast_mxfp8.py` and `cast_nvfp4.py` must reproduce these
