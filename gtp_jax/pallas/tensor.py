@@ -26,6 +26,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from gtp_jax.base.shapes import round_up
 from gtp_jax.pallas.formats import SPECS
 
 
@@ -68,10 +69,6 @@ jax.tree_util.register_dataclass(
     data_fields=["payload", "block_scales", "global_scale"],
     meta_fields=["shape", "format", "dim"],
 )
-
-
-def round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
 
 
 def to_block_rows(x: jax.Array, dim: int, block: int) -> jax.Array:
