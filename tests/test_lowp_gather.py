@@ -1,7 +1,7 @@
 """Low-precision GTP gathers (`GTPConfig.gather_format`) against the unsharded model.
 
 The reference is the unsharded model run on quantize -> dequantize of its *full* weights
-(the `gtp_jax.pallas` reference backend, same format, block axis and per-weight scale).
+(the `gtp_jax.pallas` reference backend, same format, block dim and per-weight scale).
 Blocks never straddle the GTP shard dim and all shards of a weight agree on one amax, so
 the gathered weight is exactly that reference weight: the forward pass matches to fp32
 GEMM rounding, and so do the gradients, which are straight-through (taken with respect to
@@ -48,7 +48,7 @@ REF = "reference"
 def _qdq(weight: jax.Array, spec, fmt: str, stacked: bool) -> jax.Array:
     """What every device holds after the low-precision gather of `weight` (full, logical)."""
     def one(w):
-        q = pallas.quantize(w, fmt, axis=spec.block_axis, backend="reference")
+        q = pallas.quantize(w, fmt, dim=spec.block_axis, backend="reference")
         return pallas.dequantize(q, spec.compute_dtype, backend="reference")
 
     if stacked:  # one scale per layer's weight, as the layer loop gathers them

@@ -1,5 +1,5 @@
-"""The pure-JAX reference formats (the oracle) against independent numpy / ml_dtypes
-definitions, round-trip error bounds derived from the formats, the NaN policy, the
+"""The pure-JAX reference formats against the numpy oracle (`gtp_jax.pallas.oracle`) and
+ml_dtypes, round-trip error bounds derived from the formats, the NaN policy, the
 QuantizedTensor pytree and argument validation. No Pallas kernels run here (see
 test_pallas_kernels.py for kernel == reference)."""
 
@@ -89,12 +89,7 @@ def assert_same_float(actual, expected, what: str = "") -> None:
                                   np.asarray(expected, np.float32), err_msg=what)
 
 
-# --------------------------------------------------------------------------- numpy oracles
-
-np_amax = oracle.amax
-np_fp8 = oracle.fp8_cast
-np_mxfp8 = oracle.mxfp8_cast
-np_nvfp4 = oracle.nvfp4_cast
+# --------------------------------------------------------------------------- helpers
 
 
 def finite_normal(block: int, dtype) -> np.ndarray:
@@ -107,10 +102,10 @@ def finite_normal(block: int, dtype) -> np.ndarray:
     return rows[ok]
 
 
-# --------------------------------------------------------------------------- oracle checks
+# --------------------------------------------------------------------------- reference == oracle
 
 
-def test_amax_reference_matches_numpy(request):
+def test_amax_reference_matches_oracle(request):
     rng = rng_for(request.node.nodeid)
     xs = [weights(rng, (33, 17)), jnp.asarray(special_blocks(16, jnp.float32)[1]),
           jnp.asarray(special_blocks(16, jnp.float32)[6]), jnp.zeros((0, 3)),
@@ -118,39 +113,40 @@ def test_amax_reference_matches_numpy(request):
     got = gp.multi_amax(xs, backend="reference")
     chex.assert_shape(got, (len(xs),))
     chex.assert_type(got, jnp.float32)
-    assert_same_float(got, [np_amax(x) for x in xs], "amax (denormals exact, NaN wins)")
+    assert_same_float(got, [oracle.amax(x) for x in xs], "amax (denormals exact, NaN wins)")
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_fp8_reference_matches_numpy(request, dtype):
+def test_fp8_reference_matches_oracle(request, dtype):
     x = weights(rng_for(request.node.nodeid), (37, 29), dtype)
-    amax = np_amax(x)
+    amax = oracle.amax(x)
     for given in (amax, amax / 4):  # current scaling, and delayed with saturation
         q = gp.quantize(x, "fp8", amax=given, backend="reference")
         scale = np.float32(448) / np.float32(given)
         assert_bits_equal(q.global_scale, np.float32(scale), "fp8 scale")
-        assert_bits_equal(q.payload, np_fp8(np.asarray(x, np.float32), scale), "fp8 payload")
+        assert_bits_equal(q.payload, oracle.fp8_cast(np.asarray(x, np.float32), scale),
+                          "fp8 payload")
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
-def test_mxfp8_reference_matches_numpy(request, dtype):
+def test_mxfp8_reference_matches_oracle(request, dtype):
     rows = np.concatenate([np.asarray(weights(rng_for(request.node.nodeid), (40, 32), dtype),
                                       np.float32),
                            finite_normal(32, dtype)])
     payload, scales = jax.jit(formats.mxfp8_cast_reference)(jnp.asarray(rows).astype(dtype))
-    exp_payload, exp_scales = np_mxfp8(rows)
+    exp_payload, exp_scales = oracle.mxfp8_cast(rows)
     assert_bits_equal(scales, exp_scales, "e8m0 scales")
     assert_bits_equal(payload, exp_payload, "mxfp8 payload")
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_nvfp4_reference_matches_numpy(request, dtype):
+def test_nvfp4_reference_matches_oracle(request, dtype):
     rows = np.concatenate([np.asarray(weights(rng_for(request.node.nodeid), (60, 16), dtype),
                                       np.float32),
                            finite_normal(16, dtype)])
-    g = np.float32(formats.NVFP4_GLOBAL_MAX) / np_amax(rows)
+    g = np.float32(formats.NVFP4_GLOBAL_MAX) / oracle.amax(rows)
     payload, scales = jax.jit(formats.nvfp4_cast_reference)(jnp.asarray(rows).astype(dtype), g)
-    exp_payload, exp_scales = np_nvfp4(rows, g)
+    exp_payload, exp_scales = oracle.nvfp4_cast(rows, g)
     assert_bits_equal(scales, exp_scales, "e4m3 block scales")
     assert_bits_equal(payload, exp_payload, "packed e2m1")
 
@@ -261,13 +257,13 @@ def test_nvfp4_round_trip_bound(request, dtype):
 
 @pytest.mark.parametrize("fmt", ["mxfp8", "nvfp4"])
 def test_padding_never_leaks(request, fmt):
-    """A block axis of 21 is zero padded: the stored leaves equal those of the explicitly
+    """A block dim of 21 is zero padded: the stored leaves equal those of the explicitly
     zero-padded tensor, and dequantize returns exactly the logical part of its decode."""
     x = np.asarray(weights(rng_for(request.node.nodeid), (3, 21, 5)))
-    q = gp.quantize(jnp.asarray(x), fmt, axis=1, backend="reference")
+    q = gp.quantize(jnp.asarray(x), fmt, dim=1, backend="reference")
     kp = -(-21 // q.block) * q.block
     xp = np.pad(x, [(0, 0), (0, kp - 21), (0, 0)])
-    qp = gp.quantize(jnp.asarray(xp), fmt, axis=1, backend="reference")
+    qp = gp.quantize(jnp.asarray(xp), fmt, dim=1, backend="reference")
     for a, b in zip(jax.tree.leaves(q), jax.tree.leaves(qp)):
         assert_bits_equal(a, b, "leaf")
     out = gp.dequantize(q, jnp.float32)
@@ -329,7 +325,7 @@ def test_quantized_tensor_is_a_pytree(request):
     chex.assert_shape(q.block_scales, (6, 3))
     chex.assert_type(q.block_scales, jnp.float8_e4m3fn)
     chex.assert_shape(q.global_scale, ())
-    assert (q.shape, q.fmt, q.axis) == ((6, 40), "nvfp4", 1)
+    assert (q.shape, q.format, q.dim) == ((6, 40), "nvfp4", 1)
     q2 = jax.jit(lambda t: t)(q)
     assert jax.tree.structure(q2) == treedef
     assert q.nbytes == 6 * 24 + 6 * 3 + 4
@@ -341,11 +337,11 @@ def test_quantized_tensor_is_a_pytree(request):
 @pytest.mark.parametrize(
     "call, exc, match",
     [
-        (lambda x: gp.quantize(x, "fp16"), ValueError, r"fmt='fp16' is unknown"),
+        (lambda x: gp.quantize(x, "fp16"), ValueError, r"format='fp16' is unknown"),
         (lambda x: gp.quantize(x, "fp8", backend="cuda"), ValueError, r"backend='cuda'"),
         (lambda x: gp.quantize(x.astype(jnp.int32), "fp8"), TypeError, r"x has dtype int32"),
         (lambda x: gp.quantize(x.astype(jnp.float8_e5m2), "fp8"), TypeError, "float8_e5m2"),
-        (lambda x: gp.quantize(x, "mxfp8", axis=2), ValueError, r"axis=2 is out of range"),
+        (lambda x: gp.quantize(x, "mxfp8", dim=2), ValueError, r"dim=2 is out of range"),
         (lambda x: gp.quantize(x, "mxfp8", amax=1.0), ValueError, r"amax must be None"),
         (lambda x: gp.quantize(x, "fp8", amax=jnp.ones(2)), ValueError, "must be a scalar"),
         (lambda x: gp.quantize(x[0, 0], "fp8"), ValueError, "is a scalar"),

@@ -16,14 +16,13 @@ from jax.sharding import PartitionSpec as P
 from test_pallas_formats import (
     assert_bits_equal,
     assert_same_float,
-    np_amax,
     rng_for,
     special_blocks,
     weights,
 )
 
 import gtp_jax.pallas as gp
-from gtp_jax.pallas import formats
+from gtp_jax.pallas import formats, oracle
 from gtp_jax.pallas.amax import multi_amax_pallas
 from gtp_jax.pallas.cast_fp8 import cast_fp8_pallas
 from gtp_jax.pallas.cast_mxfp8 import quantize_mxfp8_pallas
@@ -32,9 +31,9 @@ from gtp_jax.pallas.cast_nvfp4 import cast_nvfp4_pallas
 DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
 
 
-def np_block_rows(x, axis: int, block: int) -> np.ndarray:
-    """numpy twin of `tensor.to_block_rows` (blocks along `axis`, zero padded)."""
-    xm = np.moveaxis(np.asarray(x), axis, -1)
+def np_block_rows(x, dim: int, block: int) -> np.ndarray:
+    """numpy twin of `tensor.to_block_rows` (blocks along `dim`, zero padded)."""
+    xm = np.moveaxis(np.asarray(x), dim, -1)
     pad = -xm.shape[-1] % block
     xm = np.pad(xm, [(0, 0)] * (xm.ndim - 1) + [(0, pad)])
     return xm.reshape(-1, block)
@@ -42,7 +41,7 @@ def np_block_rows(x, axis: int, block: int) -> np.ndarray:
 
 def block_rows(rng, block: int, dtype) -> jax.Array:
     """Block rows from tensors of awkward shapes (non-multiples of the block, tiny,
-    another axis) plus every special block; a row count that no tile divides."""
+    another dim) plus every special block; a row count that no tile divides."""
     parts = [
         np_block_rows(weights(rng, (7, 45), dtype), 1, block),
         np_block_rows(weights(rng, (1,), dtype), 0, block),
@@ -56,7 +55,7 @@ def block_rows(rng, block: int, dtype) -> jax.Array:
 # --------------------------------------------------------------------------- amax
 
 
-def test_multi_amax_kernel_matches_numpy(request):
+def test_multi_amax_kernel_matches_oracle(request):
     rng = rng_for(request.node.nodeid)
     special = special_blocks(32, jnp.float32)
     xs = [
@@ -72,7 +71,7 @@ def test_multi_amax_kernel_matches_numpy(request):
         weights(rng, (300,), jnp.bfloat16, spread=20),
         jnp.asarray([0.5, -np.nextafter(np.float32(3), np.float32(4))]),  # odd last bit
     ]
-    expected = [np_amax(x) for x in xs]
+    expected = [oracle.amax(x) for x in xs]
     # Small tiles: several programs per tensor, ragged tails, 11 branches in one launch.
     got = multi_amax_pallas(xs, interpret=True, tile=64, steps=1)
     chex.assert_shape(got, (len(xs),))
@@ -100,7 +99,7 @@ def test_fp8_kernel_matches_reference(request, dtype):
         np.asarray(weights(rng, (61, 33), dtype)).reshape(-1),
         special_blocks(16, dtype).astype(jnp.dtype(dtype)).reshape(-1)]))
     finite = np.isfinite(np.asarray(x, np.float32))
-    amax = np_amax(np.asarray(x, np.float32)[finite])
+    amax = oracle.amax(np.asarray(x, np.float32)[finite])
     kernel = jax.jit(lambda v, s: cast_fp8_pallas(v, s, interpret=True, tile=256))
     reference = jax.jit(formats.fp8_cast_reference)
     # current, delayed (saturating), tiny (scale at float32 max) and NaN scales
@@ -127,7 +126,7 @@ def test_mxfp8_kernel_matches_reference(request, dtype):
 def test_nvfp4_kernel_matches_reference(request, dtype):
     rows = block_rows(rng_for(request.node.nodeid), 16, dtype)
     r32 = np.asarray(rows, np.float32)
-    amax = np_amax(r32[np.isfinite(r32)])
+    amax = oracle.amax(r32[np.isfinite(r32)])
     reference = jax.jit(formats.nvfp4_cast_reference)
     # bf16 rows are read as uint32 pairs by default; check the generic path as well.
     for pairs in (True, False) if dtype == jnp.bfloat16 else (True,):
@@ -146,12 +145,12 @@ def test_nvfp4_kernel_matches_reference(request, dtype):
 
 @pytest.mark.parametrize("fmt", gp.FORMATS)
 def test_quantize_pallas_equals_reference(request, fmt):
-    """The public API end to end (amax kernel, layout, cast kernel, padding, axis != -1)."""
+    """The public API end to end (amax kernel, layout, cast kernel, padding, dim != -1)."""
     rng = rng_for(request.node.nodeid)
     cases = [(weights(rng, (3, 37, 5), jnp.bfloat16), 1), (jnp.asarray([-2.5]), -1)]
-    for x, axis in cases:
-        qp = gp.quantize(x, fmt, axis=axis, interpret=True)
-        qr = gp.quantize(x, fmt, axis=axis, backend="reference")
+    for x, dim in cases:
+        qp = gp.quantize(x, fmt, dim=dim, interpret=True)
+        qr = gp.quantize(x, fmt, dim=dim, backend="reference")
         assert jax.tree.structure(qp) == jax.tree.structure(qr)
         for a, b in zip(jax.tree.leaves(qp), jax.tree.leaves(qr)):
             assert_bits_equal(a, b, f"{fmt} {x.shape} leaf")
@@ -212,7 +211,7 @@ def test_coalesced_gather_equals_full_quantize(request, fmt, mesh_name, fused):
     assert count_ops(compiled, "all-gather") == gathers_per_tensor * len(full)
     gathered, values = fn(*full)
     for i, x in enumerate(full):
-        amax = None if fmt == "mxfp8" else np_amax(x)
+        amax = None if fmt == "mxfp8" else oracle.amax(x)
         expected = gp.quantize(x, fmt, amax=amax, backend="reference")
         assert gathered[i].shape == x.shape
         for a, b in zip(jax.tree.leaves(gathered[i]), jax.tree.leaves(expected)):
@@ -220,7 +219,7 @@ def test_coalesced_gather_equals_full_quantize(request, fmt, mesh_name, fused):
         assert_bits_equal(values[i], gp.dequantize(expected, jnp.float32), f"tensor {i}")
 
 
-def test_gather_along_block_axis_needs_whole_blocks():
+def test_gather_along_block_dim_needs_whole_blocks():
     q = gp.quantize(jnp.ones((20,)), "nvfp4", backend="reference")
     with pytest.raises(ValueError, match=r"not a multiple of the block size 16"):
         gp.gather_quantized(q, "gtp", dim=0)

@@ -3,5 +3,5 @@
 `errors` (the library's error types), `config` (`GTPConfig`), `mesh` (the device mesh and
 data placement), `metadata` (Variable metadata keys that models set and the sharding layer
 reads), `axes` (the model-parallel axes published to model code), `xla_flags` (defaults the
-library sets before the XLA backend starts).
+library sets before the XLA backend starts), `shapes` (integer shape arithmetic: `round_up`).
 """

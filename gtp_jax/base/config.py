@@ -73,7 +73,7 @@ class GTPConfig:
         gradients stay in high precision (straight-through gradient). Weights of per-layer
         rank 1 are gathered unquantized.
       quant_backend: "pallas" (the `gtp_jax.pallas` kernels; interpreted on CPU) or
-        "reference" (the pure-JAX oracle of the same formats).
+        "reference" (the pure-JAX reference implementation of the same formats).
       prefetch: double-buffered prefetch in `gtp_jax.scan_layers`: layer ``i + 1``'s
         weights are gathered while layer ``i`` computes, and in the backward loop layer
         ``i - 1``'s weights are gathered and layer ``i + 1``'s gradient reduce-scattered

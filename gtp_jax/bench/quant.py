@@ -167,8 +167,8 @@ def check_kernels(small: bool, interpret: bool) -> tuple[dict[str, str], dict[st
 
     for fmt in gp.FORMATS:
         kw = {} if fmt == "mxfp8" else {"amax": np.float32(100.0)}
-        qp = jax.jit(functools.partial(gp.cast_only, fmt=fmt, interpret=interpret, **kw))
-        qr = jax.jit(functools.partial(gp.cast_only, fmt=fmt, backend="reference", **kw))
+        qp = jax.jit(functools.partial(gp.cast_only, format=fmt, interpret=interpret, **kw))
+        qr = jax.jit(functools.partial(gp.cast_only, format=fmt, backend="reference", **kw))
         record(f"{fmt} cast_only+dequantize bf16[1000,333]", (cast_then_decode, x, qp),
                (cast_then_decode, x, qr))
     xs = [tensor((64, 48), jnp.bfloat16, False), tensor((5,), jnp.float32),
@@ -475,7 +475,7 @@ def _gather_times(w: Any, iters: int, interpret: bool) -> list[dict]:
 
             def gather(*parts, q=q, local_shape=local_shape, fused=fused):
                 scales = parts[1] if len(parts) > 1 else None
-                local = gp.QuantizedTensor(parts[0], scales, None, local_shape, q.fmt, q.axis)
+                local = gp.QuantizedTensor(parts[0], scales, None, local_shape, q.format, q.dim)
                 full = gp.gather_quantized(local, "gtp", dim=0, fused=fused)
                 return full.payload, full.block_scales
         fn = jax.jit(jax.shard_map(gather, mesh=mesh, in_specs=(P("gtp"),) * len(leaves),

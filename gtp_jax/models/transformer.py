@@ -32,12 +32,13 @@ from jax.sharding import PartitionSpec as P
 from gtp_jax.base.axes import TP_AXIS, current_axes
 from gtp_jax.base.mesh import data_axes
 from gtp_jax.base.metadata import STACKED, TP_DIM, TP_PARTS
+from gtp_jax.base.shapes import round_up
 from gtp_jax.parallel.collective_matmul import (
     all_gather_matmul_chunks,
     matmul_reduce_scatter_chunks,
 )
 from gtp_jax.parallel.moe import MoE
-from gtp_jax.parallel.tp import column_parallel, pad_seq, padded_len, row_parallel, seq_chunk
+from gtp_jax.parallel.tp import column_parallel, pad_seq, row_parallel, seq_chunk
 from gtp_jax.sharding.module import OutputLayout
 from gtp_jax.sharding.scan import scan_layers
 
@@ -413,7 +414,7 @@ class Transformer(nnx.Module):
         if axes.tp is not None:
             # Trailing pad to a multiple of tp: causal attention keeps real positions exact.
             tokens = seq_chunk(pad_seq(tokens, axes.tp_size), axes.tp)
-        cos, sin = rope_tables(padded_len(seq_len, axes.tp_size), cfg.head_dim, cfg.rope_theta)
+        cos, sin = rope_tables(round_up(seq_len, axes.tp_size), cfg.head_dim, cfg.rope_theta)
         x = self.embed(tokens)
         graphdef, stacked = nnx.split(self.blocks)
 
@@ -441,7 +442,7 @@ class Transformer(nnx.Module):
         data = data_axes(mesh)
         seq_len = tokens.shape[1]
         specs = LMOutput(P(data, TP_AXIS), P(data))
-        if padded_len(seq_len, tp) == seq_len:
+        if round_up(seq_len, tp) == seq_len:
             return OutputLayout(specs)
         return OutputLayout(specs, lambda out: out._replace(logits=out.logits[:, :seq_len]))
 

@@ -1,26 +1,32 @@
 """Low-precision quantization kernels (Pallas, Triton GPU backend) for weight gathering.
 
 Formats: ``"fp8"`` (e4m3 + per-tensor fp32 scale), ``"mxfp8"`` (e4m3 + one e8m0 scale per
-32 elements along the contraction axis, OCP MX v1.0) and ``"nvfp4"`` (packed e2m1 + one
+32 elements along the contraction dim, OCP MX v1.0) and ``"nvfp4"`` (packed e2m1 + one
 e4m3 scale per 16 elements + per-tensor fp32 scale). Exact rules, rounding, packing and
 the NaN / Inf policy: `gtp_jax.pallas.formats`; leaf layout: `gtp_jax.pallas.tensor`.
 
+Names: the *reference* is the pure-JAX implementation of the formats in `formats`
+(``backend="reference"``), which the kernels match bit for bit; the *oracle* is the
+independent host-side numpy statement of the same rules in `oracle`, which the
+reference (and, in ``python -m gtp_jax.bench quant --check``, the kernels) must equal.
+
 API (every function takes ``backend="pallas" | "reference"`` and ``interpret=``):
   * `quantize` / `dequantize` / `multi_amax` (one launch for many tensors);
-  * split phase: `compute_amax` -> `reduce_amax` (ONE all-reduce for N tensors) ->
+  * split phase: `multi_amax` -> `reduce_amax` (ONE all-reduce for N tensors) ->
     `cast_only`; `quantize_coalesced` runs the three inside ``shard_map``;
   * `gather_quantized`: all-gather a quantized shard (payload + block scales).
 
 Wiring a low-precision GTP gather (inside ``shard_map`` over axis "gtp", shard dim 0)::
 
-    qs = quantize_coalesced(local_shards, "nvfp4", "gtp")      # axis=-1 blocks
+    qs = quantize_coalesced(local_shards, "nvfp4", "gtp")      # dim=-1 blocks
     full = [dequantize(gather_quantized(q, "gtp", dim=0), jnp.bfloat16) for q in qs]
 
-Caveat for oracles on GPU: with the default ``--xla_allow_excess_precision=true``, XLA:GPU
-may drop a float32 -> fp8 -> float32 round trip inside one fusion, so a jitted
-``dequantize(quantize(x, backend="reference"))`` with nothing opaque in between can return
-x unquantized there (a Pallas kernel or a collective in between prevents it; so does
-running the oracle on CPU). The reference itself never relies on such a round trip.
+Caveat for the reference backend on GPU: with the default
+``--xla_allow_excess_precision=true``, XLA:GPU may drop a float32 -> fp8 -> float32 round
+trip inside one fusion, so a jitted ``dequantize(quantize(x, backend="reference"))`` with
+nothing opaque in between can return x unquantized there (a Pallas kernel or a collective
+in between prevents it; so does running the reference on CPU). The reference's own code
+never relies on such a round trip, and the numpy oracle is immune to it.
 
 Why the Triton backend of Pallas (not Mosaic GPU): these kernels are elementwise /
 small-reduction streams whose only job is to run at memory bandwidth. Triton's pointer
@@ -41,7 +47,6 @@ reference; the 64-expert amax in one launch at 76%, 2.4x the XLA loop of 129 lau
 
 from gtp_jax.pallas.api import (
     cast_only,
-    compute_amax,
     dequantize,
     multi_amax,
     quantize,
@@ -72,7 +77,6 @@ __all__ = [
     "FormatSpec",
     "QuantizedTensor",
     "cast_only",
-    "compute_amax",
     "dequantize",
     "gather_quantized",
     "multi_amax",

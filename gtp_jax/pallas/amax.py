@@ -27,6 +27,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from gtp_jax.base.shapes import round_up
 from gtp_jax.pallas import _util
 from gtp_jax.pallas.formats import SUPPORTED_DTYPES
 
@@ -87,7 +88,7 @@ def multi_amax_pallas(
         t = tile or LOAD_BYTES // jnp.dtype(f.dtype).itemsize
         t = min(t, _util.next_pow2(f.size))
         u = min(unroll, pl.cdiv(f.size, t))  # loads per loop iteration
-        k = pl.cdiv(min(steps, pl.cdiv(f.size, t)), u) * u  # loads per program
+        k = round_up(min(steps, pl.cdiv(f.size, t)), u)  # loads per program
         count = pl.cdiv(f.size, t * k)
         plan.append((start, count, t, k, u, f.size))
         start += count

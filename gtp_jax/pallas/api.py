@@ -28,16 +28,16 @@ from gtp_jax.pallas.tensor import (
 # --------------------------------------------------------------------------- validation
 
 
-def check_fmt(fmt: Any) -> str:
-    if fmt not in FORMATS:
-        raise UsageError(f"fmt={fmt!r} is unknown; use one of {FORMATS}.")
-    return fmt
+def check_format(format: Any) -> str:
+    if format not in FORMATS:
+        raise UsageError(f"format={format!r} is unknown; use one of {FORMATS}.")
+    return format
 
 
 def check_backend(backend: Any) -> str:
     if backend not in BACKENDS:
         raise UsageError(f"backend={backend!r} is unknown; use one of {BACKENDS} "
-                         "('reference' is the pure-JAX oracle).")
+                         "('reference' is the pure-JAX reference implementation).")
     return backend
 
 
@@ -52,8 +52,8 @@ def check_array(x: Any, name: str) -> None:
                         f"{[str(d) for d in SUPPORTED_DTYPES]} first.")
 
 
-def check_quantizable(x: Any, name: str, axis: Any) -> int:
-    """Checks `x` and `axis`; returns the normalised axis."""
+def check_quantizable(x: Any, name: str, dim: Any) -> int:
+    """Checks `x` and `dim`; returns the normalised dim."""
     check_array(x, name)
     if x.ndim == 0:
         raise UsageError(f"{name} is a scalar; quantize arrays of rank >= 1 "
@@ -61,23 +61,23 @@ def check_quantizable(x: Any, name: str, axis: Any) -> int:
     if x.size == 0:
         raise UsageError(f"{name} has shape {x.shape} (no elements); nothing to quantize.")
     _util.check_size(x.size, f"{name} (shape {x.shape})")
-    if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)):
-        raise UsageTypeError(f"axis={axis!r} must be an int (the block / contraction axis).")
-    if not -x.ndim <= axis < x.ndim:
-        raise UsageError(f"axis={axis} is out of range for {name} of rank {x.ndim}.")
-    return int(axis) % x.ndim
+    if isinstance(dim, bool) or not isinstance(dim, (int, np.integer)):
+        raise UsageTypeError(f"dim={dim!r} must be an int (the block / contraction dim).")
+    if not -x.ndim <= dim < x.ndim:
+        raise UsageError(f"dim={dim} is out of range for {name} of rank {x.ndim}.")
+    return int(dim) % x.ndim
 
 
-def check_amax(fmt: str, amax: Any, required: bool) -> jax.Array | None:
-    if fmt == "mxfp8":
+def check_amax(format: str, amax: Any, required: bool) -> jax.Array | None:
+    if format == "mxfp8":
         if amax is not None:
-            raise UsageError("amax must be None for fmt='mxfp8': MXFP8 has only per-block "
+            raise UsageError("amax must be None for format='mxfp8': MXFP8 has only per-block "
                              "power-of-two scales, there is no per-tensor scale to agree on.")
         return None
     if amax is None:
         if required:
-            raise UsageError(f"amax is required for cast_only(fmt={fmt!r}); compute it with "
-                             "compute_amax (and reduce it across devices) first.")
+            raise UsageError(f"amax is required for cast_only(format={format!r}); compute it with "
+                             "multi_amax (and reduce it across devices) first.")
         return None
     if jnp.shape(amax) != ():
         raise UsageError(f"amax must be a scalar (the tensor's max |x|), got shape "
@@ -87,7 +87,7 @@ def check_amax(fmt: str, amax: Any, required: bool) -> jax.Array | None:
         if np.isfinite(value) and value < 0:
             # A negative max |x| would flip every element's sign through the scale.
             raise UsageError(f"amax={value} is negative; amax is the tensor's max |x| (>= 0), "
-                             "e.g. from compute_amax.")
+                             "e.g. from multi_amax.")
     return jnp.asarray(amax, jnp.float32)
 
 
@@ -132,6 +132,10 @@ def multi_amax(
 ) -> jax.Array:
     """``max|x|`` of each tensor; the Pallas backend uses ONE kernel launch for all.
 
+    Also phase 1 of the split-phase quantize: phase 2 reduces the local amaxes with ONE
+    collective (`reduce_amax`), phase 3 casts each tensor with `cast_only(t, format, amax[i])`;
+    `quantize_coalesced` does all three.
+
     Args:
       tensors: non-empty sequence of arrays of any (possibly different) shapes and
         float32 / bfloat16 / float16 dtypes. Local values: no mesh axis is involved.
@@ -154,43 +158,25 @@ def multi_amax(
     return _multi_amax(tuple(tensors), backend, interpret)
 
 
-def compute_amax(
-    tensors: Sequence[jax.Array],
-    *,
-    backend: str = "pallas",
-    interpret: bool | None = None,
-) -> jax.Array:
-    """Phase 1 of the split-phase quantize: local amaxes of many tensors, one launch.
-
-    Same as `multi_amax`. Phase 2 reduces the result with ONE collective
-    (`reduce_amax`), phase 3 casts each tensor with `cast_only(t, fmt, amax[i])`;
-    `quantize_coalesced` does all three.
-
-    Returns:
-      float32[len(tensors)] local (per-device) amaxes.
-    """
-    return multi_amax(tensors, backend=backend, interpret=interpret)
-
-
 # --------------------------------------------------------------------------- cast
 
 
-@functools.partial(jax.jit, static_argnames=("fmt", "axis", "backend", "interpret"))
-def cast_impl(x: jax.Array, amax: jax.Array | None, fmt: str, axis: int, backend: str,
+@functools.partial(jax.jit, static_argnames=("format", "dim", "backend", "interpret"))
+def cast_impl(x: jax.Array, amax: jax.Array | None, format: str, dim: int, backend: str,
               interpret: bool) -> QuantizedTensor:
     """Jitted cast of already validated arguments (shared by quantize / cast_only /
     quantize_coalesced); `amax` is None only for mxfp8."""
     shape = tuple(x.shape)
     pallas = backend == "pallas"
-    if fmt == "fp8":
+    if format == "fp8":
         scale = formats.fp8_scale(amax)
         if pallas:
             payload = cast_fp8_pallas(x, scale, interpret=interpret)
         else:
             payload = formats.fp8_cast_reference(x, scale)
-        return QuantizedTensor(payload, None, scale, shape, fmt, axis)
-    rows = to_block_rows(x, axis, SPECS[fmt].block)
-    if fmt == "mxfp8":
+        return QuantizedTensor(payload, None, scale, shape, format, dim)
+    rows = to_block_rows(x, dim, SPECS[format].block)
+    if format == "mxfp8":
         if pallas:
             payload_rows, scale_rows = quantize_mxfp8_pallas(rows, interpret=interpret)
         else:
@@ -203,17 +189,17 @@ def cast_impl(x: jax.Array, amax: jax.Array | None, fmt: str, axis: int, backend
                                                          interpret=interpret)
         else:
             payload_rows, scale_rows = formats.nvfp4_cast_reference(rows, global_scale)
-    payload = from_block_rows(payload_rows, shape, axis)
-    scales = from_block_rows(scale_rows, shape, axis)
-    return QuantizedTensor(payload, scales, global_scale, shape, fmt, axis)
+    payload = from_block_rows(payload_rows, shape, dim)
+    scales = from_block_rows(scale_rows, shape, dim)
+    return QuantizedTensor(payload, scales, global_scale, shape, format, dim)
 
 
 def cast_only(
     x: jax.Array,
-    fmt: str,
+    format: str,
     amax: jax.Array | float | None = None,
     *,
-    axis: int = -1,
+    dim: int = -1,
     backend: str = "pallas",
     interpret: bool | None = None,
 ) -> QuantizedTensor:
@@ -222,10 +208,10 @@ def cast_only(
     Args:
       x: array of rank >= 1, float32 / bfloat16 / float16 (e.g. a local weight shard
         inside ``shard_map``).
-      fmt: "fp8", "mxfp8" or "nvfp4".
+      format: "fp8", "mxfp8" or "nvfp4".
       amax: float32 scalar, required for fp8 / nvfp4 (the tensor amax, typically
-        ``reduce_amax(compute_amax(...))[i]``); must be None for mxfp8.
-      axis: block / contraction axis (mxfp8 / nvfp4), default the last.
+        ``reduce_amax(multi_amax(...))[i]``); must be None for mxfp8.
+      dim: block / contraction dim (mxfp8 / nvfp4), default the last.
       backend: "pallas" or "reference".
       interpret: Pallas interpreter; None = True unless the default backend is a GPU.
     Returns:
@@ -233,21 +219,21 @@ def cast_only(
     Raises:
       ValueError: (eager calls only) if `amax` is not finite.
     """
-    check_fmt(fmt)
+    check_format(format)
     check_backend(backend)
     interpret = _util.resolve_interpret(interpret)
-    axis = check_quantizable(x, "x", axis)
-    amax = check_amax(fmt, amax, required=True)
-    return _checked_cast(x, amax, fmt, axis, backend, interpret)
+    dim = check_quantizable(x, "x", dim)
+    amax = check_amax(format, amax, required=True)
+    return _checked_cast(x, amax, format, dim, backend, interpret)
 
 
-def _checked_cast(x: jax.Array, amax: jax.Array | None, fmt: str, axis: int, backend: str,
+def _checked_cast(x: jax.Array, amax: jax.Array | None, format: str, dim: int, backend: str,
                   interpret: bool) -> QuantizedTensor:
     """Casts with `amax`; eager calls raise on a non-finite amax (or NaN mxfp8 block)."""
     if amax is not None:
         raise_if_nonfinite(amax, "x")
-    out = cast_impl(x, amax, fmt, axis, backend, interpret)
-    if fmt == "mxfp8":
+    out = cast_impl(x, amax, format, dim, backend, interpret)
+    if format == "mxfp8":
         _raise_if_nan_blocks(out)
     return out
 
@@ -260,24 +246,24 @@ def _raise_if_nan_blocks(q: QuantizedTensor) -> None:
 
 def quantize(
     x: jax.Array,
-    fmt: str,
+    format: str,
     *,
-    axis: int = -1,
+    dim: int = -1,
     amax: jax.Array | float | None = None,
     backend: str = "pallas",
     interpret: bool | None = None,
 ) -> QuantizedTensor:
-    """Quantizes `x` to `fmt` (fused amax + cast).
+    """Quantizes `x` to `format` (fused amax + cast).
 
     Args:
       x: array of rank >= 1, float32 / bfloat16 / float16.
-      fmt: "fp8" (e4m3 + per-tensor scale), "mxfp8" (e4m3 + e8m0 per 32 along `axis`) or
-        "nvfp4" (packed e2m1 + e4m3 per 16 along `axis` + per-tensor scale); the exact
+      format: "fp8" (e4m3 + per-tensor scale), "mxfp8" (e4m3 + e8m0 per 32 along `dim`) or
+        "nvfp4" (packed e2m1 + e4m3 per 16 along `dim` + per-tensor scale); the exact
         rules are in `gtp_jax.pallas.formats`.
-      axis: block / contraction axis (ignored by fp8's layout), default the last.
+      dim: block / contraction dim (ignored by fp8's layout), default the last.
       amax: None for current scaling (amax of `x`, one kernel pass); a float32 scalar
         for delayed scaling (fp8 / nvfp4 only; values beyond it saturate).
-      backend: "pallas" (Triton kernels) or "reference" (pure JAX oracle).
+      backend: "pallas" (Triton kernels) or "reference" (pure-JAX reference).
       interpret: Pallas interpreter; None = True unless the default backend is a GPU.
     Returns:
       `QuantizedTensor` with the logical shape of `x`.
@@ -285,14 +271,14 @@ def quantize(
       ValueError / TypeError: bad arguments (checked before any work); in eager calls
         also a non-finite amax (NaN / Inf in `x`), which under jit propagates as NaN.
     """
-    check_fmt(fmt)
+    check_format(format)
     check_backend(backend)
     interpret = _util.resolve_interpret(interpret)
-    axis = check_quantizable(x, "x", axis)
-    amax = check_amax(fmt, amax, required=False)
-    if fmt != "mxfp8" and amax is None:
+    dim = check_quantizable(x, "x", dim)
+    amax = check_amax(format, amax, required=False)
+    if format != "mxfp8" and amax is None:
         amax = _multi_amax((x,), backend, interpret)[0]
-    return _checked_cast(x, amax, fmt, axis, backend, interpret)
+    return _checked_cast(x, amax, format, dim, backend, interpret)
 
 
 # --------------------------------------------------------------------------- dequantize
@@ -323,31 +309,31 @@ def dequantize(
     if not isinstance(q, QuantizedTensor):
         raise UsageTypeError(
             f"q must be a QuantizedTensor (from quantize), got {type(q).__name__}.")
-    check_fmt(q.fmt)
+    check_format(q.format)
     if not jnp.issubdtype(dtype, jnp.floating):
         raise UsageTypeError(f"dtype={dtype!r} must be a floating dtype such as jnp.bfloat16.")
-    if q.fmt != "fp8":
-        expected = tuple(q.shape[:q.axis]) + tuple(q.shape[q.axis + 1:])
-        got = tuple(q.payload.shape[:q.axis]) + tuple(q.payload.shape[q.axis + 1:])
+    if q.format != "fp8":
+        expected = tuple(q.shape[:q.dim]) + tuple(q.shape[q.dim + 1:])
+        got = tuple(q.payload.shape[:q.dim]) + tuple(q.payload.shape[q.dim + 1:])
         if got != expected:
             raise UsageError(f"q.payload has shape {q.payload.shape}, inconsistent with the "
-                             f"logical shape {q.shape} (axis {q.axis}).")
+                             f"logical shape {q.shape} (dim {q.dim}).")
     return _dequantize(q, np.dtype(dtype))
 
 
 @functools.partial(jax.jit, static_argnames=("dtype",))
 def _dequantize(q: QuantizedTensor, dtype: np.dtype) -> jax.Array:
-    spec = SPECS[q.fmt]
-    if q.fmt == "fp8":
+    spec = SPECS[q.format]
+    if q.format == "fp8":
         return formats.fp8_decode(q.payload, q.global_scale).astype(dtype)
     width = spec.block // spec.elems_per_byte
-    payload_rows = leaf_rows(q.payload, q.axis, width)
-    scale_rows = leaf_rows(q.block_scales, q.axis, 1)
-    if q.fmt == "mxfp8":
+    payload_rows = leaf_rows(q.payload, q.dim, width)
+    scale_rows = leaf_rows(q.block_scales, q.dim, 1)
+    if q.format == "mxfp8":
         values = formats.mxfp8_decode(payload_rows, scale_rows)
     else:
         values = formats.nvfp4_decode(payload_rows, scale_rows, q.global_scale)
-    padded = tuple(q.shape[:q.axis]) + (q.payload.shape[q.axis] * spec.elems_per_byte,) \
-        + tuple(q.shape[q.axis + 1:])
-    full = from_block_rows(values, padded, q.axis)
-    return slice_logical(full, q.shape, q.axis).astype(dtype)
+    padded = tuple(q.shape[:q.dim]) + (q.payload.shape[q.dim] * spec.elems_per_byte,) \
+        + tuple(q.shape[q.dim + 1:])
+    full = from_block_rows(values, padded, q.dim)
+    return slice_logical(full, q.shape, q.dim).astype(dtype)

@@ -5,7 +5,7 @@ per-tensor scale (fp8, nvfp4) all shards of a weight must share ONE scale, other
 gathered payloads would not decode consistently. `quantize_coalesced` agrees on them
 for all tensors at once:
 
-  1. local amax of every shard: `compute_amax` (one kernel launch for all tensors);
+  1. local amax of every shard: `multi_amax` (one kernel launch for all tensors);
   2. ONE ``pmax`` of the float32[N] vector over the mesh axis (a single all-reduce,
      whatever N is), done on the int32 bit patterns so NaN wins on every backend (NCCL's
      float max would drop it);
@@ -45,10 +45,10 @@ def reduce_amax(amax: jax.Array, axis_name: AxisName) -> jax.Array:
 
 def quantize_coalesced(
     tensors: Sequence[jax.Array],
-    fmt: str,
+    format: str,
     axis_name: AxisName,
     *,
-    axis: int | Sequence[int] = -1,
+    dim: int | Sequence[int] = -1,
     backend: str = "pallas",
     interpret: bool | None = None,
 ) -> list[QuantizedTensor]:
@@ -62,16 +62,16 @@ def quantize_coalesced(
 
     Args:
       tensors: N >= 1 local shards (rank >= 1, float32 / bfloat16 / float16).
-      fmt: "fp8", "mxfp8" or "nvfp4".
+      format: "fp8", "mxfp8" or "nvfp4".
       axis_name: mesh axis the shards are split over (e.g. "gtp"); None: no reduction.
-      axis: block / contraction axis, one int for all tensors or one per tensor.
+      dim: block / contraction dim, one int for all tensors or one per tensor.
       backend: "pallas" or "reference".
       interpret: Pallas interpreter; None = True unless the default backend is a GPU.
     Returns:
       list of N `QuantizedTensor` of the local shards; for fp8 / nvfp4 their
       ``global_scale`` is identical on every device of `axis_name`.
     """
-    api.check_fmt(fmt)
+    api.check_format(format)
     api.check_backend(backend)
     interpret = _util.resolve_interpret(interpret)
     if isinstance(tensors, jax.Array) or not isinstance(tensors, Sequence):
@@ -79,20 +79,20 @@ def quantize_coalesced(
                         f"[x]); got {type(tensors).__name__}.")
     if len(tensors) == 0:
         raise ValueError("tensors is empty; pass at least one array.")
-    axes = [axis] * len(tensors) if isinstance(axis, int) else list(axis)
-    if len(axes) != len(tensors):
-        raise ValueError(f"axis has {len(axes)} entries for {len(tensors)} tensors; pass one "
+    dims = [dim] * len(tensors) if isinstance(dim, int) else list(dim)
+    if len(dims) != len(tensors):
+        raise ValueError(f"dim has {len(dims)} entries for {len(tensors)} tensors; pass one "
                          "int or one per tensor.")
-    axes = [api.check_quantizable(t, f"tensors[{i}]", a)
-            for i, (t, a) in enumerate(zip(tensors, axes))]
-    if fmt == "mxfp8":
-        return [api.cast_only(t, fmt, None, axis=a, backend=backend, interpret=interpret)
-                for t, a in zip(tensors, axes)]
+    dims = [api.check_quantizable(t, f"tensors[{i}]", d)
+            for i, (t, d) in enumerate(zip(tensors, dims))]
+    if format == "mxfp8":
+        return [api.cast_only(t, format, None, dim=d, backend=backend, interpret=interpret)
+                for t, d in zip(tensors, dims)]
     local = api.multi_amax(tensors, backend=backend, interpret=interpret)
     agreed = local if axis_name is None else reduce_amax(local, axis_name)
     api.raise_if_nonfinite(agreed, "tensors", indexed=True)
-    return [api.cast_impl(t, agreed[i], fmt, a, backend, interpret)
-            for i, (t, a) in enumerate(zip(tensors, axes))]
+    return [api.cast_impl(t, agreed[i], format, d, backend, interpret)
+            for i, (t, d) in enumerate(zip(tensors, dims))]
 
 
 def gather_quantized(q: QuantizedTensor, axis_name: AxisName, *, dim: int = 0,
@@ -105,7 +105,7 @@ def gather_quantized(q: QuantizedTensor, axis_name: AxisName, *, dim: int = 0,
     only) sends payload and scale bytes in ONE all-gather of a uint8 buffer instead; on
     2x H200 that was slower (the local concatenation and the slicing of the gathered
     buffer cost more than the saved collective latency), hence not the default.
-    Gathering along the block axis (``dim == q.axis``, e.g. a rank-1 weight) needs shards
+    Gathering along the block dim (``dim == q.dim``, e.g. a rank-1 weight) needs shards
     whose length along it is a multiple of the block size (16 / 32), so that no block
     straddles two shards.
 
@@ -119,19 +119,19 @@ def gather_quantized(q: QuantizedTensor, axis_name: AxisName, *, dim: int = 0,
     """
     if not isinstance(q, QuantizedTensor):
         raise TypeError(f"q must be a QuantizedTensor, got {type(q).__name__}.")
-    api.check_fmt(q.fmt)
+    api.check_format(q.format)
     ndim = len(q.shape)
     if isinstance(dim, bool) or not isinstance(dim, int) or not -ndim <= dim < ndim:
         raise ValueError(f"dim={dim!r} must be an int in [-{ndim}, {ndim}) for a tensor of "
                          f"shape {q.shape}.")
     dim %= ndim
-    if q.block and dim == q.axis and q.shape[dim] % q.block:
+    if q.block and dim == q.dim and q.shape[dim] % q.block:
         raise ValueError(
-            f"cannot gather a {q.fmt} shard of shape {q.shape} along its block axis {dim}: "
+            f"cannot gather a {q.format} shard of shape {q.shape} along its block dim {dim}: "
             f"its length {q.shape[dim]} is not a multiple of the block size {q.block}, so "
             "the zero padding would land inside the gathered tensor. Pad the shard dim to a "
             f"multiple of {q.block} (e.g. GTPConfig.pad_for_alignment) or quantize along "
-            "another axis.")
+            "another dim.")
     leaves = [leaf for leaf in (q.payload, q.block_scales) if leaf is not None]
     if fused and dim == 0 and len(leaves) > 1:
         gathered = _gather_fused(leaves, axis_name)
@@ -142,7 +142,7 @@ def gather_quantized(q: QuantizedTensor, axis_name: AxisName, *, dim: int = 0,
     scales = gathered[1] if q.block_scales is not None else None
     factor = payload.shape[dim] // q.payload.shape[dim]
     shape = q.shape[:dim] + (q.shape[dim] * factor,) + q.shape[dim + 1:]
-    return QuantizedTensor(payload, scales, q.global_scale, shape, q.fmt, q.axis)
+    return QuantizedTensor(payload, scales, q.global_scale, shape, q.format, q.dim)
 
 
 def _gather_fused(leaves: list[jax.Array], axis_name: AxisName) -> list[jax.Array]:

@@ -1,4 +1,4 @@
-"""Format definitions and the pure-JAX reference implementation (the oracle).
+"""Format definitions and the pure-JAX reference implementation (``backend="reference"``).
 
 Every number format is defined here once, in plain `jax.numpy`; the Pallas kernels in
 `amax.py`, `cast_fp8.py`, `cast_mxfp8.py` and `cast_nvfp4.py` must reproduce these
@@ -18,7 +18,7 @@ round-to-nearest-even (RN) unless stated otherwise):
   * decode ``x ~= payload * RN(1 / s)``.
 
 ``"mxfp8"`` (OCP Microscaling v1.0, MXFP8 E4M3)
-  * blocks of 32 consecutive elements along ``axis`` (the contraction axis).
+  * blocks of 32 consecutive elements along ``dim`` (the contraction dim).
   * shared exponent ``E = max(floor(log2(block_amax)) - 8, -127)`` (8 = emax of e4m3);
     ``block_amax == 0`` or subnormal gives ``E = -127``.
   * scale stored as the e8m0 byte ``E + 127`` (uint8; 255 = NaN). View it as
@@ -31,7 +31,7 @@ round-to-nearest-even (RN) unless stated otherwise):
 ``"nvfp4"`` (two-level scaling as in NVIDIA's NVFP4)
   * global scale ``g = 2688 / amax`` (2688 = 448 * 6; ``amax == 0 -> g = 1``; clamped to
     ``2**100`` so every per-block factor below stays finite).
-  * blocks of 16 consecutive elements along ``axis``; block scale
+  * blocks of 16 consecutive elements along ``dim``; block scale
     ``bs = e4m3fn( min(RN(RN(block_amax * g) * C6), 448) )`` with ``C6 = RN(1/6)``
     (RN, saturating).
   * element factor ``r = RN(g * inv(bs))`` where ``inv(bs) = RN(1 / bs)`` is exact per
@@ -42,11 +42,11 @@ round-to-nearest-even (RN) unless stated otherwise):
   * payload code = sign bit (bit 3) | e2m1 magnitude of ``min(RN(|x| * r), 6)`` rounded to
     nearest, ties to even, over {0, 0.5, 1, 1.5, 2, 3, 4, 6}; a negative zero or a negative
     value rounding to zero keeps its sign (code 8).
-  * packed two codes per byte along ``axis``: the even element (index 2j) in the LOW
+  * packed two codes per byte along ``dim``: the even element (index 2j) in the LOW
     nibble, the odd element (2j+1) in the HIGH nibble (the ml_dtypes / NVIDIA convention).
   * decode ``x ~= (e2m1(code) * bs) * RN(1 / g)``.
 
-Padding: the block axis is zero-padded to a multiple of the block size (zeros never
+Padding: the block dim is zero-padded to a multiple of the block size (zeros never
 change a block amax); the logical shape is kept and `dequantize` slices the padding off.
 
 NaN / Inf policy (identical in the kernels and here):
@@ -108,7 +108,7 @@ class FormatSpec:
 
     Attributes:
       name: "fp8", "mxfp8" or "nvfp4".
-      block: elements per block scale along the block axis (0: one per-tensor scale).
+      block: elements per block scale along the block dim (0: one per-tensor scale).
       elems_per_byte: payload elements per stored byte (2 for packed e2m1).
       payload_dtype: dtype of `QuantizedTensor.payload`.
       block_scale_dtype: dtype of `QuantizedTensor.block_scales` (None: no block scales).

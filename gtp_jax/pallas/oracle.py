@@ -1,6 +1,7 @@
 """Host-side numpy oracle of the formats (float32 numpy arithmetic + ml_dtypes casts).
 
-A second, independent statement of the rules in `gtp_jax.pallas.formats`, used by the
+A second, independent statement of the rules that the pure-JAX reference (the
+``backend="reference"`` of `gtp_jax.pallas.formats`) implements; not a backend. Used by the
 tests and by ``python -m gtp_jax.bench quant --check`` to tell a wrong kernel from a wrong
 reference on a real device. numpy never flushes denormals and never skips a rounding step
 (XLA may: ``--xla_allow_excess_precision``, on by default, lets XLA:GPU drop a

@@ -1,7 +1,7 @@
 """`QuantizedTensor` (the pytree a quantizer returns) and the block-row layout helpers.
 
-Leaf layout for a logical tensor ``x`` of shape ``S`` quantized along ``axis`` (K =
-``S[axis]``, ``Kp`` = K rounded up to the block size B, all other dims unchanged and in
+Leaf layout for a logical tensor ``x`` of shape ``S`` quantized along ``dim`` (K =
+``S[dim]``, ``Kp`` = K rounded up to the block size B, all other dims unchanged and in
 their original order):
 
 ============  ==========================  ===========================  =================
@@ -12,8 +12,8 @@ format        payload                     block_scales                 global_sc
 ``nvfp4``     uint8, S with K -> Kp/2     e4m3fn, S with K -> Kp/16    float32[] ``g``
 ============  ==========================  ===========================  =================
 
-The static (non-leaf) fields are the logical shape, the format name and ``axis``
-(normalised to ``0 <= axis < ndim``). Because blocks only run along ``axis``,
+The static (non-leaf) fields are the logical shape, the format name and ``dim``
+(normalised to ``0 <= dim < ndim``). Because blocks only run along ``dim``,
 concatenating the payloads and block scales of shards along any other dim gives the
 QuantizedTensor of the concatenated tensor, provided every shard used the same global
 scale (see `gtp_jax.pallas.quantize_coalesced` and `gtp_jax.pallas.gather_quantized`).
@@ -26,6 +26,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from gtp_jax.base.shapes import round_up
 from gtp_jax.pallas.formats import SPECS
 
 
@@ -39,16 +40,16 @@ class QuantizedTensor:
       global_scale: float32[] per-tensor scale (fp8 ``448/amax``, nvfp4 ``2688/amax``;
         None for mxfp8). Replicated: never gather it.
       shape: logical (unpadded) shape of the tensor (static).
-      fmt: "fp8", "mxfp8" or "nvfp4" (static).
-      axis: block / contraction axis, ``0 <= axis < len(shape)`` (static).
+      format: "fp8", "mxfp8" or "nvfp4" (static).
+      dim: block / contraction dim, ``0 <= dim < len(shape)`` (static).
     """
 
     payload: jax.Array
     block_scales: jax.Array | None
     global_scale: jax.Array | None
     shape: tuple[int, ...]
-    fmt: str
-    axis: int
+    format: str
+    dim: int
 
     @property
     def nbytes(self) -> int:
@@ -60,27 +61,23 @@ class QuantizedTensor:
     @property
     def block(self) -> int:
         """Elements per block scale (0 for per-tensor fp8)."""
-        return SPECS[self.fmt].block
+        return SPECS[self.format].block
 
 
 jax.tree_util.register_dataclass(
     QuantizedTensor,
     data_fields=["payload", "block_scales", "global_scale"],
-    meta_fields=["shape", "fmt", "axis"],
+    meta_fields=["shape", "format", "dim"],
 )
 
 
-def round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
+def to_block_rows(x: jax.Array, dim: int, block: int) -> jax.Array:
+    """``x`` as ``[num_blocks, block]`` rows of consecutive elements along `dim`.
 
-
-def to_block_rows(x: jax.Array, axis: int, block: int) -> jax.Array:
-    """``x`` as ``[num_blocks, block]`` rows of consecutive elements along `axis`.
-
-    Free (a reshape) when `axis` is the last dim and ``x.shape[axis] % block == 0``;
-    otherwise XLA copies once (transpose and / or zero padding of the block axis).
+    Free (a reshape) when `dim` is the last dim and ``x.shape[dim] % block == 0``;
+    otherwise XLA copies once (transpose and / or zero padding of the block dim).
     """
-    xm = jnp.moveaxis(x, axis, -1)
+    xm = jnp.moveaxis(x, dim, -1)
     k = xm.shape[-1]
     kp = round_up(k, block)
     if kp != k:
@@ -88,24 +85,24 @@ def to_block_rows(x: jax.Array, axis: int, block: int) -> jax.Array:
     return xm.reshape(-1, block)
 
 
-def from_block_rows(rows: jax.Array, shape: tuple[int, ...], axis: int) -> jax.Array:
+def from_block_rows(rows: jax.Array, shape: tuple[int, ...], dim: int) -> jax.Array:
     """Inverse layout of `to_block_rows` for a per-row result: ``rows`` is
     ``[num_blocks, w]`` (w = payload bytes per block) or ``[num_blocks]`` (one scale per
-    block); returns it in `shape`'s dim order with dim `axis` = blocks * w."""
-    moved = shape[:axis] + shape[axis + 1:]
+    block); returns it in `shape`'s dim order with `dim` of size blocks * w."""
+    moved = shape[:dim] + shape[dim + 1:]
     out = rows.reshape(moved + (-1,))
-    return jnp.moveaxis(out, -1, axis)
+    return jnp.moveaxis(out, -1, dim)
 
 
-def leaf_rows(leaf: jax.Array, axis: int, width: int) -> jax.Array:
+def leaf_rows(leaf: jax.Array, dim: int, width: int) -> jax.Array:
     """A stored leaf (payload or scales) back as ``[num_blocks, width]`` rows
     (``width=1`` gives ``[num_blocks]``)."""
-    moved = jnp.moveaxis(leaf, axis, -1)
+    moved = jnp.moveaxis(leaf, dim, -1)
     return moved.reshape(-1) if width == 1 else moved.reshape(-1, width)
 
 
-def slice_logical(values: jax.Array, shape: tuple[int, ...], axis: int) -> jax.Array:
-    """Drops the block padding: ``values`` has `shape` except a padded dim `axis`."""
-    if values.shape[axis] == shape[axis]:
+def slice_logical(values: jax.Array, shape: tuple[int, ...], dim: int) -> jax.Array:
+    """Drops the block padding: ``values`` has `shape` except a padded `dim`."""
+    if values.shape[dim] == shape[dim]:
         return values
-    return jax.lax.slice_in_dim(values, 0, shape[axis], axis=axis)
+    return jax.lax.slice_in_dim(values, 0, shape[dim], axis=dim)

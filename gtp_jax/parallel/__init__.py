@@ -17,7 +17,6 @@ from gtp_jax.parallel.moe import MoE, Routing, combine, dispatch, expert_capacit
 from gtp_jax.parallel.tp import (
     column_parallel,
     pad_seq,
-    padded_len,
     row_parallel,
     seq_all_gather,
     seq_chunk,
@@ -41,7 +40,6 @@ __all__ = [
     "matmul_reduce_scatter_chunks",
     "moe_ffn",
     "pad_seq",
-    "padded_len",
     "route",
     "row_parallel",
     "seq_all_gather",

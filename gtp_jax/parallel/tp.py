@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from gtp_jax.base.shapes import round_up
 from gtp_jax.parallel.collective_matmul import (
     _as_2d,
     _mm,
@@ -35,11 +36,6 @@ from gtp_jax.parallel.collective_matmul import (
 )
 
 
-def padded_len(length: int, multiple: int) -> int:
-    """`length` rounded up to a multiple of `multiple`."""
-    return -(-length // multiple) * multiple
-
-
 def pad_seq(x: jax.Array, multiple: int, *, value: int | float = 0) -> jax.Array:
     """Pads dim 1 (the sequence) of ``x: [batch, seq, ...]`` at the end to a multiple.
 
@@ -47,7 +43,7 @@ def pad_seq(x: jax.Array, multiple: int, *, value: int | float = 0) -> jax.Array
     one, so real positions compute exactly what they compute unpadded, and the padded
     positions receive exactly zero cotangent when the caller drops their outputs.
     """
-    pad = padded_len(x.shape[1], multiple) - x.shape[1]
+    pad = round_up(x.shape[1], multiple) - x.shape[1]
     if not pad:
         return x
     widths = [(0, 0)] * x.ndim

@@ -125,11 +125,11 @@ def all_gather_shards(shards: Sequence[jax.Array], specs: Sequence[GatherSpec]
             shard = shard.astype(spec.gather_dtype)
         out[i] = _unpad(jax.lax.all_gather(shard, spec.axis, axis=spec.shard_dim, tiled=True),
                         spec)
-    for (fmt, backend, axis), idx in groups.items():
+    for (gather_format, backend, axis), idx in groups.items():
         from gtp_jax import pallas  # deferred: the kernels load only when a format is used
 
-        qs = pallas.quantize_coalesced([shards[i] for i in idx], fmt, axis,
-                                       axis=[specs[i].block_axis for i in idx],
+        qs = pallas.quantize_coalesced([shards[i] for i in idx], gather_format, axis,
+                                       dim=[specs[i].block_axis for i in idx],
                                        backend=backend)
         for i, q in zip(idx, qs):
             spec = specs[i]

@@ -32,6 +32,7 @@ from jax.sharding import PartitionSpec as P
 
 from gtp_jax.base.config import GTPConfig
 from gtp_jax.base.metadata import EP_DIM, SHARD_DIM, SPLIT_AXES, TP_DIM, TP_PARTS
+from gtp_jax.base.shapes import round_up
 from gtp_jax.sharding.collectives import GatherSpec
 
 
@@ -66,7 +67,7 @@ class DimSplit:
 
     @property
     def padded_part(self) -> int:
-        return -(-self.part_size // self.axis_size) * self.axis_size
+        return round_up(self.part_size, self.axis_size)
 
     @property
     def stored_size(self) -> int:
@@ -350,7 +351,7 @@ def plan_param(
         return None
     axis_size = mesh.shape[config.axis]
     align = config.alignment(axis_size)
-    padded = -(-per_layer[shard_dim] // align) * align
+    padded = round_up(per_layer[shard_dim], align)
     spec = GatherSpec(
         axis=config.axis,
         axis_size=axis_size,

@@ -61,7 +61,7 @@ def _gathered_sizes(spec: GatherSpec) -> set[int]:
     """Element counts of the arrays a low-precision gather of `spec` builds the weight from."""
     from gtp_jax import pallas  # deferred: only low-precision gathers need the kernels
 
-    q = jax.eval_shape(lambda x: pallas.quantize(x, spec.gather_format, axis=spec.block_axis,
+    q = jax.eval_shape(lambda x: pallas.quantize(x, spec.gather_format, dim=spec.block_axis,
                                                  backend="reference"),
                        jax.ShapeDtypeStruct(spec.padded_shape, spec.param_dtype))
     sizes = {math.prod(spec.padded_shape), math.prod(spec.logical_shape),
