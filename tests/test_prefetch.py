@@ -152,3 +152,27 @@ def test_loop_saves_no_weight_derived_residual(prefetch):
     assert abs(float(value) - float(ref_value)) <= 1e-5 * abs(float(ref_value))
     for g, r in zip(grads, ref_grads):
         assert max_rel_err(np.asarray(g), np.asarray(r)) < 1e-5
+
+
+@pytest.mark.parametrize(("prefetch", "gather_format"), [(False, None), (True, None),
+                                                          (True, "fp8")])
+def test_layer_stack_on_one_device(prefetch, gather_format, key, seed):
+    # One device runs without shard_map: the layer loop must gather and reduce-scatter over
+    # a 1-wide axis without binding it, and give the unsharded model's loss and gradients
+    # (fp8 against the unsharded model on quantize-dequantized weights is covered elsewhere;
+    # here only that it runs and stays finite).
+    mesh = gtp_jax.make_mesh(gtp=1, devices=jax.devices()[:1])
+    ref = Transformer(CFG, rngs=nnx.Rngs(seed))
+    sm = gtp_jax.shard(ref, mesh, gtp_jax.GTPConfig(prefetch=prefetch, gather_format=gather_format,
+                                                    quant_backend="reference"))
+    tokens = jax.random.randint(key, (4, 17), 0, CFG.vocab_size)
+    loss_sm, g_sm = nnx.jit(nnx.value_and_grad(lm_loss))(sm, tokens)
+    assert np.isfinite(float(loss_sm))
+    if gather_format is None:
+        loss_ref, g_ref = nnx.value_and_grad(lm_loss)(ref, tokens)
+        assert abs(float(loss_sm) - float(loss_ref)) <= 1e-5 * abs(float(loss_ref))
+        ref_flat = dict(nnx.to_flat_state(nnx.state(g_ref, nnx.Param)))
+        for path, g in nnx.to_flat_state(nnx.state(g_sm, nnx.Param)):
+            want = ref_flat[path[1:]].get_value()
+            assert max_rel_err(np.asarray(g.get_value())[tuple(slice(0, n) for n in want.shape)],
+                               np.asarray(want)) < 1e-5, path

@@ -123,17 +123,22 @@ def all_gather_shards(shards: Sequence[jax.Array], specs: Sequence[GatherSpec]
         shard = shards[i]
         if spec.gather_dtype is not None:
             shard = shard.astype(spec.gather_dtype)
-        out[i] = _unpad(jax.lax.all_gather(shard, spec.axis, axis=spec.shard_dim, tiled=True),
-                        spec)
+        if spec.axis_size > 1:
+            shard = jax.lax.all_gather(shard, spec.axis, axis=spec.shard_dim, tiled=True)
+        out[i] = _unpad(shard, spec)
     for (gather_format, backend, axis), idx in groups.items():
         from gtp_jax import pallas  # deferred: the kernels load only when a format is used
 
-        qs = pallas.quantize_coalesced([shards[i] for i in idx], gather_format, axis,
+        # A 1-wide axis needs no collective, and may not even be bound (one device runs
+        # without shard_map): scales stay local and nothing is gathered.
+        wide = specs[idx[0]].axis_size > 1
+        qs = pallas.quantize_coalesced([shards[i] for i in idx], gather_format,
+                                       axis if wide else None,
                                        dim=[specs[i].block_axis for i in idx],
                                        backend=backend)
         for i, q in zip(idx, qs):
             spec = specs[i]
-            full = pallas.gather_quantized(q, axis, dim=spec.shard_dim)
+            full = pallas.gather_quantized(q, axis, dim=spec.shard_dim) if wide else q
             out[i] = _unpad(pallas.dequantize(full, spec.compute_dtype, backend=backend), spec)
     return out
 
@@ -162,8 +167,10 @@ def reduce_scatter_grad(grad: jax.Array, spec: GatherSpec) -> jax.Array:
         widths = [(0, 0)] * grad.ndim
         widths[spec.shard_dim] = (0, pad)
         grad = jnp.pad(grad, widths)
-    shard = jax.lax.psum_scatter(grad, spec.axis, scatter_dimension=spec.shard_dim, tiled=True)
-    return shard.astype(spec.param_dtype)
+    if spec.axis_size > 1:
+        grad = jax.lax.psum_scatter(grad, spec.axis, scatter_dimension=spec.shard_dim,
+                                    tiled=True)
+    return grad.astype(spec.param_dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))

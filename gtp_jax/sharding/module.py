@@ -229,7 +229,7 @@ def _has_user_remat(body: Callable, mesh: Mesh, value_specs: list, arg_specs: li
                 return True
             if eqn.primitive.name.startswith("custom_"):
                 continue  # opaque to an outer checkpoint's policy (e.g. gtp_jax.scan_layers)
-            for sub in jax.core.jaxprs_in_params(eqn.params):
+            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
                 if walk(sub):
                     return True
         return False
