@@ -1,28 +1,57 @@
-"""``python -m gtp_jax.bench {overlap,quant,parallel} [options]``."""
+"""``python -m gtp_jax.bench {overlap,parallel,quant,trace,kernels} [options]``.
+
+``python -m gtp_jax.bench --help`` lists the subcommands; ``python -m gtp_jax.bench
+SUBCOMMAND --help`` lists a subcommand's options. Each subcommand's module can also be run on
+its own (``python -m gtp_jax.bench.trace``, ``python -m gtp_jax.bench.kernels``).
+"""
 
 from __future__ import annotations
 
+import argparse
+import importlib
 import sys
+
+#: subcommand -> (module under gtp_jax.bench, one-line description)
+COMMANDS = {
+    "overlap": ("overlap", "training step of a decoder, side by side: compute only, replicated "
+                "weights, XLA automatic FSDP, gtp_jax with and without prefetch, PyTorch FSDP2"),
+    "parallel": ("parallel", "tensor + sequence parallelism, ring collective matmuls, GTP and "
+                 "MoE side by side; --micro times the collective matmul alone"),
+    "quant": ("quant", "fp8 / mxfp8 / nvfp4 quantize and amax kernels (Pallas) against XLA, "
+              "as bandwidth and %% of the device copy"),
+    "trace": ("trace", "hidden and exposed communication per stream, read from a "
+              "jax.profiler trace"),
+    "kernels": ("kernels", "kernel time per training step by category from a JAX or PyTorch "
+                "profiler trace"),
+}
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m gtp_jax.bench",
+        description="gtp_jax benchmarks. Run `python -m gtp_jax.bench SUBCOMMAND --help` for "
+                    "a subcommand's options; the GPU scripts that produced the published "
+                    "results are in benchmarks/ (benchmarks/README.md).")
+    sub = parser.add_subparsers(dest="command", metavar="SUBCOMMAND", title="subcommands")
+    for name, (_, text) in COMMANDS.items():
+        sub.add_parser(name, help=text, add_help=False)
+    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    commands = ("overlap", "quant", "parallel")
-    if not argv or argv[0] not in commands:
-        print(f"usage: python -m gtp_jax.bench {{{','.join(commands)}}} [options]",
-              file=sys.stderr)
+    if not argv or argv[0] not in COMMANDS:
+        parser = _parser()
+        if argv and argv[0] in ("-h", "--help"):
+            parser.print_help()
+            return 0
+        parser.print_usage(sys.stderr)
+        got = f"unknown subcommand {argv[0]!r}" if argv else "a subcommand is required"
+        print(f"python -m gtp_jax.bench: error: {got}; choose from {', '.join(COMMANDS)} "
+              "(--help describes them)", file=sys.stderr)
         return 2
-    if argv[0] == "parallel":
-        from gtp_jax.bench import parallel  # noqa: PLC0415
-
-        return parallel.main(argv[1:])
-    if argv[0] == "quant":
-        from gtp_jax.bench import quant  # noqa: PLC0415
-
-        return quant.main(argv[1:])
-    from gtp_jax.bench import overlap  # noqa: PLC0415
-
-    return overlap.main(argv[1:])
+    module = importlib.import_module(f"gtp_jax.bench.{COMMANDS[argv[0]][0]}")
+    return module.main(argv[1:])
 
 
 if __name__ == "__main__":

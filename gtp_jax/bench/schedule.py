@@ -269,3 +269,42 @@ def live_bytes(lifetimes: list[BufferLifetime]) -> list[int]:
         acc += d
         out.append(acc)
     return out
+
+
+def loop_schedules(text: str) -> dict[str, list[str]]:
+    """``{body name: [kind, ...]}`` for every while-loop body of a compiled HLO module's text
+    that holds a dot and an all-gather or reduce-scatter: the `classify` kinds of its
+    instructions in program order. These are the layer loops of a sharded model; XLA may
+    unroll a loop with few iterations into its caller, which then has no body here."""
+    comps = computations(text)
+    out = {}
+    for body in re.findall(r"body=%?([\w.\-]+)", text):
+        seq = [k for line in comps.get(body, "").splitlines()[1:] if (k := classify(line, comps))]
+        if "dot" in seq and ("all-gather" in seq or "reduce-scatter" in seq):
+            out[body] = seq
+    return out
+
+
+def loop_direction(kinds: list[str]) -> str:
+    """``"backward"`` for a layer-loop body that reduce-scatters gradients, else
+    ``"forward"``."""
+    return "backward" if "reduce-scatter" in kinds else "forward"
+
+
+def op_label(kind: str, direction: str, prefetch: bool) -> str:
+    """What an op of a layer-loop body does, in a user's terms: the layer an all-gather
+    fetches (with prefetch: the next one in the loop's order, ``i+1`` forward and ``i-1``
+    backward), a matmul, or a gradient's reduce-scatter (with prefetch: of the layer before,
+    ``i+1``, one iteration late)."""
+    if kind == "all-gather":
+        if not prefetch:
+            return "all-gather layer i"
+        nxt = "i+1" if direction == "forward" else "i-1"
+        return f"all-gather layer {nxt} (prefetch)"
+    if kind == "reduce-scatter":
+        if prefetch:
+            return "reduce-scatter grad layer i+1 (delayed)"
+        return "reduce-scatter grad layer i"
+    if kind == "dot":
+        return "matmul"
+    return kind

@@ -197,7 +197,8 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("trace", help="perfetto_trace.json.gz, or a jax.profiler log dir")
     parser.add_argument("--steps", type=int, default=1, help="steps captured in the trace")
-    parser.add_argument("--json", default=None)
+    parser.add_argument("--json", default=None, metavar="PATH",
+                        help="also write the per-device results as JSON")
     parser.add_argument("--each", action="store_true",
                         help="TRACE is a folder of profiler dirs (one per benchmark variant, "
                         "as --profile-dir writes them): summarize each")

@@ -1,19 +1,22 @@
 #!/usr/bin/env bash
-# Issue 5/6 campaign, one device call on the GPUs of the machine (written for 2; any even
-# count works):
-#  (1) `bench parallel --micro` at the 1B preset's sizes: local GEMM budget vs all-gather+GEMM
-#      and GEMM+reduce-scatter, plain / ppermute ring / XLA windowed einsum, forward and
-#      forward+backward, with a profiler trace of each read per stream; the ring traces'
-#      kernel sequence is printed, and the optimized HLO of every variant is kept;
-#  (2) `bench parallel` training steps (1B preset, 8 layers) no-TP / TP / TP+overlap (+ MoE
-#      with MODEL_VARIANTS), traces of TP and TP+overlap;
-#      (REPEAT_VARIANTS=a,b runs those rows once more; SKIP_MICRO=1 skips (1));
-#  (3) a real multi-process GPU run: one process per GPU, launched as `mpirun` would start
-#      it (Open MPI's variables) with `--distributed-auto`, against one process on all GPUs
+# Tensor + sequence parallelism on the GPUs of the host (written for 2; any even count works),
+# in one invocation:
+#  (1) collective matmul alone (`bench parallel --micro`) at the 1B preset's sizes: local GEMM
+#      budget vs all-gather+GEMM and GEMM+reduce-scatter, plain / ppermute ring / XLA windowed
+#      einsum, forward and forward+backward, with a profiler trace of each read per stream;
+#      the ring traces' kernel sequence is printed: $OUT/parallel_micro_1b.json
+#      (SKIP_MICRO=1 skips it);
+#  (2) training steps (1B preset, 8 layers) no TP / TP+SP / TP+SP with ring collective
+#      matmuls (MODEL_VARIANTS, e.g. add no_tp_moe,tp_overlap_moe for the MoE rows), traces of
+#      TP and TP+overlap: $OUT/parallel_1b.json and $OUT/trace_parallel_1b_<variant>.json.gz;
+#      REPEAT_VARIANTS=a,b runs those rows once more: $OUT/parallel_1b_repeat.json;
+#  (3) a multi-process GPU run: one process per GPU, started as `mpirun` would start it
+#      (Open MPI's variables) with `--distributed-auto`, against one process on all GPUs:
+#      $OUT/multiprocess_2x1gpu.json and $OUT/multiprocess_reference_1x2gpu.json
 #      (SKIP_MP=1 skips it);
-#  (4) with TUNING=1: the ring and plain variants again under NCCL_PROTO=Simple (NCCL picked
-#      its low-latency protocol for these 16 MB transfers), and TP+overlap with XLA's
-#      dynamic-slice fusion (GEMMs reading/writing chunk slices in place).
+#  (4) with TUNING=1: the ring and plain variants again under NCCL_PROTO=Simple, and
+#      TP+overlap with XLA's dynamic-slice fusion.
+# Default OUT=runs.
 set -u
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1 PYTHONPATH="$PWD"
 OUT=${OUT:-runs}; mkdir -p "$OUT"
@@ -31,7 +34,7 @@ XLA_FLAGS="${XLA_FLAGS:-} --xla_dump_to=$DUMP --xla_dump_hlo_as_text" \
 timeout 190 python3 -m gtp_jax.bench parallel --micro $TPFLAG --preset 1b --seq 2048 --batch 4 \
   --steps 30 --warmup 3 --timeout 60 --variants "$MICRO_VARIANTS" \
   --profile-dir "$PROF" --profile-variants ag_gemm,ag_gemm_ring,ag_gemm_xla,gemm_rs,gemm_rs_ring,gemm_rs_xla \
-  --json "$OUT/micro_1b.json" 2>&1 | grep -v -i deprecat | grep -E "^\[|^\||^device" | tail -14
+  --json "$OUT/parallel_micro_1b.json" 2>&1 | grep -v -i deprecat | grep -E "^\[|^\||^device" | tail -14
 tar czf "$OUT/hlo_micro.tgz" -C "$DUMP" . 2>/dev/null
 python3 - "$PROF" <<'PY'
 # Device 0's kernels of the last traced forward+backward: name, stream, start, duration (us).
@@ -64,7 +67,11 @@ timeout 240 python3 -m gtp_jax.bench parallel $TPFLAG --preset 1b --layers 8 --s
   --attention xla --remat dots --steps 10 --warmup 3 --timeout 90 --variants "$MODEL_VARIANTS" \
   --profile-dir "$PROF" --profile-variants tp,tp_overlap,tp_gtp,tp_gtp_overlap \
   --json "$OUT/parallel_1b.json" 2>&1 | grep -v -i deprecat | grep -E "^\[|^\||^device" | tail -14
-python3 -m gtp_jax.bench.trace "$PROF" --each --steps 3 --excerpt-dir "$OUT" --excerpt-ms 60
+mkdir -p "$PROF.excerpts"
+python3 -m gtp_jax.bench.trace "$PROF" --each --steps 3 --excerpt-dir "$PROF.excerpts" --excerpt-ms 60
+for v in tp tp_overlap tp_gtp tp_gtp_overlap; do
+  [ -f "$PROF.excerpts/trace_${v}_excerpt.json.gz" ] && cp "$PROF.excerpts/trace_${v}_excerpt.json.gz" "$OUT/trace_parallel_1b_$v.json.gz"
+done
 
 if [ -n "${REPEAT_VARIANTS:-}" ]; then  # the same rows again, for the run-to-run spread
   log "repeat"
@@ -78,10 +85,10 @@ if [ "${TUNING:-0}" = 1 ]; then
   NCCL_PROTO=Simple timeout 100 python3 -m gtp_jax.bench parallel --micro $TPFLAG --preset 1b \
     --seq 2048 --batch 4 --steps 30 --warmup 3 --timeout 50 \
     --variants gemm_only,ag_gemm,ag_gemm_ring,gemm_rs,gemm_rs_ring \
-    --json "$OUT/micro_1b_simple.json" 2>&1 | grep -E "^\|"
+    --json "$OUT/parallel_micro_1b_nccl_proto_simple.json" 2>&1 | grep -E "^\|"
   NCCL_PROTO=Simple timeout 90 python3 -m gtp_jax.bench parallel $TPFLAG --preset 1b --layers 8 \
     --seq 2048 --attention xla --remat dots --steps 10 --warmup 3 --timeout 60 \
-    --variants tp,tp_overlap --json "$OUT/parallel_1b_simple.json" 2>&1 | grep -E "^\|"
+    --variants tp,tp_overlap --json "$OUT/parallel_1b_nccl_proto_simple.json" 2>&1 | grep -E "^\|"
   log "tuning: dynamic-slice fusion"
   XLA_FLAGS="--xla_gpu_enable_dynamic_slice_fusion=true" timeout 60 python3 -m gtp_jax.bench \
     parallel $TPFLAG --preset 1b --layers 8 --seq 2048 --attention xla --remat dots --steps 10 \
@@ -95,19 +102,19 @@ for i in $(seq 0 $((NGPU - 1))); do
   OMPI_MCA_orte_hnp_uri="$(( (PORT - 61440) * 4096 )).0;tcp://127.0.0.1:1" \
   OMPI_COMM_WORLD_SIZE=$NGPU OMPI_COMM_WORLD_RANK=$i OMPI_COMM_WORLD_LOCAL_RANK=$i \
   timeout 80 python3 -m gtp_jax train --preset small --steps 30 --distributed-auto \
-    --metrics-json "$OUT/multiprocess.json" > "/tmp/mp_$i.log" 2>&1 &
+    --metrics-json "$OUT/multiprocess_2x1gpu.json" > "/tmp/mp_$i.log" 2>&1 &
 done
 wait
 grep -h -E "gtp_jax train|summary|error|Error" /tmp/mp_*.log | head -8
 timeout 60 python3 -m gtp_jax train --preset small --steps 30 \
-  --metrics-json "$OUT/singleprocess.json" 2>&1 | grep -E "gtp_jax train|summary"
+  --metrics-json "$OUT/multiprocess_reference_1x2gpu.json" 2>&1 | grep -E "gtp_jax train|summary"
 python3 - "$OUT" <<'PY'
 import json, sys
 from pathlib import Path
 out = Path(sys.argv[1])
 try:
-    a = json.loads((out / "multiprocess.json").read_text())
-    b = json.loads((out / "singleprocess.json").read_text())
+    a = json.loads((out / "multiprocess_2x1gpu.json").read_text())
+    b = json.loads((out / "multiprocess_reference_1x2gpu.json").read_text())
 except FileNotFoundError as e:
     print("multi-process comparison missing:", e); raise SystemExit
 la, lb = [s["loss"] for s in a["steps"]], [s["loss"] for s in b["steps"]]
