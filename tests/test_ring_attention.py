@@ -13,7 +13,7 @@ Tolerances (max |error| / max |reference|):
 * bfloat16 inputs: the reference is computed in float32 from the same bf16 values; ours
   rounds the probabilities and dS to bf16 before the p@v / dS@k / dS^T@q matmuls (as fused
   kernels do) and the outputs/gradients to bf16 (unit roundoff 2^-9 ~ 2e-3, ~10 terms
-  summed). ``BF16_TOL = 3e-2``; the test also checks we are within 3x of the error of
+  summed). ``BF16_TOL = 1.5e-2``; the test also checks we are within 3x of the error of
   ``jax.nn.dot_product_attention`` run in bf16 on the same inputs (plus 1e-2 slack), so
   the ring is no worse than the library's own bf16 attention.
 """
@@ -43,7 +43,7 @@ from gtp_jax.parallel.context import (
 )
 
 FP32_TOL = 2e-5
-BF16_TOL = 3e-2
+BF16_TOL = 1.5e-2
 B, H, D = 2, 2, 8
 
 
@@ -195,7 +195,7 @@ def test_ring_matches_full_attention(n, layout, dtype, key):
     lib_errs = [max_rel_err(a, b) for a, b in zip((lib[0], *lib[1]), (want[0], *want[1]))]
     for name, e, le in zip(("out", "dq", "dk", "dv"), errs, lib_errs):
         assert e <= BF16_TOL, f"bf16 {name}: {e:.2e}"
-        assert e <= 3 * le + 1e-2, f"bf16 {name}: {e:.2e} vs dot_product_attention {le:.2e}"
+        assert e <= 2 * le + 5e-3, f"bf16 {name}: {e:.2e} vs dot_product_attention {le:.2e}"
 
 
 @pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
