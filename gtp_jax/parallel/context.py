@@ -1,0 +1,525 @@
+"""Context parallelism: causal self-attention over a sequence split across a mesh axis.
+
+Every function here except `zigzag_split` / `zigzag_merge` / `padded_seq_len` runs
+**inside** ``jax.shard_map`` with `axis` (conventionally ``"cp"``) a manual mesh axis; the
+local ``q`` / ``k`` / ``v`` are this device's piece of the sequence. Shapes (dim 1 is the
+local sequence, ``s_local = S / n`` with ``n = axis_size(axis)``):
+
+* ``q``: ``[batch, s_local, heads, head_dim]``;
+* ``k``, ``v``: ``[batch, s_local, kv_heads, head_dim]`` with ``heads % kv_heads == 0``
+  (grouped-query attention; ``kv_heads == heads`` is plain multi-head attention);
+* output: like ``q``, in ``q.dtype``.
+
+Any float dtype works; scores, the softmax statistics and all accumulators are float32.
+
+Layouts (which global tokens a device holds; positions from `position_ids`):
+
+* ``"zigzag"`` (default): the global sequence is cut into ``2n`` chunks of ``c = S / 2n``
+  tokens and device ``i`` holds chunks ``i`` and ``2n-1-i`` (in that order). Under the causal
+  mask every device then has the same amount of work: the load-balanced layout of ring
+  attention (Brandon et al. "Striped attention" / zhuzilin's ring-flash-attention / Megatron
+  CP). `zigzag_split` puts a natural-order global array into this order so that an ordinary
+  ``P(None, "cp")`` sharding gives each device its two chunks; `zigzag_merge` undoes it.
+* ``"contiguous"``: device ``i`` holds chunk ``i`` of ``n`` -- device ``n-1`` does ``n``
+  times the work of device 0; kept as a cross-check and for non-causal uses.
+
+Two implementations with the same contract:
+
+* `ring_attention`: K/V blocks travel around the ring with ``jax.lax.ppermute`` (``n-1``
+  steps, each overlappable with the block in hand) while each device merges per-block
+  results with an online softmax (running log-sum-exp in float32). Forward and backward are
+  one ``jax.custom_vjp`` (`_fwd` / `_bwd`); the backward recomputes each block's scores from
+  the saved ``q, k, v, out, lse`` and sends float32 dK/dV accumulators around the ring with
+  their K/V block (``n`` hops, the last one brings them home). No array of all ``S x S``
+  scores (nor of ``s_local x S``) ever exists; blocks that the causal mask hides entirely
+  are skipped (``lax.cond``), diagonal blocks are masked.
+* `allgather_attention`: the baseline -- ``all_gather`` K/V over `axis`, then one masked
+  local attention of ``s_local x S`` scores; ordinary autodiff (the ``all_gather``
+  transposes to a reduce-scatter of dK/dV).
+
+Padding: when ``S`` is not a multiple of ``2n`` (zigzag) or ``n`` (contiguous) the caller
+pads the sequence **at the end** to `padded_seq_len` and passes ``valid_len`` (the global
+number of real tokens): keys at positions ``>= valid_len`` are masked. Padded query rows
+still produce outputs (finite: they attend to all real keys -- or are 0 when ``valid_len``
+is 0) that mean nothing; the caller drops them (and masks them out of the loss, which also
+makes their gradient contribution zero).
+
+Block kernel (`block_fn`, the injection point for a fused GPU kernel): ``block_fn(q, k, v,
+*, causal, kv_len, scale) -> (out, lse)`` with ``q`` ``[b, sq, h, d]``, ``k``/``v``
+``[b, sk, h_kv, d]``; ``causal=True`` only for diagonal blocks, where ``sq == sk`` and q and
+k hold the same global positions (standard lower-triangular mask, diagonal included);
+``kv_len`` is ``None`` or an int32 scalar array: only keys ``< kv_len`` of the block are
+visible (padding; the visible keys of a local block are always a prefix). It must return
+``out`` ``[b, sq, h, d]`` (the block's softmax-normalised output, any float dtype; it is
+upcast to float32) and ``lse`` ``[b, sq, h]`` float32, the natural log-sum-exp of the
+row's visible scaled scores -- ``-inf`` with ``out == 0`` (finite) for a row that sees no
+key. `attention_block` is the pure-JAX default; the backward uses `attention_block_bwd`
+(``block_bwd_fn`` to replace it) which must return float32 ``(dq, dk, dv)``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from gtp_jax.base.errors import UsageError, UsageTypeError
+
+#: Conventional name of the context-parallel mesh axis.
+CP_AXIS = "cp"
+LAYOUTS = ("zigzag", "contiguous")
+IMPLS = ("xla",)
+
+BlockFn = Callable[..., tuple[jax.Array, jax.Array]]
+BlockBwdFn = Callable[..., tuple[jax.Array, jax.Array, jax.Array]]
+
+
+# --------------------------------------------------------------------------- layout helpers
+
+
+def _check_layout(layout: Any) -> str:
+    if layout not in LAYOUTS:
+        raise UsageError(f"layout={layout!r}: expected one of {LAYOUTS}")
+    return layout
+
+
+def _chunks_per_device(layout: str) -> int:
+    return 2 if layout == "zigzag" else 1
+
+
+def padded_seq_len(seq_len: int, n: int, layout: str = "zigzag") -> int:
+    """The smallest length ``>= seq_len`` that `layout` can split over `n` devices
+    (a multiple of ``2n`` for zigzag, of ``n`` for contiguous). Pad at the end to it and
+    pass ``valid_len=seq_len``."""
+    m = n * _chunks_per_device(_check_layout(layout))
+    return -(-int(seq_len) // m) * m
+
+
+def _zigzag_order(n: int) -> np.ndarray:
+    """Chunk order of the zigzag layout: ``[0, 2n-1, 1, 2n-2, ...]``."""
+    return np.array([c for i in range(n) for c in (i, 2 * n - 1 - i)])
+
+
+def _permute_chunks(x: jax.Array, n: int, axis: int, order: np.ndarray, what: str) -> jax.Array:
+    if not isinstance(n, (int, np.integer)) or isinstance(n, bool) or n < 1:
+        raise UsageError(f"{what}: n={n!r} must be a positive int (the cp axis size)")
+    x = jnp.asarray(x)
+    if not -x.ndim <= axis < x.ndim:
+        raise UsageError(f"{what}: axis={axis} out of range for an array of rank {x.ndim}")
+    axis %= x.ndim
+    size = x.shape[axis]
+    if size % (2 * n):
+        raise UsageError(
+            f"{what}: length {size} on axis {axis} is not a multiple of 2*n = {2 * n}; pad the "
+            f"sequence at the end to padded_seq_len({size}, {n}) and pass valid_len={size}")
+    c = size // (2 * n)
+    shape = x.shape
+    x = x.reshape(shape[:axis] + (2 * n, c) + shape[axis + 1:])
+    return jnp.take(x, jnp.asarray(order), axis=axis).reshape(shape)
+
+
+def zigzag_split(x: jax.Array, n: int, axis: int = 1) -> jax.Array:
+    """Natural sequence order -> zigzag layout order along `axis` (any rank, any dtype).
+
+    ``x.shape[axis] = S`` must be a multiple of ``2n``. Afterwards slice ``i`` of ``n``
+    equal contiguous slices (what ``P(..., "cp")`` gives device ``i``) holds natural chunks
+    ``i`` and ``2n-1-i`` of ``S/2n`` tokens. Works on global arrays (outside ``shard_map``).
+    """
+    return _permute_chunks(x, n, axis, _zigzag_order(n), "zigzag_split")
+
+
+def zigzag_merge(x: jax.Array, n: int, axis: int = 1) -> jax.Array:
+    """Inverse of `zigzag_split`: zigzag layout order -> natural order along `axis`."""
+    return _permute_chunks(x, n, axis, np.argsort(_zigzag_order(n)), "zigzag_merge")
+
+
+def _positions(index: jax.Array, n: int, local_len: int, layout: str) -> jax.Array:
+    """Global positions (int32 ``[local_len]``) of the tokens device `index` holds."""
+    if layout == "contiguous":
+        return index * local_len + jnp.arange(local_len, dtype=jnp.int32)
+    c = local_len // 2
+    r = jnp.arange(c, dtype=jnp.int32)
+    return jnp.concatenate([index * c + r, (2 * n - 1 - index) * c + r])
+
+
+def _axis_size(axis: Any, what: str) -> int:
+    if not isinstance(axis, str):
+        raise UsageTypeError(f"{what}: axis={axis!r} must be a mesh axis name (str)")
+    try:
+        return lax.axis_size(axis)
+    except NameError as e:
+        raise UsageError(
+            f"{what}: mesh axis {axis!r} is not bound; call it inside jax.shard_map over a "
+            f"mesh with a {axis!r} axis") from e
+
+
+def position_ids(local_len: int, axis: str = CP_AXIS, layout: str = "zigzag") -> jax.Array:
+    """Global token index (int32 ``[local_len]``) of each local token of this device, e.g.
+    for rotary embeddings. Inside ``shard_map`` over `axis`; ``local_len = S / n`` (even for
+    zigzag)."""
+    _check_layout(layout)
+    n = _axis_size(axis, "position_ids")
+    if layout == "zigzag" and local_len % 2:
+        raise UsageError(f"position_ids: zigzag needs an even local length, got {local_len}")
+    return _positions(lax.axis_index(axis), n, int(local_len), layout)
+
+
+# --------------------------------------------------------------------------- block kernels
+
+
+def _block_mask(sq: int, sk: int, causal: bool, kv_len: jax.Array | None) -> jax.Array | None:
+    mask = None
+    if causal:
+        mask = jnp.arange(sq)[:, None] >= jnp.arange(sk)[None, :]
+    if kv_len is not None:
+        visible = jnp.broadcast_to(jnp.arange(sk)[None, :] < kv_len, (sq, sk))
+        mask = visible if mask is None else mask & visible
+    return mask
+
+
+def _grouped(q: jax.Array, h_kv: int) -> jax.Array:
+    b, s, h, d = q.shape
+    return q.reshape(b, s, h_kv, h // h_kv, d)
+
+
+def _masked_scores(q: jax.Array, k: jax.Array, mask: jax.Array | None, scale: float):
+    """Scaled float32 scores ``[b, h_kv, g, sq, sk]`` with masked entries ``-inf``."""
+    s = jnp.einsum("bqhgd,bkhd->bhgqk", _grouped(q, k.shape[2]), k,
+                   preferred_element_type=jnp.float32) * scale
+    if mask is not None:
+        s = jnp.where(mask, s, -jnp.inf)
+    return s
+
+
+def _softmax_attend(q, k, v, mask, scale):
+    """Masked softmax attention; returns float32 ``out [b, sq, h, d]`` and ``lse [b, sq, h]``.
+    A row with no visible key gives ``out = 0`` and ``lse = -inf``."""
+    b, sq, h, d = q.shape
+    s = _masked_scores(q, k, mask, scale)
+    m = lax.stop_gradient(jnp.max(s, axis=-1, keepdims=True))
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    p = jnp.exp(s - m)
+    denom = jnp.sum(p, axis=-1, keepdims=True)
+    o = jnp.einsum("bhgqk,bkhd->bqhgd", p.astype(v.dtype), v,
+                   preferred_element_type=jnp.float32)
+    inv = jnp.where(denom > 0, 1.0 / jnp.where(denom > 0, denom, 1.0), 0.0)  # [b,hk,g,q,1]
+    o = o * jnp.moveaxis(inv[..., 0], 3, 1)[..., None]
+    lse = (m + jnp.log(denom))[..., 0]  # log(0) = -inf for rows that see nothing
+    return o.reshape(b, sq, h, d), jnp.moveaxis(lse, 3, 1).reshape(b, sq, h)
+
+
+def attention_block(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool,
+                    kv_len: jax.Array | None, scale: float) -> tuple[jax.Array, jax.Array]:
+    """Pure-JAX attention of one (query block, key block) pair: the default `block_fn`.
+
+    ``q [b, sq, h, d]``, ``k``/``v`` ``[b, sk, h_kv, d]``; returns float32 ``out
+    [b, sq, h, d]`` (normalised within the block) and ``lse [b, sq, h]`` (``-inf`` and
+    ``out = 0`` for rows that see no key). See the module docstring for `causal` and
+    `kv_len`. Scores and softmax are float32; ``p @ v`` takes ``p`` in ``v.dtype`` (as fused
+    kernels do) with float32 accumulation.
+    """
+    return _softmax_attend(q, k, v, _block_mask(q.shape[1], k.shape[1], causal, kv_len), scale)
+
+
+def attention_block_bwd(q, k, v, do, lse, delta, *, causal: bool, kv_len: jax.Array | None,
+                        scale: float) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Backward of one block from recomputed scores (the default `block_bwd_fn`).
+
+    ``do [b, sq, h, d]`` is the gradient of the *final* output rows, ``lse [b, sq, h]`` the
+    *final* float32 log-sum-exp of those rows and ``delta = sum(do * out, -1)`` ``[b, sq,
+    h]`` float32. Returns this block's float32 contributions ``dq [b, sq, h, d]``, ``dk``
+    and ``dv`` ``[b, sk, h_kv, d]``.
+    """
+    b, sq, h, d = q.shape
+    h_kv = k.shape[2]
+    mask = _block_mask(sq, k.shape[1], causal, kv_len)
+    s = _masked_scores(q, k, mask, scale)
+
+    def heads_first(x):  # [b, sq, h] -> [b, h_kv, g, sq, 1]
+        return jnp.moveaxis(x.reshape(b, sq, h_kv, h // h_kv), 1, 3)[..., None]
+
+    lse = heads_first(lse)
+    p = jnp.exp(s - jnp.where(jnp.isfinite(lse), lse, 0.0))  # masked: exp(-inf) = 0
+    dog = _grouped(do, h_kv)
+    dv = jnp.einsum("bhgqk,bqhgd->bkhd", p.astype(do.dtype), dog,
+                    preferred_element_type=jnp.float32)
+    dp = jnp.einsum("bqhgd,bkhd->bhgqk", dog, v, preferred_element_type=jnp.float32)
+    ds = p * (dp - heads_first(delta))
+    dq = jnp.einsum("bhgqk,bkhd->bqhgd", ds.astype(k.dtype), k,
+                    preferred_element_type=jnp.float32) * scale
+    dk = jnp.einsum("bhgqk,bqhgd->bkhd", ds.astype(q.dtype), _grouped(q, h_kv),
+                    preferred_element_type=jnp.float32) * scale
+    return dq.reshape(b, sq, h, d), dk, dv
+
+
+# --------------------------------------------------------------------------- ring schedule
+
+
+@dataclasses.dataclass(frozen=True)
+class _Task:
+    """Query rows ``[r0, r1)`` attend to key rows ``[c0, c1)`` of the block in hand."""
+
+    r0: int
+    r1: int
+    c0: int
+    c1: int
+    causal: bool
+
+
+def _schedule(layout: str, local_len: int) -> tuple[tuple[_Task, ...], tuple[_Task, ...],
+                                                     tuple[_Task, ...]]:
+    """Tasks of (own block, block of a lower device j < i, block of a higher device j > i).
+
+    Zigzag (c = local_len / 2; device i holds chunks (i, 2n-1-i)): own block = chunk i
+    causal, chunk 2n-1-i sees chunk i fully and itself causally; j < i: both query chunks see
+    key chunk j fully and key chunk 2n-1-j not at all; j > i: query chunk 2n-1-i sees both
+    key chunks fully, query chunk i sees neither. Each non-own step is half a block.
+    Contiguous: own block causal; j < i fully visible; j > i hidden (skipped).
+    """
+    el, c = local_len, local_len // 2
+    if layout == "zigzag":
+        own = (_Task(0, c, 0, c, True), _Task(c, el, 0, c, False), _Task(c, el, c, el, True))
+        return own, (_Task(0, el, 0, c, False),), (_Task(c, el, 0, el, False),)
+    return (_Task(0, el, 0, el, True),), (_Task(0, el, 0, el, False),), ()
+
+
+@dataclasses.dataclass(frozen=True)
+class _Spec:
+    axis: str
+    layout: str
+    scale: float
+    valid_len: int | None
+    block_fn: BlockFn
+    block_bwd_fn: BlockBwdFn
+
+
+def _kv_len(spec: _Spec, kpos: jax.Array, t: _Task) -> jax.Array | None:
+    if spec.valid_len is None:
+        return None
+    return jnp.sum(kpos[t.c0:t.c1] < spec.valid_len, dtype=jnp.int32)
+
+
+def _merge(o_a, lse_a, o_b, lse_b):
+    """Combines two normalised partial attentions of the same rows (float32)."""
+    lse = jnp.logaddexp(lse_a, lse_b)
+    ref = jnp.where(jnp.isfinite(lse), lse, 0.0)
+    w_a = jnp.exp(lse_a - ref)[..., None]  # 0 where lse_a = -inf
+    w_b = jnp.exp(lse_b - ref)[..., None]
+    return o_a * w_a + o_b * w_b, lse
+
+
+def _fwd_tasks(spec, tasks, q, k, v, kpos, acc):
+    o, lse = acc
+    for t in tasks:
+        ob, lb = spec.block_fn(q[:, t.r0:t.r1], k[:, t.c0:t.c1], v[:, t.c0:t.c1],
+                               causal=t.causal, kv_len=_kv_len(spec, kpos, t), scale=spec.scale)
+        om, lm = _merge(o[:, t.r0:t.r1], lse[:, t.r0:t.r1], ob.astype(jnp.float32),
+                        lb.astype(jnp.float32))
+        o = o.at[:, t.r0:t.r1].set(om)
+        lse = lse.at[:, t.r0:t.r1].set(lm)
+    return o, lse
+
+
+def _bwd_tasks(spec, tasks, q, k, v, do, lse, delta, kpos, acc):
+    dq, dk, dv = acc
+    for t in tasks:
+        r, c = slice(t.r0, t.r1), slice(t.c0, t.c1)
+        gq, gk, gv = spec.block_bwd_fn(
+            q[:, r], k[:, c], v[:, c], do[:, r], lse[:, r], delta[:, r], causal=t.causal,
+            kv_len=_kv_len(spec, kpos, t), scale=spec.scale)
+        dq = dq.at[:, r].add(gq)
+        dk = dk.at[:, c].add(gk)
+        dv = dv.at[:, c].add(gv)
+    return dq, dk, dv
+
+
+def _ring_step(run, own, lower, higher, i, j, step, acc):
+    """Runs the tasks of one ring step; `j` is the (traced) owner of the block in hand."""
+    if step == 0:
+        return run(own, acc)
+    if not higher:
+        return lax.cond(j < i, lambda a: run(lower, a), lambda a: a, acc)
+    return lax.cond(j < i, lambda a: run(lower, a), lambda a: run(higher, a), acc)
+
+
+def _shift(x, axis: str, n: int):
+    return lax.ppermute(x, axis, perm=[(a, (a + 1) % n) for a in range(n)])
+
+
+def _ring_forward(spec: _Spec, q, k, v):
+    n = lax.axis_size(spec.axis)
+    i = lax.axis_index(spec.axis)
+    b, el, h, d = q.shape
+    own, lower, higher = _schedule(spec.layout, el)
+    acc = (jnp.zeros((b, el, h, d), jnp.float32), jnp.full((b, el, h), -jnp.inf, jnp.float32))
+    kv = (k, v)
+    for step in range(n):
+        nxt = _shift(kv, spec.axis, n) if step < n - 1 else None  # in flight during compute
+        j = (i - step) % n
+        kpos = _positions(j, n, el, spec.layout)
+        ck, cv = kv
+        acc = _ring_step(lambda ts, a, ck=ck, cv=cv, kpos=kpos: _fwd_tasks(
+            spec, ts, q, ck, cv, kpos, a), own, lower, higher, i, j, step, acc)
+        kv = nxt
+    o, lse = acc
+    return o.astype(q.dtype), lse
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _ring(spec: _Spec, q, k, v):
+    return _ring_forward(spec, q, k, v)[0]
+
+
+def _fwd(spec, q, k, v):
+    out, lse = _ring_forward(spec, q, k, v)
+    return out, (q, k, v, out, lse)
+
+
+def _bwd(spec, res, do):
+    q, k, v, out, lse = res
+    n = lax.axis_size(spec.axis)
+    i = lax.axis_index(spec.axis)
+    el = q.shape[1]
+    own, lower, higher = _schedule(spec.layout, el)
+    do = do.astype(q.dtype)
+    delta = jnp.sum(do.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
+    dq = jnp.zeros(q.shape, jnp.float32)
+    kv = (k, v)
+    dkv = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
+    for step in range(n):
+        if step:  # the K/V block and its gradient accumulators move on together
+            kv, dkv = _shift((kv, dkv), spec.axis, n)
+        j = (i - step) % n
+        kpos = _positions(j, n, el, spec.layout)
+        ck, cv = kv
+        dq, *dkv = _ring_step(lambda ts, a, ck=ck, cv=cv, kpos=kpos: _bwd_tasks(
+            spec, ts, q, ck, cv, do, lse, delta, kpos, a), own, lower, higher, i, j, step,
+            (dq, *dkv))
+    dk, dv = _shift(tuple(dkv), spec.axis, n) if n > 1 else dkv  # last hop: home
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+
+
+_ring.defvjp(_fwd, _bwd)
+
+
+# --------------------------------------------------------------------------- public API
+
+
+def _validate(q, k, v, axis, layout, valid_len, scale, what):
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+            raise UsageTypeError(f"{what}: {name} must be an array, got {type(x).__name__}")
+        if x.ndim != 4:
+            raise UsageError(f"{what}: {name} must be [batch, seq_local, heads, head_dim], "
+                             f"got shape {tuple(x.shape)}")
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            raise UsageTypeError(f"{what}: {name} must be a float array, got {x.dtype}")
+    if k.shape != v.shape:
+        raise UsageError(f"{what}: k {tuple(k.shape)} and v {tuple(v.shape)} differ in shape")
+    b, el, h, d = q.shape
+    if (k.shape[0], k.shape[1]) != (b, el):
+        raise UsageError(f"{what}: q {tuple(q.shape)} and k {tuple(k.shape)} differ in batch or "
+                         "local sequence length (self-attention over the same tokens)")
+    if k.shape[3] != d:
+        raise UsageError(f"{what}: head_dim mismatch: q has {d}, k/v have {k.shape[3]}")
+    if h % k.shape[2]:
+        raise UsageError(f"{what}: heads={h} is not a multiple of kv_heads={k.shape[2]}")
+    _check_layout(layout)
+    n = _axis_size(axis, what)
+    if layout == "zigzag" and el % 2:
+        raise UsageError(f"{what}: zigzag needs an even local length, got {el}; pad the "
+                         "sequence at the end to padded_seq_len(S, n) and pass valid_len=S")
+    if valid_len is not None:
+        if isinstance(valid_len, bool) or not isinstance(valid_len, (int, np.integer)):
+            raise UsageTypeError(f"{what}: valid_len={valid_len!r} must be a Python int or None")
+        if not 0 <= valid_len <= n * el:
+            raise UsageError(f"{what}: valid_len={valid_len} outside [0, {n * el}] "
+                             f"(global length = {n} x {el})")
+        valid_len = int(valid_len)
+        if valid_len == n * el:
+            valid_len = None
+    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    return n, valid_len, scale
+
+
+def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, axis: str = CP_AXIS,
+                   layout: str = "zigzag", impl: str = "xla", valid_len: int | None = None,
+                   scale: float | None = None, block_fn: BlockFn | None = None,
+                   block_bwd_fn: BlockBwdFn | None = None) -> jax.Array:
+    """Causal self-attention of a sequence sharded over mesh axis `axis`, as a ring.
+
+    Call inside ``jax.shard_map``; ``q [b, s_local, h, d]``, ``k``/``v`` ``[b, s_local,
+    h_kv, d]`` are this device's tokens in `layout` (see the module docstring; global length
+    ``S = n * s_local``). Returns ``[b, s_local, h, d]`` in ``q.dtype``, equal (to float
+    rounding) to causal attention over the whole sequence, in the same layout.
+
+    Args:
+      axis: the context-parallel mesh axis (bound by the enclosing ``shard_map``).
+      layout: ``"zigzag"`` (load-balanced; ``s_local`` even) or ``"contiguous"``.
+      impl: ``"xla"`` -- the pure-JAX block kernels (`attention_block` / `_bwd`); `block_fn`
+        / `block_bwd_fn` override them (e.g. with a fused GPU kernel).
+      valid_len: global number of real tokens when the sequence was padded at the end
+        (keys at positions ``>= valid_len`` are masked); ``None``: no padding.
+      scale: score scale, default ``1 / sqrt(d)``.
+
+    Communication: forward ``n-1`` ppermutes of the local K/V; backward ``n-1`` of K/V plus
+    ``n`` of float32 dK/dV accumulators. Gradients w.r.t. ``q, k, v`` are local (this
+    device's tokens); nothing is reduced over `axis` here -- weight gradients of the
+    projections feeding q/k/v must be summed over `axis` by the caller, as over a data axis.
+    """
+    n, valid_len, scale = _validate(q, k, v, axis, layout, valid_len, scale, "ring_attention")
+    if impl not in IMPLS:
+        raise UsageError(f"ring_attention: impl={impl!r}: expected one of {IMPLS} (pass "
+                         "block_fn= / block_bwd_fn= to use another block kernel)")
+    if block_fn is not None and not callable(block_fn):
+        raise UsageTypeError("ring_attention: block_fn must be callable")
+    if block_bwd_fn is not None and not callable(block_bwd_fn):
+        raise UsageTypeError("ring_attention: block_bwd_fn must be callable")
+    spec = _Spec(axis=axis, layout=layout, scale=scale, valid_len=valid_len,
+                 block_fn=block_fn or attention_block,
+                 block_bwd_fn=block_bwd_fn or attention_block_bwd)
+    return _ring(spec, q, k, v)
+
+
+def allgather_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, axis: str = CP_AXIS,
+                        layout: str = "zigzag", valid_len: int | None = None,
+                        scale: float | None = None) -> jax.Array:
+    """Causal self-attention of a sharded sequence by all-gathering K/V: the baseline.
+
+    Same contract as `ring_attention` (shapes, layouts, `valid_len`). Builds ``[s_local, S]``
+    scores per head (memory ``O(s_local * S)``; no load balancing matters here since every
+    device computes the full masked row block, skipping nothing). Plain autodiff: the
+    transpose of ``all_gather`` reduce-scatters dK/dV over `axis`.
+    """
+    n, valid_len, scale = _validate(q, k, v, axis, layout, valid_len, scale,
+                                    "allgather_attention")
+    el = q.shape[1]
+    k_all = lax.all_gather(k, axis, axis=1, tiled=True)
+    v_all = lax.all_gather(v, axis, axis=1, tiled=True)
+    kpos = jnp.concatenate([_positions(jnp.int32(j), n, el, layout) for j in range(n)])
+    qpos = _positions(lax.axis_index(axis), n, el, layout)
+    mask = qpos[:, None] >= kpos[None, :]
+    if valid_len is not None:
+        mask = mask & (kpos < valid_len)[None, :]
+    return _softmax_attend(q, k_all, v_all, mask, scale)[0].astype(q.dtype)
+
+
+__all__ = [
+    "CP_AXIS",
+    "LAYOUTS",
+    "allgather_attention",
+    "attention_block",
+    "attention_block_bwd",
+    "padded_seq_len",
+    "position_ids",
+    "ring_attention",
+    "zigzag_merge",
+    "zigzag_split",
+]
