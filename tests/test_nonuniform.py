@@ -440,3 +440,21 @@ def test_average_replicas_errors(mesh_dp2_tp4):
     step = jax.device_put(jnp.int32(1), rep)
     with pytest.raises(UsageTypeError, match="floating-point jax.Array"):
         average_replicas(p, [step, step], None)
+
+
+def test_relayout_gtp_axis_keeps_tp_split(key):
+    """A weight split over tp on one dim and over gtp (with alignment padding) on another:
+    reducing gtp 4 -> 2 re-splits the gtp dim and leaves the tp split as it was."""
+    devs = jax.devices()
+    src = make_mesh(gtp=4, tp=2)
+    dst = make_mesh(gtp=2, tp=2, devices=[devs[i] for i in (0, 1, 4, 5)])
+    w = jax.random.normal(key, (8, 7), jnp.float32)
+    s = LeafSplit(dim=1, size=7, align=2)
+    x = jax.device_put(from_logical(w, s, 4), NamedSharding(src, P("tp", "gtp")))
+    assert x.shape == (8, 8)
+    y = relayout({"w": x, "step": jnp.int32(3)}, {"w": s, "step": None}, src, dst, "gtp")
+    assert y["w"].shape == (8, 8) and y["w"].sharding.spec == P("tp", "gtp")
+    assert y["step"].sharding.mesh.shape == dst.shape
+    np.testing.assert_array_equal(_bits(to_logical(y["w"], s, 2)), _bits(w))
+    with pytest.raises(UsageError, match="split over 'tp' .* only 'gtp' may change"):
+        relayout({"w": x}, {"w": s}, src, make_mesh(gtp=2, tp=1, devices=devs[:2]), "gtp")

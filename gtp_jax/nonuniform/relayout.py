@@ -19,6 +19,7 @@ array over the uniform core mesh, and averaged there by one SPMD reduction over 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -120,9 +121,9 @@ def relayout(state: Any, splits: Any, src: Mesh, dst: Mesh, axis: str = "tp") ->
     """Moves `state` from `src` to `dst`, re-splitting the leaves split over `axis`.
 
     Args:
-      state: a pytree of ``jax.Array`` (params, optimizer moments, step, RNG keys, ...); a
-        leaf that is not a committed array on `src` (a Python or NumPy scalar) is placed
-        replicated on `dst`.
+      state: a pytree of ``jax.Array`` (params, optimizer moments, step, RNG keys, ...); an
+        unsplit leaf without a `NamedSharding` (a Python or NumPy scalar, a single-device
+        array) is placed replicated on `dst`.
       splits: same structure as `state`: a `LeafSplit` per leaf split over `axis`, None
         for the others.
       src, dst: meshes with the same axis names; their sizes may differ on `axis` (the old
@@ -152,7 +153,8 @@ def relayout(state: Any, splits: Any, src: Mesh, dst: Mesh, axis: str = "tp") ->
     jobs = []
     for (path, x), split in zip(leaves, s_leaves):
         name = jax.tree_util.keystr(path)
-        if not isinstance(x, jax.Array):
+        if not isinstance(x, jax.Array) or (split is None
+                                            and not isinstance(x.sharding, NamedSharding)):
             if split is not None:
                 raise UsageError(f"{where}: leaf {name} has a LeafSplit but is not a "
                                  "jax.Array; split leaves must live on src.")
@@ -199,9 +201,20 @@ def _resplit(x: jax.Array, split: LeafSplit, n_old: int, n_new: int, src: Mesh) 
     """Stored(n_old) -> stored(n_new), computed on `src` (gathered along the axis)."""
     entries = _spec_entries(x.sharding.spec, x.ndim)
     entries[split.dim] = None
-    fn = jax.jit(lambda v: from_logical(to_logical(v, split, n_old), split, n_new),
-                 out_shardings=NamedSharding(src, P(*entries)))
-    return fn(x)
+    return _resplit_fn(split, n_old, n_new, NamedSharding(src, P(*entries)))(x)
+
+
+@functools.lru_cache(maxsize=256)
+def _resplit_fn(split: LeafSplit, n_old: int, n_new: int, out: NamedSharding):
+    # Cached so that re-laying out the same state again (every step for gradients) reuses
+    # the compiled program instead of tracing a fresh lambda.
+    return jax.jit(lambda v: from_logical(to_logical(v, split, n_old), split, n_new),
+                   out_shardings=out)
+
+
+@functools.lru_cache(maxsize=256)
+def _mean_fn(out: NamedSharding):
+    return jax.jit(lambda s, wv: jnp.tensordot(wv, s, axes=1), out_shardings=out)
 
 
 def to_core(p: NonuniformPlan, replica: int, tree: Any, splits: Any) -> Any:
@@ -265,8 +278,7 @@ def average_replicas(p: NonuniformPlan, trees: Sequence[Any], splits: Any,
         arrays = [by_dev[d] for d in target.addressable_devices_indices_map(shape)]
         stacked = jax.make_array_from_single_device_arrays(shape, target, arrays)
         wv = jax.device_put(jnp.asarray(w, dtype=first.dtype), NamedSharding(mesh, P()))
-        mean = jax.jit(lambda s, wv: jnp.tensordot(wv, s, axes=1),
-                       out_shardings=NamedSharding(mesh, P(*spec)))(stacked, wv)
+        mean = _mean_fn(NamedSharding(mesh, P(*spec)))(stacked, wv)
         out.append(mean)
     return jax.tree.unflatten(treedef, out)
 
