@@ -458,3 +458,41 @@ def test_relayout_gtp_axis_keeps_tp_split(key):
     np.testing.assert_array_equal(_bits(to_logical(y["w"], s, 2)), _bits(w))
     with pytest.raises(UsageError, match="split over 'tp' .* only 'gtp' may change"):
         relayout({"w": x}, {"w": s}, src, make_mesh(gtp=2, tp=1, devices=devs[:2]), "gtp")
+
+
+def _lost(mesh, logical, split, spec, failed):
+    """`logical` stored at the mesh's tp on `mesh`, with NaN on the failed devices' shards
+    (the data a failure loses)."""
+    x = from_logical(jnp.asarray(logical), split, mesh.shape["tp"])
+    sh = NamedSharding(mesh, spec)
+    arrays = []
+    for d, idx in sh.addressable_devices_indices_map(x.shape).items():
+        piece = np.asarray(x[idx])
+        arrays.append(jax.device_put(np.full_like(piece, np.nan) if d.id in failed else piece,
+                                     d))
+    return jax.make_array_from_single_device_arrays(x.shape, sh, arrays)
+
+
+def test_failure_recovery_reads_no_failed_device(key, mesh_dp2_tp4):
+    """Step 30, devices 1 (dp0, tp1) and 6 (dp1, tp2) fail: the dp-replicated state is
+    rebuilt from surviving shards (0, 5, 2, 3), laid out on the core mesh (optimizer) and
+    on each replica, bit-exactly, although the failed devices' shards are garbage."""
+    from gtp_jax.nonuniform import from_core, survivor_mesh, take_survivors
+    p = plan(mesh_dp2_tp4, NonuniformConfig(4, 1, "tp", (1, 6)))
+    assert ids(survivor_mesh(p)) == [0, 5, 2, 3]
+    w = np.asarray(jax.random.normal(key, (F, D), jnp.float32))
+    s = LeafSplit(0, F)
+    state = {"w": _lost(mesh_dp2_tp4, w, s, P("tp", None), {1, 6}),
+             "step": jax.device_put(jnp.int32(30), NamedSharding(mesh_dp2_tp4, P()))}
+    splits = {"w": s, "step": None}
+    smesh, surv = take_survivors(p, state)
+    core = relayout(surv, splits, smesh, p.core_mesh(), "tp")
+    assert ids(p.core_mesh()) == [0, 2, 3, 4, 5, 7] and core["w"].shape == (F, D)
+    np.testing.assert_array_equal(_bits(to_logical(core["w"], s, 3)), _bits(w))
+    for r in (0, 1):
+        rep = from_core(p, core, splits, r)
+        assert 1 not in ids(p.replica_mesh(r)) and 6 not in ids(p.replica_mesh(r))
+        np.testing.assert_array_equal(_bits(to_logical(rep["w"], s, 3)), _bits(w))
+        assert int(rep["step"]) == 30
+    with pytest.raises(UsageError, match=r"devices \[1, 5\] hold the same shard and all"):
+        survivor_mesh(plan(mesh_dp2_tp4, NonuniformConfig(4, 1, "tp", (1, 5))))

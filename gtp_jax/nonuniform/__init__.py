@@ -19,13 +19,18 @@ from gtp_jax.nonuniform.planner import (
 from gtp_jax.nonuniform.relayout import (
     LeafSplit,
     average_replicas,
+    from_core,
     from_logical,
     relayout,
+    survivor_mesh,
+    take_survivors,
+    to_core,
     to_logical,
 )
 
 __all__ = [
     "DimRule", "LeafSplit", "NonuniformConfig", "NonuniformPlan", "ReplicaLayout",
     "average_replicas", "choose_spares", "describe", "dim_map", "from_logical", "plan",
-    "relayout", "to_logical", "transformer_dims",
+    "from_core", "relayout", "survivor_mesh", "take_survivors", "to_core", "to_logical",
+    "transformer_dims",
 ]

@@ -217,6 +217,72 @@ def _mean_fn(out: NamedSharding):
     return jax.jit(lambda s, wv: jnp.tensordot(wv, s, axes=1), out_shardings=out)
 
 
+def survivor_mesh(p: NonuniformPlan) -> Mesh:
+    """A full-degree mesh (``dp`` size 1) of surviving devices, one per mesh position.
+
+    Position ``(ep, gtp, tp)`` takes the device of the lowest ``dp`` replica whose device at
+    that position did not fail. A state replicated over ``dp`` on the original mesh holds
+    every shard on each of these devices, so `take_survivors` recovers it without reading
+    a failed device.
+
+    Raises:
+      UsageError: some position failed in every replica (its shard is lost: restore the
+        last checkpoint instead).
+    """
+    mesh, failed = p.mesh, set(p.failed_devices)
+    names = mesh.axis_names
+    if REPLICA_AXIS not in names:
+        grid = mesh.devices[None]
+    else:
+        grid = np.moveaxis(mesh.devices, names.index(REPLICA_AXIS), 0)
+    out = np.empty(grid.shape[1:], dtype=object)
+    for idx in np.ndindex(out.shape):
+        alive = [grid[(r,) + idx] for r in range(grid.shape[0])
+                 if grid[(r,) + idx].id not in failed]
+        if not alive:
+            lost = [int(grid[(r,) + idx].id) for r in range(grid.shape[0])]
+            raise UsageError(f"survivor_mesh: devices {lost} hold the same shard and all "
+                             "failed; no replica has it, restore the last checkpoint.")
+        out[idx] = alive[0]
+    out = out[None]
+    if REPLICA_AXIS in names:
+        out = np.moveaxis(out, 0, names.index(REPLICA_AXIS))
+    return Mesh(out, names, axis_types=mesh.axis_types)
+
+
+def take_survivors(p: NonuniformPlan, tree: Any) -> tuple[Mesh, Any]:
+    """A state on the original mesh (replicated over ``dp``) -> the same state on
+    `survivor_mesh`, built from the survivors' shards (no copy, no failed device read).
+
+    Returns:
+      ``(survivor_mesh, tree)``; relayout from there onto the core mesh and the replicas.
+
+    Raises:
+      UsageError: a leaf not on the original mesh, or split over ``dp`` (per-replica data
+        such as a data position is not recoverable from a replica: keep it on the host).
+    """
+    mesh = survivor_mesh(p)
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    orig = {d.id for d in p.mesh.devices.flat}
+    for path, x in leaves:
+        name = jax.tree_util.keystr(path)
+        sh = getattr(x, "sharding", None)
+        if not isinstance(sh, NamedSharding) or {d.id for d in sh.device_set} != orig:
+            raise UsageError(f"take_survivors: leaf {name} is not on the plan's mesh; pass "
+                             "the state as it was before the failure.")
+        if any(REPLICA_AXIS in _names(e) for e in _spec_entries(sh.spec, x.ndim)):
+            raise UsageError(f"take_survivors: leaf {name} is split over {REPLICA_AXIS!r}; "
+                             "only dp-replicated state can be recovered from a replica.")
+    keep = {d.id for d in mesh.devices.flat}
+    out = []
+    for _, x in leaves:
+        target = NamedSharding(mesh, x.sharding.spec)
+        by_dev = {s.device: s.data for s in x.addressable_shards if s.device.id in keep}
+        arrays = [by_dev[d] for d in target.addressable_devices_indices_map(x.shape)]
+        out.append(jax.make_array_from_single_device_arrays(x.shape, target, arrays))
+    return mesh, jax.tree_util.tree_unflatten(treedef, out)
+
+
 def to_core(p: NonuniformPlan, replica: int, tree: Any, splits: Any) -> Any:
     """One replica's tree (on `NonuniformPlan.replica_mesh`) -> its core devices at the core
     degree (a healthy replica's spare pieces move to its core devices)."""
@@ -284,4 +350,4 @@ def average_replicas(p: NonuniformPlan, trees: Sequence[Any], splits: Any,
 
 
 __all__ = ["LeafSplit", "average_replicas", "from_core", "from_logical", "relayout",
-           "to_core", "to_logical"]
+           "survivor_mesh", "take_survivors", "to_core", "to_logical"]
