@@ -496,3 +496,29 @@ def test_failure_recovery_reads_no_failed_device(key, mesh_dp2_tp4):
         assert int(rep["step"]) == 30
     with pytest.raises(UsageError, match=r"devices \[1, 5\] hold the same shard and all"):
         survivor_mesh(plan(mesh_dp2_tp4, NonuniformConfig(4, 1, "tp", (1, 5))))
+
+
+def test_leaf_split_from_gtp_plans():
+    """LeafSplits derived from gtp_jax's own plans reproduce their stored layouts."""
+    import dataclasses as dc
+
+    from gtp_jax.nonuniform import leaf_split
+    from gtp_jax.sharding.plan import ParamPlan, SplitPlan
+
+    tp = DimSplit(axis="tp", axis_size=4, dim=1, size=12, parts=2)
+    sp = SplitPlan(path="mlp/gate_up", stacked=True, splits=(tp,))
+    s = leaf_split(sp, "tp")
+    assert s == LeafSplit(dim=2, size=12, fused=2)
+    x = jnp.arange(3 * 5 * 12.0).reshape(3, 5, 12)
+    np.testing.assert_array_equal(from_logical(x, s, 4), sp.to_stored(x))
+    assert leaf_split(sp, "gtp") is None
+
+    @dc.dataclass(frozen=True)
+    class Spec:  # the GatherSpec fields leaf_split reads
+        shard_dim: int
+        logical_shape: tuple
+
+    pp = ParamPlan(path="w", spec=Spec(0, (7, 3)), stacked=True)
+    assert leaf_split(pp, "gtp", pad_for_alignment=2) == LeafSplit(dim=1, size=7, align=2)
+    assert LeafSplit(1, 7, align=2).stored_size(4) == 8
+    assert leaf_split(pp, "tp") is None

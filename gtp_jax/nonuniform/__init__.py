@@ -21,6 +21,7 @@ from gtp_jax.nonuniform.relayout import (
     average_replicas,
     from_core,
     from_logical,
+    leaf_split,
     relayout,
     survivor_mesh,
     take_survivors,
@@ -30,7 +31,7 @@ from gtp_jax.nonuniform.relayout import (
 
 __all__ = [
     "DimRule", "LeafSplit", "NonuniformConfig", "NonuniformPlan", "ReplicaLayout",
-    "average_replicas", "choose_spares", "describe", "dim_map", "from_logical", "plan",
-    "from_core", "relayout", "survivor_mesh", "take_survivors", "to_core", "to_logical",
-    "transformer_dims",
+    "average_replicas", "choose_spares", "describe", "dim_map", "from_core", "from_logical",
+    "leaf_split", "plan", "relayout", "survivor_mesh", "take_survivors", "to_core",
+    "to_logical", "transformer_dims",
 ]

@@ -75,6 +75,27 @@ class LeafSplit:
         return -(-n // m) * m
 
 
+def leaf_split(param_plan: Any, axis: str, pad_for_alignment: int = 1) -> LeafSplit | None:
+    """The `LeafSplit` of a gtp_jax parameter plan (`ParamPlan`/`SplitPlan`) on `axis`.
+
+    ``tp``: its `DimSplit` on ``tp`` (stacked layers shift the dim by one). ``gtp``: the
+    GTP-sharded dim of a `ParamPlan`, padded like ``GTPConfig.alignment``. None: the
+    parameter is not split over `axis` (optimizer moments share their parameter's split).
+    """
+    stacked = int(getattr(param_plan, "stacked", False))
+    if axis == "gtp":
+        spec = getattr(param_plan, "spec", None)
+        if spec is None:
+            return None
+        return LeafSplit(dim=spec.shard_dim + stacked,
+                         size=int(spec.logical_shape[spec.shard_dim]),
+                         align=max(1, int(pad_for_alignment)))
+    for sp in getattr(param_plan, "splits", ()):
+        if sp.axis == axis:
+            return LeafSplit(dim=sp.dim + stacked, size=sp.size, fused=sp.parts)
+    return None
+
+
 def to_logical(x: Any, split: LeafSplit, degree: int) -> Any:
     """Stored array at `degree` -> logical array (drops padding, undoes the interleave)."""
     ds = split._dim_split(degree)
@@ -349,5 +370,6 @@ def average_replicas(p: NonuniformPlan, trees: Sequence[Any], splits: Any,
     return jax.tree.unflatten(treedef, out)
 
 
-__all__ = ["LeafSplit", "average_replicas", "from_core", "from_logical", "relayout",
+__all__ = ["LeafSplit", "average_replicas", "from_core", "from_logical", "leaf_split",
+           "relayout",
            "survivor_mesh", "take_survivors", "to_core", "to_logical"]
