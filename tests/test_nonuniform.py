@@ -175,6 +175,7 @@ def test_config_errors(kwargs, exc, match):
     (NonuniformConfig(4, 3, "tp", tuple({"dp": 0, "tp": i} for i in range(4))), None,
      "every device of replica dp=0 failed; restart with that replica dropped"),
     (NonuniformConfig(8, 1), None, "tp_base=8 differs from the mesh's tp=4"),
+    (NonuniformConfig(4, 2, "tp", ({"dp": 1, "tp": 1}, 5)), None, "names one device twice"),
     (NonuniformConfig(4, 1, "gtp"), None, "tp_base=4 differs from the mesh's gtp=1"),
     (NonuniformConfig(4, 0, "tp", (1,)), None, "more than tp_spares=0"),
     (NonuniformConfig(4, 1), transformer_dims(TransformerConfig(d_model=64, n_heads=4,
