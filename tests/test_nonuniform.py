@@ -581,3 +581,21 @@ def test_simulated_failure_continues_training(key, mesh_dp2_tp4):
     assert float(jnp.abs(to_logical(ref[0], s1, 4) - w1).max()) > 1e-2  # training moved w
     for a, b, s in zip(w, ref, psplits):
         np.testing.assert_allclose(to_logical(a, s, 2), to_logical(b, s, 4), **TOL)
+
+
+def test_relayout_nnx_state():
+    """An ``nnx.State`` (Variables as pytree nodes) re-lays out like any pytree; splits are
+    built with ``jax.tree.map`` over it."""
+    from flax import nnx
+
+    devs = jax.devices()
+    src, dst = make_mesh(tp=4, devices=devs[:4]), make_mesh(tp=2, devices=devs[4:6])
+    _, state = nnx.split(nnx.Linear(5, 8, rngs=nnx.Rngs(0)))
+    state = jax.tree.map(lambda x: jax.device_put(
+        x, NamedSharding(src, P("tp") if x.ndim == 1 else P(None, "tp"))), state)
+    splits = jax.tree.map(lambda x: LeafSplit(x.ndim - 1, 8), state)
+    out = relayout(state, splits, src, dst, "tp")
+    assert type(out) is type(state)
+    for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(state)):
+        assert {d.id for d in a.sharding.device_set} == {4, 5}
+        np.testing.assert_array_equal(_bits(a), _bits(b))
