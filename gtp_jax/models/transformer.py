@@ -25,7 +25,6 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
@@ -33,6 +32,7 @@ from gtp_jax.base.axes import TP_AXIS, current_axes
 from gtp_jax.base.mesh import data_axes
 from gtp_jax.base.metadata import STACKED, TP_DIM, TP_PARTS
 from gtp_jax.base.shapes import round_up
+from gtp_jax.models.cross_entropy import cross_entropy
 from gtp_jax.parallel.collective_matmul import (
     all_gather_matmul_chunks,
     matmul_reduce_scatter_chunks,
@@ -457,6 +457,5 @@ def lm_loss(model: nnx.Module, tokens: jax.Array, aux_weight: float = 0.0) -> ja
         ``TransformerConfig.moe_aux_weight``; 0 ignores it.
     """
     out = model(tokens[:, :-1])
-    ce = optax.softmax_cross_entropy_with_integer_labels(
-        out.logits.astype(jnp.float32), tokens[:, 1:]).mean()
+    ce = cross_entropy(out.logits, tokens[:, 1:])
     return ce + aux_weight * out.aux.mean() if aux_weight else ce
