@@ -135,7 +135,8 @@ def test_cli_rejects_bad_checkpoint_and_profile_flags(
 
 
 #: The run the resume tests use; test_checkpoint.py and test_multiprocess.py train the same
-#: config, so the suite compiles this train step once (`TrainStep` programs are cached by model structure).
+#: config, so the suite compiles this train step once (`TrainStep` programs are cached by
+#: model structure).
 RUN = TrainConfig(steps=6, batch_size=8, seq_len=32, warmup=2, dp=2, gtp=4, pad_for_alignment=8)
 
 
