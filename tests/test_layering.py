@@ -17,13 +17,12 @@ ROOT = Path(__file__).resolve().parents[1] / "gtp_jax"
 #: package -> layer; a module may import packages of its own or a lower layer.
 LAYERS = {
     "base": 0,
-    "data": 0,
+    "data": 1,  # raises base's UsageError
     "pallas": 1,
     "sharding": 2,
     "parallel": 3,
     "models": 4,
     "train": 5,
-    "nonuniform": 5,
     "bench": 6,
     "__main__": 6,
 }
