@@ -1,8 +1,6 @@
 """``python -m gtp_jax train [options]``: see `gtp_jax.train.cli`."""
 
-import sys
-
 from gtp_jax.train.cli import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

@@ -115,8 +115,6 @@ def train(cfg: TrainConfig, *, on_step: OnStep | None = None,
             lock.release()
 
 
-
-
 def build_model_and_optimizer(cfg: TrainConfig) -> tuple[gtp_jax.ShardedModule, nnx.Optimizer]:
     """The GTP-sharded model (initialized from ``cfg.seed``) and its AdamW optimizer, on the
     mesh ``make_mesh(dp, gtp, tp, ep)`` over all devices: what `train` starts from (and
