@@ -23,6 +23,7 @@ LAYERS = {
     "parallel": 3,
     "models": 4,
     "train": 5,
+    "nonuniform": 5,
     "bench": 6,
     "__main__": 6,
 }
