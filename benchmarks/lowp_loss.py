@@ -43,6 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     import gtp_jax
     from gtp_jax.data import VOCAB_SIZE, ByteBatcher, load_corpus
     from gtp_jax.models import Transformer, lm_loss, preset
+    from gtp_jax.train import TrainStep
 
     on_gpu = jax.default_backend() == "gpu"
     n = jax.device_count()
@@ -63,20 +64,14 @@ def main(argv: list[str] | None = None) -> int:
         optimizer = nnx.Optimizer(model, optax.chain(optax.clip_by_global_norm(1.0),
                                                      optax.adamw(schedule, weight_decay=0.1)),
                                   wrt=nnx.Param)
-
-        @nnx.jit
-        def step(model, optimizer, tokens):
-            loss, grads = nnx.value_and_grad(lm_loss)(model, tokens)
-            optimizer.update(model, grads)
-            return loss
+        step = TrainStep(model, optimizer, lm_loss)
 
         batcher = ByteBatcher(corpus, batch_size=args.batch, seq_len=args.seq, seed=0)
         placement = gtp_jax.data_sharding(mesh)
         losses = []
         start = time.perf_counter()
         for _ in range(args.steps):
-            losses.append(float(step(model, optimizer,
-                                     jax.device_put(batcher.next_batch(), placement))))
+            losses.append(float(step(jax.device_put(batcher.next_batch(), placement))["loss"]))
         final = sum(losses[-10:]) / 10
         results.append({"format": fmt, "final_loss": final, "first_loss": losses[0],
                         "curve": losses[::10], "seconds": time.perf_counter() - start})

@@ -1,9 +1,10 @@
-"""Sharded checkpoints (`gtp_jax.checkpoint`): bit-exact restore onto other meshes, keeping
+"""Sharded checkpoints (`gtp_jax.train.checkpoint`): bit-exact restore onto other meshes, keeping
 the newest N, a save killed before finalization, and every bad-input error."""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import signal
 import subprocess
@@ -22,8 +23,15 @@ from jax.sharding import NamedSharding
 import gtp_jax
 from gtp_jax.base.errors import UsageError
 from gtp_jax.base.metadata import LOGICAL_SHAPE
-from gtp_jax.checkpoint import CheckpointConfig, Checkpointer
-from gtp_jax.train import TrainConfig, build_model_and_optimizer, model_config, train, train_step
+from gtp_jax.models import lm_loss
+from gtp_jax.train import (
+    TrainConfig,
+    TrainStep,
+    build_model_and_optimizer,
+    model_config,
+    train,
+)
+from gtp_jax.train.checkpoint import CheckpointConfig, Checkpointer
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -59,8 +67,12 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict, dict, d
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, 256, (SOURCE.batch_size, SOURCE.seq_len + 1)).astype(np.int32)
     tokens = jax.device_put(tokens, gtp_jax.data_sharding(model.mesh))
+    # The loss of `train`: the suite's runs of SOURCE share one compiled step.
+    step = TrainStep(model, optimizer, functools.partial(
+        lm_loss, aux_weight=model_config(SOURCE).moe_aux_weight))
     for _ in range(2):
-        train_step(model, optimizer, tokens)
+        step(tokens)
+    step.sync()
     with Checkpointer(CheckpointConfig(directory)) as ckpt:
         ckpt.save(2, model, optimizer, extra={"note": "two steps"})
     params = {k: np.asarray(v.get_value())
@@ -157,7 +169,7 @@ _KILLED_SAVE = textwrap.dedent("""
     import numpy as np
     from flax import nnx
     import gtp_jax
-    from gtp_jax.checkpoint import CheckpointConfig, Checkpointer
+    from gtp_jax.train.checkpoint import CheckpointConfig, Checkpointer
 
     mesh = gtp_jax.make_mesh(dp=2, gtp=4)
     model = gtp_jax.shard(nnx.Linear(64, 48, rngs=nnx.Rngs(0)), mesh,
@@ -258,11 +270,11 @@ def test_restore_errors_leave_model_unchanged(tmp_path: Path, mesh_dp2_gtp4) -> 
 def _fake_run(directory: Path, mesh, **train_config) -> None:
     """A checkpoint whose metadata claims to come from a `train` run with `train_config`."""
     cfg = dataclasses.replace(SOURCE, **train_config)
-    from gtp_jax.train import _model_json  # noqa: PLC0415
+    from gtp_jax.train.config import model_json  # noqa: PLC0415
 
     with Checkpointer(CheckpointConfig(directory)) as ckpt:
         ckpt.save(2, _linear(mesh), extra={
-            "train_config": dataclasses.asdict(cfg), "model_config": _model_json(
+            "train_config": dataclasses.asdict(cfg), "model_config": model_json(
                 model_config(cfg)), "data": {"seed": 0, "position": 2, "batch_size": 8,
                                              "seq_len": 32}})
 

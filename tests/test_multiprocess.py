@@ -1,4 +1,4 @@
-"""Multi-process runs (`gtp_jax.distributed`): 2 CPU processes x 4 devices (gloo
+"""Multi-process runs (`gtp_jax.train.distributed`): 2 CPU processes x 4 devices (gloo
 collectives) train like 1 process x 8 devices; configuration errors."""
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 from conftest import max_rel_err
 
-from gtp_jax.__main__ import main as cli_main
 from gtp_jax.base.errors import UsageError, UsageTypeError
-from gtp_jax.checkpoint import CheckpointConfig, Checkpointer
-from gtp_jax.distributed import DistributedConfig, initialize, parse_address
 from gtp_jax.train import TrainConfig, train
+from gtp_jax.train.checkpoint import CheckpointConfig, Checkpointer
+from gtp_jax.train.cli import main as cli_main
+from gtp_jax.train.distributed import DistributedConfig, initialize, parse_address
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -56,7 +56,7 @@ def _free_ompi_port() -> int:
 def _launch_env(process_id: int, port: int) -> tuple[dict[str, str], list[str]]:
     """How each process joins: process 0 by the JAX_* environment variables, process 1 as
     `mpirun` would start it (Open MPI's variables) with --distributed-auto, so both launch
-    paths of `gtp_jax.distributed` join one real run."""
+    paths of `gtp_jax.train.distributed` join one real run."""
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     env.pop("XLA_FLAGS", None)  # the CLI gives each process 8 / 2 = 4 simulated devices
     if process_id == 0:

@@ -24,9 +24,19 @@ from flax import nnx
 
 import gtp_jax
 import gtp_jax.train as train_module
-from gtp_jax.__main__ import main as cli_main
+import gtp_jax.train.config as config_module
+import gtp_jax.train.loop as loop_module
 from gtp_jax.base.errors import UsageError, UsageTypeError
-from gtp_jax.checkpoint import (
+from gtp_jax.train import (
+    MODEL_MAY_DIFFER,
+    RESUME_MAY_DIFFER,
+    TrainConfig,
+    TrainResult,
+    check_memory_fits,
+    model_config,
+    train,
+)
+from gtp_jax.train.checkpoint import (
     LOCK_FILE,
     CheckpointConfig,
     CheckpointCorruptError,
@@ -36,23 +46,15 @@ from gtp_jax.checkpoint import (
     NonFiniteStateError,
     _fingerprint,
 )
-from gtp_jax.observe import (
+from gtp_jax.train.cli import main as cli_main
+from gtp_jax.train.config import model_json as _model_json
+from gtp_jax.train.observe import (
     DeviceMemoryError,
     check_writable_dir,
     check_writable_file,
     estimate_train_memory,
 )
-from gtp_jax.train import (
-    MODEL_MAY_DIFFER,
-    RESUME_MAY_DIFFER,
-    TrainConfig,
-    TrainResult,
-    _check_resume,
-    _model_json,
-    check_memory_fits,
-    model_config,
-    train,
-)
+from gtp_jax.train.resume import check_resume as _check_resume
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -307,18 +309,20 @@ def test_train_stops_before_saving_a_non_finite_state(tmp_path: Path,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     # The loss of step 2 is finite (computed before the update); the update makes the
     # weights NaN. The save of step 2 must refuse and keep step 1.
-    real_step = train_module.train_step
     calls = []
 
-    def poisoning_step(model, optimizer, tokens):
-        loss = real_step(model, optimizer, tokens)
-        calls.append(1)
-        if len(calls) == 2:
-            var = model.module.embed.embedding
-            var.set_value(var.get_value() * jnp.nan)
-        return loss
+    def poison(path, value):
+        return value * jnp.nan if "embedding" in jax.tree_util.keystr(path) else value
 
-    monkeypatch.setattr(train_module, "train_step", poisoning_step)
+    class PoisoningStep(loop_module.TrainStep):
+        def __call__(self, batch):
+            metrics = super().__call__(batch)
+            calls.append(1)
+            if len(calls) == 2:
+                self.state = jax.tree_util.tree_map_with_path(poison, self.state)
+            return metrics
+
+    monkeypatch.setattr(loop_module, "TrainStep", PoisoningStep)
     directory = tmp_path / "ck"
     with pytest.raises(FloatingPointError, match=r"step 2 .*not saved.*step 1\) is kept"):
         train(RUN, progress=False, checkpoint=CheckpointConfig(directory, every=1, keep=1))
@@ -482,8 +486,8 @@ def test_memory_estimate_and_refusal(monkeypatch: pytest.MonkeyPatch) -> None:
                                                 r"has 0\.00 GiB; .*remat"):
         check_memory_fits(RUN, bytes_limit=1000)
     # train() refuses before building anything when the device reports a small limit.
-    monkeypatch.setattr(train_module, "device_memory_limit", lambda: 1000)
-    monkeypatch.setattr(train_module, "build_model_and_optimizer",
+    monkeypatch.setattr(config_module, "device_memory_limit", lambda: 1000)
+    monkeypatch.setattr(loop_module, "build_model_and_optimizer",
                         lambda cfg: pytest.fail("built a model"))
     with pytest.raises(DeviceMemoryError):
         train(RUN, progress=False)
@@ -491,21 +495,24 @@ def test_memory_estimate_and_refusal(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_xla_out_of_memory_becomes_one_line(monkeypatch: pytest.MonkeyPatch,
                                             capsys: pytest.CaptureFixture[str]) -> None:
-    def oom(model, optimizer, tokens):
-        raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 1.2GiB")
+    class OutOfMemoryStep(loop_module.TrainStep):
+        def __call__(self, batch):
+            raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate "
+                               "1.2GiB")
 
-    monkeypatch.setattr(train_module, "train_step", oom)
+    monkeypatch.setattr(loop_module, "TrainStep", OutOfMemoryStep)
     with pytest.raises(DeviceMemoryError, match=r"out of device memory at step 1 .*remat"):
         train(RUN, progress=False)
     assert cli_main(["train", "--steps", "2", "--batch", "8", "--seq", "32"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: out of device memory") and "--remat" in err, err
 
-    def bug(model, optimizer, tokens):
-        raise RuntimeError("INTERNAL: something else")
+    class BuggyStep(loop_module.TrainStep):
+        def __call__(self, batch):
+            raise RuntimeError("INTERNAL: something else")
 
     # Any other failure is a bug: it keeps its type and traceback, also through the CLI.
-    monkeypatch.setattr(train_module, "train_step", bug)
+    monkeypatch.setattr(loop_module, "TrainStep", BuggyStep)
     with pytest.raises(RuntimeError, match="INTERNAL"):
         cli_main(["train", "--steps", "2", "--batch", "8", "--seq", "32"])
 

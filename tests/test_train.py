@@ -18,11 +18,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from gtp_jax.__main__ import main as cli_main
-from gtp_jax.checkpoint import CheckpointConfig, Checkpointer
 from gtp_jax.data import VOCAB_SIZE
 from gtp_jax.models import Transformer, preset
 from gtp_jax.train import TrainConfig, train
+from gtp_jax.train.checkpoint import CheckpointConfig, Checkpointer
+from gtp_jax.train.cli import main as cli_main
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -135,7 +135,8 @@ def test_cli_rejects_bad_checkpoint_and_profile_flags(
 
 
 #: The run the resume tests use; test_checkpoint.py and test_multiprocess.py train the same
-#: config, so the suite compiles this train step once (`train_step` is cached by shapes).
+#: config, so the suite compiles this train step once (`TrainStep` programs are cached by
+#: model structure).
 RUN = TrainConfig(steps=6, batch_size=8, seq_len=32, warmup=2, dp=2, gtp=4, pad_for_alignment=8)
 
 

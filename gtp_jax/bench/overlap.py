@@ -53,6 +53,7 @@ def run_variant(args: argparse.Namespace) -> dict:
 
     import gtp_jax
     from gtp_jax.models import Transformer, lm_loss, preset
+    from gtp_jax.train import TrainStep
 
     variant = args.worker
     remat = "dots" if variant.endswith("_dots") else args.remat
@@ -75,7 +76,8 @@ def run_variant(args: argparse.Namespace) -> dict:
     else:
         cfg = preset(args.preset, dtype=jnp.bfloat16, remat=remat, max_seq_len=args.seq,
                      attention_impl=attention, **overrides)
-        loss_fn, vocab = lm_loss, cfg.vocab_size
+        loss_fn = functools.partial(lm_loss, aux_weight=cfg.moe_aux_weight)
+        vocab = cfg.vocab_size
     if variant_kind in ("gtp", "gtp_prefetch", "xla_fsdp"):
         mesh = gtp_jax.make_mesh(gtp=n, devices=devices)
     else:
@@ -97,29 +99,20 @@ def run_variant(args: argparse.Namespace) -> dict:
             return jax.device_put(x, NamedSharding(mesh, spec))
 
         nnx.update(model, jax.tree_util.tree_map_with_path(place, state))
-    tx = optax.adamw(1e-4)
-    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
-    # A functional step over (graphdef, state): plain jax.jit dispatch, so the host-side cost
-    # of walking the NNX object graph every step (measured: a 6-9 ms idle gap between steps
-    # in the GPU trace with nnx.jit) is not charged to any variant.
-    graphdef, state = nnx.split((model, optimizer))
-
-    @functools.partial(jax.jit, donate_argnums=0)
-    def step(state, tokens):
-        model, optimizer = nnx.merge(graphdef, state)
-        loss, grads = nnx.value_and_grad(loss_fn)(model, tokens)
-        optimizer.update(model, grads)
-        return nnx.state((model, optimizer)), loss
+    optimizer = nnx.Optimizer(model, optax.adamw(1e-4), wrt=nnx.Param)
+    # The training step of `gtp_jax.train` (jax.jit over the split state, donated): plain
+    # jit dispatch, so the host-side cost of walking the NNX object graph every step
+    # (measured: a 6-9 ms idle gap between steps in the GPU trace with nnx.jit) is not
+    # charged to any variant.
+    step = TrainStep(model, optimizer, loss_fn)
 
     batch = args.per_device_batch * n
     data = jax.random.randint(jax.random.key(1), (4, batch, args.seq + 1), 0, vocab)
     placement = gtp_jax.data_sharding(mesh)
     batches = [jax.device_put(data[i], placement) for i in range(4)]
-    holder = [state]
 
     def run_step(i: int) -> jax.Array:
-        holder[0], loss = step(holder[0], batches[i % 4])
-        return loss
+        return step(batches[i % 4])["loss"]
 
     for i in range(args.warmup):
         jax.block_until_ready(run_step(i))
@@ -132,7 +125,7 @@ def run_variant(args: argparse.Namespace) -> dict:
     trace = None
     if args.profile_dir and variant in args.profile_variants.split(","):
         trace = profile_steps(run_step, Path(args.profile_dir) / variant, PROFILE_STEPS)
-    nnx.update((model, optimizer), holder[0])
+    step.sync()
     med = statistics.median(times)
     stats = [d.memory_stats() or {} for d in devices]
     peak = max(s.get("peak_bytes_in_use", 0) for s in stats)

@@ -33,6 +33,7 @@ Works on CPU (simulated devices, ``--preset tiny``) and on GPUs (default ``--pre
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -100,7 +101,7 @@ def run_model_variant(args: argparse.Namespace) -> dict:
 
     import gtp_jax
     from gtp_jax.models import Transformer, lm_loss
-    from gtp_jax.train import replicate_stray_leaves
+    from gtp_jax.train import TrainStep
 
     variant = args.worker
     devices = jax.devices()
@@ -112,31 +113,26 @@ def run_model_variant(args: argparse.Namespace) -> dict:
     model = gtp_jax.shard(Transformer(cfg, rngs=nnx.Rngs(0)), mesh, gtp_jax.GTPConfig(
         gather_dtype=cfg.dtype, prefetch=args.prefetch))
     optimizer = nnx.Optimizer(model, optax.adamw(args.lr), wrt=nnx.Param)
-    replicate_stray_leaves(optimizer, mesh)  # one compile of the step, not two
-
-    @nnx.jit(donate_argnums=(0, 1))
-    def step(model, optimizer, tokens):
-        loss, grads = nnx.value_and_grad(lm_loss)(model, tokens,
-                                                  aux_weight=cfg.moe_aux_weight)
-        optimizer.update(model, grads)
-        return loss, optax.global_norm(grads)
+    step = TrainStep(model, optimizer, functools.partial(lm_loss, aux_weight=cfg.moe_aux_weight))
 
     batch = args.batch or 2 * n
     data = jax.random.randint(jax.random.key(1), (4, batch, args.seq + 1), 0, cfg.vocab_size)
     batches = [jax.device_put(data[i], gtp_jax.data_sharding(mesh)) for i in range(4)]
-    first_loss, first_norm = (float(x) for x in step(model, optimizer, batches[0]))
+    first = step(batches[0])
+    first_loss, first_norm = float(first["loss"]), float(first["grad_norm"])
     for i in range(1, args.warmup):
-        jax.block_until_ready(step(model, optimizer, batches[i % 4]))
+        jax.block_until_ready(step(batches[i % 4]))
     times, loss = [], None
     for i in range(args.steps):
         start = time.perf_counter()
-        loss, _ = step(model, optimizer, batches[i % 4])
+        loss = step(batches[i % 4])["loss"]
         jax.block_until_ready(loss)
         times.append(time.perf_counter() - start)
     trace = None
     if args.profile_dir and variant in args.profile_variants.split(","):
-        trace = profile_steps(lambda i: step(model, optimizer, batches[i % 4])[0],
+        trace = profile_steps(lambda i: step(batches[i % 4])["loss"],
                               Path(args.profile_dir) / variant, 3)
+    step.sync()
     stats = [d.memory_stats() or {} for d in devices]
     peak = max((s.get("peak_bytes_in_use", 0) for s in stats), default=0)
     state = (gtp_jax.bytes_per_device(nnx.state(model, nnx.Param))

@@ -1,0 +1,49 @@
+"""The training application: `train` a preset transformer with GTP on the bundled corpus.
+
+Modules: `config` (`TrainConfig`, the optimizer and model it implies), `step` (`TrainStep`:
+the one jitted training step, also used by the benchmarks), `loop` (`train`), `resume`,
+`report` (`TrainResult`), `checkpoint`, `distributed`, `observe`, `progress`, and `cli`
+(``python -m gtp_jax train``).
+"""
+
+from gtp_jax.train.checkpoint import (
+    CheckpointConfig,
+    CheckpointCorruptError,
+    Checkpointer,
+    NonFiniteStateError,
+)
+from gtp_jax.train.config import (
+    MODEL_MAY_DIFFER,
+    RESUME_MAY_DIFFER,
+    TrainConfig,
+    check_memory_fits,
+    make_optimizer,
+    model_config,
+)
+from gtp_jax.train.distributed import DistributedConfig
+from gtp_jax.train.loop import build_model_and_optimizer, replicated_bytes, train
+from gtp_jax.train.observe import DeviceMemoryError, ObserveConfig
+from gtp_jax.train.report import TrainResult
+from gtp_jax.train.step import TrainStep, replicate_stray_leaves
+
+__all__ = [
+    "MODEL_MAY_DIFFER",
+    "RESUME_MAY_DIFFER",
+    "CheckpointConfig",
+    "CheckpointCorruptError",
+    "Checkpointer",
+    "DeviceMemoryError",
+    "DistributedConfig",
+    "NonFiniteStateError",
+    "ObserveConfig",
+    "TrainConfig",
+    "TrainResult",
+    "TrainStep",
+    "build_model_and_optimizer",
+    "check_memory_fits",
+    "make_optimizer",
+    "model_config",
+    "replicate_stray_leaves",
+    "replicated_bytes",
+    "train",
+]

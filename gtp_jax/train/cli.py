@@ -1,0 +1,296 @@
+"""Command line: ``python -m gtp_jax train [options]``.
+
+On a machine without accelerators the mesh is simulated with
+``--xla_force_host_platform_device_count`` (set here, before JAX starts a backend); on a GPU
+host the same command uses the GPUs. With ``--coordinator/--num-processes/--process-id``
+the same command runs as one of several JAX processes (`gtp_jax.train.distributed`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import re
+import sys
+
+from gtp_jax.base.errors import UsageError
+
+DEFAULT_CPU_MESH = {"dp": 2, "gtp": 4, "tp": 1, "ep": 1}
+
+#: Library argument names -> the flags that set them. The library's errors name arguments
+#: (it is used without this CLI too); the CLI reports them as the flags the user typed.
+FLAGS = {
+    "TrainConfig.preset": "--preset", "TrainConfig.steps": "--steps",
+    "TrainConfig.batch_size": "--batch", "TrainConfig.seq_len": "--seq",
+    "TrainConfig.dp": "--dp", "TrainConfig.gtp": "--gtp", "TrainConfig.tp": "--tp",
+    "TrainConfig.ep": "--ep", "TrainConfig.lr": "--lr", "TrainConfig.warmup": "--warmup",
+    "TrainConfig.seed": "--seed", "TrainConfig.dtype": "--dtype",
+    "TrainConfig.gather_dtype": "--gather-dtype", "TrainConfig.gather_format": "--gather-format",
+    "TrainConfig.overlap": "--overlap", "TrainConfig.moe_experts": "--moe-experts",
+    "TrainConfig.moe_top_k": "--moe-top-k", "TrainConfig.moe_capacity_factor": "--moe-capacity",
+    "TrainConfig.prefetch": "--prefetch", "TrainConfig.pad_for_alignment": "--pad-for-alignment",
+    "TrainConfig.remat": "--remat", "TrainConfig.weight_decay": "weight_decay (no flag)",
+    "TrainConfig.schedule_steps": "schedule_steps (no flag; kept from the checkpoint)",
+    "CheckpointConfig.directory": "--checkpoint-dir",
+    "CheckpointConfig.every": "--checkpoint-every",
+    "CheckpointConfig.keep": "--keep-checkpoints", "CheckpointConfig.resume": "--resume",
+    "ObserveConfig.profile_dir": "--profile-dir", "ObserveConfig.profile_steps": "--profile-steps",
+    "ObserveConfig.metrics_json": "--metrics-json",
+    "DistributedConfig.coordinator": "--coordinator",
+    "DistributedConfig.num_processes": "--num-processes",
+    "DistributedConfig.process_id": "--process-id",
+    "DistributedConfig.local_device_ids": "--local-device-ids",
+    "DistributedConfig.auto": "--distributed-auto", "DistributedConfig.timeout":
+    "--distributed-timeout",
+}
+_ARGUMENT = re.compile(r"\b(?:TrainConfig|CheckpointConfig|ObserveConfig|DistributedConfig)\.\w+")
+
+
+def cli_message(err: BaseException) -> str:
+    """`err`'s message on one line, with library argument names replaced by their flags."""
+    text = " ".join(str(err).split())
+    return _ARGUMENT.sub(lambda m: FLAGS.get(m.group(0), m.group(0)), text)
+
+
+def _fail(err: BaseException, code: int) -> int:
+    print(f"error: {cli_message(err)}", file=sys.stderr)
+    return code
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m gtp_jax",
+        description="gtp_jax: Generalized Tensor Parallelism for JAX.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    train = sub.add_parser(
+        "train",
+        help="train a preset transformer with GTP on the bundled byte corpus",
+        description=(
+            "Train a preset decoder on the bundled ~300 KB text corpus (byte tokens) with "
+            "every weight, gradient and optimizer state sharded 1/gtp over the 'gtp' mesh "
+            "axis. Without GPUs the mesh is simulated on CPU (default dp=2 x gtp=4 = 8 "
+            "devices); with GPUs the default is gtp = number of GPUs (of all processes), "
+            "and with only --dp given, gtp takes the remaining GPUs."),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    train.add_argument("--preset", default="tiny",
+                       help="model size: tiny (0.8M), small (23M), 100m, 1b")
+    train.add_argument("--steps", type=int, default=100, help="optimizer steps")
+    train.add_argument("--batch", type=int, default=16,
+                       help="global batch size in sequences (divisible by dp*ep*gtp)")
+    train.add_argument("--seq", type=int, default=128, help="tokens per sequence")
+    train.add_argument("--dp", type=int, default=None, help="data-parallel size")
+    train.add_argument("--gtp", type=int, default=None, help="GTP (weight-sharding) size")
+    train.add_argument("--tp", type=int, default=None, help="tensor(+sequence)-parallel size")
+    train.add_argument("--ep", type=int, default=None, help="expert-parallel size")
+    train.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
+    train.add_argument("--warmup", type=int, default=10, help="warm-up steps")
+    train.add_argument("--seed", type=int, default=0, help="init and data-order seed")
+    train.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                       help="compute dtype (master weights stay float32)")
+    train.add_argument("--gather-dtype", choices=("float32", "bfloat16"), default=None,
+                       help="dtype weights are all-gathered in (default: parameter dtype)")
+    train.add_argument("--gather-format", choices=("fp8", "mxfp8", "nvfp4"), default=None,
+                       help="low-precision weight all-gather (Pallas quantize kernels)")
+    train.add_argument("--overlap", action="store_true",
+                       help="ring-overlapped collective matmuls for the tp GEMMs")
+    train.add_argument("--moe-experts", type=int, default=0, help="experts per layer (0: dense)")
+    train.add_argument("--moe-top-k", type=int, default=2, help="experts per token")
+    train.add_argument("--moe-capacity", type=float, default=1.25,
+                       help="MoE capacity factor (0: dropless)")
+    train.add_argument("--prefetch", action="store_true",
+                       help="double-buffered prefetch of the next layer's weights")
+    train.add_argument("--pad-for-alignment", type=int, default=0,
+                       help="pad sharded dims to a multiple of gtp * this (0: divisibility)")
+    train.add_argument("--remat", choices=("none", "dots", "full"), default="none",
+                       help="activation recompute inside each layer")
+
+    ckpt = train.add_argument_group("checkpoints (orbax; sharded, each process writes its own "
+                                    "shards)")
+    ckpt.add_argument("--checkpoint-dir", default=None,
+                      help="save checkpoints here (shared by all processes)")
+    ckpt.add_argument("--checkpoint-every", type=int, default=0,
+                      help="save every K steps (0: only after the last step)")
+    ckpt.add_argument("--keep-checkpoints", type=int, default=3,
+                      help="keep the N newest checkpoints")
+    ckpt.add_argument("--resume", action="store_true",
+                      help="continue from the newest checkpoint in --checkpoint-dir (the mesh "
+                           "may differ from the saving run's)")
+
+    dist = train.add_argument_group(
+        "multi-process (one process per host or per GPU; same command on every process)")
+    dist.add_argument("--coordinator", default=None, metavar="HOST:PORT",
+                      help="address of process 0's coordination service "
+                           "(env: JAX_COORDINATOR_ADDRESS)")
+    dist.add_argument("--num-processes", type=int, default=None,
+                      help="number of processes (env: JAX_NUM_PROCESSES)")
+    dist.add_argument("--process-id", type=int, default=None,
+                      help="this process's index 0..N-1 (env: JAX_PROCESS_ID)")
+    dist.add_argument("--local-device-ids", default=None, metavar="IDS",
+                      help="comma-separated local devices of this process, e.g. 3 for one "
+                           "process per GPU; unset: all visible devices")
+    dist.add_argument("--distributed-auto", action="store_true",
+                      help="let JAX detect the cluster (SLURM, Open MPI, Kubernetes)")
+    dist.add_argument("--distributed-timeout", type=int, default=300, metavar="SECONDS",
+                      help="how long to wait for every process to join the run")
+
+    obs = train.add_argument_group("observability")
+    obs.add_argument("--profile-dir", default=None,
+                     help="write a jax.profiler trace (incl. perfetto_trace.json.gz) here")
+    obs.add_argument("--profile-steps", default=None, metavar="A:B",
+                     help="steps to trace, inclusive; unset: the 3 steps after the first")
+    obs.add_argument("--metrics-json", default=None, metavar="PATH",
+                     help="write per-step metrics and the summary as JSON")
+    return parser
+
+
+def _mesh_sizes(args: argparse.Namespace) -> dict[str, int | None]:
+    return {"dp": args.dp, "gtp": args.gtp, "tp": args.tp, "ep": args.ep}
+
+
+def _simulate_cpu_devices(count: int) -> None:
+    flag = f"--xla_force_host_platform_device_count={count}"
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_force_host_platform_device_count" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} {flag}".strip()
+
+
+def _device_ids(text: str | None) -> tuple[int, ...] | None:
+    if text is None:
+        return None
+    try:
+        return tuple(int(t) for t in text.split(","))
+    except ValueError:
+        raise UsageError(
+            f"--local-device-ids {text!r}: use comma-separated ints, e.g. 0 or 0,1.") from None
+
+
+def _configs(args: argparse.Namespace) -> tuple[object, object | None, object]:
+    """Distributed, checkpoint and observe configs from the flags, validated before JAX
+    starts (so that bad flags fail fast, on every process, before joining a run)."""
+    from gtp_jax.train.checkpoint import CheckpointConfig  # noqa: PLC0415
+    from gtp_jax.train.distributed import DistributedConfig  # noqa: PLC0415
+    from gtp_jax.train.observe import ObserveConfig, parse_steps  # noqa: PLC0415
+
+    flags = (args.coordinator, args.num_processes, args.process_id)
+    if args.distributed_auto or any(v is not None for v in flags):
+        dist = DistributedConfig(coordinator=args.coordinator, num_processes=args.num_processes,
+                                 process_id=args.process_id,
+                                 local_device_ids=_device_ids(args.local_device_ids),
+                                 auto=args.distributed_auto, timeout=args.distributed_timeout)
+    else:
+        env = DistributedConfig.from_env()
+        dist = DistributedConfig(coordinator=env.coordinator, num_processes=env.num_processes,
+                                 process_id=env.process_id,
+                                 local_device_ids=_device_ids(args.local_device_ids),
+                                 timeout=args.distributed_timeout)
+    checkpoint = None
+    if args.checkpoint_dir is not None:
+        checkpoint = CheckpointConfig(args.checkpoint_dir, every=args.checkpoint_every,
+                                      keep=args.keep_checkpoints, resume=args.resume)
+    elif args.resume:
+        raise UsageError("--resume needs --checkpoint-dir DIR (the directory of the run to "
+                         "continue).")
+    observe = ObserveConfig(
+        profile_dir=args.profile_dir,
+        profile_steps=parse_steps(args.profile_steps) if args.profile_steps else None,
+        metrics_json=args.metrics_json)
+    return dist, checkpoint, observe
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    sizes = _mesh_sizes(args)
+    cpu_sizes = {k: (v if v is not None else DEFAULT_CPU_MESH[k]) for k, v in sizes.items()}
+    try:
+        dist, checkpoint, observe = _configs(args)
+    except UsageError as err:  # other exceptions are bugs: they keep their traceback
+        return _fail(err, 2)
+    total = math.prod(cpu_sizes.values())
+    if dist.num_processes and total % dist.num_processes:  # fail before joining a run
+        return _processes_error(dist.num_processes, total)
+
+    from gtp_jax.train.distributed import (  # noqa: PLC0415
+        DistributedJoinError,
+        initialize,
+        joined_process_count,
+        shutdown,
+    )
+
+    # Joining starts no backend, and with --distributed-auto it is what tells us the
+    # process count the simulated CPU devices are divided by.
+    try:
+        initialize(dist)
+    except DistributedJoinError as err:
+        return _fail(err, 1)
+    processes = joined_process_count(dist)
+    if total % processes:
+        return _processes_error(processes, total)
+    _simulate_cpu_devices(total // processes)
+    # XLA_FLAGS are set: JAX may start a backend from here on.
+    code = _run(args, sizes, cpu_sizes, checkpoint, observe)
+    # Not in a `finally`: after an exception the shutdown barrier would wait for processes
+    # that may never arrive; JAX's failure detection ends the others instead.
+    shutdown()
+    return code
+
+
+def _processes_error(processes: int, total: int) -> int:
+    print(f"error: --num-processes {processes} does not divide the {total} devices of the "
+          "mesh; each process must get the same number of (simulated CPU) devices.",
+          file=sys.stderr)
+    return 2
+
+
+def _run(args: argparse.Namespace, sizes: dict[str, int | None], cpu_sizes: dict[str, int],
+         checkpoint: object | None, observe: object) -> int:
+    import jax  # noqa: PLC0415
+
+    from gtp_jax.train import TrainConfig, train  # noqa: PLC0415
+
+    primary = jax.process_index() == 0
+    if jax.default_backend() == "cpu":
+        mesh = cpu_sizes
+    else:
+        mesh = _accelerator_mesh(sizes, jax.device_count())
+    try:
+        cfg = TrainConfig(preset=args.preset, steps=args.steps, batch_size=args.batch,
+                          seq_len=args.seq, lr=args.lr, warmup=args.warmup, seed=args.seed,
+                          dtype=args.dtype, gather_dtype=args.gather_dtype,
+                          pad_for_alignment=args.pad_for_alignment, remat=args.remat,
+                          gather_format=args.gather_format, prefetch=args.prefetch,
+                          overlap=args.overlap, moe_experts=args.moe_experts,
+                          moe_top_k=args.moe_top_k,
+                          moe_capacity_factor=args.moe_capacity or None, **mesh)
+        if primary:
+            procs = f" in {jax.process_count()} processes" if jax.process_count() > 1 else ""
+            print(f"gtp_jax train: preset={cfg.preset} steps={cfg.steps} batch={cfg.batch_size} "
+                  f"seq={cfg.seq_len} mesh dp={cfg.dp} ep={cfg.ep} gtp={cfg.gtp} tp={cfg.tp} on "
+                  f"{jax.device_count()} {jax.default_backend()} devices{procs}", flush=True)
+        result = train(cfg, checkpoint=checkpoint, observe=observe)
+    except UsageError as err:  # other exceptions are bugs: they keep their traceback
+        if jax.default_backend() == "cpu" and any(v is None for v in sizes.values()) and (
+                "TrainConfig.batch_size" in str(err) or "the mesh dp*ep*gtp*tp" in str(err)):
+            given = {k: v for k, v in cpu_sizes.items() if sizes[k] is None}
+            err = UsageError(f"{err} (with defaults {given} for the mesh sizes not given; "
+                             "pass --dp/--gtp/--tp/--ep explicitly)")
+        return _fail(err, 2)
+    except FloatingPointError as err:  # NaN/inf loss or state: not a bug, not a usage error
+        return _fail(err, 1)
+    if primary:
+        print(result.summary(), flush=True)
+    return 0
+
+
+def _accelerator_mesh(sizes: dict[str, int | None], devices: int) -> dict[str, int]:
+    """Mesh sizes on GPUs/TPUs: given sizes, tp = ep = 1 by default, and gtp (or dp, when
+    gtp is given) takes the remaining devices; no sizes: gtp = all devices."""
+    mesh = {"tp": sizes["tp"] or 1, "ep": sizes["ep"] or 1, "dp": sizes["dp"],
+            "gtp": sizes["gtp"]}
+    if mesh["gtp"] is None:
+        rest = (mesh["dp"] or 1) * mesh["tp"] * mesh["ep"]
+        mesh["dp"] = mesh["dp"] or 1
+        mesh["gtp"] = max(1, devices // rest)
+    elif mesh["dp"] is None:
+        mesh["dp"] = max(1, devices // (mesh["gtp"] * mesh["tp"] * mesh["ep"]))
+    return mesh

@@ -1,0 +1,264 @@
+"""What a training run is: `TrainConfig` and its field checks, the model and optimizer it
+implies (`model_config`, `make_optimizer`), which fields a resumed run may change, and the
+checks of a run against the machine (`check_devices`, `check_memory_fits`) done before
+anything is built."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from gtp_jax.base.errors import UsageError, UsageTypeError
+from gtp_jax.data import VOCAB_SIZE
+from gtp_jax.models import TransformerConfig, preset
+from gtp_jax.train.observe import (
+    MEMORY_ADVICE,
+    DeviceMemoryError,
+    device_memory_limit,
+    estimate_train_memory,
+)
+
+#: TrainConfig fields that only change the layout or the schedule of the computation, not
+#: its math: a resumed run may change them. Every other field (including fields added
+#: later) must equal the checkpoint's. ``steps`` may grow: that extends a run (see
+#: `TrainConfig.schedule_steps`).
+RESUME_MAY_DIFFER = frozenset({"steps", "dp", "gtp", "tp", "ep", "pad_for_alignment",
+                               "gather_dtype", "gather_format", "prefetch", "remat", "overlap"})
+#: TransformerConfig fields that only change how the model is computed, not its math.
+MODEL_MAY_DIFFER = frozenset({"remat", "tp_overlap", "attention_impl"})
+_GATHER_FORMATS = (None, "fp8", "mxfp8", "nvfp4")
+_REMAT = ("none", "dots", "full")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """One training run.
+
+    Attributes:
+      preset: model preset name (`gtp_jax.models.PRESETS`); the vocabulary is set to 256
+        byte tokens for the bundled corpus.
+      steps: optimizer steps (the whole run; a resumed run continues up to it).
+      batch_size: global batch (sequences), split over the mesh's data axes; a multiple of
+        ``dp * ep * gtp``.
+      seq_len: tokens per sequence.
+      dp, gtp, tp, ep: mesh sizes (their product must equal the device count).
+      lr: peak AdamW learning rate (linear warm-up, cosine decay to 10%).
+      warmup: warm-up steps.
+      weight_decay: AdamW decoupled weight decay.
+      seed: parameter init and data-order seed.
+      dtype: compute dtype ("float32" or "bfloat16"); master weights stay float32.
+      gather_dtype: dtype weights are all-gathered in (None: the parameter dtype).
+      pad_for_alignment: `GTPConfig.pad_for_alignment`.
+      remat: `TransformerConfig.remat`.
+      gather_format: `GTPConfig.gather_format` (None, "fp8", "mxfp8" or "nvfp4").
+      prefetch: `GTPConfig.prefetch`.
+      overlap: ring collective matmuls for the tp GEMMs (`TransformerConfig.tp_overlap`).
+      moe_experts: experts per MoE layer (0: dense MLP); `moe_top_k`, `moe_capacity_factor`
+        (None: dropless) as in `TransformerConfig`.
+      schedule_steps: length of the LR schedule (warm-up + cosine decay to 10% of `lr`);
+        None: `steps`. Steps past it train at the final LR (10% of `lr`). A run that is
+        extended (resumed with a larger `steps`) keeps the schedule_steps recorded in its
+        checkpoint, so an extended run equals an uninterrupted run with
+        ``steps=<new steps>, schedule_steps=<original steps>``.
+
+    Raises:
+      UsageError / UsageTypeError: a field of the wrong type or out of range (non-positive
+        or non-finite LR, negative warm-up or weight decay, unknown preset, ...).
+    """
+
+    preset: str = "tiny"
+    steps: int = 100
+    batch_size: int = 16
+    seq_len: int = 128
+    dp: int = 2
+    gtp: int = 4
+    tp: int = 1
+    ep: int = 1
+    lr: float = 3e-3
+    warmup: int = 10
+    weight_decay: float = 0.1
+    seed: int = 0
+    dtype: str = "float32"
+    gather_dtype: str | None = None
+    pad_for_alignment: int = 0
+    remat: str = "none"
+    gather_format: str | None = None
+    prefetch: bool = False
+    overlap: bool = False
+    moe_experts: int = 0
+    moe_top_k: int = 2
+    moe_capacity_factor: float | None = 1.25
+    schedule_steps: int | None = None
+
+    def __post_init__(self) -> None:
+        # Every field is checked for type and range, so nothing silently trains wrong.
+        for name, minimum in (("steps", 1), ("batch_size", 1), ("seq_len", 1), ("dp", 1),
+                              ("gtp", 1), ("tp", 1), ("ep", 1), ("warmup", 0), ("seed", 0),
+                              ("pad_for_alignment", 0), ("moe_experts", 0), ("moe_top_k", 1)):
+            _check_int(name, getattr(self, name), minimum)
+        if self.schedule_steps is not None:
+            _check_int("schedule_steps", self.schedule_steps, 1)
+        _check_float("lr", self.lr, positive=True)
+        _check_float("weight_decay", self.weight_decay, positive=False)
+        if self.moe_capacity_factor is not None:
+            _check_float("moe_capacity_factor", self.moe_capacity_factor, positive=True)
+        from gtp_jax.models import PRESETS  # noqa: PLC0415
+
+        if self.preset not in PRESETS:
+            raise UsageError(f"TrainConfig.preset={self.preset!r}: use one of {sorted(PRESETS)}.")
+        for name, allowed in (("dtype", ("float32", "bfloat16")),
+                              ("gather_dtype", (None, "float32", "bfloat16")),
+                              ("gather_format", _GATHER_FORMATS), ("remat", _REMAT)):
+            if getattr(self, name) not in allowed:
+                raise UsageError(f"TrainConfig.{name}={getattr(self, name)!r}: use one of "
+                                 f"{list(allowed)}.")
+        for name in ("prefetch", "overlap"):
+            if not isinstance(getattr(self, name), bool):
+                raise UsageTypeError(f"TrainConfig.{name}={getattr(self, name)!r} must be a bool.")
+        if self.moe_experts and self.moe_top_k > self.moe_experts:
+            raise UsageError(
+                f"TrainConfig.moe_top_k={self.moe_top_k} must be <= TrainConfig.moe_experts="
+                f"{self.moe_experts} (each token is routed to top_k distinct experts)."
+            )
+        shards = self.dp * self.ep * self.gtp
+        fit = max(shards, self.batch_size // shards * shards)
+        if self.batch_size % shards:
+            raise UsageError(
+                f"TrainConfig.batch_size={self.batch_size} must be a multiple of dp*ep*gtp = "
+                f"{self.dp}*{self.ep}*{self.gtp} = {shards} (the batch is split over those "
+                f"axes); e.g. TrainConfig.batch_size={fit}."
+            )
+
+    @property
+    def lr_schedule_steps(self) -> int:
+        """The LR schedule's length: `schedule_steps`, or `steps` when it is None."""
+        return self.schedule_steps if self.schedule_steps is not None else self.steps
+
+
+def _check_int(name: str, value: Any, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise UsageTypeError(f"TrainConfig.{name}={value!r} must be an int.")
+    if value < minimum:
+        raise UsageError(f"TrainConfig.{name}={value} must be >= {minimum}.")
+
+
+def _check_float(name: str, value: Any, *, positive: bool) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.floating, np.integer)):
+        raise UsageTypeError(f"TrainConfig.{name}={value!r} must be a number.")
+    if not math.isfinite(value) or value < 0 or (positive and value == 0):
+        bound = "> 0" if positive else ">= 0"
+        raise UsageError(f"TrainConfig.{name}={value} must be finite and {bound}.")
+
+
+def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
+    """AdamW with warm-up + cosine decay and global-norm clipping at 1.0.
+
+    The schedule spans `TrainConfig.lr_schedule_steps`; optax's cosine decay holds its end
+    value (10% of the peak) after that, which is what extended steps train at.
+
+    The same settings return the same transformation object: it is static data of the
+    ``nnx.Optimizer``, so an equal object lets a `TrainStep` reuse its compiled program.
+    """
+    return _make_optimizer(float(cfg.lr), int(cfg.warmup), int(cfg.lr_schedule_steps),
+                           float(cfg.weight_decay))
+
+
+@functools.cache
+def _make_optimizer(lr: float, warmup: int, steps: int,
+                    weight_decay: float) -> optax.GradientTransformation:
+    schedule = optax.warmup_cosine_decay_schedule(
+        0.0, lr, warmup_steps=max(1, warmup), decay_steps=max(steps, warmup + 1),
+        end_value=lr * 0.1)
+    return optax.chain(optax.clip_by_global_norm(1.0),
+                       optax.adamw(schedule, b2=0.95, weight_decay=weight_decay))
+
+
+def model_config(cfg: TrainConfig) -> TransformerConfig:
+    """The `TransformerConfig` that `train` builds for `cfg`."""
+    dtype = jnp.bfloat16 if cfg.dtype == "bfloat16" else jnp.float32
+    return preset(cfg.preset, vocab_size=VOCAB_SIZE, max_seq_len=cfg.seq_len, dtype=dtype,
+                  remat=cfg.remat, tp_overlap=cfg.overlap, moe_experts=cfg.moe_experts,
+                  moe_top_k=cfg.moe_top_k, moe_capacity_factor=cfg.moe_capacity_factor)
+
+
+def model_json(model_cfg: TransformerConfig) -> dict[str, Any]:
+    """`model_cfg` as JSON values (dtypes by name): what checkpoints and metrics record."""
+    out = {}
+    for field in dataclasses.fields(model_cfg):
+        value = getattr(model_cfg, field.name)
+        out[field.name] = (value if isinstance(value, (int, float, str, bool, type(None)))
+                           else str(np.dtype(value)))
+    return out
+
+
+def check_devices(cfg: TrainConfig) -> None:
+    """The mesh fits the devices and the model splits over tp and ep (checked here, before
+    anything is built, so the error names the configuration rather than a weight)."""
+    model_cfg = model_config(cfg)
+    widths = {"n_heads": model_cfg.n_heads, "d_ff": model_cfg.d_ff}
+    if model_cfg.moe_experts:
+        widths["moe_d_ff"] = model_cfg.moe_d_ff or model_cfg.d_ff
+    bad = [f"{name}={width}" for name, width in widths.items()
+           if cfg.tp > 1 and width % cfg.tp]
+    if bad:
+        raise UsageError(
+            f"TrainConfig.tp={cfg.tp} does not divide the {cfg.preset} preset's "
+            f"{', '.join(bad)}; choose a TrainConfig.tp that divides them (tp={cfg.tp} splits "
+            "the heads and the MLP width)."
+        )
+    if cfg.ep > 1 and model_cfg.moe_experts % cfg.ep:
+        raise UsageError(
+            f"TrainConfig.ep={cfg.ep} does not divide TrainConfig.moe_experts="
+            f"{model_cfg.moe_experts}; choose an ep that divides the expert count."
+        )
+    total, devices = cfg.dp * cfg.ep * cfg.gtp * cfg.tp, jax.device_count()
+    if total != devices:
+        raise UsageError(
+            f"the mesh dp*ep*gtp*tp = {cfg.dp}*{cfg.ep}*{cfg.gtp}*{cfg.tp} = {total} must equal "
+            f"the {devices} devices; choose TrainConfig.dp/ep/gtp/tp whose product is {devices}."
+        )
+
+
+def check_memory_fits(cfg: TrainConfig, bytes_limit: int | None = None) -> dict[str, int]:
+    """Refuses a run whose estimated memory per device exceeds the device's limit.
+
+    Args:
+      cfg: the run.
+      bytes_limit: the per-device limit; None: ``memory_stats()["bytes_limit"]`` of the
+        first device, and no check where the backend reports none (CPU).
+
+    Returns:
+      The estimate (`gtp_jax.train.observe.estimate_train_memory`).
+
+    Raises:
+      DeviceMemoryError: the estimate exceeds the limit.
+    """
+    estimate = memory_estimate(cfg)
+    if bytes_limit is None:
+        bytes_limit = device_memory_limit()
+    if bytes_limit is not None and estimate["total"] > bytes_limit:
+        raise DeviceMemoryError(
+            f"the run needs an estimated {estimate['total'] / 2**30:.2f} GiB per device "
+            f"({memory_parts(estimate)}) but a device has {bytes_limit / 2**30:.2f} GiB; "
+            + MEMORY_ADVICE
+        )
+    return estimate
+
+
+def memory_parts(estimate: dict[str, int]) -> str:
+    """``params 0.01, optimizer 0.02, ...`` (GiB) of an estimate, for error messages."""
+    return ", ".join(f"{k} {v / 2**30:.2f}" for k, v in estimate.items() if k != "total")
+
+
+def memory_estimate(cfg: TrainConfig) -> dict[str, int]:
+    """`gtp_jax.train.observe.estimate_train_memory` of the run `cfg`."""
+    return estimate_train_memory(model_config(cfg), batch_size=cfg.batch_size,
+                                 seq_len=cfg.seq_len, dp=cfg.dp, gtp=cfg.gtp, tp=cfg.tp,
+                                 ep=cfg.ep)

@@ -1,0 +1,307 @@
+"""The main job: train a preset transformer with GTP on the bundled byte corpus.
+
+`train` checks its input, then runs a short sequence of steps: pick the checkpoint to resume
+from, build the model and optimizer once (and restore into them), run the step loop
+(checkpointing as it goes), and report. Optional extras, each off by default: sharded
+checkpoints with exact resume (`gtp_jax.train.checkpoint`), multi-process runs
+(`gtp_jax.train.distributed`; the batch placement below works for any process count),
+profiler traces, MFU/memory reporting and JSON metrics (`gtp_jax.train.observe`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+
+import gtp_jax
+from gtp_jax.base.metadata import LOGICAL_SHAPE
+from gtp_jax.data import ByteBatcher, load_corpus, split_train_eval
+from gtp_jax.models import Transformer, TransformerConfig, lm_loss
+from gtp_jax.train.checkpoint import CheckpointConfig, Checkpointer, DirectoryLock
+from gtp_jax.train.config import (
+    TrainConfig,
+    check_devices,
+    check_memory_fits,
+    make_optimizer,
+    memory_estimate,
+    memory_parts,
+    model_config,
+    model_json,
+)
+from gtp_jax.train.observe import (
+    MEMORY_ADVICE,
+    DeviceMemoryError,
+    ObserveConfig,
+    StepProfiler,
+    check_writable_dir,
+    check_writable_file,
+    memory_per_device,
+    peak_flops,
+    write_json,
+)
+from gtp_jax.train.progress import ProgressBar
+from gtp_jax.train.report import TrainResult
+from gtp_jax.train.resume import restore_newest, select_candidates
+from gtp_jax.train.step import TrainStep, replicate_stray_leaves
+
+OnStep = Callable[[int, float, float], None]
+
+
+def train(cfg: TrainConfig, *, on_step: OnStep | None = None,
+          progress: bool = True, checkpoint: CheckpointConfig | None = None,
+          observe: ObserveConfig | None = None) -> TrainResult:
+    """Trains `cfg.preset` with GTP on the mesh ``(dp, ep, gtp, tp)`` over all devices.
+
+    Everything that depends on the caller's input is checked before the model is built:
+    the mesh against the device count, the estimated memory per device against the
+    device's limit, that the checkpoint / profile / metrics paths can be written, the
+    checkpoint directory's lock, and on resume that the checkpoint belongs to this run.
+
+    Args:
+      cfg: the run.
+      on_step: called after each step with (step, loss, step seconds); on every process.
+      progress: show a progress bar (process 0 only).
+      checkpoint: save checkpoints (and with ``resume=True`` continue from the newest
+        intact one: same parameters, optimizer state and LR-schedule position, data order
+        and step count, so the loss curve continues exactly as the uninterrupted run's; the
+        mesh may differ from the saving run's). A larger `cfg.steps` than the saved run's
+        extends it (see `TrainConfig.schedule_steps`). Damaged checkpoints are skipped with
+        a one-line note on stderr and renamed ``broken-<step>-<n>`` when newer than the
+        one resumed from (so their steps can be saved again); nothing is deleted.
+      observe: profiler trace window and JSON metrics file.
+
+    Returns:
+      A `TrainResult` with per-step losses (float32 scalars) and timings.
+
+    Raises:
+      UsageError: bad mesh, memory estimate over the device limit, unwritable paths, a
+        locked directory, no intact checkpoint or a checkpoint of another run (all raised
+        before any model is built), a profile window outside the run; out of device memory.
+      FloatingPointError: the loss or the state to save became NaN/inf (the last finite
+        checkpoint is kept).
+    """
+    observe = ObserveConfig() if observe is None else observe
+    primary = jax.process_index() == 0
+    check_devices(cfg)
+    check_memory_fits(cfg)
+    if checkpoint is not None:
+        check_writable_dir(checkpoint.directory, "CheckpointConfig.directory")
+    if primary:
+        if observe.profile_dir is not None:
+            check_writable_dir(observe.profile_dir, "ObserveConfig.profile_dir")
+        if observe.metrics_json is not None:
+            check_writable_file(observe.metrics_json, "ObserveConfig.metrics_json")
+    lock = None
+    if checkpoint is not None and primary and "://" not in checkpoint.directory:
+        lock = DirectoryLock(checkpoint.directory)
+        lock.acquire()
+    try:
+        ckpt = Checkpointer(checkpoint) if checkpoint is not None else None
+        try:
+            return _train(cfg, on_step=on_step, progress=progress, ckpt=ckpt, observe=observe)
+        finally:
+            if ckpt is not None:
+                # Finishes (finalizes) a pending asynchronous save, also when training failed.
+                ckpt.close()
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def build_model_and_optimizer(cfg: TrainConfig) -> tuple[gtp_jax.ShardedModule, nnx.Optimizer]:
+    """The GTP-sharded model (initialized from ``cfg.seed``) and its AdamW optimizer, on the
+    mesh ``make_mesh(dp, gtp, tp, ep)`` over all devices: what `train` starts from (and
+    what a checkpoint is restored into)."""
+    mesh = gtp_jax.make_mesh(dp=cfg.dp, gtp=cfg.gtp, tp=cfg.tp, ep=cfg.ep)
+    model = gtp_jax.shard(Transformer(model_config(cfg), rngs=nnx.Rngs(cfg.seed)), mesh,
+                          gtp_jax.GTPConfig(gather_dtype=cfg.gather_dtype,
+                                            pad_for_alignment=cfg.pad_for_alignment,
+                                            gather_format=cfg.gather_format,
+                                            prefetch=cfg.prefetch))
+    optimizer = nnx.Optimizer(model, make_optimizer(cfg), wrt=nnx.Param)
+    replicate_stray_leaves(optimizer, mesh)
+    return model, optimizer
+
+
+def replicated_bytes(model: nnx.Module, cfg: TrainConfig) -> tuple[int, int]:
+    """Bytes of the parameters, and of parameters plus optimizer state, without sharding:
+    from the logical (unpadded, unsplit) shapes `gtp_jax.shard` records on the sharded
+    weights, and the optimizer's state for those shapes (``jax.eval_shape``: nothing is
+    allocated)."""
+    params = {}
+    for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        value = var.get_value()
+        shape = var.get_metadata().get(LOGICAL_SHAPE, value.shape)
+        params[path] = jax.ShapeDtypeStruct(tuple(shape), value.dtype)
+    param_bytes = _tree_bytes(params)
+    return param_bytes, param_bytes + _tree_bytes(jax.eval_shape(make_optimizer(cfg).init,
+                                                                 params))
+
+
+def _train(cfg: TrainConfig, *, on_step: OnStep | None, progress: bool,
+           ckpt: Checkpointer | None, observe: ObserveConfig) -> TrainResult:
+    model_cfg = model_config(cfg)
+    # Validation: nothing below this line fails on user input before training starts.
+    cfg, candidates = select_candidates(cfg, model_cfg, ckpt)
+    if cfg.schedule_steps is None:
+        # Recorded explicitly in checkpoints, so extending the run keeps this schedule.
+        cfg = dataclasses.replace(cfg, schedule_steps=cfg.steps)
+    window = observe.profile_window((candidates[0][0] if candidates else 0) + 1, cfg.steps)
+
+    model, optimizer = build_model_and_optimizer(cfg)
+    meta, start = restore_newest(cfg, model_cfg, ckpt, candidates, model, optimizer)
+    train_data, _ = split_train_eval(load_corpus())
+    if meta is not None:
+        batcher = ByteBatcher.from_state(train_data, meta["extra"]["data"])
+    else:
+        batcher = ByteBatcher(train_data, batch_size=cfg.batch_size, seq_len=cfg.seq_len,
+                              seed=cfg.seed)
+    step_fn = TrainStep(model, optimizer,
+                        functools.partial(lm_loss, aux_weight=model_cfg.moe_aux_weight))
+    profiler = StepProfiler(observe.profile_dir, window) if window is not None else None
+    try:
+        losses, times, saved = _step_loop(cfg, model_cfg, step_fn, batcher, start=start,
+                                          ckpt=ckpt, profiler=profiler, on_step=on_step,
+                                          progress=progress)
+    finally:
+        if profiler is not None:
+            profiler.stop()
+    step_fn.sync()
+    if ckpt is not None:
+        # Report only the checkpoints still on disk (CheckpointConfig.keep deletes older).
+        ckpt.wait()
+        present = set(ckpt.all_steps())
+        saved = [s for s in saved if s in present]
+    result = _result(cfg, model_cfg, model, optimizer, losses=losses, times=times,
+                     first_step=start + 1, saved=saved, ckpt=ckpt, window=window,
+                     trace=profiler.trace_path if profiler is not None else None)
+    if observe.metrics_json is not None and jax.process_index() == 0:
+        _write_metrics(observe.metrics_json, cfg, model_cfg, result)
+    return result
+
+
+def _step_loop(cfg: TrainConfig, model_cfg: TransformerConfig, step_fn: TrainStep,
+               batcher: ByteBatcher, *, start: int, ckpt: Checkpointer | None,
+               profiler: StepProfiler | None, on_step: OnStep | None,
+               progress: bool) -> tuple[list[float], list[float], list[int]]:
+    """Steps ``start + 1 .. cfg.steps``: (losses, step seconds, checkpointed steps)."""
+    placement = gtp_jax.data_sharding(step_fn.objects[0].mesh)
+    tokens_per_step = cfg.batch_size * cfg.seq_len
+    bar = ProgressBar(cfg.steps) if progress and jax.process_index() == 0 else None
+    extra = {"train_config": dataclasses.asdict(cfg), "model_config": model_json(model_cfg)}
+    losses, times, saved = [], [], []
+    for step in range(start + 1, cfg.steps + 1):
+        if profiler is not None:
+            profiler.before(step)
+        tokens = _global_batch(batcher.next_batch(), placement)
+        with jax.profiler.StepTraceAnnotation("train", step_num=step):
+            begin = time.perf_counter()
+            loss = _run_step(cfg, step_fn, tokens, step)
+            times.append(time.perf_counter() - begin)
+        if profiler is not None:
+            profiler.after(step)
+        losses.append(loss)
+        if not np.isfinite(loss):
+            raise FloatingPointError(
+                f"loss became {loss} at step {step}; lower TrainConfig.lr (now {cfg.lr})"
+                + (f"; the last checkpoint is step {saved[-1]}" if saved else "") + ".")
+        if ckpt is not None and (step == cfg.steps
+                                 or (ckpt.config.every and step % ckpt.config.every == 0)):
+            # Refuses (NonFiniteStateError) a state with NaN/inf: the loss above was
+            # computed before this step's update, the checked state is the one saved.
+            step_fn.sync()
+            model, optimizer = step_fn.objects
+            ckpt.save(step, model, optimizer,
+                      extra={**extra, "data": batcher.state_dict(), "loss": loss})
+            saved.append(step)
+        if bar is not None:
+            bar.update(step, loss=loss, tok_s=tokens_per_step / times[-1])
+        if on_step is not None:
+            on_step(step, loss, times[-1])
+    return losses, times, saved
+
+
+def _run_step(cfg: TrainConfig, step_fn: TrainStep, tokens: jax.Array, step: int) -> float:
+    """`step_fn` on `tokens`; its loss, with XLA's out-of-memory error turned into a
+    `DeviceMemoryError`."""
+    try:
+        return float(step_fn(tokens)["loss"])
+    except Exception as err:  # XlaRuntimeError has no stable import path; match its status
+        if "RESOURCE_EXHAUSTED" not in str(err):
+            raise
+        estimate = memory_estimate(cfg)
+        raise DeviceMemoryError(
+            f"out of device memory at step {step} (estimated {estimate['total'] / 2**30:.2f} "
+            f"GiB per device: {memory_parts(estimate)}); " + MEMORY_ADVICE
+        ) from err
+
+
+def _result(cfg: TrainConfig, model_cfg: TransformerConfig, model: gtp_jax.ShardedModule,
+            optimizer: nnx.Optimizer, *, losses: list[float], times: list[float],
+            first_step: int, saved: list[int], ckpt: Checkpointer | None,
+            window: tuple[int, int] | None, trace: str | None) -> TrainResult:
+    """The `TrainResult` of a finished loop (`model` and `optimizer` synced)."""
+    device = jax.devices()[0]
+    replicated_params, replicated_state = replicated_bytes(model, cfg)
+    param_bytes = gtp_jax.bytes_per_device(nnx.state(model, nnx.Param))
+    return TrainResult(
+        losses=losses,
+        step_times=times,
+        tokens_per_step=cfg.batch_size * cfg.seq_len,
+        param_bytes_per_device=param_bytes,
+        state_bytes_per_device=param_bytes
+        + gtp_jax.bytes_per_device(nnx.state(optimizer, nnx.OptState)),
+        replicated_param_bytes=replicated_params,
+        replicated_state_bytes=replicated_state,
+        num_params=model_cfg.num_params(),
+        mesh_shape=dict(model.mesh.shape),
+        backend=jax.default_backend(),
+        first_step=first_step,
+        flops_per_token=model_cfg.train_flops_per_token(cfg.seq_len),
+        device_kind=device.device_kind,
+        num_devices=model.mesh.devices.size,
+        compute_dtype=cfg.dtype,
+        peak_flops_per_device=peak_flops(device.device_kind, cfg.dtype)
+        if jax.default_backend() != "cpu" else None,
+        memory=memory_per_device(),
+        process_count=jax.process_count(),
+        checkpoint_dir=ckpt.config.directory if ckpt is not None else None,
+        checkpoint_steps=saved,
+        profile_steps=window,
+        profile_trace=trace,
+    )
+
+
+def _write_metrics(path: str, cfg: TrainConfig, model_cfg: TransformerConfig,
+                   result: TrainResult) -> None:
+    write_json(path, {
+        "config": dataclasses.asdict(cfg),
+        "model_config": model_json(model_cfg),
+        "steps": [{"step": result.first_step + i, "loss": loss, "step_time_s": t,
+                   "tokens_per_s": result.tokens_per_step / t}
+                  for i, (loss, t) in enumerate(zip(result.losses, result.step_times))],
+        "summary": result.to_json(),
+    })
+
+
+def _global_batch(batch: np.ndarray, sharding: jax.sharding.NamedSharding) -> jax.Array:
+    """The global batch ``int32[batch, seq + 1]`` as one array split over the data axes.
+
+    Every process builds the same global batch (the batcher is deterministic in (seed,
+    position)) and hands each of its devices the rows of that device's shard, so a
+    multi-process run sees exactly the batches of a single-process run. Only the local rows
+    are copied to devices.
+    """
+    return jax.make_array_from_callback(batch.shape, sharding, lambda index: batch[index])
+
+
+def _tree_bytes(tree: Any) -> int:
+    return sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize
+               for x in jax.tree.leaves(tree) if hasattr(x, "shape"))

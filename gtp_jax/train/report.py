@@ -1,0 +1,153 @@
+"""What a training run measured: `TrainResult`, its one-screen summary and its JSON."""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+from typing import Any
+
+import numpy as np
+
+
+@dataclasses.dataclass
+class TrainResult:
+    """What a run measured (this invocation's steps only, when resumed).
+
+    Attributes:
+      losses: loss of each step run here (steps `first_step`, `first_step` + 1, ...).
+      step_times: wall seconds of each of those steps (the first includes compilation).
+      tokens_per_step: global tokens per optimizer step.
+      param_bytes_per_device, state_bytes_per_device: bytes of parameters, and of parameters
+        plus optimizer state, on one device; replicated_*: the same without sharding.
+      num_params: model parameter count.
+      mesh_shape: mesh axis sizes.
+      backend: JAX backend ("cpu", "gpu", "tpu").
+      first_step: the first step run here (1, or the resumed checkpoint's step + 1).
+      flops_per_token: model FLOPs per trained token (see `gtp_jax.train.observe`).
+      device_kind: ``jax.devices()[0].device_kind``.
+      num_devices: devices in the mesh (all processes).
+      compute_dtype: "float32" or "bfloat16".
+      peak_flops_per_device: the peak FLOP/s used for MFU, or None when unknown.
+      memory: `gtp_jax.train.observe.memory_per_device` of this process's devices, or None.
+      process_count: JAX processes in the run.
+      checkpoint_dir, checkpoint_steps: where checkpoints went, and their steps.
+      profile_steps, profile_trace: traced steps and the Perfetto trace file, if any.
+    """
+
+    losses: list[float]
+    step_times: list[float]
+    tokens_per_step: int
+    param_bytes_per_device: int
+    state_bytes_per_device: int
+    replicated_param_bytes: int
+    replicated_state_bytes: int
+    num_params: int
+    mesh_shape: dict[str, int]
+    backend: str
+    first_step: int = 1
+    flops_per_token: float = 0.0
+    device_kind: str = ""
+    num_devices: int = 1
+    compute_dtype: str = "float32"
+    peak_flops_per_device: float | None = None
+    memory: dict[str, int] | None = None
+    process_count: int = 1
+    checkpoint_dir: str | None = None
+    checkpoint_steps: list[int] = dataclasses.field(default_factory=list)
+    profile_steps: tuple[int, int] | None = None
+    profile_trace: str | None = None
+
+    @property
+    def median_step_time(self) -> float:
+        """Median step time in seconds, excluding the first (compiling) step."""
+        times = self.step_times[1:] or self.step_times
+        return statistics.median(times)
+
+    @property
+    def tokens_per_second(self) -> float:
+        """Global tokens per second at the median step time."""
+        return self.tokens_per_step / self.median_step_time
+
+    @property
+    def mfu(self) -> float | None:
+        """Model FLOPs utilization (0..1) at the median step time, or None (unknown peak)."""
+        if not self.peak_flops_per_device:
+            return None
+        return (self.flops_per_token * self.tokens_per_second
+                / (self.num_devices * self.peak_flops_per_device))
+
+    def summary(self) -> str:
+        first = self.losses[0]
+        window = min(5, len(self.losses))
+        last = float(np.mean(self.losses[-window:]))
+        mib, gib = 2.0**20, 2.0**30
+        mesh = " ".join(f"{k}={v}" for k, v in self.mesh_shape.items())
+        procs = f", {self.process_count} processes" if self.process_count > 1 else ""
+        last_step = self.first_step + len(self.losses) - 1
+        steps = f"; steps {self.first_step}-{last_step}" if self.first_step > 1 else ""
+        if self.mfu is None:
+            mfu = (f"  MFU: n/a (no peak FLOP/s known for {self.device_kind or self.backend}; "
+                   f"{self.flops_per_token / 1e6:.2f} MFLOP/token)")
+        else:
+            mfu = (f"  MFU: {self.mfu * 100:.1f}% ({self.flops_per_token / 1e6:.2f} MFLOP/token "
+                   f"x {self.tokens_per_second:,.0f} tokens/s over {self.num_devices} x "
+                   f"{self.peak_flops_per_device / 1e12:.0f} TFLOP/s {self.compute_dtype})")
+        if self.memory is None:
+            memory = (f"  memory per device: n/a on {self.backend} (no allocator statistics); "
+                      "see params + optimizer state below")
+        else:
+            memory = (f"  memory per device: peak {self.memory['peak_bytes_in_use'] / gib:.2f} "
+                      f"GiB, in use {self.memory['bytes_in_use'] / gib:.2f} GiB "
+                      f"(limit {self.memory['bytes_limit'] / gib:.1f} GiB)")
+        lines = [
+            f"summary ({self.backend}, mesh {mesh}{procs}, {self.num_params / 1e6:.2f}M params)",
+            f"  loss: first {first:.4f} -> last {last:.4f} (mean of last {window} steps{steps})",
+            f"  step time: {self.median_step_time * 1e3:.1f} ms median "
+            f"({self.tokens_per_second:,.0f} tokens/s)",
+            mfu,
+            memory,
+            f"  params per device: {self.param_bytes_per_device / mib:.2f} MiB "
+            f"(replicated: {self.replicated_param_bytes / mib:.2f} MiB, "
+            f"{self.param_bytes_per_device / self.replicated_param_bytes:.3f}x)",
+            f"  params + optimizer state per device: {self.state_bytes_per_device / mib:.2f} MiB "
+            f"(replicated: {self.replicated_state_bytes / mib:.2f} MiB, "
+            f"{self.state_bytes_per_device / self.replicated_state_bytes:.3f}x)",
+        ]
+        if self.checkpoint_steps:
+            lines.append(f"  checkpoints: steps {self.checkpoint_steps} in {self.checkpoint_dir}")
+        if self.profile_steps is not None:
+            lines.append(f"  profile: steps {self.profile_steps[0]}-{self.profile_steps[1]} -> "
+                         f"{self.profile_trace or '(no perfetto trace written)'}")
+        return "\n".join(lines)
+
+    def to_json(self) -> dict[str, Any]:
+        """The summary as JSON-serializable values (times in seconds, sizes in bytes)."""
+        return {
+            "backend": self.backend,
+            "device_kind": self.device_kind,
+            "num_devices": self.num_devices,
+            "process_count": self.process_count,
+            "mesh": dict(self.mesh_shape),
+            "num_params": self.num_params,
+            "first_step": self.first_step,
+            "last_step": self.first_step + len(self.losses) - 1,
+            "first_loss": self.losses[0],
+            "last_loss_mean5": float(np.mean(self.losses[-5:])),
+            "median_step_time_s": self.median_step_time,
+            "tokens_per_step": self.tokens_per_step,
+            "tokens_per_s": self.tokens_per_second,
+            "flops_per_token": self.flops_per_token,
+            "compute_dtype": self.compute_dtype,
+            "peak_flops_per_device": self.peak_flops_per_device,
+            "mfu": self.mfu,
+            "memory_per_device": self.memory,
+            "param_bytes_per_device": self.param_bytes_per_device,
+            "state_bytes_per_device": self.state_bytes_per_device,
+            "replicated_param_bytes": self.replicated_param_bytes,
+            "replicated_state_bytes": self.replicated_state_bytes,
+            "checkpoint_dir": self.checkpoint_dir,
+            "checkpoint_steps": list(self.checkpoint_steps),
+            "profile_steps": list(self.profile_steps) if self.profile_steps else None,
+            "profile_trace": self.profile_trace,
+        }
+

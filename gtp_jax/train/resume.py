@@ -1,0 +1,154 @@
+"""Resuming a run: which checkpoint to continue from, whether it belongs to this run, and
+restoring it (skipping damaged ones in favour of older intact ones)."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from typing import Any
+
+import jax
+from flax import nnx
+
+from gtp_jax.base.errors import UsageError
+from gtp_jax.models import TransformerConfig
+from gtp_jax.train.checkpoint import CheckpointCorruptError, Checkpointer
+from gtp_jax.train.config import MODEL_MAY_DIFFER, RESUME_MAY_DIFFER, TrainConfig, model_json
+
+#: (step, metadata) of a checkpoint that may be resumed from, newest first.
+Candidate = tuple[int, dict[str, Any]]
+
+
+def note(line: str) -> None:
+    """One line on stderr from process 0 (skipped checkpoints and the like)."""
+    if jax.process_index() == 0:
+        print(f"gtp_jax train: {line}", file=sys.stderr, flush=True)
+
+
+def select_candidates(cfg: TrainConfig, model_cfg: TransformerConfig,
+                      ckpt: Checkpointer | None) -> tuple[TrainConfig, list[Candidate]]:
+    """The checkpoints to try to resume from, newest first (none for a new run), and `cfg`
+    with the saved run's ``schedule_steps``; checked before anything is built.
+
+    Raises:
+      UsageError: resume without an intact checkpoint, a checkpoint of another run or of a
+        finished run; a new run in a directory that holds checkpoints.
+    """
+    candidates: list[Candidate] = []
+    if ckpt is None:
+        return cfg, candidates
+    directory = ckpt.config.directory
+    if not ckpt.config.resume:
+        if ckpt.latest_step() is not None:
+            raise UsageError(
+                f"CheckpointConfig.directory {directory!r} already holds "
+                f"checkpoints (steps {ckpt.all_steps()}); set CheckpointConfig.resume to "
+                "continue that run, or use an empty directory for a new run."
+            )
+        return cfg, candidates
+    candidates = ckpt.resume_candidates(report=note)
+    if not candidates:
+        raise UsageError(
+            f"no intact checkpoint in {directory!r} to resume from; pass "
+            "the CheckpointConfig.directory of an earlier run, or drop "
+            "CheckpointConfig.resume to start a new run."
+        )
+    cfg = check_resume(cfg, model_cfg, candidates[0][1], directory, steps_left=False)
+    while candidates and candidates[0][0] >= cfg.steps:
+        # Nothing left to train from this one, unless it is damaged: verify it
+        # before saying so (an older intact checkpoint may still have steps left).
+        try:
+            ckpt.verify(candidates[0][0])
+        except CheckpointCorruptError as err:
+            note(f"skipping {err}")
+            candidates.pop(0)
+            continue
+        check_resume(cfg, model_cfg, candidates[0][1], directory)
+    if not candidates:
+        raise UsageError(f"no intact checkpoint in {directory!r} to resume "
+                         "from (each was skipped, see above).")
+    return cfg, candidates
+
+
+def restore_newest(cfg: TrainConfig, model_cfg: TransformerConfig, ckpt: Checkpointer | None,
+                   candidates: list[Candidate], model: nnx.Module,
+                   optimizer: nnx.Optimizer) -> tuple[dict[str, Any] | None, int]:
+    """Restores the newest intact candidate into `model` and `optimizer`; returns its
+    metadata and step, or ``(None, 0)`` for a new run.
+
+    A checkpoint whose arrays fail their checksums (or cannot be read) is skipped in favour
+    of the next older one; the objects are only changed by a restore that verified. Damaged
+    checkpoints newer than the one restored are renamed aside (not deleted).
+
+    Raises:
+      UsageError: every candidate was damaged.
+    """
+    if not candidates:
+        return None, 0
+    for step, candidate in candidates:
+        try:
+            check_resume(cfg, model_cfg, candidate, ckpt.config.directory)
+            ckpt.restore(model, optimizer, step=step)
+        except CheckpointCorruptError as err:
+            note(f"skipping {err}")
+            continue
+        for moved in ckpt.set_aside_newer(step):
+            note(f"renamed the damaged checkpoint newer than step {step} to {moved} "
+                 "(not deleted; this run saves those steps again)")
+        return candidate, step
+    raise UsageError(f"no intact checkpoint in {ckpt.config.directory!r} to resume from "
+                     "(each was skipped, see above).")
+
+
+def check_resume(cfg: TrainConfig, model_cfg: TransformerConfig, meta: dict[str, Any],
+                  directory: str, *, steps_left: bool = True) -> TrainConfig:
+    """Raises UsageError unless checkpoint `meta` belongs to a run `cfg` can continue (and,
+    with `steps_left`, has steps left to train).
+
+    Returns `cfg` with ``schedule_steps`` set to the saved run's schedule length, so that
+    a run extended with a larger ``steps`` keeps its original LR schedule.
+    """
+    extra = meta.get("extra", {})
+    saved_cfg, saved_model = extra.get("train_config"), extra.get("model_config")
+    if (not isinstance(saved_cfg, dict) or not isinstance(saved_model, dict)
+            or not isinstance(extra.get("data"), dict)):
+        raise UsageError(
+            f"checkpoint in {directory!r} (step {meta.get('step')}) was not written by "
+            "`python -m gtp_jax train`; point CheckpointConfig.directory at a training run's "
+            "checkpoints."
+        )
+    saved_schedule = saved_cfg.get("schedule_steps") or saved_cfg.get("steps")
+    if cfg.schedule_steps is None:
+        cfg = dataclasses.replace(cfg, schedule_steps=saved_schedule)
+    saved_cfg = {**saved_cfg, "schedule_steps": saved_schedule}
+    mine = dataclasses.asdict(cfg)
+    differ = [f"{k}: checkpoint {saved_cfg.get(k)!r} vs now {mine[k]!r}"
+              for k in mine if k not in RESUME_MAY_DIFFER and saved_cfg.get(k) != mine[k]]
+    model_now = model_json(model_cfg)
+    differ += [f"model {k}: checkpoint {saved_model.get(k)!r} vs now {model_now[k]!r}"
+               for k in model_now
+               if k not in MODEL_MAY_DIFFER and saved_model.get(k) != model_now[k]]
+    if differ:
+        raise UsageError(
+            f"CheckpointConfig.resume: the checkpoint in {directory!r} belongs to a different "
+            "run (" + "; ".join(differ) + "). Pass the same TrainConfig as the saved run (only "
+            f"{sorted(RESUME_MAY_DIFFER)} may change), or start a new run in another "
+            "CheckpointConfig.directory."
+        )
+    step = int(meta["step"])
+    if extra["data"].get("position") != step:
+        raise UsageError(
+            f"checkpoint in {directory!r}: data position {extra['data'].get('position')} does "
+            f"not match step {step}; the checkpoint is inconsistent, resume from another step."
+        )
+    if steps_left and step >= cfg.steps:
+        state = "finished" if step == cfg.steps else f"past TrainConfig.steps={cfg.steps}"
+        raise UsageError(
+            f"CheckpointConfig.resume: the run in {directory!r} is {state} (checkpoint at step "
+            f"{step}); nothing is left to train. To extend it, pass a larger TrainConfig.steps "
+            f"(e.g. TrainConfig.steps={step + max(1, step // 5)}): the added steps train at the "
+            "schedule's final learning rate."
+        )
+    return cfg
+
+
