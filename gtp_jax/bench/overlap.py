@@ -104,7 +104,7 @@ def run_variant(args: argparse.Namespace) -> dict:
     # jit dispatch, so the host-side cost of walking the NNX object graph every step
     # (measured: a 6-9 ms idle gap between steps in the GPU trace with nnx.jit) is not
     # charged to any variant.
-    step = TrainStep(model, optimizer, loss_fn)
+    step = TrainStep(model, optimizer, loss_fn, grad_norm=False)  # as the peers: loss only
 
     batch = args.per_device_batch * n
     data = jax.random.randint(jax.random.key(1), (4, batch, args.seq + 1), 0, vocab)

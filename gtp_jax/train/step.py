@@ -64,6 +64,8 @@ class TrainStep:
         ``functools.partial(lm_loss, aux_weight=model_cfg.moe_aux_weight)``. Equal
         functions (the same function, or partials of it with equal arguments) share one
         compiled program.
+      grad_norm: also return the gradients' global norm (one more pass over the
+        gradients, unless the optimizer computes it anyway, e.g. to clip).
 
     Attributes:
       graphdef: the static structure of ``(model, optimizer)``.
@@ -71,7 +73,7 @@ class TrainStep:
     """
 
     def __init__(self, model: nnx.Module, optimizer: nnx.Optimizer,
-                 loss_fn: Callable[[nnx.Module, Any], jax.Array]):
+                 loss_fn: Callable[[nnx.Module, Any], jax.Array], *, grad_norm: bool = True):
         if not isinstance(optimizer, nnx.Optimizer):
             raise UsageTypeError(f"TrainStep: optimizer={type(optimizer).__name__} must be an "
                                  "nnx.Optimizer of the model.")
@@ -81,12 +83,12 @@ class TrainStep:
         self._objects = (model, optimizer)
         self.graphdef, state = nnx.split((model, optimizer))
         self.state = _replicate_strays(state)
-        self._program = _program(self.graphdef, loss_fn)
+        self._program = _program(self.graphdef, loss_fn, bool(grad_norm))
 
     def __call__(self, batch: Any) -> dict[str, jax.Array]:
-        """Runs one step; returns ``{"loss", "grad_norm"}`` as float32 device scalars (the
-        loss before this step's update, the global norm of its gradients before clipping).
-        Does not wait for the device."""
+        """Runs one step; returns ``{"loss"}`` (and ``"grad_norm"``) as float32 device
+        scalars: the loss before this step's update, the global norm of its gradients
+        before clipping. Does not wait for the device."""
         self.state, metrics = self._program.fn(self.state, batch)
         return metrics
 
@@ -106,8 +108,8 @@ class TrainStep:
         nnx.update(self._objects, self.state)
 
 
-def _program(graphdef: Any, loss_fn: Callable[..., jax.Array]) -> _Program:
-    key = (graphdef, _loss_key(loss_fn))
+def _program(graphdef: Any, loss_fn: Callable[..., jax.Array], grad_norm: bool) -> _Program:
+    key = (graphdef, _loss_key(loss_fn), grad_norm)
     program = _programs.get(key)
     if program is not None:
         _programs.move_to_end(key)
@@ -119,8 +121,9 @@ def _program(graphdef: Any, loss_fn: Callable[..., jax.Array]) -> _Program:
         model, optimizer = nnx.merge(graphdef, state)
         loss, grads = nnx.value_and_grad(loss_fn)(model, batch)
         optimizer.update(model, grads)
-        metrics = {"loss": loss.astype(jnp.float32),
-                   "grad_norm": optax.global_norm(grads).astype(jnp.float32)}
+        metrics = {"loss": loss.astype(jnp.float32)}
+        if grad_norm:
+            metrics["grad_norm"] = optax.global_norm(grads).astype(jnp.float32)
         return nnx.state((model, optimizer)), metrics
 
     program.fn = jax.jit(step, donate_argnums=0)
