@@ -16,8 +16,8 @@ import jax
 import numpy as np
 import optax
 import pytest
-from conftest import assert_unchanged, flat_state, snapshot
 from flax import nnx
+from helpers import assert_unchanged, flat_state, snapshot
 from jax.sharding import NamedSharding
 
 import gtp_jax
@@ -32,6 +32,8 @@ from gtp_jax.train import (
     train,
 )
 from gtp_jax.train.checkpoint import CheckpointConfig, Checkpointer
+
+pytestmark = pytest.mark.slow  # minutes on 2 cores: `pytest -m "not slow"` skips it
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 

@@ -14,7 +14,7 @@ import chex
 import jax
 import jax.numpy as jnp
 import pytest
-from conftest import assert_close
+from helpers import assert_close
 from jax.sharding import PartitionSpec as P
 
 import gtp_jax

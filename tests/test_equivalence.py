@@ -26,7 +26,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import (
+from flax import nnx
+from helpers import (
     Mixed,
     assert_close,
     assert_state_matches,
@@ -42,7 +43,6 @@ from conftest import (
     test_key,
     test_seed,
 )
-from flax import nnx
 from jax.ad_checkpoint import print_saved_residuals
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -50,6 +50,8 @@ from jax.sharding import PartitionSpec as P
 import gtp_jax
 from gtp_jax.models import Transformer, lm_loss, preset
 from gtp_jax.train import replicate_stray_leaves
+
+pytestmark = pytest.mark.slow  # minutes on 2 cores: `pytest -m "not slow"` skips it
 
 # float32: only the summation order of cross-device reductions differs (a few ulps of 2**-23).
 FP32_RTOL = 1e-5

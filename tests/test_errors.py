@@ -6,7 +6,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import (
+from flax import nnx
+from helpers import (
     Mixed,
     assert_state_matches,
     assert_unchanged,
@@ -16,7 +17,6 @@ from conftest import (
     mse_loss,
     snapshot,
 )
-from flax import nnx
 
 import gtp_jax
 

@@ -17,7 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import (
+from flax import nnx
+from helpers import (
     Mixed,
     assert_close,
     assert_state_matches,
@@ -27,13 +28,14 @@ from conftest import (
     mse_loss,
     path_str,
 )
-from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import gtp_jax
 from gtp_jax import pallas
 from gtp_jax.models import Transformer, lm_loss, preset
+
+pytestmark = pytest.mark.slow  # minutes on 2 cores: `pytest -m "not slow"` skips it
 
 FORMATS = ["fp8", "mxfp8", "nvfp4"]
 # fp32 everywhere; only the order of the GEMM / gradient sums differs (as in

@@ -16,13 +16,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import assert_close
 from flax import nnx
+from helpers import assert_close
 from test_tp import run_case
 
 import gtp_jax
 from gtp_jax.models import Transformer, lm_loss, preset
 from gtp_jax.parallel import MoE, expert_capacity, moe_ffn, route
+
+pytestmark = pytest.mark.slow  # minutes on 2 cores: `pytest -m "not slow"` skips it
 
 FP32_RTOL = 1e-5
 E, D, F = 4, 12, 10

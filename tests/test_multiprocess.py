@@ -12,13 +12,15 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import max_rel_err
+from helpers import max_rel_err
 
 from gtp_jax.base.errors import UsageError, UsageTypeError
 from gtp_jax.train import TrainConfig, train
 from gtp_jax.train.checkpoint import CheckpointConfig, Checkpointer
 from gtp_jax.train.cli import main as cli_main
 from gtp_jax.train.distributed import DistributedConfig, initialize, parse_address
+
+pytestmark = pytest.mark.slow  # minutes on 2 cores: `pytest -m "not slow"` skips it
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from conftest import test_key
+from helpers import test_key
 
 import gtp_jax.pallas as gp
 from gtp_jax.pallas import formats, oracle

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import get_mesh
+from helpers import get_mesh
 from jax.sharding import PartitionSpec as P
 from test_pallas_formats import (
     assert_bits_equal,

@@ -8,8 +8,8 @@ import jax
 import numpy as np
 import optax
 import pytest
-from conftest import get_mesh, max_rel_err
 from flax import nnx
+from helpers import get_mesh, max_rel_err
 
 import gtp_jax
 from gtp_jax.models import Transformer, lm_loss, preset

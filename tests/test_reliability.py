@@ -19,8 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import assert_unchanged, snapshot
 from flax import nnx
+from helpers import assert_unchanged, snapshot
 
 import gtp_jax
 import gtp_jax.train as train_module
@@ -55,6 +55,8 @@ from gtp_jax.train.observe import (
     estimate_train_memory,
 )
 from gtp_jax.train.resume import check_resume as _check_resume
+
+pytestmark = pytest.mark.slow  # minutes on 2 cores: `pytest -m "not slow"` skips it
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import max_rel_err
+from helpers import max_rel_err
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
@@ -41,6 +41,8 @@ from gtp_jax.parallel.context import (
     zigzag_merge,
     zigzag_split,
 )
+
+pytestmark = pytest.mark.slow  # minutes on 2 cores: `pytest -m "not slow"` skips it
 
 FP32_TOL = 2e-5
 BF16_TOL = 1.5e-2

@@ -11,8 +11,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import assert_unchanged, get_mesh, snapshot
 from flax import nnx
+from helpers import assert_unchanged, get_mesh, snapshot
 from jax.ad_checkpoint import print_saved_residuals
 
 import gtp_jax

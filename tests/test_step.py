@@ -9,8 +9,8 @@ import functools
 import jax
 import numpy as np
 import pytest
-from conftest import assert_close, flat_values
 from flax import nnx
+from helpers import assert_close, flat_values
 
 import gtp_jax
 from gtp_jax.models import lm_loss

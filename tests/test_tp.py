@@ -27,8 +27,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import assert_close, flat_values, path_str
 from flax import nnx
+from helpers import assert_close, flat_values, path_str
 from jax.sharding import PartitionSpec as P
 
 import gtp_jax
@@ -36,6 +36,8 @@ from gtp_jax.models import Transformer, preset
 from gtp_jax.sharding.module import unshard_values
 from gtp_jax.sharding.plan import ParamPlan, SplitPlan
 from gtp_jax.train import replicate_stray_leaves
+
+pytestmark = pytest.mark.slow  # minutes on 2 cores: `pytest -m "not slow"` skips it
 
 FP32_RTOL = 1e-5
 STEPS = 3

@@ -24,6 +24,8 @@ from gtp_jax.train import TrainConfig, train
 from gtp_jax.train.checkpoint import CheckpointConfig, Checkpointer
 from gtp_jax.train.cli import main as cli_main
 
+pytestmark = pytest.mark.slow  # minutes on 2 cores: `pytest -m "not slow"` skips it
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -1,0 +1,202 @@
+"""Helpers shared by the test modules: meshes, a user module, state snapshots, tolerances.
+
+Import with ``from helpers import ...``; ``conftest.py`` (loaded first by pytest) has already
+set up the 8 simulated CPU devices these helpers rely on.
+"""
+
+from __future__ import annotations
+
+import functools
+import zlib
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+import gtp_jax
+
+#: Mesh layouts used across the suite (name -> make_mesh kwargs); all use 8 devices.
+MESHES: dict[str, dict[str, int]] = {
+    "gtp8": {"gtp": 8},
+    "dp2_gtp4": {"dp": 2, "gtp": 4},
+    "dp8_gtp1": {"dp": 8},
+    "ep2_gtp2_tp2": {"ep": 2, "gtp": 2, "tp": 2},
+}
+
+
+@functools.cache
+def get_mesh(name: str) -> jax.sharding.Mesh:
+    """The (cached) mesh called `name` in `MESHES`."""
+    return gtp_jax.make_mesh(**MESHES[name])
+
+
+def test_key(nodeid: str, salt: int = 0) -> jax.Array:
+    """A PRNG key unique to one test (and `salt`), so every test draws fresh inputs."""
+    return jax.random.fold_in(jax.random.key(zlib.crc32(nodeid.encode())), salt)
+
+
+test_key.__test__ = False  # not a test, despite the name
+
+
+def test_seed(nodeid: str) -> int:
+    """An int seed unique to one test (for ``nnx.Rngs``)."""
+    return zlib.crc32(nodeid.encode()) % (2**31)
+
+
+test_seed.__test__ = False
+
+
+# --------------------------------------------------------------------------- a user module
+
+
+class Mixed(nnx.Module):
+    """A user-defined module (not from gtp_jax) mixing the NNX layer types GTP must handle.
+
+    Every dimension is prime or otherwise indivisible by the mesh axis sizes (2, 4, 8), so
+    every sharded weight needs padding: embedding (37, 50), Linear (50, 29), Einsum kernel
+    (29, 3, 13) and bias (3, 13), LinearGeneral kernel (3, 13, 7); the rank-1 biases stay
+    replicated. Input: int tokens ``[batch, seq]`` < 37; output ``[batch, seq, 7]``.
+    """
+
+    VOCAB = 37
+
+    def __init__(self, rngs: nnx.Rngs, dtype: Any = None, param_dtype: Any = jnp.float32):
+        common = {"dtype": dtype, "param_dtype": param_dtype, "rngs": rngs}
+        self.embed = nnx.Embed(self.VOCAB, 50, **common)
+        self.lin = nnx.Linear(50, 29, **common)
+        self.ein = nnx.Einsum("bsd,dhk->bshk", (29, 3, 13), (3, 13), **common)
+        self.gen = nnx.LinearGeneral((3, 13), 7, axis=(-2, -1), **common)
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        h = self.embed(tokens)
+        h = jnp.tanh(self.lin(h))
+        h = jax.nn.gelu(self.ein(h))
+        return self.gen(h)
+
+
+def mixed_tokens(key: jax.Array, batch: int = 16, seq: int = 5) -> jax.Array:
+    return jax.random.randint(key, (batch, seq), 0, Mixed.VOCAB)
+
+
+def mse_loss(model: nnx.Module, tokens: jax.Array) -> jax.Array:
+    return jnp.mean(model(tokens).astype(jnp.float32) ** 2)
+
+
+# --------------------------------------------------------------------------- state helpers
+
+
+def flat_state(tree: Any, filt: Any = nnx.Param) -> dict[tuple, nnx.Variable]:
+    """``{path: Variable}`` of a graph node such as a module or optimizer (filtered by `filt`)
+    or of a `nnx.State` (unfiltered)."""
+    state = tree if isinstance(tree, nnx.State) else nnx.state(tree, filt)
+    return {tuple(k): v for k, v in nnx.to_flat_state(state)}
+
+
+def flat_values(tree: Any, filt: Any = nnx.Param) -> dict[tuple, jax.Array]:
+    """``{path: array}``; `tree` is a module, a `nnx.State`, or already such a dict."""
+    if isinstance(tree, dict) and not isinstance(tree, nnx.State):
+        return dict(tree)
+    return {k: v.get_value() for k, v in flat_state(tree, filt).items()}
+
+
+def path_str(path: tuple) -> str:
+    return "/".join(str(p) for p in path)
+
+
+def plan_by_path(sharded: gtp_jax.ShardedModule) -> dict[str, Any]:
+    return {p.path: p for p in sharded.plan}
+
+
+def unpad(value: Any, plan: Any, logical_shape: tuple[int, ...]) -> np.ndarray:
+    """Slices a padded global array of `plan` back to `logical_shape`, asserting that the
+    padding region exists with the planned size and holds exactly zero."""
+    arr = np.asarray(value)
+    dim = plan.stored_dim
+    expected = list(logical_shape)
+    expected[dim] = plan.spec.padded_size
+    assert arr.shape == tuple(expected), (
+        f"{plan.path}: stored shape {arr.shape}, expected padded shape {tuple(expected)}")
+    logical = logical_shape[dim]
+    padding = np.take(arr, np.arange(logical, arr.shape[dim]), axis=dim)
+    assert not np.any(padding), (
+        f"{plan.path}: padding rows {logical}..{arr.shape[dim]} on dim {dim} are not zero "
+        f"(max |pad| = {np.max(np.abs(padding.astype(np.float32)))})")
+    return np.take(arr, np.arange(logical), axis=dim)
+
+
+def max_rel_err(actual: Any, expected: Any) -> float:
+    """max|actual - expected| / max|expected| (in float64; scale 1 when expected is all 0)."""
+    a = np.asarray(actual, dtype=np.float64)
+    e = np.asarray(expected, dtype=np.float64)
+    assert a.shape == e.shape, f"shape {a.shape} != {e.shape}"
+    scale = float(np.max(np.abs(e))) if e.size else 0.0
+    return float(np.max(np.abs(a - e))) / (scale or 1.0) if e.size else 0.0
+
+
+def assert_close(actual: Any, expected: Any, rtol: float, what: str = "") -> None:
+    err = max_rel_err(actual, expected)
+    assert err <= rtol, f"{what}: max rel error {err:.3e} > {rtol:.1e}"
+
+
+def assert_state_matches(
+    sharded: Any,
+    reference: Any,
+    plan: tuple[Any, ...],
+    *,
+    rtol: float,
+    what: str = "state",
+    prefix: tuple = ("module",),
+    check_dtype: bool = True,
+    rtol_for: Mapping[str, float] | None = None,
+) -> None:
+    """Compares a sharded module's Param state (or grad `nnx.State`) with the reference.
+
+    `sharded` / `reference` are modules or `nnx.State`s. Paths of the sharded state are
+    the reference paths prefixed by `prefix`. Sharded (planned) entries are checked to have
+    the padded shape, a padding region of exactly zero, and the reference values in the
+    logical region; every other entry must have the reference's shape. Errors are measured
+    relative to max|reference| of each entry; `rtol_for` overrides `rtol` per ``/``-path.
+    """
+    ref = flat_values(reference)
+    got = flat_values(sharded)
+    plans = {p.path: p for p in plan}
+    assert set(got) == {prefix + k for k in ref}, (
+        f"{what}: sharded paths {sorted(got)} do not match reference paths {sorted(ref)}")
+    for key, ref_value in ref.items():
+        name = path_str(key)
+        value = got[prefix + key]
+        if check_dtype:
+            assert value.dtype == ref_value.dtype, (
+                f"{what} {name}: dtype {value.dtype} != reference {ref_value.dtype}")
+        ref_arr = np.asarray(ref_value)
+        if name in plans:
+            arr = unpad(value, plans[name], ref_arr.shape)
+        else:
+            arr = np.asarray(value)
+            assert arr.shape == ref_arr.shape, f"{what} {name}: shape {arr.shape}"
+        tol = rtol if rtol_for is None else rtol_for.get(name, rtol)
+        assert_close(arr, ref_arr, tol, f"{what} {name}")
+
+
+def snapshot(module: nnx.Module) -> dict[tuple, tuple[np.ndarray, Any, tuple]]:
+    """Copies of every variable of `module`: (value, sharding, metadata keys)."""
+    out = {}
+    for key, var in flat_state(module, ...).items():
+        value = var.get_value()
+        out[key] = (np.array(value), getattr(value, "sharding", None),
+                    tuple(sorted(var.get_metadata())))
+    return out
+
+
+def assert_unchanged(module: nnx.Module, before: Mapping[tuple, tuple]) -> None:
+    after = snapshot(module)
+    assert set(after) == set(before)
+    for key, (value, sharding, meta) in before.items():
+        new_value, new_sharding, new_meta = after[key]
+        assert new_value.dtype == value.dtype and new_value.shape == value.shape, key
+        assert np.array_equal(new_value, value), f"{key} was modified"
+        assert new_sharding == sharding, f"{key}: sharding changed to {new_sharding}"
+        assert new_meta == meta, f"{key}: metadata changed {meta} -> {new_meta}"
