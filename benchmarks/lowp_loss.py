@@ -21,14 +21,16 @@ import time
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--preset", default="tiny")
-    parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--formats", default="none,fp8,mxfp8,nvfp4")
-    parser.add_argument("--backend", default="pallas", choices=("pallas", "reference"))
-    parser.add_argument("--json", default=None)
+    parser.add_argument("--preset", default="tiny", help="model preset")
+    parser.add_argument("--steps", type=int, default=300, help="training steps per format")
+    parser.add_argument("--batch", type=int, default=16, help="global batch (sequences)")
+    parser.add_argument("--seq", type=int, default=128, help="tokens per sequence")
+    parser.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
+    parser.add_argument("--formats", default="none,fp8,mxfp8,nvfp4",
+                        help="comma-separated gather formats (none: full precision)")
+    parser.add_argument("--backend", default="pallas", choices=("pallas", "reference"),
+                        help="quantize kernels: Pallas or the pure-JAX reference")
+    parser.add_argument("--json", default=None, help="write the losses here")
     args = parser.parse_args(argv)
     if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "") and \
             os.environ.get("JAX_PLATFORMS", "") in ("", "cpu"):

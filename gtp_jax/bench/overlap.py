@@ -250,16 +250,18 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m gtp_jax.bench overlap",
                                      description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--preset", default="1b")
+    parser.add_argument("--preset", default="1b", help="model preset (tiny, small, 100m, 1b)")
     parser.add_argument("--layers", type=int, default=0, help="override the layer count")
-    parser.add_argument("--seq", type=int, default=2048)
-    parser.add_argument("--per-device-batch", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--remat", default="none", choices=("none", "dots", "full"))
+    parser.add_argument("--seq", type=int, default=2048, help="sequence length")
+    parser.add_argument("--per-device-batch", type=int, default=4, help="sequences per device")
+    parser.add_argument("--steps", type=int, default=20, help="timed steps")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed warm-up steps")
+    parser.add_argument("--remat", default="none", choices=("none", "dots", "full"),
+                        help="activation recompute in the layer loop (*_dots variants: dots)")
     parser.add_argument("--attention", default="cudnn", choices=("cudnn", "xla"),
                         help="attention implementation on GPU")
-    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--variants", default=",".join(VARIANTS),
+                        help="comma-separated variants (see the module docstring)")
     parser.add_argument("--reduce-dtype", default="float32", choices=("float32", "bfloat16"),
                         help="GTPConfig.reduce_dtype of the gtp variants")
     parser.add_argument("--gather-format", default="none",
@@ -276,7 +278,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--torch", action="store_true", help="also run the PyTorch FSDP2 peer")
     parser.add_argument("--timeout", type=float, default=240.0, help="seconds per variant")
     parser.add_argument("--json", default=None, help="write all results to this file")
-    parser.add_argument("--profile-dir", default=None)
+    parser.add_argument("--profile-dir", default=None,
+                        help="write a jax.profiler trace per traced variant here")
     parser.add_argument("--profile-variants",
                         default="gtp,gtp_prefetch,gtp_dots,gtp_prefetch_dots",
                         help="variants to trace (3 steps after timing, so timing is unaffected)")

@@ -312,16 +312,19 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--gtp", type=int, default=0, help="GTP size of tp_gtp* (0: auto)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
                         help="compute dtype (GPU: bfloat16, CPU: float32)")
-    parser.add_argument("--remat", default="none", choices=("none", "dots", "full"))
-    parser.add_argument("--attention", default="cudnn", choices=("cudnn", "xla"))
+    parser.add_argument("--remat", default="none", choices=("none", "dots", "full"),
+                        help="activation recompute in the layer loop")
+    parser.add_argument("--attention", default="cudnn", choices=("cudnn", "xla"),
+                        help="attention implementation on GPU")
     parser.add_argument("--prefetch", action="store_true", help="GTPConfig(prefetch=True)")
-    parser.add_argument("--moe-experts", type=int, default=8)
-    parser.add_argument("--moe-top-k", type=int, default=2)
+    parser.add_argument("--moe-experts", type=int, default=8,
+                        help="experts of the *_moe variants")
+    parser.add_argument("--moe-top-k", type=int, default=2, help="experts per token")
     parser.add_argument("--moe-capacity", type=float, default=1.25,
                         help="capacity factor (0: dropless)")
-    parser.add_argument("--lr", type=float, default=1e-4)
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--lr", type=float, default=1e-4, help="AdamW learning rate")
+    parser.add_argument("--steps", type=int, default=10, help="timed steps")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed warm-up steps")
     parser.add_argument("--variants", default=None,
                         help=f"comma list (default: {','.join(MODEL_VARIANTS)}; with --micro: "
                         f"{','.join(MICRO_VARIANTS)})")

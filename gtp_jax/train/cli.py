@@ -74,7 +74,8 @@ def _parser() -> argparse.ArgumentParser:
             "and with only --dp given, gtp takes the remaining GPUs."),
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     train.add_argument("--preset", default="tiny",
-                       help="model size: tiny (0.8M), small (23M), 100m, 1b")
+                       help="model size: tiny (0.87M parameters), small (19.4M), 100m (85M), "
+                            "1b (0.95B; vocabulary 32000 instead of 256 bytes)")
     train.add_argument("--steps", type=int, default=100, help="optimizer steps")
     train.add_argument("--batch", type=int, default=16,
                        help="global batch size in sequences (divisible by dp*ep*gtp)")
