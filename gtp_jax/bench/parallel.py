@@ -334,7 +334,7 @@ def _parser() -> argparse.ArgumentParser:
                         help="trace the --profile-variants after timing (jax.profiler) and "
                         "report their hidden / exposed communication")
     parser.add_argument("--profile-variants", default="tp,tp_overlap,ag_gemm,ag_gemm_ring,"
-                        "gemm_rs,gemm_rs_ring")
+                        "gemm_rs,gemm_rs_ring", help="variants to trace, comma-separated")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per variant")
     parser.add_argument("--json", default=None, help="also write all results to this file")
     parser.add_argument("--cpu-devices", type=int, default=8,
