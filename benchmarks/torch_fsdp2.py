@@ -4,7 +4,8 @@ Launched by ``python -m gtp_jax.bench overlap --torch`` as
 ``torchrun --nproc_per_node=N benchmarks/torch_fsdp2.py``; env: PRESET, SEQ, MB (sequences
 per GPU), STEPS, LAYERS (0: the preset's), COMPILE (1, the default: each block
 ``torch.compile``d, then ``fully_shard``, torchtitan's recipe; 0: eager), PROFILE (a path:
-write a chrome trace of 3 steps there, for ``python -m gtp_jax.bench.kernels``). Same
+write a chrome trace of 3 steps there, for ``python -m gtp_jax.bench.kernels``), REPLICATE
+(R > 1: HSDP, R replicas of world / R shards). Same
 architecture (RMSNorm, SwiGLU, untied head; rotary-free attention has the same cost), bf16
 compute with fp32 master weights, fused AdamW, ``fully_shard`` per block. Prints
 ``RESULT {json}`` on rank 0.
@@ -76,11 +77,18 @@ def main():
     model = Decoder(vocab, d, heads, layers, ff).cuda()
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     compiled = os.environ.get("COMPILE", "1") != "0"
+    replicate = int(os.environ.get("REPLICATE", "1"))
+    mesh = None
+    if replicate > 1:  # HSDP: shard within groups of world / replicate, replicate across them
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cuda", (replicate, world // replicate),
+                                mesh_dim_names=("replicate", "shard"))
     for block in model.blocks:
         if compiled:
             block.compile()
-        fully_shard(block, mp_policy=policy)
-    fully_shard(model, mp_policy=policy)
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     gen = torch.Generator(device="cuda")
     gen.manual_seed(rank)
@@ -118,7 +126,8 @@ def main():
     flops = flops_per_token * mb * seq
     if rank == 0:
         print("RESULT " + json.dumps({
-            "variant": "torch_fsdp2_compiled" if compiled else "torch_fsdp2_eager",
+            "variant": ("torch_hsdp" if replicate > 1 else "torch_fsdp2")
+                       + ("_compiled" if compiled else "_eager"),
             "devices": world,
             "device_kind": torch.cuda.get_device_name(), "preset": os.environ.get("PRESET", "1b"),
             "layers": layers, "seq": seq, "per_device_batch": mb, "step_ms": med * 1e3,

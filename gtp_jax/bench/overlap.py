@@ -7,7 +7,8 @@ Variants (each in its own subprocess, so peak memory is per variant):
   gtp            gtp_jax.shard, no prefetch
   gtp_prefetch   gtp_jax.shard with GTPConfig(prefetch=True)
   *_dots         the same variant with remat="dots" (save matmul outputs only)
-  torch_fsdp2    PyTorch FSDP2 peer (benchmarks/torch_fsdp2.py via torchrun), if importable
+  torch_fsdp2_*  PyTorch FSDP2 peer (benchmarks/torch_fsdp2.py via torchrun, --torch), blocks
+                 torch.compile'd and eager; HSDP (replicas x shards) with --gtp
   user_*         a user's own decoder (gtp_jax.bench.user_model: Python loop of blocks, each
                  under nnx.remat; --user-d, --user-blocks): user_unwrapped (data parallel,
                  weights replicated), user_gtp (gtp_jax.shard, gtp = all devices),
@@ -79,7 +80,11 @@ def run_variant(args: argparse.Namespace) -> dict:
         loss_fn = functools.partial(lm_loss, aux_weight=cfg.moe_aux_weight)
         vocab = cfg.vocab_size
     if variant_kind in ("gtp", "gtp_prefetch", "xla_fsdp"):
-        mesh = gtp_jax.make_mesh(gtp=n, devices=devices)
+        # --gtp G < n: the remaining devices are data parallel (dp = n / G), batch over both.
+        gtp = args.gtp or n
+        if n % gtp:
+            raise SystemExit(f"--gtp {gtp} does not divide the {n} devices")
+        mesh = gtp_jax.make_mesh(dp=n // gtp, gtp=gtp, devices=devices)
     else:
         mesh = gtp_jax.make_mesh(dp=n, devices=devices)
     model = UserDecoder(cfg, rngs=nnx.Rngs(0)) if user else Transformer(cfg, rngs=nnx.Rngs(0))
@@ -183,7 +188,8 @@ def _spawn(variant: str, args: argparse.Namespace, timeout: float) -> dict | Non
            "--attention", args.attention, "--reduce-dtype", args.reduce_dtype,
            "--gather-format", args.gather_format,
            "--user-d", str(args.user_d), "--user-blocks", str(args.user_blocks),
-           "--user-heads", str(args.user_heads), "--user-vocab", str(args.user_vocab)]
+           "--user-heads", str(args.user_heads), "--user-vocab", str(args.user_vocab),
+           "--gtp", str(args.gtp)]
     if not args.user_remat:
         cmd.append("--no-user-remat")
     if args.no_remat_gathered:
@@ -208,16 +214,26 @@ def run_for_result(label: str, cmd: list[str], timeout: float,
     return None
 
 
-def _torch_peer(args: argparse.Namespace, ndev: int, timeout: float) -> dict | None:
+def _torch_peers(args: argparse.Namespace, ndev: int, timeout: float) -> list[dict]:
+    """The PyTorch FSDP2 peer, blocks compiled and eager (and HSDP with ``--gtp`` < ndev)."""
     script = Path(__file__).resolve().parents[2] / "benchmarks" / "torch_fsdp2.py"
     torchrun = shutil.which("torchrun")
     if not script.exists() or torchrun is None:
-        return None
-    env = dict(os.environ, PRESET=args.preset, SEQ=str(args.seq),
-               MB=str(args.per_device_batch), STEPS=str(args.steps),
-               LAYERS=str(args.layers or 0))
-    return run_for_result("torch_fsdp2", [torchrun, f"--nproc_per_node={ndev}", str(script)],
-                          timeout, env)
+        print("[torch] skipped: benchmarks/torch_fsdp2.py or torchrun not found", flush=True)
+        return []
+    replicate = ndev // args.gtp if args.gtp and ndev % args.gtp == 0 else 1
+    rows = []
+    for compiled in ("1", "0"):
+        env = dict(os.environ, PRESET=args.preset, SEQ=str(args.seq),
+                   MB=str(args.per_device_batch), STEPS=str(args.steps),
+                   LAYERS=str(args.layers or 0), COMPILE=compiled, REPLICATE=str(replicate))
+        row = run_for_result(f"torch compile={compiled}",
+                             [torchrun, f"--nproc_per_node={ndev}", str(script)], timeout, env)
+        if row:
+            print(f"[{row['variant']}] {row['step_ms']:.1f} ms, "
+                  f"peak {row['peak_mem_gib']:.1f} GiB", flush=True)
+            rows.append(row)
+    return rows
 
 
 def format_table(rows: list[dict]) -> str:
@@ -275,7 +291,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--user-vocab", type=int, default=32000, help="user_* vocabulary")
     parser.add_argument("--no-user-remat", dest="user_remat", action="store_false",
                         help="user_* model without its per-block nnx.remat")
-    parser.add_argument("--torch", action="store_true", help="also run the PyTorch FSDP2 peer")
+    parser.add_argument("--gtp", type=int, default=0,
+                        help="GTP size of the gtp/xla_fsdp variants (0: all devices); the "
+                        "other devices are data parallel, e.g. 8 GPUs with --gtp 4: dp2 x gtp4")
+    parser.add_argument("--torch", action="store_true",
+                        help="also run the PyTorch FSDP2 peer, blocks compiled and eager "
+                        "(HSDP replicas x shards when --gtp is below the device count)")
     parser.add_argument("--timeout", type=float, default=240.0, help="seconds per variant")
     parser.add_argument("--json", default=None, help="write all results to this file")
     parser.add_argument("--profile-dir", default=None,
@@ -300,9 +321,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"peak {result['peak_mem_gib']:.1f} GiB", flush=True)
             rows.append(result)
     if args.torch and rows:
-        peer = _torch_peer(args, rows[-1]["devices"], args.timeout)
-        if peer:
-            rows.append(peer)
+        rows += _torch_peers(args, max(r["devices"] for r in rows), args.timeout)
     if rows:
         print(f"device: {rows[-1]['device_kind']} x{rows[-1]['devices']}, preset {args.preset}, "
               f"seq {args.seq}, {args.per_device_batch} sequences per device")
