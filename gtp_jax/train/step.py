@@ -25,7 +25,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import optax
 from flax import nnx
 
 from gtp_jax.base.errors import UsageTypeError
@@ -123,7 +122,7 @@ def _program(graphdef: Any, loss_fn: Callable[..., jax.Array], grad_norm: bool) 
         optimizer.update(model, grads)
         metrics = {"loss": loss.astype(jnp.float32)}
         if grad_norm:
-            metrics["grad_norm"] = optax.global_norm(grads).astype(jnp.float32)
+            metrics["grad_norm"] = _global_norm(grads)
         return nnx.state((model, optimizer)), metrics
 
     program.fn = jax.jit(step, donate_argnums=0)
@@ -131,6 +130,12 @@ def _program(graphdef: Any, loss_fn: Callable[..., jax.Array], grad_norm: bool) 
     while len(_programs) > CACHE_SIZE:
         _programs.popitem(last=False)
     return program
+
+
+def _global_norm(tree: Any) -> jax.Array:
+    """float32 L2 norm over every leaf (what ``optax.clip_by_global_norm`` computes)."""
+    squares = [jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(tree)]
+    return jnp.sqrt(sum(squares, jnp.zeros((), jnp.float32)))
 
 
 def _loss_key(loss_fn: Callable[..., Any]) -> Hashable:
