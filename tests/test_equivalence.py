@@ -510,12 +510,12 @@ def test_no_remat_does_not_regather(key, seed) -> None:
     assert bwd.count('"stablehlo.all_gather"') == len(sm.plan)
 
 
-def _full_weight_residuals(fn, args, mesh, plans, num_layers: int | None) -> list[str]:
+def _full_weight_residuals(fn, args, mesh, plans, n_layers: int | None) -> list[str]:
     """Residuals saved for the backward pass that hold a whole (gathered) weight per device."""
     full = set()
     for plan in plans:
         for shape in (plan.spec.logical_shape, plan.spec.padded_shape):
-            full.add((num_layers,) + shape if plan.stacked else shape)
+            full.add((n_layers,) + shape if plan.stacked else shape)
     # print_saved_residuals is the public API: one "f32[400,29] <origin>" line per residual.
     buffer = io.StringIO()
     with contextlib.redirect_stdout(buffer):

@@ -103,7 +103,7 @@ def test_prefetch_gathers_next_layer_before_current_dot():
     assert body.index("all-gather") < body.index("dot")
 
 
-def _odd_layer_program(prefetch: bool, num_layers: int = 4):
+def _odd_layer_program(prefetch: bool, n_layers: int = 4):
     """Loss and grads of a loop whose layer transposes, rescales and casts its gathered
     weights before use (what an arbitrary user layer may do)."""
     mesh = get_mesh("gtp8")
@@ -132,8 +132,8 @@ def _odd_layer_program(prefetch: bool, num_layers: int = 4):
 
     keys = jax.random.split(jax.random.key(3), 3)
     h = jax.random.normal(keys[0], (16, 16))
-    a = 0.2 * jax.random.normal(keys[1], (num_layers, 24, 16))
-    b = 0.2 * jax.random.normal(keys[2], (num_layers, 24, 16))
+    a = 0.2 * jax.random.normal(keys[1], (n_layers, 24, 16))
+    b = 0.2 * jax.random.normal(keys[2], (n_layers, 24, 16))
     return loss, reference, (h, a, b)
 
 

@@ -87,7 +87,7 @@ def make_mesh(
 def axis_groups(mesh: Mesh, axis: str) -> list[list[int]]:
     """The device-id groups that communicate over `axis` (one list per group, sorted)."""
     _check_mesh(mesh, "axis_groups")
-    _check_axis(mesh, axis, "axis")
+    check_axis(mesh, axis, "axis")
     ids = np.vectorize(lambda d: d.id)(mesh.devices)
     moved = np.moveaxis(ids, mesh.axis_names.index(axis), -1)
     groups = moved.reshape(-1, mesh.shape[axis]).tolist()
@@ -150,7 +150,8 @@ def _check_mesh(mesh: object, where: str) -> None:
                              f"gtp_jax.make_mesh), got {type(mesh).__name__}.")
 
 
-def _check_axis(mesh: Mesh, axis: str, what: str) -> None:
+def check_axis(mesh: Mesh, axis: str, what: str) -> None:
+    """Raises `UsageError` naming `what` unless `axis` is an axis of `mesh`."""
     if axis not in mesh.axis_names:
         raise UsageError(
             f"{what}={axis!r} is not an axis of the mesh (axes: {mesh.axis_names}); "

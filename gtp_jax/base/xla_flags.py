@@ -39,6 +39,16 @@ def apply_default_xla_flags(environ: dict[str, str] | None = None) -> list[str]:
     return added
 
 
+def simulate_cpu_devices(count: int, environ: dict[str, str] | None = None) -> None:
+    """Asks XLA for `count` CPU devices (``--xla_force_host_platform_device_count``) unless
+    ``XLA_FLAGS`` already sets a count. Effective only before JAX starts its CPU backend;
+    harmless on GPUs."""
+    env = os.environ if environ is None else environ
+    flags = env.get("XLA_FLAGS", "")
+    if "xla_force_host_platform_device_count" not in flags:
+        env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={count}".strip()
+
+
 def added_xla_flags() -> list[str]:
     """The flags ``import gtp_jax`` added to this process's ``XLA_FLAGS``."""
     return list(_ADDED)

@@ -36,11 +36,6 @@ from pathlib import Path
 VARIANTS = ("compute_only", "replicated", "xla_fsdp", "gtp", "gtp_prefetch")
 USER_VARIANTS = ("user_unwrapped", "user_gtp", "user_xla_fsdp")
 PROFILE_STEPS = 3
-PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12}  # dense bf16, SXM datasheet
-
-
-def _peak_flops(kind: str) -> float | None:
-    return next((v for k, v in PEAK_BF16_FLOPS.items() if k in kind), None)
 
 
 def run_variant(args: argparse.Namespace) -> dict:
@@ -55,6 +50,7 @@ def run_variant(args: argparse.Namespace) -> dict:
     import gtp_jax
     from gtp_jax.models import Transformer, lm_loss, preset
     from gtp_jax.train import TrainStep
+    from gtp_jax.train.observe import memory_per_device, peak_flops
 
     variant = args.worker
     remat = "dots" if variant.endswith("_dots") else args.remat
@@ -132,14 +128,14 @@ def run_variant(args: argparse.Namespace) -> dict:
         trace = profile_steps(run_step, Path(args.profile_dir) / variant, PROFILE_STEPS)
     step.sync()
     med = statistics.median(times)
-    stats = [d.memory_stats() or {} for d in devices]
-    peak = max(s.get("peak_bytes_in_use", 0) for s in stats)
+    memory = memory_per_device(devices)
+    peak = memory["peak_bytes_in_use"] if memory else 0
     param_bytes = gtp_jax.bytes_per_device(nnx.state(model, nnx.Param))
     opt_bytes = gtp_jax.bytes_per_device(nnx.state(optimizer, nnx.OptState))
     tokens_per_device = args.per_device_batch * args.seq
     flops = cfg.train_flops_per_token(args.seq) * tokens_per_device
     kind = devices[0].device_kind
-    peak_flops = _peak_flops(kind)
+    peak_rate = peak_flops(kind, "bfloat16")
     return {
         "variant": variant, "gather_format": args.gather_format, "devices": n,
         "device_kind": kind, "preset": args.preset,
@@ -149,7 +145,7 @@ def run_variant(args: argparse.Namespace) -> dict:
         "peak_mem_gib": peak / 2**30,
         "state_gib": (2 * param_bytes + opt_bytes) / 2**30,
         "tflops_per_device": flops / med / 1e12,
-        "mfu": flops / med / peak_flops if peak_flops else None,
+        "mfu": flops / med / peak_rate if peak_rate else None,
         "jax": jax.__version__, "xla_flags": os.environ.get("XLA_FLAGS", ""),
         "trace": trace,
     }

@@ -41,6 +41,7 @@ import sys
 import time
 from pathlib import Path
 
+from gtp_jax.base.xla_flags import simulate_cpu_devices
 from gtp_jax.bench.overlap import profile_steps, run_for_result
 
 MODEL_VARIANTS = ("no_tp", "tp", "tp_overlap", "tp_gtp", "tp_gtp_overlap",
@@ -102,6 +103,7 @@ def run_model_variant(args: argparse.Namespace) -> dict:
     import gtp_jax
     from gtp_jax.models import Transformer, lm_loss
     from gtp_jax.train import TrainStep
+    from gtp_jax.train.observe import memory_per_device
 
     variant = args.worker
     devices = jax.devices()
@@ -133,8 +135,8 @@ def run_model_variant(args: argparse.Namespace) -> dict:
         trace = profile_steps(lambda i: step(batches[i % 4])["loss"],
                               Path(args.profile_dir) / variant, 3)
     step.sync()
-    stats = [d.memory_stats() or {} for d in devices]
-    peak = max((s.get("peak_bytes_in_use", 0) for s in stats), default=0)
+    memory = memory_per_device(devices)
+    peak = memory["peak_bytes_in_use"] if memory else 0
     state = (gtp_jax.bytes_per_device(nnx.state(model, nnx.Param))
              + gtp_jax.bytes_per_device(nnx.state(optimizer, nnx.OptState)))
     return {
@@ -347,10 +349,7 @@ def _worker(args: argparse.Namespace) -> int:
     # Without accelerators the devices are simulated; the flag must precede JAX's start and
     # does nothing on GPUs. Only workers start JAX: a parent holding the GPUs would starve
     # the variants of memory.
-    flags = os.environ.get("XLA_FLAGS", "")
-    if "xla_force_host_platform_device_count" not in flags:
-        os.environ["XLA_FLAGS"] = (
-            f"{flags} --xla_force_host_platform_device_count={args.cpu_devices}".strip())
+    simulate_cpu_devices(args.cpu_devices)
     on_gpu = _on_gpu()
     if args.preset is None:
         args.preset = "100m" if on_gpu else "tiny"

@@ -120,14 +120,14 @@ class LoopSpec:
         layer (list, in `gather_specs` order), `plain` that layer's slices of the
         replicated stacked parameters and `consts` the closure-converted constants.
       gather_specs: one `GatherSpec` per GTP-sharded stacked weight.
-      num_layers: length of the stack.
+      n_layers: length of the stack.
       schedule: one of `SCHEDULES`.
       mid, last: residual splits of the scanned layers and of the peeled last layer.
     """
 
     layer: Callable
     gather_specs: tuple[GatherSpec, ...]
-    num_layers: int
+    n_layers: int
     schedule: str
     mid: _ResidualSplit = dataclasses.field(default_factory=_ResidualSplit)
     last: _ResidualSplit = dataclasses.field(default_factory=_ResidualSplit)
@@ -183,7 +183,7 @@ def layer_loop(layer_fn: Callable[[Any, Any], Any], carry: Any, stacked_params: 
     example_p = [jax.ShapeDtypeStruct(p.shape[1:], p.dtype) for p in plain]
     converted, consts = jax.closure_convert(apply, carry, example_w, example_p)
     spec = LoopSpec(layer=lambda h, w, p, c: converted(h, w, p, *c), gather_specs=specs,
-                    num_layers=(shards or plain)[0].shape[0], schedule=schedule)
+                    n_layers=(shards or plain)[0].shape[0], schedule=schedule)
     return _loop(spec, carry, shards, plain, list(consts))
 
 
@@ -282,7 +282,7 @@ def _plain_backward(spec, saved, ct):
 
 
 def _prefetch_forward(spec, h, shards, plain, consts, keep):
-    last = spec.num_layers - 1
+    last = spec.n_layers - 1
     w = spec.gather(_at(shards, 0))
     stacked_res = None
     if last > 0:
@@ -302,7 +302,7 @@ def _prefetch_forward(spec, h, shards, plain, consts, keep):
 def _prefetch_backward(spec, saved, ct):
     (stacked_res, last_res), shards, plain, consts = saved
     float_consts = _is_float(consts)
-    last = spec.num_layers - 1
+    last = spec.n_layers - 1
     # Gradients are written into full-size stacked buffers as they arrive (in place in the
     # loop carry) instead of being concatenated at the end.
     shard_buf = [jnp.zeros(s.shape, s.dtype) for s in shards]

@@ -18,7 +18,7 @@ from jax.sharding import PartitionSpec as P
 from gtp_jax.base.axes import ParallelAxes, use_axes
 from gtp_jax.base.config import GTPConfig
 from gtp_jax.base.errors import UsageError, UsageTypeError
-from gtp_jax.base.mesh import _check_axis, data_axes, data_size, shard_key
+from gtp_jax.base.mesh import check_axis, data_axes, data_size, shard_key
 from gtp_jax.base.metadata import LOGICAL_SHAPE, REDUCE, SPLIT_AXES, SPLIT_LAYOUT, STACKED
 from gtp_jax.sharding.collectives import gather_weight, regather_policy
 from gtp_jax.sharding.lazy import GTPShard, LazyWeight, whole_weight
@@ -683,7 +683,7 @@ def _validate_shard_args(module: Any, mesh: Any, config: Any) -> None:
         raise TypeError(
             f"gtp_jax.shard: config must be a gtp_jax.GTPConfig, got {type(config).__name__}."
         )
-    _check_axis(mesh, config.axis, "GTPConfig.axis")
+    check_axis(mesh, config.axis, "GTPConfig.axis")
 
 
 def bytes_per_device(tree: Any, device: jax.Device | None = None) -> int:

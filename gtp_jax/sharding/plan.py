@@ -162,9 +162,9 @@ class ParamPlan:
         """Dimension of the stored (global) array that is split over the GTP axis."""
         return self.spec.shard_dim + int(self.stacked)
 
-    def logical_shape(self, num_layers: int | None = None) -> tuple[int, ...]:
+    def logical_shape(self, n_layers: int | None = None) -> tuple[int, ...]:
         """Shape the module's math sees on one rank (model-parallel local, unpadded)."""
-        lead = (num_layers,) if self.stacked else ()
+        lead = (n_layers,) if self.stacked else ()
         return lead + self.spec.logical_shape
 
     def partition_spec(self, ndim: int) -> P:

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import re
 import sys
 
 from gtp_jax.base.errors import UsageError
+from gtp_jax.base.xla_flags import simulate_cpu_devices
 
 DEFAULT_CPU_MESH = {"dp": 2, "gtp": 4, "tp": 1, "ep": 1}
 
@@ -149,13 +149,6 @@ def _mesh_sizes(args: argparse.Namespace) -> dict[str, int | None]:
     return {"dp": args.dp, "gtp": args.gtp, "tp": args.tp, "ep": args.ep}
 
 
-def _simulate_cpu_devices(count: int) -> None:
-    flag = f"--xla_force_host_platform_device_count={count}"
-    flags = os.environ.get("XLA_FLAGS", "")
-    if "xla_force_host_platform_device_count" not in flags:
-        os.environ["XLA_FLAGS"] = f"{flags} {flag}".strip()
-
-
 def _device_ids(text: str | None) -> tuple[int, ...] | None:
     if text is None:
         return None
@@ -227,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     processes = joined_process_count(dist)
     if total % processes:
         return _processes_error(processes, total)
-    _simulate_cpu_devices(total // processes)
+    simulate_cpu_devices(total // processes)
     # XLA_FLAGS are set: JAX may start a backend from here on.
     code = _run(args, sizes, cpu_sizes, checkpoint, observe)
     # Not in a `finally`: after an exception the shutdown barrier would wait for processes

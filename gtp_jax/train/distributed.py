@@ -256,6 +256,12 @@ def _missing_peers(detail: str) -> str:
     return f"processes {ids} did not join; " if ids else ""
 
 
+#: Environment variables that hold the process count, by launcher: JAX's own, Open MPI,
+#: MPICH / PMI, SLURM.
+_PROCESS_COUNT_VARS = ("JAX_NUM_PROCESSES", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS",
+                       "SLURM_NPROCS")
+
+
 def joined_process_count(config: DistributedConfig) -> int:
     """Number of processes in the run, readable after `initialize` and before any backend.
 
@@ -266,11 +272,13 @@ def joined_process_count(config: DistributedConfig) -> int:
         return config.num_processes
     if not config.enabled:
         return 1
-    try:
-        from jax._src import distributed as jax_distributed  # noqa: PLC0415
-        return int(jax_distributed.global_state.num_processes)
-    except (ImportError, AttributeError):  # pragma: no cover - private state moved
-        return 1
+    # The launchers JAX detects announce the process count in their environment; reading it
+    # here needs no backend (and no private JAX state).
+    for name in _PROCESS_COUNT_VARS:
+        value = os.environ.get(name, "")
+        if value.isdigit() and int(value) > 0:
+            return int(value)
+    return 1
 
 
 def shutdown() -> None:
