@@ -5,7 +5,7 @@
 #      (bench overlap; $OUT/step_1b.json);
 #   2. tensor parallelism (bench parallel, 1b with 8 layers): tp4 plain vs tp4 with ring
 #      collective matmuls ($OUT/parallel_tp4.json); tp2 x gtp2 plain and with rings
-#      ($OUT/parallel_tp2_gtp2.json); MoE (8 experts, top-2) on ep2 x gtp2
+#      ($OUT/parallel_tp2_gtp2.json); MoE (8 experts, top-2) on ep2 x gtp2 (tp = 1, so no ring)
 #      ($OUT/parallel_moe_ep2_gtp2.json).
 # SCALE=cpu runs the same steps scaled down on 4 simulated CPU devices (tiny preset, no
 # PyTorch peer), to check the script without GPUs.
@@ -38,7 +38,7 @@ log "tp2 x gtp2 plain vs rings"
 python3 -m gtp_jax.bench parallel $PAR --tp 2 --gtp 2 --variants tp_gtp,tp_gtp_overlap \
   --json "$OUT/parallel_tp2_gtp2.json" 2>&1 | show
 log "MoE ep2 x gtp2"
-python3 -m gtp_jax.bench parallel $PAR --tp 1 --gtp 2 --variants tp_gtp_moe \
+python3 -m gtp_jax.bench parallel $PAR --tp 1 --gtp 2 --variants tp_gtp_overlap_moe \
   --json "$OUT/parallel_moe_ep2_gtp2.json" 2>&1 | show
 log done
 ls "$OUT"
