@@ -40,10 +40,7 @@ max drops NaNs (amax is an integer max over bit patterns), f32 division is appro
 fp32->e2m1 instruction on Hopper (integer rounding on float bits). Kernel bodies are the
 same code in interpret and compiled mode, so the CPU tests cover what runs on the GPU.
 
-Measured 2026-11-22 on 1x H200 (``python -m gtp_jax.bench quant``,
-docs/results/2026-11-22_1xH200/quant_kernels.log): casts at 57% (nvfp4) to 86% (fp8) of
-the device copy bandwidth, 1.8-2.6x XLA's fusion of the reference; the 64-expert amax in
-one launch at 76%, 2.4x the XLA loop of 129 launches.
+Kernel speeds against the device's copy bandwidth and XLA: README, "Low-precision gathers".
 """
 
 from gtp_jax.pallas.api import (

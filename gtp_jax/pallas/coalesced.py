@@ -102,9 +102,9 @@ def gather_quantized(q: QuantizedTensor, axis_name: AxisName, *, dim: int = 0,
     Payload and block scales are gathered; the global scale is not (it must already be
     identical on all devices, as `quantize_coalesced` guarantees). By default each leaf
     is its own all-gather (two collectives for mxfp8 / nvfp4). ``fused=True`` (``dim == 0``
-    only) sends payload and scale bytes in ONE all-gather of a uint8 buffer instead; on
-    2x H200 that was slower (the local concatenation and the slicing of the gathered
-    buffer cost more than the saved collective latency), hence not the default.
+    only) sends payload and scale bytes in ONE all-gather of a uint8 buffer instead (not
+    the default: the local concatenation and the slicing of the gathered buffer can cost
+    more than the saved collective latency).
     Gathering along the block dim (``dim == q.dim``, e.g. a rank-1 weight) needs shards
     whose length along it is a multiple of the block size (16 / 32), so that no block
     straddles two shards.

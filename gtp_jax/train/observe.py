@@ -207,11 +207,9 @@ def estimate_train_memory(model_cfg: Any, *, batch_size: int, seq_len: int, dp: 
     outputs, "full" only each layer's input; attention scores count for "none" only) and
     ``logits`` (float32 logits, their softmax and gradient for this device's tokens).
     The constants are simple per-token counts, not XLA's buffer assignment: use the estimate
-    to refuse runs that cannot fit, not to predict peak memory. Measured against XLA's
-    compiled memory (``memory_analysis()``, CPU float32, dp=2 x gtp=4; tiny and small
-    presets, remat none/dots/full) XLA needed 1.5x to 3.6x this estimate, so a run refused by
-    it would not have fit.
-    """
+    to refuse runs that cannot fit, not to predict peak memory (XLA's compiled buffers
+    were larger than this estimate in every configuration checked: `docs/reliability.md`).
+"""
     p_item = np.dtype(model_cfg.param_dtype).itemsize
     a_item = np.dtype(model_cfg.dtype).itemsize
     d, f, layers = model_cfg.d_model, model_cfg.d_ff, model_cfg.n_layers

@@ -2,8 +2,8 @@
 
 `TrainStep` splits ``(model, optimizer)`` once with ``nnx.split`` and runs a plain
 ``jax.jit`` function over their state, donated, so a step costs one jit dispatch: ``nnx.jit``
-instead walks the NNX object graph on every call (measured: about 8.5 ms of host time per
-step on GPUs, an idle gap between steps in the device trace).
+instead walks the NNX object graph on every call, host time that shows as an idle gap
+between steps on GPUs.
 
     step = TrainStep(model, optimizer, functools.partial(lm_loss, aux_weight=cfg.moe_aux_weight))
     for batch in batches:
