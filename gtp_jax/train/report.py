@@ -134,7 +134,9 @@ class TrainResult:
         t_after = self.step_times[at + 1:] or self.step_times[at:]
         fmt = lambda xs: ", ".join(f"{x:.4f}" for x in xs)  # noqa: E731
         return [
-            f"  simulated failure after step {f['step']}: devices {list(f['devices'])} lost",
+            f"  simulated failure after step {f['step']}: devices {list(f['devices'])} lost; "
+            "from there on the mesh and bytes above are the core mesh's (parameters and "
+            "optimizer state)",
             "  layout before:", *(f"    {line}" for line in f["layout_before"].splitlines()),
             "  layout after:", *(f"    {line}" for line in f["layout_after"].splitlines()),
             f"  re-plan {f['replan_s'] * 1e3:.1f} ms, re-layout of the training state "
