@@ -43,8 +43,8 @@ FLAGS = {
     "DistributedConfig.local_device_ids": "--local-device-ids",
     "DistributedConfig.auto": "--distributed-auto", "DistributedConfig.timeout":
     "--distributed-timeout",
-    "SimulatedFailure.step": "--simulate-failure step=",
-    "SimulatedFailure.devices": "--simulate-failure device=",
+    "SimulatedFailure.step": "--simulate-failure step",
+    "SimulatedFailure.devices": "--simulate-failure device",
     "SimulatedFailure.tp_spares": "--tp-spares", "SimulatedFailure.axis": "--ntp-axis",
 }
 _ARGUMENT = re.compile(r"\b(?:TrainConfig|CheckpointConfig|ObserveConfig|DistributedConfig"
@@ -192,7 +192,8 @@ def _failure(args: argparse.Namespace) -> object | None:
             raise UsageError("--tp-spares and --ntp-axis need --simulate-failure "
                              "step=S,device=D (the failure they configure).")
         return None
-    return parse_failure(args.simulate_failure, tp_spares=args.tp_spares, axis=args.ntp_axis)
+    return parse_failure(args.simulate_failure, tp_spares=args.tp_spares, axis=args.ntp_axis,
+                         name="--simulate-failure")
 
 
 def _configs(args: argparse.Namespace) -> tuple[object, object | None, object]:

@@ -46,6 +46,7 @@ from gtp_jax.nonuniform import (
     leaf_split,
     plan,
     relayout,
+    survivor_mesh,
     take_survivors,
 )
 from gtp_jax.nonuniform.config import AXES
@@ -99,11 +100,12 @@ class SimulatedFailure:
         object.__setattr__(self, "devices", tuple(int(d) for d in devices))
 
 
-def parse_failure(text: str, *, tp_spares: int | None = None,
-                  axis: str = "tp") -> SimulatedFailure:
-    """``"step=30,device=5"`` (``device=`` may repeat) -> `SimulatedFailure`."""
+def parse_failure(text: str, *, tp_spares: int | None = None, axis: str = "tp",
+                  name: str = "parse_failure") -> SimulatedFailure:
+    """``"step=30,device=5"`` (``device=`` may repeat) -> `SimulatedFailure` (`name`: what
+    errors call the text, e.g. the flag)."""
     step, devices = None, []
-    usage = (f"SimulatedFailure spec {text!r}: use step=S,device=D (device may repeat), "
+    usage = (f"{name} {text!r}: use step=S,device=D (device may repeat), "
              "e.g. step=30,device=5")
     for part in str(text).split(","):
         key, sep, value = part.strip().partition("=")
@@ -192,14 +194,18 @@ def check_failure(cfg: TrainConfig, failure: SimulatedFailure | None, *,
                             names.index(axis), -1).reshape(-1, base)
         spares = max(sum(int(i) in failure.devices for i in line) for line in where)
         spares = min(spares, base - 1)  # every device of a group failed: plan says so
-        # Then the fewest at least that many whose degraded degree the model dims allow
-        # (4 heads: tp 4 -> 2, not 3); if none does, the planner's error names the dim.
+        # Then the fewest at least that many whose degraded degree the model dims and the
+        # replica's batch allow (4 heads: tp 4 -> 2, not 3); if none does, the error below
+        # names the dim.
         dims = model_dims(cfg) if axis == "tp" else {}
         for more in range(spares, base):
             try:
                 for name, rule in dims.items():
                     rule.check(name, axis, base - more, "")
             except UsageError:
+                continue
+            if (cfg.batch_size // cfg.dp) % (cfg.ep * (base - more if axis == "gtp"
+                                                       else cfg.gtp)):
                 continue
             spares = more
             break
@@ -209,6 +215,10 @@ def check_failure(cfg: TrainConfig, failure: SimulatedFailure | None, *,
     dims = model_dims(cfg) if axis == "tp" else {}
     try:
         p = plan(mesh, NonuniformConfig(base, spares, axis, failure.devices), dims)
+    except UsageError as err:
+        raise _named(err, failure) from None
+    try:
+        survivor_mesh(p)  # every shard must survive on some replica
     except UsageError as err:
         raise _named(err, failure) from None
     rows = cfg.batch_size // cfg.dp
