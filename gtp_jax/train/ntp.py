@@ -171,6 +171,10 @@ def check_failure(cfg: TrainConfig, failure: SimulatedFailure | None, *,
         raise UsageError(
             f"SimulatedFailure.step={failure.step} must be {where}before the last step "
             f"(TrainConfig.steps={cfg.steps}): choose a step in {start + 1}..{cfg.steps - 1}.")
+    if jax.process_count() > 1:
+        raise UsageError("SimulatedFailure runs in one process only: its re-layout moves "
+                         "arrays between devices with jax.device_put (see "
+                         "docs/fault_tolerance.md, multi-process).")
     mesh = _mesh(cfg)
     axis = failure.axis
     base = mesh.shape[axis]
