@@ -147,6 +147,20 @@ def test_checkpoint_after_the_failure_restores_onto_uniform_meshes(runs, tmp_pat
     assert all(np.isfinite(resumed.losses)) and resumed.losses[-1] < failed.losses[0]
 
 
+def test_gtp_axis_with_alignment_padding_tracks_the_uniform_run():
+    # The reduced axis is gtp (4 -> 2 on the degraded replica), weights padded to multiples
+    # of gtp * 8 (LeafSplit.align): GTP only changes where weights are stored, so the run
+    # equals the uniform one before the failure and within the tolerance after it.
+    cfg = TrainConfig(steps=6, batch_size=8, seq_len=32, warmup=2, dp=2, gtp=4,
+                      pad_for_alignment=8)
+    uniform = train(cfg, progress=False)
+    failed = train(cfg, progress=False, failure=SimulatedFailure(step=3, devices=(5,),
+                                                                 axis="gtp"))
+    assert "replica dp=1: DEGRADED, gtp=2" in failed.failure["layout_after"]
+    assert failed.losses[:3] == uniform.losses[:3]
+    np.testing.assert_allclose(failed.losses[3:], uniform.losses[3:], rtol=LOSS_RTOL)
+
+
 def test_cli_simulated_failure_run():
     env = dict(os.environ)
     env.pop("XLA_FLAGS", None)  # the CLI sets the simulated device count itself

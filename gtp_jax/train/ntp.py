@@ -314,7 +314,6 @@ class NonuniformStep:
                  core: tuple[gtp_jax.ShardedModule, nnx.Optimizer], core_state: nnx.State,
                  replicas: list[gtp_jax.ShardedModule], by_path: dict[str, LeafSplit | None]):
         self.plan = p
-        self._cfg = cfg
         self._objects = core
         nnx.update(core, core_state)
         # params: the model's parameters (the state's [0]); rest: the optimizer's state.
