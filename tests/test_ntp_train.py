@@ -45,6 +45,8 @@ from gtp_jax.train import (
 from gtp_jax.train.cli import main as cli_main
 from gtp_jax.train.ntp import SimulatedFailure, check_failure, parse_failure
 
+pytestmark = pytest.mark.slow  # minutes on 2 cores: `pytest -m "not slow"` skips it
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 CFG = TrainConfig(steps=8, batch_size=8, seq_len=32, warmup=2, dp=2, gtp=1, tp=4)
 K = 4  # the failure happens after this step
