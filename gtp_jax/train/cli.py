@@ -43,13 +43,23 @@ FLAGS = {
     "DistributedConfig.local_device_ids": "--local-device-ids",
     "DistributedConfig.auto": "--distributed-auto", "DistributedConfig.timeout":
     "--distributed-timeout",
+    "SimulatedFailure.step": "--simulate-failure step",
+    "SimulatedFailure.devices": "--simulate-failure device",
+    "SimulatedFailure.tp_spares": "--tp-spares", "SimulatedFailure.axis": "--ntp-axis",
 }
-_ARGUMENT = re.compile(r"\b(?:TrainConfig|CheckpointConfig|ObserveConfig|DistributedConfig)\.\w+")
+_ARGUMENT = re.compile(r"\b(?:TrainConfig|CheckpointConfig|ObserveConfig|DistributedConfig"
+                       r"|SimulatedFailure)\.\w+")
+#: ``SimulatedFailure(step=30, devices=[5, 6])`` (the spec an error is about) -> its flag.
+_SPEC = re.compile(r"\bSimulatedFailure\(step=(\d+), devices=\[([\d, ]*)\]\)")
+#: Simulated CPU devices when a mesh size is left out (see `_cpu_mesh`).
+CPU_DEVICES = 8
 
 
 def cli_message(err: BaseException) -> str:
     """`err`'s message on one line, with library argument names replaced by their flags."""
     text = " ".join(str(err).split())
+    text = _SPEC.sub(lambda m: "--simulate-failure step=" + m.group(1) + "".join(
+        f",device={d.strip()}" for d in m.group(2).split(",")), text)
     return _ARGUMENT.sub(lambda m: FLAGS.get(m.group(0), m.group(0)), text)
 
 
@@ -70,7 +80,8 @@ def _parser() -> argparse.ArgumentParser:
             "Train a preset decoder on the bundled ~300 KB text corpus (byte tokens) with "
             "every weight, gradient and optimizer state sharded 1/gtp over the 'gtp' mesh "
             "axis. Without GPUs the mesh is simulated on CPU (default dp=2 x gtp=4 = 8 "
-            "devices); with GPUs the default is gtp = number of GPUs (of all processes), "
+            "devices; without --gtp, gtp fills 8 devices: --tp 4 --dp 2 gives gtp=1); with GPUs "
+            "the default is gtp = number of GPUs (of all processes), "
             "and with only --dp given, gtp takes the remaining GPUs."),
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     train.add_argument("--preset", default="tiny",
@@ -105,6 +116,19 @@ def _parser() -> argparse.ArgumentParser:
                        help="pad sharded dims to a multiple of gtp * this (0: divisibility)")
     train.add_argument("--remat", choices=("none", "dots", "full"), default="none",
                        help="activation recompute inside each layer")
+
+    ntp = train.add_argument_group(
+        "fault tolerance (nonuniform tensor parallelism, docs/fault_tolerance.md)")
+    ntp.add_argument("--simulate-failure", default=None, metavar="step=S,device=D",
+                     help="lose device D (repeat device= for more) after step S and keep "
+                          "training: the replicas that lost a device continue at a reduced "
+                          "tp/gtp degree, the state is re-laid out in memory")
+    ntp.add_argument("--tp-spares", type=int, default=None, metavar="N",
+                     help="devices per group a degraded replica leaves idle (degree = tp - N); "
+                          "default: the fewest the failure needs (parity rule) whose degree "
+                          "divides the heads and MLP width")
+    ntp.add_argument("--ntp-axis", choices=("tp", "gtp"), default="tp",
+                     help="the axis whose degree a degraded replica reduces")
 
     ckpt = train.add_argument_group("checkpoints (orbax; sharded, each process writes its own "
                                     "shards)")
@@ -159,6 +183,19 @@ def _device_ids(text: str | None) -> tuple[int, ...] | None:
             f"--local-device-ids {text!r}: use comma-separated ints, e.g. 0 or 0,1.") from None
 
 
+def _failure(args: argparse.Namespace) -> object | None:
+    """The `SimulatedFailure` of ``--simulate-failure`` / ``--tp-spares`` / ``--ntp-axis``."""
+    from gtp_jax.train.ntp import parse_failure  # noqa: PLC0415
+
+    if args.simulate_failure is None:
+        if args.tp_spares is not None or args.ntp_axis != "tp":
+            raise UsageError("--tp-spares and --ntp-axis need --simulate-failure "
+                             "step=S,device=D (the failure they configure).")
+        return None
+    return parse_failure(args.simulate_failure, tp_spares=args.tp_spares, axis=args.ntp_axis,
+                         name="--simulate-failure")
+
+
 def _configs(args: argparse.Namespace) -> tuple[object, object | None, object]:
     """Distributed, checkpoint and observe configs from the flags, validated before JAX
     starts (so that bad flags fail fast, on every process, before joining a run)."""
@@ -195,9 +232,10 @@ def _configs(args: argparse.Namespace) -> tuple[object, object | None, object]:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     sizes = _mesh_sizes(args)
-    cpu_sizes = {k: (v if v is not None else DEFAULT_CPU_MESH[k]) for k, v in sizes.items()}
+    cpu_sizes = _cpu_mesh(sizes)
     try:
         dist, checkpoint, observe = _configs(args)
+        failure = _failure(args)
     except UsageError as err:  # other exceptions are bugs: they keep their traceback
         return _fail(err, 2)
     total = math.prod(cpu_sizes.values())
@@ -222,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
         return _processes_error(processes, total)
     simulate_cpu_devices(total // processes)
     # XLA_FLAGS are set: JAX may start a backend from here on.
-    code = _run(args, sizes, cpu_sizes, checkpoint, observe)
+    code = _run(args, sizes, cpu_sizes, checkpoint, observe, failure)
     # Not in a `finally`: after an exception the shutdown barrier would wait for processes
     # that may never arrive; JAX's failure detection ends the others instead.
     shutdown()
@@ -236,8 +274,20 @@ def _processes_error(processes: int, total: int) -> int:
     return 2
 
 
+def _cpu_mesh(sizes: dict[str, int | None]) -> dict[str, int]:
+    """Mesh sizes on the simulated CPU mesh: the sizes given, dp/tp/ep defaulting to
+    `DEFAULT_CPU_MESH`, and gtp (unless given) filling `CPU_DEVICES` devices when the others
+    divide them (``--tp 4 --dp 2``: gtp=1), else its default 4."""
+    mesh = {k: (v if v is not None else DEFAULT_CPU_MESH[k]) for k, v in sizes.items()}
+    if sizes["gtp"] is None:
+        rest = mesh["dp"] * mesh["tp"] * mesh["ep"]
+        if CPU_DEVICES % rest == 0:
+            mesh["gtp"] = CPU_DEVICES // rest
+    return mesh
+
+
 def _run(args: argparse.Namespace, sizes: dict[str, int | None], cpu_sizes: dict[str, int],
-         checkpoint: object | None, observe: object) -> int:
+         checkpoint: object | None, observe: object, failure: object | None = None) -> int:
     import jax  # noqa: PLC0415
 
     from gtp_jax.train import TrainConfig, train  # noqa: PLC0415
@@ -261,7 +311,7 @@ def _run(args: argparse.Namespace, sizes: dict[str, int | None], cpu_sizes: dict
             print(f"gtp_jax train: preset={cfg.preset} steps={cfg.steps} batch={cfg.batch_size} "
                   f"seq={cfg.seq_len} mesh dp={cfg.dp} ep={cfg.ep} gtp={cfg.gtp} tp={cfg.tp} on "
                   f"{jax.device_count()} {jax.default_backend()} devices{procs}", flush=True)
-        result = train(cfg, checkpoint=checkpoint, observe=observe)
+        result = train(cfg, checkpoint=checkpoint, observe=observe, failure=failure)
     except UsageError as err:  # other exceptions are bugs: they keep their traceback
         if jax.default_backend() == "cpu" and any(v is None for v in sizes.values()) and (
                 "TrainConfig.batch_size" in str(err) or "the mesh dp*ep*gtp*tp" in str(err)):

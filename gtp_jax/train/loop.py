@@ -35,6 +35,7 @@ from gtp_jax.train.config import (
     model_config,
     model_json,
 )
+from gtp_jax.train.ntp import NonuniformStep, Recovery, SimulatedFailure, check_failure
 from gtp_jax.train.observe import (
     MEMORY_ADVICE,
     DeviceMemoryError,
@@ -56,7 +57,8 @@ OnStep = Callable[[int, float, float], None]
 
 def train(cfg: TrainConfig, *, on_step: OnStep | None = None,
           progress: bool = True, checkpoint: CheckpointConfig | None = None,
-          observe: ObserveConfig | None = None) -> TrainResult:
+          observe: ObserveConfig | None = None,
+          failure: SimulatedFailure | None = None) -> TrainResult:
     """Trains `cfg.preset` with GTP on the mesh ``(dp, ep, gtp, tp)`` over all devices.
 
     Everything that depends on the caller's input is checked before the model is built:
@@ -76,6 +78,8 @@ def train(cfg: TrainConfig, *, on_step: OnStep | None = None,
         a one-line note on stderr and renamed ``broken-<step>-<n>`` when newer than the
         one resumed from (so their steps can be saved again); nothing is deleted.
       observe: profiler trace window and JSON metrics file.
+      failure: simulate losing devices after a step and keep training with nonuniform
+        tensor parallelism (`gtp_jax.train.ntp`); validated before anything is built.
 
     Returns:
       A `TrainResult` with per-step losses (float32 scalars) and timings.
@@ -90,6 +94,7 @@ def train(cfg: TrainConfig, *, on_step: OnStep | None = None,
     observe = ObserveConfig() if observe is None else observe
     primary = jax.process_index() == 0
     check_devices(cfg)
+    check_failure(cfg, failure)
     check_memory_fits(cfg)
     if checkpoint is not None:
         check_writable_dir(checkpoint.directory, "CheckpointConfig.directory")
@@ -105,7 +110,8 @@ def train(cfg: TrainConfig, *, on_step: OnStep | None = None,
     try:
         ckpt = Checkpointer(checkpoint) if checkpoint is not None else None
         try:
-            return _train(cfg, on_step=on_step, progress=progress, ckpt=ckpt, observe=observe)
+            return _train(cfg, on_step=on_step, progress=progress, ckpt=ckpt, observe=observe,
+                          failure=failure)
         finally:
             if ckpt is not None:
                 # Finishes (finalizes) a pending asynchronous save, also when training failed.
@@ -146,10 +152,12 @@ def replicated_bytes(model: nnx.Module, cfg: TrainConfig) -> tuple[int, int]:
 
 
 def _train(cfg: TrainConfig, *, on_step: OnStep | None, progress: bool,
-           ckpt: Checkpointer | None, observe: ObserveConfig) -> TrainResult:
+           ckpt: Checkpointer | None, observe: ObserveConfig,
+           failure: SimulatedFailure | None = None) -> TrainResult:
     model_cfg = model_config(cfg)
-    # Validation: nothing below this line fails on user input before training starts.
     cfg, candidates = select_candidates(cfg, model_cfg, ckpt)
+    failure_plan = check_failure(cfg, failure, start=candidates[0][0] if candidates else 0)
+    # Validation: nothing below this line fails on user input before training starts.
     if cfg.schedule_steps is None:
         # Recorded explicitly in checkpoints, so extending the run keeps this schedule.
         cfg = dataclasses.replace(cfg, schedule_steps=cfg.steps)
@@ -163,17 +171,25 @@ def _train(cfg: TrainConfig, *, on_step: OnStep | None, progress: bool,
     else:
         batcher = ByteBatcher(train_data, batch_size=cfg.batch_size, seq_len=cfg.seq_len,
                               seed=cfg.seed)
-    step_fn = TrainStep(model, optimizer,
-                        functools.partial(lm_loss, aux_weight=model_cfg.moe_aux_weight))
+    loss_fn = functools.partial(lm_loss, aux_weight=model_cfg.moe_aux_weight)
+    step_fn = TrainStep(model, optimizer, loss_fn)
     profiler = StepProfiler(observe.profile_dir, window) if window is not None else None
+    switch = None
+    if failure_plan is not None:
+        def switch(state: Any, original: gtp_jax.ShardedModule = model
+                   ) -> tuple[NonuniformStep, Recovery]:
+            return NonuniformStep.recover(cfg, failure_plan, state, loss_fn, failure=failure,
+                                          original=original)
     try:
-        losses, times, saved = _step_loop(cfg, model_cfg, step_fn, batcher, start=start,
-                                          ckpt=ckpt, profiler=profiler, on_step=on_step,
-                                          progress=progress)
+        losses, times, saved, recovery, step_fn = _step_loop(
+            cfg, model_cfg, step_fn, batcher, start=start, ckpt=ckpt, profiler=profiler,
+            on_step=on_step, progress=progress, failure_step=failure.step if switch else None,
+            switch=switch)
     finally:
         if profiler is not None:
             profiler.stop()
     step_fn.sync()
+    model, optimizer = step_fn.objects
     if ckpt is not None:
         # Report only the checkpoints still on disk (CheckpointConfig.keep deletes older).
         ckpt.wait()
@@ -181,7 +197,8 @@ def _train(cfg: TrainConfig, *, on_step: OnStep | None, progress: bool,
         saved = [s for s in saved if s in present]
     result = _result(cfg, model_cfg, model, optimizer, losses=losses, times=times,
                      first_step=start + 1, saved=saved, ckpt=ckpt, window=window,
-                     trace=profiler.trace_path if profiler is not None else None)
+                     trace=profiler.trace_path if profiler is not None else None,
+                     recovery=recovery)
     if observe.metrics_json is not None and jax.process_index() == 0:
         _write_metrics(observe.metrics_json, cfg, model_cfg, result)
     return result
@@ -190,17 +207,25 @@ def _train(cfg: TrainConfig, *, on_step: OnStep | None, progress: bool,
 def _step_loop(cfg: TrainConfig, model_cfg: TransformerConfig, step_fn: TrainStep,
                batcher: ByteBatcher, *, start: int, ckpt: Checkpointer | None,
                profiler: StepProfiler | None, on_step: OnStep | None,
-               progress: bool) -> tuple[list[float], list[float], list[int]]:
-    """Steps ``start + 1 .. cfg.steps``: (losses, step seconds, checkpointed steps)."""
+               progress: bool, failure_step: int | None = None,
+               switch: Callable[[Any], tuple[NonuniformStep, Recovery]] | None = None,
+               ) -> tuple[list[float], list[float], list[int], Recovery | None, Any]:
+    """Steps ``start + 1 .. cfg.steps``: (losses, step seconds, checkpointed steps, the
+    recovery from a simulated failure or None, the step function in use at the end).
+
+    After step `failure_step`, ``switch(step_fn.state)`` re-plans and re-lays out the state
+    (see `gtp_jax.train.ntp`) and the loop continues with the nonuniform step it returns."""
     placement = gtp_jax.data_sharding(step_fn.objects[0].mesh)
     tokens_per_step = cfg.batch_size * cfg.seq_len
     bar = ProgressBar(cfg.steps) if progress and jax.process_index() == 0 else None
     extra = {"train_config": dataclasses.asdict(cfg), "model_config": model_json(model_cfg)}
-    losses, times, saved = [], [], []
+    losses, times, saved, recovery = [], [], [], None
     for step in range(start + 1, cfg.steps + 1):
         if profiler is not None:
             profiler.before(step)
-        tokens = _global_batch(batcher.next_batch(), placement)
+        batch = batcher.next_batch()
+        # The nonuniform step splits the host batch over its replicas itself.
+        tokens = batch if recovery is not None else _global_batch(batch, placement)
         with jax.profiler.StepTraceAnnotation("train", step_num=step):
             begin = time.perf_counter()
             loss = _run_step(cfg, step_fn, tokens, step)
@@ -225,10 +250,13 @@ def _step_loop(cfg: TrainConfig, model_cfg: TransformerConfig, step_fn: TrainSte
             bar.update(step, loss=loss, tok_s=tokens_per_step / times[-1])
         if on_step is not None:
             on_step(step, loss, times[-1])
-    return losses, times, saved
+        if step == failure_step:
+            step_fn, recovery = switch(step_fn.state)
+    return losses, times, saved, recovery, step_fn
 
 
-def _run_step(cfg: TrainConfig, step_fn: TrainStep, tokens: jax.Array, step: int) -> float:
+def _run_step(cfg: TrainConfig, step_fn: TrainStep | NonuniformStep, tokens: Any,
+              step: int) -> float:
     """`step_fn` on `tokens`; its loss, with XLA's out-of-memory error turned into a
     `DeviceMemoryError`."""
     try:
@@ -246,7 +274,8 @@ def _run_step(cfg: TrainConfig, step_fn: TrainStep, tokens: jax.Array, step: int
 def _result(cfg: TrainConfig, model_cfg: TransformerConfig, model: gtp_jax.ShardedModule,
             optimizer: nnx.Optimizer, *, losses: list[float], times: list[float],
             first_step: int, saved: list[int], ckpt: Checkpointer | None,
-            window: tuple[int, int] | None, trace: str | None) -> TrainResult:
+            window: tuple[int, int] | None, trace: str | None,
+            recovery: Recovery | None = None) -> TrainResult:
     """The `TrainResult` of a finished loop (`model` and `optimizer` synced)."""
     device = jax.devices()[0]
     replicated_params, replicated_state = replicated_bytes(model, cfg)
@@ -276,6 +305,7 @@ def _result(cfg: TrainConfig, model_cfg: TransformerConfig, model: gtp_jax.Shard
         checkpoint_steps=saved,
         profile_steps=window,
         profile_trace=trace,
+        failure=dataclasses.asdict(recovery) if recovery is not None else None,
     )
 
 

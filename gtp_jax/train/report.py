@@ -32,6 +32,9 @@ class TrainResult:
       process_count: JAX processes in the run.
       checkpoint_dir, checkpoint_steps: where checkpoints went, and their steps.
       profile_steps, profile_trace: traced steps and the Perfetto trace file, if any.
+      failure: a simulated device failure and the switch to nonuniform tensor parallelism
+        (`gtp_jax.train.ntp.Recovery` as a dict: step, devices, layout_before/after,
+        replan_s, relayout_s, rebuild_s), or None.
     """
 
     losses: list[float]
@@ -56,6 +59,7 @@ class TrainResult:
     checkpoint_steps: list[int] = dataclasses.field(default_factory=list)
     profile_steps: tuple[int, int] | None = None
     profile_trace: str | None = None
+    failure: dict[str, Any] | None = None
 
     @property
     def median_step_time(self) -> float:
@@ -118,7 +122,33 @@ class TrainResult:
         if self.profile_steps is not None:
             lines.append(f"  profile: steps {self.profile_steps[0]}-{self.profile_steps[1]} -> "
                          f"{self.profile_trace or '(no perfetto trace written)'}")
+        if self.failure is not None:
+            lines += self._failure_lines()
         return "\n".join(lines)
+
+    def _failure_lines(self) -> list[str]:
+        f = self.failure
+        at = f["step"] - self.first_step + 1  # losses[:at] ran before the failure
+        before, after = self.losses[max(0, at - 3):at], self.losses[at:at + 3]
+        t_before = self.step_times[1:at] or self.step_times[:at]
+        t_after = self.step_times[at + 1:] or self.step_times[at:]
+        fmt = lambda xs: ", ".join(f"{x:.4f}" for x in xs)  # noqa: E731
+        return [
+            f"  simulated failure after step {f['step']}: devices {list(f['devices'])} lost; "
+            "from there on the mesh and bytes above are the core mesh's (parameters and "
+            "optimizer state)",
+            "  layout before:", *(f"    {line}" for line in f["layout_before"].splitlines()),
+            "  layout after:", *(f"    {line}" for line in f["layout_after"].splitlines()),
+            f"  re-plan {f['replan_s'] * 1e3:.1f} ms, re-layout of the training state "
+            f"{f['relayout_s'] * 1e3:.1f} ms (bit-exact, from survivors), rebuilding the "
+            f"replica and core models {f['rebuild_s'] * 1e3:.1f} ms",
+            f"  loss around the failure: steps {f['step'] - len(before) + 1}-{f['step']}: "
+            f"{fmt(before)} | steps {f['step'] + 1}-{f['step'] + len(after)}: {fmt(after)}",
+            f"  step time median: {statistics.median(t_before) * 1e3:.1f} ms before, "
+            f"{statistics.median(t_after) * 1e3:.1f} ms after (first step after the failure "
+            f"compiles: {self.step_times[at] * 1e3:.0f} ms)" if at < len(self.step_times)
+            else "",
+        ]
 
     def to_json(self) -> dict[str, Any]:
         """The summary as JSON-serializable values (times in seconds, sizes in bytes)."""
@@ -149,5 +179,6 @@ class TrainResult:
             "checkpoint_steps": list(self.checkpoint_steps),
             "profile_steps": list(self.profile_steps) if self.profile_steps else None,
             "profile_trace": self.profile_trace,
+            "failure": self.failure,
         }
 

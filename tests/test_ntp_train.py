@@ -1,0 +1,227 @@
+"""Nonuniform tensor parallelism in training (gtp_jax.train.ntp): a simulated device failure
+in the middle of a run, the switch to a healthy tp=4 and a degraded tp=2 replica, against a
+uniform run and a reduced-layout reference; checkpoints after the failure restored onto
+uniform meshes; the CLI run; and the errors of bad failure specs.
+
+Tolerance after the failure: the nonuniform step computes the same math as a uniform run
+on the core mesh (dp=2, tp=2) from the same state, but the healthy replica sums its
+row-parallel matmuls over 4 partial sums instead of 2, and the replica average is a
+weighted sum instead of a psum-mean; in float32 both change results by a few ulps
+(measured: parameters differ by at most 1.2e-7 = 1 ulp of a norm scale ~1 after 4 steps,
+losses agree to all float32 digits). We allow losses rtol 1e-5 and parameters atol 1e-6:
+10-100x that, while a layout bug (rows on the wrong device, a wrong fused interleave)
+moves whole rows and shows up as O(1e-2) errors.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+import gtp_jax
+from gtp_jax.base.errors import UsageError
+from gtp_jax.data import ByteBatcher, load_corpus, split_train_eval
+from gtp_jax.models import Transformer, lm_loss
+from gtp_jax.train import (
+    CheckpointConfig,
+    Checkpointer,
+    TrainConfig,
+    TrainStep,
+    build_model_and_optimizer,
+    make_optimizer,
+    model_config,
+    replicate_stray_leaves,
+    train,
+)
+from gtp_jax.train.cli import main as cli_main
+from gtp_jax.train.ntp import SimulatedFailure, check_failure, parse_failure
+
+pytestmark = pytest.mark.slow  # minutes on 2 cores: `pytest -m "not slow"` skips it
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+CFG = TrainConfig(steps=8, batch_size=8, seq_len=32, warmup=2, dp=2, gtp=1, tp=4)
+K = 4  # the failure happens after this step
+FAILURE = SimulatedFailure(step=K, devices=(5,), tp_spares=2)
+LOSS_RTOL, PARAM_ATOL = 1e-5, 1e-6
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """(uniform run, failure run, its checkpoint directory: steps K (before) and 8 (after))."""
+    directory = str(tmp_path_factory.mktemp("ntp") / "ck")
+    uniform = train(CFG, progress=False)
+    failed = train(CFG, progress=False, failure=FAILURE,
+                   checkpoint=CheckpointConfig(directory, every=K, keep=5))
+    return uniform, failed, directory
+
+
+def _core_reference(directory: str) -> tuple[list[float], nnx.Module]:
+    """A uniform run with the reduced layout (dp=2, tp=2 on the core devices 0, 1, 4, 6)
+    from the state at step K, on the same batches: losses of steps K+1.. and its model."""
+    devs = jax.devices()
+    mesh = gtp_jax.make_mesh(dp=2, tp=2, devices=[devs[i] for i in (0, 1, 4, 6)])
+    model = gtp_jax.shard(Transformer(model_config(CFG), rngs=nnx.Rngs(0)), mesh)
+    optimizer = nnx.Optimizer(model, make_optimizer(CFG), wrt=nnx.Param)
+    replicate_stray_leaves(optimizer, mesh)
+    meta = Checkpointer(CheckpointConfig(directory, resume=True)).restore(model, optimizer,
+                                                                           step=K)
+    batcher = ByteBatcher.from_state(split_train_eval(load_corpus())[0], meta["extra"]["data"])
+    step = TrainStep(model, optimizer, functools.partial(lm_loss, aux_weight=0.01))
+    placement = gtp_jax.data_sharding(mesh)
+    losses = []
+    for _ in range(K, CFG.steps):
+        batch = batcher.next_batch()
+        tokens = jax.make_array_from_callback(batch.shape, placement,
+                                              lambda i, b=batch: b[i])
+        losses.append(float(step(tokens)["loss"]))
+    step.sync()
+    return losses, model
+
+
+def _params(model: nnx.Module) -> dict[str, np.ndarray]:
+    return {"model/module/" + "/".join(map(str, path)): np.asarray(var.get_value())
+            for path, var in nnx.to_flat_state(nnx.state(gtp_jax.unshard(model), nnx.Param))}
+
+
+def test_before_the_failure_bit_identical_to_a_uniform_run(runs):
+    uniform, failed, _ = runs
+    assert failed.losses[:K] == uniform.losses[:K]
+    assert len(failed.losses) == CFG.steps and all(np.isfinite(failed.losses))
+
+
+def test_after_the_failure_matches_the_reduced_layout_reference(runs):
+    _, failed, directory = runs
+    losses, model = _core_reference(directory)
+    np.testing.assert_allclose(failed.losses[K:], losses, rtol=LOSS_RTOL)
+    saved = Checkpointer(CheckpointConfig(directory, resume=True)).read_arrays(CFG.steps)
+    ref = _params(model)
+    assert set(ref) <= set(saved)
+    for key, value in ref.items():
+        np.testing.assert_allclose(saved[key], value, rtol=0, atol=PARAM_ATOL, err_msg=key)
+    # Training moved the weights after the failure (the comparison is not vacuous).
+    before = Checkpointer(CheckpointConfig(directory, resume=True)).read_arrays(K)
+    assert max(float(np.abs(saved[k] - before[k]).max()) for k in ref) > 1e-3
+
+
+def test_failure_report(runs):
+    _, failed, _ = runs
+    f = failed.failure
+    assert f["step"] == K and f["devices"] == (5,)
+    assert "replica dp=1: healthy, tp=4" in f["layout_before"]
+    assert "replica dp=1: DEGRADED, tp=2" in f["layout_after"]
+    assert "core mesh: {'dp': 2, 'ep': 1, 'gtp': 1, 'tp': 2}, devices [0, 1, 4, 6]" \
+        in f["layout_after"]
+    assert 0 < f["replan_s"] < 1 and 0 < f["relayout_s"] < 60
+    text = failed.summary()
+    for part in ("layout before:", "layout after:", "re-plan", "re-layout",
+                 "loss around the failure", "step time median"):
+        assert part in text
+    assert failed.to_json()["failure"]["step"] == K
+
+
+def test_checkpoint_after_the_failure_restores_onto_uniform_meshes(runs, tmp_path):
+    _, failed, directory = runs
+    ckpt = Checkpointer(CheckpointConfig(directory, resume=True))
+    assert ckpt.read_meta(CFG.steps)["mesh"]["tp"] == 2  # saved from the core mesh
+    saved = ckpt.read_arrays(CFG.steps)
+    for mesh in ({"dp": 2, "tp": 4}, {"dp": 4, "tp": 2}):
+        cfg = TrainConfig(**{**CFG.__dict__, "gtp": 1, **mesh})
+        model, optimizer = build_model_and_optimizer(cfg)
+        ckpt.restore(model, optimizer, step=CFG.steps)
+        for key, value in _params(model).items():
+            np.testing.assert_array_equal(value, saved[key], err_msg=f"{mesh} {key}")
+    # And a resumed run continues on a uniform mesh (no failure): tp=2 x dp=4.
+    copy = str(tmp_path / "ck")
+    shutil.copytree(directory, copy)
+    resumed = train(TrainConfig(**{**CFG.__dict__, "steps": CFG.steps + 2, "dp": 4, "tp": 2,
+                                   "schedule_steps": None}),
+                    progress=False, checkpoint=CheckpointConfig(copy, resume=True))
+    assert resumed.first_step == CFG.steps + 1 and len(resumed.losses) == 2
+    assert all(np.isfinite(resumed.losses)) and resumed.losses[-1] < failed.losses[0]
+
+
+def test_gtp_axis_with_alignment_padding_tracks_the_uniform_run():
+    # The reduced axis is gtp (4 -> 2 on the degraded replica), weights padded to multiples
+    # of gtp * 8 (LeafSplit.align): GTP only changes where weights are stored, so the run
+    # equals the uniform one before the failure and within the tolerance after it.
+    cfg = TrainConfig(steps=6, batch_size=8, seq_len=32, warmup=2, dp=2, gtp=4,
+                      pad_for_alignment=8)
+    uniform = train(cfg, progress=False)
+    failed = train(cfg, progress=False, failure=SimulatedFailure(step=3, devices=(5,),
+                                                                 axis="gtp"))
+    assert "replica dp=1: DEGRADED, gtp=2" in failed.failure["layout_after"]
+    assert failed.losses[:3] == uniform.losses[:3]
+    np.testing.assert_allclose(failed.losses[3:], uniform.losses[3:], rtol=LOSS_RTOL)
+
+
+def test_cli_simulated_failure_run():
+    env = dict(os.environ)
+    env.pop("XLA_FLAGS", None)  # the CLI sets the simulated device count itself
+    env["JAX_PLATFORMS"] = "cpu"
+    proc = subprocess.run(
+        [sys.executable, "-m", "gtp_jax", "train", "--tp", "4", "--dp", "2", "--steps", "8",
+         "--batch", "8", "--seq", "32", "--warmup", "2", "--simulate-failure",
+         "step=4,device=5"], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
+        timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    assert "on 8 cpu devices" in out  # --tp 4 --dp 2: gtp fills 8 devices (gtp=1)
+    for part in ("simulated failure after step 4: devices [5] lost", "layout before:",
+                 "replica dp=1: DEGRADED, tp=2", "re-plan", "ms, re-layout of the training",
+                 "loss around the failure: steps 2-4", "step time median"):
+        assert part in out, (part, out[-3000:])
+
+
+BASE = ["train", "--tp", "4", "--dp", "2", "--steps", "8", "--batch", "8", "--seq", "32"]
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--simulate-failure", "step=4,device=gpu5"],
+     "--simulate-failure 'step=4,device=gpu5': use step=S,device=D"),
+    (["--simulate-failure", "step=4"], "both step= and device= are needed"),
+    (["--simulate-failure", "step=4,device=99"],
+     "--simulate-failure device: device 99 is not in the mesh (device ids 0..7)"),
+    (["--simulate-failure", "step=8,device=5"],
+     "--simulate-failure step=8 must be before the last step (--steps=8)"),
+    (["--simulate-failure", "step=12,device=5"], "choose a step in 1..7"),
+    (["--simulate-failure", "step=4,device=5,device=6,device=7", "--tp-spares", "2"],
+     "lost 3 devices (positions [1, 2, 3]), more than --tp-spares=2 absorbs; raise "
+     "--tp-spares to 3"),
+    (["--simulate-failure", "step=4,device=5", "--tp-spares", "1"],
+     "n_heads=4 cannot be split over tp=3 with no padding (degraded replicas: tp_base=4 - "
+     "--tp-spares=1)"),
+    (["--simulate-failure", "step=4,device=1,device=5", "--tp-spares", "3"],
+     "devices [1, 5] hold the same shard and all failed"),
+    (["--simulate-failure", "step=4,device=5", "--ntp-axis", "gtp"],
+     "--ntp-axis='gtp': the mesh's gtp=1 cannot be reduced"),
+    (["--tp-spares", "2"], "--tp-spares and --ntp-axis need --simulate-failure"),
+])
+def test_cli_failure_spec_errors(flags, message, tmp_path, capsys):
+    directory = tmp_path / "ck"
+    assert cli_main([*BASE, *flags, "--checkpoint-dir", str(directory)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and message in err, err
+    assert not directory.exists() or not any(directory.iterdir())  # nothing written
+
+
+def test_library_errors_name_arguments():
+    with pytest.raises(UsageError, match=r"SimulatedFailure.step=0 must be an int >= 1"):
+        SimulatedFailure(step=0, devices=(5,))
+    with pytest.raises(UsageError, match=r"SimulatedFailure.devices=\(\) must be one or more"):
+        SimulatedFailure(step=1, devices=())
+    with pytest.raises(UsageError, match="SimulatedFailure.tp_spares"):
+        check_failure(CFG, SimulatedFailure(step=2, devices=(5,), tp_spares=1))
+    with pytest.raises(UsageError, match="after the resumed step 4"):
+        check_failure(CFG, SimulatedFailure(step=3, devices=(5,)), start=4)
+    assert parse_failure("step=3,device=5,device=6").devices == (5, 6)
+    # Default spares: the parity rule asks for 1, tp=3 cannot split 4 heads: 2.
+    assert check_failure(CFG, SimulatedFailure(step=2, devices=(5,))).core_degree == 2
