@@ -37,17 +37,15 @@ from gtp_jax.train import (
     train,
 )
 from gtp_jax.train.checkpoint import (
-    LOCK_FILE,
     CheckpointConfig,
     CheckpointCorruptError,
     Checkpointer,
-    CheckpointLockedError,
-    DirectoryLock,
     NonFiniteStateError,
-    _fingerprint,
 )
 from gtp_jax.train.cli import main as cli_main
 from gtp_jax.train.config import model_json as _model_json
+from gtp_jax.train.fingerprint import fingerprint as _fingerprint
+from gtp_jax.train.lock import LOCK_FILE, CheckpointLockedError, DirectoryLock
 from gtp_jax.train.observe import (
     DeviceMemoryError,
     check_writable_dir,

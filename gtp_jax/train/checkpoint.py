@@ -74,11 +74,7 @@ checkpoints does not need it installed.
 from __future__ import annotations
 
 import dataclasses
-import functools
-import json
 import os
-import socket
-import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -90,7 +86,21 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from gtp_jax.base.errors import UsageError, UsageTypeError
-from gtp_jax.base.metadata import LOGICAL_SHAPE, SPLIT_LAYOUT
+from gtp_jax.train.fingerprint import digest
+from gtp_jax.train.layout import (
+    array_info,
+    is_key,
+    numpy_dtype,
+    relayout,
+    savable,
+    savable_shape,
+    split_layout,
+    stored_extent,
+    to_logical,
+    unsavable,
+    zero_padding,
+)
+from gtp_jax.train.lock import CheckpointLockedError, DirectoryLock
 
 #: Bumped when the layout below changes incompatibly.
 FORMAT_VERSION = 1
@@ -99,19 +109,12 @@ FORMAT_VERSION = 1
 _ARRAY_ITEMS = ("model", "optimizer")
 _META_ITEM = "meta"
 #: File in the checkpoint directory naming the run that writes there (`DirectoryLock`).
-LOCK_FILE = ".gtp_jax.lock"
-
-
 class CheckpointCorruptError(UsageError):
     """A checkpoint's files are missing, unreadable or fail their checksums."""
 
 
 class NonFiniteStateError(FloatingPointError):
     """The state to save holds NaN or inf; nothing was written."""
-
-
-class CheckpointLockedError(UsageError):
-    """Another live run holds the checkpoint directory's lock."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -300,9 +303,9 @@ class Checkpointer:
                 "overwrite=True to replace it, or save a newer step."
             )
         flat = _flat_arrays(model, optimizer)
-        infos = {path: _array_info(var, value) for path, (var, value) in flat.items()}
-        savable = {path: _savable(value) for path, (_, value) in flat.items()}
-        checksums, nonfinite = _digest(savable, infos, _mesh_of_model(model))
+        infos = {path: array_info(var, value) for path, (var, value) in flat.items()}
+        arrays = {path: savable(value) for path, (_, value) in flat.items()}
+        checksums, nonfinite = digest(arrays, infos, _mesh_of_model(model))
         if nonfinite:
             self._manager.wait_until_finished()  # so that an async save in flight is listed
             last = self.latest_step()
@@ -325,7 +328,7 @@ class Checkpointer:
             self._manager.wait_until_finished()
             self._manager.delete(step)
         ocp = self._ocp
-        tree = _nest(savable)
+        tree = _nest(arrays)
         started = self._manager.save(step, force=overwrite, args=ocp.args.Composite(
             **{name: ocp.args.StandardSave(sub) for name, sub in tree.items()},
             **{_META_ITEM: ocp.args.JsonSave(meta)}))
@@ -360,16 +363,16 @@ class Checkpointer:
         stored = meta["arrays"]
         mesh = _mesh_of_model(model)
         replicated = NamedSharding(mesh, P()) if mesh is not None else None
-        target, relayout = {}, set()
+        target, relaid = {}, set()
         for path, (var, value) in flat.items():
-            if _layout(stored[path]) == _layout(_array_info(var, value)):
+            if split_layout(stored[path]) == split_layout(array_info(var, value)):
                 target[path] = _abstract(value, mesh)
             else:
                 # Another tp/ep split: read the saved layout whole on every device (one array
                 # at a time), then permute it into the target layout on device.
-                relayout.add(path)
+                relaid.add(path)
                 target[path] = jax.ShapeDtypeStruct(tuple(stored[path]["shape"]),
-                                                    _numpy_dtype(stored[path]["dtype"]),
+                                                    numpy_dtype(stored[path]["dtype"]),
                                                     sharding=replicated)
         ocp = self._ocp
         tree = _nest(target)
@@ -379,13 +382,13 @@ class Checkpointer:
         values = _flatten_nested({name: restored[name] for name in tree})
         new_values, infos = {}, {}
         for key, (var, old) in flat.items():
-            new, info = values[key], _array_info(var, old)
-            if key in relayout:
-                new = _relayout(new, stored[key], info, old.sharding)
+            new, info = values[key], array_info(var, old)
+            if key in relaid:
+                new = relayout(new, stored[key], info, old.sharding)
             else:
                 # Also on the same mesh: padding is outside the (logical) checksum, so it is
                 # re-zeroed rather than trusted.
-                new = _zero_padding(new, info)
+                new = zero_padding(new, info)
             new_values[key], infos[key] = new, info
         self._verify(step, meta, new_values, infos, mesh)
         for obj, prefix in ((model, "model"), (optimizer, "optimizer")):
@@ -394,7 +397,7 @@ class Checkpointer:
             new_vars = []
             for path, var in nnx.to_flat_state(nnx.state(obj)):
                 key = _join((prefix, *path))
-                new_vars.append((path, var.replace(value=_unsavable(new_values[key],
+                new_vars.append((path, var.replace(value=unsavable(new_values[key],
                                                                     flat[key][1]))))
             nnx.update(obj, nnx.from_flat_state(new_vars))
         return meta
@@ -413,7 +416,7 @@ class Checkpointer:
         step = self._checked_step(step)
         meta = self._read_meta(step)
         stored = meta["arrays"]
-        target = {path: np.empty(info["shape"], _numpy_dtype(info["dtype"]))
+        target = {path: np.empty(info["shape"], numpy_dtype(info["dtype"]))
                   for path, info in stored.items()}
         ocp = self._ocp
         tree = _nest(target)
@@ -422,7 +425,7 @@ class Checkpointer:
         values = {k: np.asarray(v)
                   for k, v in _flatten_nested({name: restored[name] for name in tree}).items()}
         self._verify(step, meta, values, stored, None)
-        return {path: np.asarray(_to_logical(values[path], info))
+        return {path: np.asarray(to_logical(values[path], info))
                 for path, info in stored.items()}
 
     def verify(self, step: int | None = None) -> None:
@@ -497,7 +500,7 @@ class Checkpointer:
         expected = meta.get("checksums")
         if expected is None:  # written before checksums were recorded: nothing to verify
             return
-        got, _ = _digest(values, infos, mesh)
+        got, _ = digest(values, infos, mesh)
         bad = sorted(k for k in values if expected.get(k) != got[k])
         if bad:
             raise CheckpointCorruptError(
@@ -523,85 +526,6 @@ class Checkpointer:
         return int(step)
 
 
-class DirectoryLock:
-    """An exclusive lock on a checkpoint directory: the file ``<directory>/.gtp_jax.lock``
-    holding the owner's pid and host, created with ``O_EXCL`` (atomic on POSIX file
-    systems). A lock left by a process that is no longer alive on this host is taken over;
-    a live holder (or one on another host, whose liveness cannot be checked) makes
-    `acquire` raise `CheckpointLockedError` naming it.
-
-    Two runs writing one directory would delete each other's in-progress saves (orbax
-    removes temporary directories it finds on open) and interleave steps.
-    """
-
-    def __init__(self, directory: str):
-        self.path = os.path.join(directory, LOCK_FILE)
-        self.held = False
-
-    def acquire(self) -> None:
-        """Takes the lock (creating the directory if needed)."""
-        os.makedirs(os.path.dirname(self.path), exist_ok=True)
-        me = {"pid": os.getpid(), "host": socket.gethostname(), "time": time.time()}
-        for _ in range(3):
-            try:
-                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-            except FileExistsError:
-                holder = self._holder()
-                if holder is not None and not _stale(holder):
-                    raise CheckpointLockedError(
-                        f"checkpoint directory {os.path.dirname(self.path)!r} is in use by pid "
-                        f"{holder.get('pid')} on host {holder.get('host')} (lock file "
-                        f"{self.path}); wait for that run to end, or delete the lock file if "
-                        "that process is gone."
-                    ) from None
-                # Stale (dead pid on this host) or unreadable: remove and retry atomically.
-                try:
-                    os.remove(self.path)
-                except FileNotFoundError:
-                    pass
-                continue
-            with os.fdopen(fd, "w") as f:
-                json.dump(me, f)
-            self.held = True
-            return
-        raise CheckpointLockedError(f"could not take the lock {self.path}; another run races "
-                                    "for it.")
-
-    def release(self) -> None:
-        """Removes the lock file if this process holds it."""
-        if self.held:
-            holder = self._holder()
-            if holder is not None and holder.get("pid") == os.getpid():
-                os.remove(self.path)
-            self.held = False
-
-    def _holder(self) -> dict[str, Any] | None:
-        try:
-            with open(self.path) as f:
-                holder = json.load(f)
-            return holder if isinstance(holder, dict) else None
-        except (OSError, ValueError):
-            return None
-
-
-def _stale(holder: Mapping[str, Any]) -> bool:
-    """Whether a lock's holder is a process that no longer runs on this host."""
-    if holder.get("host") != socket.gethostname():
-        return False
-    pid = holder.get("pid")
-    if not isinstance(pid, int) or pid <= 0:
-        return True
-    if pid == os.getpid():
-        return False  # this process: a lock it holds itself is never stale
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:  # alive, owned by another user
-        return False
-    return False
-
-
 # ---------------------------------------------------------------------- helpers
 
 
@@ -615,102 +539,6 @@ def _sync_processes(name: str) -> None:
         from jax.experimental import multihost_utils  # noqa: PLC0415
 
         multihost_utils.sync_global_devices(name)
-
-
-def _fmix32(h: jax.Array) -> jax.Array:
-    """MurmurHash3's finalizer: a bijection of uint32, so two different inputs never mix to
-    the same output."""
-    h = h ^ (h >> 16)
-    h = h * jnp.uint32(0x85EBCA6B)
-    h = h ^ (h >> 13)
-    h = h * jnp.uint32(0xC2B2AE35)
-    return h ^ (h >> 16)
-
-
-def _bits(x: jax.Array) -> jax.Array:
-    """The raw bits of `x` as uint32 (one word per element; 8-byte types add a dim of 2)."""
-    if x.dtype == jnp.bool_:
-        return x.astype(jnp.uint32)
-    size = np.dtype(x.dtype).itemsize
-    if size >= 4:
-        return jax.lax.bitcast_convert_type(x, jnp.uint32)
-    return jax.lax.bitcast_convert_type(x, {1: jnp.uint8, 2: jnp.uint16}[size]).astype(jnp.uint32)
-
-
-def _fingerprint(x: jax.Array, extent: tuple[int, ...] | None = None) -> jax.Array:
-    """uint32[2] hash of the bits and positions of the logical array ``x[:extent]``.
-
-    Each element's bits are combined with its flat index in the logical array and mixed by
-    a bijection, then summed mod 2**32 (integer sums do not depend on the reduction order,
-    so the result is the same on every mesh). Changing one element (e.g. one flipped bit)
-    changes exactly one summand and hence the sum; a multi-element change goes unnoticed
-    with probability about 2**-64 over the two lanes. Elements past `extent` (GTP padding)
-    are masked out instead of sliced off, so a sharded array is hashed where it lies, with
-    no re-layout and no extra copy.
-    """
-    b = _bits(x)
-    shape = b.shape
-    logical = tuple(extent) + shape[len(extent):] if extent is not None else shape
-    index = jnp.zeros(shape, jnp.uint32)
-    inside = jnp.ones(shape, bool)
-    stride = 1
-    for dim in reversed(range(b.ndim)):
-        iota = jax.lax.broadcasted_iota(jnp.uint32, shape, dim)
-        index = index + iota * jnp.uint32(stride % 2**32)
-        stride *= logical[dim]
-        if logical[dim] != shape[dim]:
-            inside &= iota < logical[dim]
-    zero = jnp.uint32(0)
-    lane1 = jnp.where(inside, _fmix32(b ^ _fmix32(index)), zero)
-    lane2 = jnp.where(inside, _fmix32(b + index * jnp.uint32(0x9E3779B9)
-                                      + jnp.uint32(0x7F4A7C15)), zero)
-    return jnp.stack([jnp.sum(lane1, dtype=jnp.uint32), jnp.sum(lane2, dtype=jnp.uint32)])
-
-
-def _digest(values: Mapping[str, Any], infos: Mapping[str, Mapping[str, Any]],
-            mesh: Mesh | None) -> tuple[dict[str, str], list[str]]:
-    """(checksum per array as 16 hex digits, arrays holding NaN/inf) in one jitted pass.
-
-    Both are computed over the logical array (padding dropped, tp/ep split layout undone),
-    so a checkpoint saved on one mesh verifies after a restore onto any other. The result
-    is replicated, so every process of a multi-process run gets the same answer.
-    """
-    keys = sorted(values)
-    if mesh is not None:
-        replicated = NamedSharding(mesh, P())
-        args = [v if isinstance(getattr(v, "sharding", None), NamedSharding)
-                else jax.device_put(v, replicated) for v in (values[k] for k in keys)]
-    else:
-        replicated, args = None, [values[k] for k in keys]
-    frozen = json.dumps([infos[k] for k in keys], sort_keys=True)
-    prints, finite = _jit_digest(frozen, replicated)(args)
-    prints = np.asarray(prints.addressable_data(0)) if hasattr(prints, "addressable_data") \
-        else np.asarray(prints)
-    finite = np.asarray(finite.addressable_data(0)) if hasattr(finite, "addressable_data") \
-        else np.asarray(finite)
-    checksums = {k: f"{int(a):08x}{int(b):08x}" for k, (a, b) in zip(keys, prints)}
-    return checksums, [k for k, ok in zip(keys, finite) if not ok]
-
-
-@functools.cache
-def _jit_digest(frozen: str, sharding: Any):
-    infos = json.loads(frozen)
-
-    def digest(arrays):
-        prints, finite = [], []
-        for x, info in zip(arrays, infos):
-            if _layout(info):  # tp/ep split: undo the permutation first
-                x, extent = _to_logical(x, info), None
-            else:  # at most GTP padding: hash in place, padding masked
-                extent = tuple(int(n) for n in info["logical_shape"])
-            prints.append(_fingerprint(x, extent))
-            finite.append(jnp.all(jnp.isfinite(x)) if jnp.issubdtype(x.dtype, jnp.inexact)
-                          else jnp.bool_(True))
-        if not prints:
-            return jnp.zeros((0, 2), jnp.uint32), jnp.zeros((0,), bool)
-        return jnp.stack(prints), jnp.stack(finite)
-
-    return jax.jit(digest, out_shardings=sharding) if sharding is not None else jax.jit(digest)
 
 
 def _join(path: Any) -> str:
@@ -737,92 +565,6 @@ def _flat_arrays(model: nnx.Module,
     return out
 
 
-def _is_key(value: Any) -> bool:
-    return jnp.issubdtype(value.dtype, jax.dtypes.prng_key)
-
-
-def _savable(value: Any) -> Any:
-    # Typed PRNG keys are stored as their raw uint32 data (orbax stores numeric arrays).
-    return jax.random.key_data(value) if _is_key(value) else value
-
-
-def _unsavable(value: Any, like: Any) -> Any:
-    if _is_key(like):
-        return jax.random.wrap_key_data(value, impl=jax.random.key_impl(like))
-    return value
-
-
-def _array_info(var: nnx.Variable, value: Any) -> dict[str, Any]:
-    """Stored shape, logical shape, dtype and tp/ep split layout of one array (JSON-ready).
-
-    ``split_layout`` lists ``[axis, axis_size, dim, parts]`` per model-parallel split
-    (`gtp_jax.sharding.module.SPLIT_LAYOUT`), empty for a weight that is only GTP-padded.
-    """
-    shape = tuple(int(d) for d in _savable_shape(value))
-    meta = var.get_metadata()
-    logical = meta.get(LOGICAL_SHAPE)
-    layout = meta.get(SPLIT_LAYOUT) or ()
-    return {
-        "shape": list(shape),
-        "logical_shape": list(logical) if logical is not None else list(shape),
-        "padded": logical is not None,
-        "split_layout": [[str(a), int(n), int(d), int(k)] for a, n, d, k in layout],
-        "dtype": str(jax.random.key_impl(value)) if _is_key(value) else str(np.dtype(value.dtype)),
-    }
-
-
-def _layout(info: Mapping[str, Any]) -> tuple[tuple[str, int, int, int], ...]:
-    return tuple(tuple(s) for s in info.get("split_layout", ()))
-
-
-def _splits(info: Mapping[str, Any]) -> list[tuple[Any, int]]:
-    """(DimSplit, array dim) of each tp/ep split of an array, in `to_stored` order."""
-    if not _layout(info):
-        return []
-    from gtp_jax.sharding.plan import DimSplit  # noqa: PLC0415
-
-    logical = info["logical_shape"]
-    return [(DimSplit(axis=a, axis_size=n, dim=d, size=int(logical[d]), parts=k), d)
-            for a, n, d, k in _layout(info)]
-
-
-def _extent(info: Mapping[str, Any]) -> tuple[int, ...]:
-    """Shape of the array in its split layout before GTP padding: the logical shape, except
-    that a tp/ep-split dim holds its padded, interleaved parts."""
-    extent = [int(n) for n in info["logical_shape"]]
-    for split, dim in _splits(info):
-        extent[dim] = split.stored_size
-    return tuple(extent)
-
-
-def _to_logical(x: Any, info: Mapping[str, Any]) -> Any:
-    """A stored array (saved layout) -> its logical array: GTP padding dropped, tp/ep
-    splits undone (`DimSplit.from_stored`)."""
-    x = x[tuple(slice(0, n) for n in _extent(info))]
-    for split, dim in reversed(_splits(info)):
-        x = split.from_stored(x, dim)
-    return x
-
-
-def _from_logical(x: Any, info: Mapping[str, Any]) -> Any:
-    """Logical array -> stored layout of `info`: tp/ep splits, then GTP zero padding."""
-    for split, dim in _splits(info):
-        x = split.to_stored(x, dim)
-    widths = [(0, int(s) - int(e)) for s, e in zip(info["shape"], x.shape)]
-    return jnp.pad(x, widths) if any(w for _, w in widths) else x
-
-
-def _numpy_dtype(name: str) -> np.dtype:
-    try:
-        return np.dtype(jnp.dtype(name))
-    except TypeError:  # a PRNG key implementation name: stored as uint32 key data
-        return np.dtype(np.uint32)
-
-
-def _savable_shape(value: Any) -> tuple[int, ...]:
-    return tuple(jax.random.key_data(value).shape) if _is_key(value) else tuple(value.shape)
-
-
 def _mesh_of_model(model: nnx.Module) -> Mesh | None:
     mesh = getattr(model, "mesh", None)
     return mesh if isinstance(mesh, Mesh) else None
@@ -845,7 +587,7 @@ def _abstract(value: Any, mesh: Mesh | None) -> jax.ShapeDtypeStruct:
     Arrays not on a mesh (e.g. optimizer counters still on one device before the first
     step) are restored replicated on the model's mesh, so every process gets a copy.
     """
-    shape, dtype = _savable_shape(value), (jnp.uint32 if _is_key(value) else value.dtype)
+    shape, dtype = savable_shape(value), (jnp.uint32 if is_key(value) else value.dtype)
     # (For PRNG keys, key_data adds trailing dims; the key's spec still fits its leading dims.)
     sharding = getattr(value, "sharding", None)
     if not isinstance(sharding, NamedSharding):
@@ -880,7 +622,7 @@ def _check_compatible(meta: Mapping[str, Any], flat: Mapping[str, tuple[nnx.Vari
             "(model config and optax chain) as the run that saved it."
         )
     for path, (var, value) in flat.items():
-        info = _array_info(var, value)
+        info = array_info(var, value)
         saved = stored[path]
         if saved["dtype"] != info["dtype"]:
             raise UsageError(
@@ -893,9 +635,9 @@ def _check_compatible(meta: Mapping[str, Any], flat: Mapping[str, tuple[nnx.Vari
                 f"target has {tuple(info['logical_shape'])}; the model config differs from "
                 "the saved run's."
             )
-        if _layout(saved) != _layout(info):
-            continue  # re-laid out through the logical array (`_relayout`)
-        old, new, extent = saved["shape"], info["shape"], _extent(info)
+        if split_layout(saved) != split_layout(info):
+            continue  # re-laid out through the logical array (`relayout`)
+        old, new, extent = saved["shape"], info["shape"], stored_extent(info)
         if len(old) != len(new) or any(
                 a != b and not (info["padded"] and min(a, b) >= n)
                 for a, b, n in zip(old, new, extent)):
@@ -925,39 +667,6 @@ def _flatten_nested(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]
         else:
             out[path] = value
     return out
-
-
-def _zero_padding(value: jax.Array, info: Mapping[str, Any]) -> jax.Array:
-    """Zeroes every element past the unpadded extent (a purely local, elementwise op)."""
-    if not info["padded"] or tuple(value.shape) == _extent(info):
-        return value
-    return _jit_mask(tuple(value.shape), _extent(info), value.sharding)(value)
-
-
-@functools.cache
-def _jit_mask(shape: tuple[int, ...], extent: tuple[int, ...], sharding: Any):
-    def mask(x: jax.Array) -> jax.Array:
-        keep = jnp.ones(shape, dtype=bool)
-        for dim, (size, n) in enumerate(zip(shape, extent)):
-            if size != n:
-                keep &= jax.lax.broadcasted_iota(jnp.int32, shape, dim) < n
-        return jnp.where(keep, x, jnp.zeros((), x.dtype))
-
-    return jax.jit(mask, out_shardings=sharding)
-
-
-def _relayout(value: jax.Array, saved: Mapping[str, Any], target: Mapping[str, Any],
-              sharding: Any) -> jax.Array:
-    """A replicated array in the `saved` layout -> the `target` layout and sharding."""
-    freeze = lambda info: json.dumps(info, sort_keys=True)  # hashable cache key
-    return _jit_relayout(freeze(saved), freeze(target), sharding)(value)
-
-
-@functools.cache
-def _jit_relayout(saved: str, target: str, sharding: Any):
-    saved_info, target_info = json.loads(saved), json.loads(target)
-    return jax.jit(lambda x: _from_logical(_to_logical(x, saved_info), target_info),
-                   out_shardings=sharding)
 
 
 __all__ = ["FORMAT_VERSION", "CheckpointConfig", "CheckpointCorruptError", "CheckpointLockedError",

@@ -1,0 +1,113 @@
+"""Checksums of logical arrays that are the same on every mesh: what a checkpoint records
+per array at save time and verifies on restore (`gtp_jax.train.checkpoint`)."""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from gtp_jax.train.layout import split_layout, to_logical
+
+
+def _fmix32(h: jax.Array) -> jax.Array:
+    """MurmurHash3's finalizer: a bijection of uint32, so two different inputs never mix to
+    the same output."""
+    h = h ^ (h >> 16)
+    h = h * jnp.uint32(0x85EBCA6B)
+    h = h ^ (h >> 13)
+    h = h * jnp.uint32(0xC2B2AE35)
+    return h ^ (h >> 16)
+
+
+def _bits(x: jax.Array) -> jax.Array:
+    """The raw bits of `x` as uint32 (one word per element; 8-byte types add a dim of 2)."""
+    if x.dtype == jnp.bool_:
+        return x.astype(jnp.uint32)
+    size = np.dtype(x.dtype).itemsize
+    if size >= 4:
+        return jax.lax.bitcast_convert_type(x, jnp.uint32)
+    return jax.lax.bitcast_convert_type(x, {1: jnp.uint8, 2: jnp.uint16}[size]).astype(jnp.uint32)
+
+
+def fingerprint(x: jax.Array, extent: tuple[int, ...] | None = None) -> jax.Array:
+    """uint32[2] hash of the bits and positions of the logical array ``x[:extent]``.
+
+    Each element's bits are combined with its flat index in the logical array and mixed by
+    a bijection, then summed mod 2**32 (integer sums do not depend on the reduction order,
+    so the result is the same on every mesh). Changing one element (e.g. one flipped bit)
+    changes exactly one summand and hence the sum; a multi-element change goes unnoticed
+    with probability about 2**-64 over the two lanes. Elements past `extent` (GTP padding)
+    are masked out instead of sliced off, so a sharded array is hashed where it lies, with
+    no re-layout and no extra copy.
+    """
+    b = _bits(x)
+    shape = b.shape
+    logical = tuple(extent) + shape[len(extent):] if extent is not None else shape
+    index = jnp.zeros(shape, jnp.uint32)
+    inside = jnp.ones(shape, bool)
+    stride = 1
+    for dim in reversed(range(b.ndim)):
+        iota = jax.lax.broadcasted_iota(jnp.uint32, shape, dim)
+        index = index + iota * jnp.uint32(stride % 2**32)
+        stride *= logical[dim]
+        if logical[dim] != shape[dim]:
+            inside &= iota < logical[dim]
+    zero = jnp.uint32(0)
+    lane1 = jnp.where(inside, _fmix32(b ^ _fmix32(index)), zero)
+    lane2 = jnp.where(inside, _fmix32(b + index * jnp.uint32(0x9E3779B9)
+                                      + jnp.uint32(0x7F4A7C15)), zero)
+    return jnp.stack([jnp.sum(lane1, dtype=jnp.uint32), jnp.sum(lane2, dtype=jnp.uint32)])
+
+
+def digest(values: Mapping[str, Any], infos: Mapping[str, Mapping[str, Any]],
+            mesh: Mesh | None) -> tuple[dict[str, str], list[str]]:
+    """(checksum per array as 16 hex digits, arrays holding NaN/inf) in one jitted pass.
+
+    Both are computed over the logical array (padding dropped, tp/ep split layout undone),
+    so a checkpoint saved on one mesh verifies after a restore onto any other. The result
+    is replicated, so every process of a multi-process run gets the same answer.
+    """
+    keys = sorted(values)
+    if mesh is not None:
+        replicated = NamedSharding(mesh, P())
+        args = [v if isinstance(getattr(v, "sharding", None), NamedSharding)
+                else jax.device_put(v, replicated) for v in (values[k] for k in keys)]
+    else:
+        replicated, args = None, [values[k] for k in keys]
+    frozen = json.dumps([infos[k] for k in keys], sort_keys=True)
+    prints, finite = _jit_digest(frozen, replicated)(args)
+    prints = np.asarray(prints.addressable_data(0)) if hasattr(prints, "addressable_data") \
+        else np.asarray(prints)
+    finite = np.asarray(finite.addressable_data(0)) if hasattr(finite, "addressable_data") \
+        else np.asarray(finite)
+    checksums = {k: f"{int(a):08x}{int(b):08x}" for k, (a, b) in zip(keys, prints)}
+    return checksums, [k for k, ok in zip(keys, finite) if not ok]
+
+
+@functools.cache
+def _jit_digest(frozen: str, sharding: Any):
+    infos = json.loads(frozen)
+
+    def digest(arrays):
+        prints, finite = [], []
+        for x, info in zip(arrays, infos):
+            if split_layout(info):  # tp/ep split: undo the permutation first
+                x, extent = to_logical(x, info), None
+            else:  # at most GTP padding: hash in place, padding masked
+                extent = tuple(int(n) for n in info["logical_shape"])
+            prints.append(fingerprint(x, extent))
+            finite.append(jnp.all(jnp.isfinite(x)) if jnp.issubdtype(x.dtype, jnp.inexact)
+                          else jnp.bool_(True))
+        if not prints:
+            return jnp.zeros((0, 2), jnp.uint32), jnp.zeros((0,), bool)
+        return jnp.stack(prints), jnp.stack(finite)
+
+    return jax.jit(digest, out_shardings=sharding) if sharding is not None else jax.jit(digest)
