@@ -23,10 +23,13 @@ from gtp_jax.base.mesh import (  # noqa: E402
     data_sharding,
     describe_mesh,
     make_mesh,
+    seq_axes,
+    seq_sharding,
     shard_key,
 )
 from gtp_jax.sharding import (  # noqa: E402
     GTPShard,
+    InputLayout,
     OutputLayout,
     ShardedModule,
     bytes_per_device,
@@ -42,6 +45,7 @@ __version__ = "0.1.0"
 __all__ = [
     "GTPConfig",
     "GTPShard",
+    "InputLayout",
     "OutputLayout",
     "ParallelAxes",
     "ShardedModule",
@@ -53,6 +57,8 @@ __all__ = [
     "make_mesh",
     "parallel",
     "replicated",
+    "seq_axes",
+    "seq_sharding",
     "scan_layers",
     "shard",
     "shard_key",

@@ -6,6 +6,11 @@ with `current_axes` to decide whether to run Megatron tensor/sequence parallelis
 expert parallelism (``ep``); outside a sharded call (the unsharded reference model) both are
 None and the same code runs the plain single-device math.
 
+``cp`` (context parallelism) is published only while the module's *inputs* are split over
+the sequence, i.e. when the module opted in with ``gtp_input_layout`` (see
+`gtp_jax.sharding.module.InputLayout`): model code that sees ``cp`` holds this rank's piece
+of every sequence and must attend across the ring (`gtp_jax.parallel.context`).
+
 The value is read at trace time only: gradient rules get the axis names they need as static
 arguments, so nothing depends on the context being active when the backward pass is traced.
 Code that calls ``jax.shard_map`` itself can publish axes with `use_axes`.
@@ -24,6 +29,8 @@ from jax.sharding import Mesh
 TP_AXIS = "tp"
 #: Mesh axis of expert parallelism.
 EP_AXIS = "ep"
+#: Mesh axis of context parallelism (the sequence split).
+CP_AXIS = "cp"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,15 +42,20 @@ class ParallelAxes:
       tp_size: number of ranks on `tp` (1 when off).
       ep: expert-parallel axis name, or None.
       ep_size: number of ranks on `ep` (1 when off).
+      cp: context-parallel axis name, or None: when set, the module's batch inputs arrived
+        split over it on dim 1 (the sequence), in the layout the module chose.
+      cp_size: number of ranks on `cp` (1 when off).
     """
 
     tp: str | None = None
     tp_size: int = 1
     ep: str | None = None
     ep_size: int = 1
+    cp: str | None = None
+    cp_size: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("tp", "ep"):
+        for name in ("tp", "ep", "cp"):
             axis, size = getattr(self, name), getattr(self, f"{name}_size")
             if not isinstance(size, int) or size < 1:
                 raise ValueError(f"ParallelAxes.{name}_size={size!r} must be a positive int.")
@@ -53,11 +65,13 @@ class ParallelAxes:
 
     @classmethod
     def from_mesh(cls, mesh: Mesh) -> ParallelAxes:
-        """``tp``/``ep`` of `mesh` when their size is > 1 (size-1 axes count as off)."""
+        """``tp``/``ep``/``cp`` of `mesh` when their size is > 1 (size-1 axes count as off)."""
         tp = mesh.shape.get(TP_AXIS, 1)
         ep = mesh.shape.get(EP_AXIS, 1)
+        cp = mesh.shape.get(CP_AXIS, 1)
         return cls(tp=TP_AXIS if tp > 1 else None, tp_size=int(tp),
-                   ep=EP_AXIS if ep > 1 else None, ep_size=int(ep))
+                   ep=EP_AXIS if ep > 1 else None, ep_size=int(ep),
+                   cp=CP_AXIS if cp > 1 else None, cp_size=int(cp))
 
 
 _OFF = ParallelAxes()

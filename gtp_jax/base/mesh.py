@@ -11,6 +11,16 @@ explicit specs; everything outside (loss, optimizer) is ordinary global-view cod
 sharding propagation places. Newer ``jax.make_mesh`` defaults to ``Explicit`` axes
 (sharding-in-types), which would make that global-view code raise on ambiguous shardings,
 so the choice is made here rather than inherited from the JAX version.
+
+Context parallelism (``cp``, the sequence split of `gtp_jax.parallel.context`): with
+``cp > 1`` the mesh has five axes ``("dp", "ep", "gtp", "cp", "tp")`` -- ``cp`` inside
+``gtp`` and outside ``tp``, so a cp ring is made of devices ``tp`` apart (consecutive
+devices when ``tp == 1``: the ring's ppermutes stay between NVLink neighbours, and ``tp``
+keeps the closest ones). With ``cp == 1`` (the default) there is **no** ``cp`` axis: the
+mesh is the four-axis ``("dp", "ep", "gtp", "tp")`` mesh it always was, so every existing
+program, checkpoint metadata (``{"dp", "ep", "gtp", "tp"}``) and ``describe_mesh`` output is
+unchanged. Code that needs the cp size reads ``mesh.shape.get("cp", 1)`` (as for ``tp`` on a
+user-built mesh) or `seq_axes`.
 """
 
 from __future__ import annotations
@@ -27,8 +37,14 @@ from jax.sharding import PartitionSpec as P
 from gtp_jax.base.errors import UsageError, UsageTypeError
 from gtp_jax.base.xla_flags import describe_xla_flags
 
-#: Mesh axis names, outermost first.
+#: Mesh axis names, outermost first (a mesh with ``cp == 1``: no ``cp`` axis).
 AXES: tuple[str, ...] = ("dp", "ep", "gtp", "tp")
+#: Mesh axis names with context parallelism (``cp > 1``), outermost first.
+AXES_CP: tuple[str, ...] = ("dp", "ep", "gtp", "cp", "tp")
+#: The context-parallel (sequence-split) axis.
+CP_AXIS = "cp"  # same name as gtp_jax.base.axes.CP_AXIS
+#: Axes that never split the batch: tensor parallelism and the sequence split.
+_NOT_DATA = ("tp", CP_AXIS)
 
 
 def make_mesh(
@@ -36,26 +52,35 @@ def make_mesh(
     gtp: int = 1,
     tp: int = 1,
     ep: int = 1,
+    cp: int = 1,
     devices: Sequence[jax.Device] | None = None,
 ) -> Mesh:
-    """Builds the ``(dp, ep, gtp, tp)`` mesh over `devices` (default: all devices).
+    """Builds the ``(dp, ep, gtp, tp)`` mesh -- ``(dp, ep, gtp, cp, tp)`` when ``cp > 1`` --
+    over `devices` (default: all devices).
 
     Args:
       dp: data-parallel replicas (weights replicated across them).
       gtp: generalized-tensor-parallel degree (weights stored 1/gtp, gathered just in time).
       tp: Megatron tensor-parallel degree (innermost: consecutive devices).
       ep: expert-parallel degree.
-      devices: the devices to use, in order; their count must equal ``dp*ep*gtp*tp``.
+      cp: context-parallel degree: the sequence is split over ``cp`` ranks (ring attention;
+        see `gtp_jax.parallel.context`). Inside ``gtp``, outside ``tp``. Only a module that
+        asks for it (``gtp_input_layout``, e.g. `gtp_jax.models.Transformer`) gets its
+        sequence split; for any other module ``cp`` ranks compute the same thing, like ``tp``.
+      devices: the devices to use, in order; their count must equal ``dp*ep*gtp*cp*tp``.
 
     Returns:
-      A `jax.sharding.Mesh` with axis names ``("dp", "ep", "gtp", "tp")`` and Auto axis types.
+      A `jax.sharding.Mesh` with axis names ``("dp", "ep", "gtp", "tp")`` (`AXES`), or
+      ``("dp", "ep", "gtp", "cp", "tp")`` (`AXES_CP`) when ``cp > 1``; Auto axis types.
 
     Example:
       >>> mesh = make_mesh(dp=2, gtp=4)            # doctest: +SKIP
       >>> describe_mesh(mesh)["gtp"]               # doctest: +SKIP
       [[0, 1, 2, 3], [4, 5, 6, 7]]
+      >>> describe_mesh(make_mesh(dp=2, cp=4))["cp"]  # doctest: +SKIP
+      [[0, 1, 2, 3], [4, 5, 6, 7]]
     """
-    sizes = {"dp": dp, "ep": ep, "gtp": gtp, "tp": tp}
+    sizes = {"dp": dp, "ep": ep, "gtp": gtp, "cp": cp, "tp": tp}
     for name, size in sizes.items():
         if not isinstance(size, (int, np.integer)) or isinstance(size, bool) or size < 1:
             raise UsageError(f"make_mesh: {name}={size!r} must be a positive int.")
@@ -74,14 +99,17 @@ def make_mesh(
                          "each device can hold one mesh position.")
     product = math.prod(sizes.values())
     if product != len(devices):
+        what = ("dp*ep*gtp*cp*tp", f"{dp}*{ep}*{gtp}*{cp}*{tp}") if cp > 1 else \
+            ("dp*ep*gtp*tp", f"{dp}*{ep}*{gtp}*{tp}")
         raise UsageError(
-            f"make_mesh: dp*ep*gtp*tp = {dp}*{ep}*{gtp}*{tp} = {product} does not equal the "
+            f"make_mesh: {what[0]} = {what[1]} = {product} does not equal the "
             f"number of devices ({len(devices)}); choose sizes whose product is {len(devices)}, "
             "or pass devices= with that many devices."
         )
-    shape = tuple(sizes[a] for a in AXES)
+    names = AXES_CP if cp > 1 else AXES
+    shape = tuple(sizes[a] for a in names)
     grid = np.asarray(devices, dtype=object).reshape(shape)
-    return Mesh(grid, AXES, axis_types=(jax.sharding.AxisType.Auto,) * len(AXES))
+    return Mesh(grid, names, axis_types=(jax.sharding.AxisType.Auto,) * len(names))
 
 
 def axis_groups(mesh: Mesh, axis: str) -> list[list[int]]:
@@ -111,8 +139,30 @@ def describe_mesh(mesh: Mesh, *, print_fn=None) -> dict[str, list[list[int]]]:
 
 
 def data_axes(mesh: Mesh) -> tuple[str, ...]:
-    """Mesh axes the batch is split over: every axis except ``tp`` (ranks that see data)."""
-    return tuple(a for a in mesh.axis_names if a != "tp")
+    """Mesh axes the batch is split over: every axis except ``tp`` and ``cp`` (ranks that
+    see different examples)."""
+    return tuple(a for a in mesh.axis_names if a not in _NOT_DATA)
+
+
+def seq_axes(mesh: Mesh) -> tuple[str, ...]:
+    """Mesh axes the sequence (dim 1 of a batch-major input) is split over under context
+    parallelism: ``("cp",)`` when the mesh has a ``cp`` axis, else ``()``."""
+    return tuple(a for a in mesh.axis_names if a == CP_AXIS)
+
+
+def cp_size(mesh: Mesh) -> int:
+    """The context-parallel degree of `mesh` (1 without a ``cp`` axis)."""
+    return int(mesh.shape.get(CP_AXIS, 1))
+
+
+def seq_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
+    """Placement for a batch-major, sequence-second input of rank `ndim` under context
+    parallelism: dim 0 over the data axes, dim 1 over `seq_axes` (the ``cp`` axis)."""
+    _check_mesh(mesh, "seq_sharding")
+    if isinstance(ndim, bool) or not isinstance(ndim, (int, np.integer)) or ndim < 2:
+        raise UsageError(f"seq_sharding: ndim={ndim!r} must be an int >= 2 (batch, sequence).")
+    seq = seq_axes(mesh)
+    return NamedSharding(mesh, P(data_axes(mesh), seq or None, *([None] * (ndim - 2))))
 
 
 def data_size(mesh: Mesh) -> int:

@@ -15,6 +15,19 @@ sequence before qkv / gate_up (column-parallel) and reduce-scatters it after out
 residuals run on the local chunk; the LM head runs on the local chunk with the full
 vocabulary, and the logits leave sequence-sharded over ``tp``. Heads that do not divide
 over ``tp`` are zero-padded (padded heads stay exactly zero, see `Attention`).
+
+Context parallelism (a mesh with ``cp > 1``, `gtp_jax.make_mesh`): `Transformer.gtp_input_layout`
+opts in to the sequence split. Before ``shard_map`` the int tokens are padded at the end to
+`gtp_jax.parallel.context.padded_seq_len` and put in the load-balanced zigzag order
+(``TransformerConfig.cp_layout``); each ``cp`` rank embeds its piece, rotary embeddings use
+the tokens' global positions (`position_ids`), attention runs as a ring over ``cp``
+(`ring_attention`, or the all-gather baseline: ``TransformerConfig.cp_attention``) with the
+padding masked (``valid_len``), and everything else (norms, MLP, LM head) is per token and
+runs on the local piece. The logits leave ``shard_map`` sequence-sharded over ``cp``;
+`Transformer.gtp_output_layout` puts them back in natural order and drops the padding.
+Composition: batch over the data axes (dp x ep x gtp), sequence over ``cp``; GTP gathers are
+unchanged. Not supported with ``cp > 1`` (a `UsageError`): ``tp > 1`` (tensor/sequence
+parallelism inside a cp piece) and mixture-of-experts layers (``moe_experts``).
 """
 
 from __future__ import annotations
@@ -28,7 +41,8 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from gtp_jax.base.axes import TP_AXIS, current_axes
+from gtp_jax.base.axes import CP_AXIS, TP_AXIS, current_axes
+from gtp_jax.base.errors import UsageError
 from gtp_jax.base.mesh import data_axes
 from gtp_jax.base.metadata import STACKED, TP_DIM, TP_PARTS
 from gtp_jax.base.shapes import round_up
@@ -37,12 +51,23 @@ from gtp_jax.parallel.collective_matmul import (
     all_gather_matmul_chunks,
     matmul_reduce_scatter_chunks,
 )
+from gtp_jax.parallel.context import (
+    LAYOUTS,
+    allgather_attention,
+    padded_seq_len,
+    position_ids,
+    ring_attention,
+    zigzag_merge,
+    zigzag_split,
+)
 from gtp_jax.parallel.moe import MoE
 from gtp_jax.parallel.tp import column_parallel, pad_seq, row_parallel, seq_chunk
-from gtp_jax.sharding.module import OutputLayout
+from gtp_jax.sharding.module import InputLayout, OutputLayout
 from gtp_jax.sharding.scan import scan_layers
 
 REMAT_POLICIES = ("none", "dots", "full")
+#: Attention implementations under context parallelism (`TransformerConfig.cp_attention`).
+CP_ATTENTION = ("ring", "allgather")
 #: Projections whose tensor-parallel collective can run as a ring (`TransformerConfig.tp_overlap`).
 TP_PROJECTIONS = ("qkv", "out", "gate_up", "down")
 
@@ -74,6 +99,12 @@ class TransformerConfig:
       moe_capacity_factor: expert capacity factor per sequence; None: dropless.
       moe_d_ff: hidden width of each expert (None: ``d_ff``).
       moe_aux_weight: weight of the load-balancing loss in `lm_loss` (summed over layers).
+      cp_attention: attention under context parallelism (a mesh with ``cp > 1``): "ring"
+        (`gtp_jax.parallel.context.ring_attention`: K/V travel around the ``cp`` ring, no
+        ``S x S`` scores) or "allgather" (all-gather K/V, ``s_local x S`` scores: the
+        baseline). No effect without ``cp``.
+      cp_layout: which tokens each ``cp`` rank holds: "zigzag" (load-balanced under the
+        causal mask) or "contiguous". No effect without ``cp``.
     """
 
     vocab_size: int = 256
@@ -95,6 +126,8 @@ class TransformerConfig:
     moe_capacity_factor: float | None = 1.25
     moe_d_ff: int | None = None
     moe_aux_weight: float = 0.01
+    cp_attention: str = "ring"
+    cp_layout: str = "zigzag"
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "d_model", "n_heads", "n_layers", "d_ff", "max_seq_len"):
@@ -115,6 +148,13 @@ class TransformerConfig:
             raise ValueError(
                 f"TransformerConfig.remat={self.remat!r}; choose one of {REMAT_POLICIES}."
             )
+        if self.cp_attention not in CP_ATTENTION:
+            raise ValueError(
+                f"TransformerConfig.cp_attention={self.cp_attention!r}; choose one of "
+                f"{CP_ATTENTION}.")
+        if self.cp_layout not in LAYOUTS:
+            raise ValueError(
+                f"TransformerConfig.cp_layout={self.cp_layout!r}; choose one of {LAYOUTS}.")
         if not isinstance(self.tp_overlap, bool):
             names = tuple(self.tp_overlap) if isinstance(self.tp_overlap, (tuple, list)) \
                 else None
@@ -211,6 +251,15 @@ def rope_tables(seq_len: int, head_dim: int, theta: float) -> tuple[jax.Array, j
     return jnp.asarray(np.cos(angles)), jnp.asarray(np.sin(angles))
 
 
+def rope_at(positions: jax.Array, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
+    """cos/sin tables, float32 ``[len(positions), head_dim // 2]``, at the given (traced)
+    int positions: `rope_tables` rows for tokens that are not in natural order (context
+    parallelism: this rank's global positions)."""
+    inv_freq = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))
+    angles = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]
+    return jnp.cos(angles), jnp.sin(angles)
+
+
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     """Rotates ``x: [batch, seq, heads, head_dim]`` (split-half convention)."""
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
@@ -253,10 +302,14 @@ class Attention(nnx.Module):
         self.qkv.kernel.set_metadata(TP_DIM, 2)
         self.out.kernel.set_metadata(TP_DIM, 0)
 
-    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array,
+                 valid_len: int | None = None) -> jax.Array:
         """``x: [batch, seq, d_model]`` -> same shape (``seq``: the local chunk under tp;
-        `cos`/`sin` cover the full sequence)."""
-        tp = current_axes().tp
+        `cos`/`sin` cover the full sequence). Under ``cp`` (`current_axes`), ``seq`` is this
+        rank's piece in ``cfg.cp_layout`` order, `cos`/`sin` are its rows and `valid_len`
+        is the global number of real (unpadded) tokens."""
+        axes = current_axes()
+        tp = axes.tp
         if tp is None:
             qkv = self.qkv(x)
         else:
@@ -264,8 +317,12 @@ class Attention(nnx.Module):
             qkv = column_parallel(x, w, tp, overlap=self.cfg.overlaps("qkv"))
         q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        attn = jax.nn.dot_product_attention(q, k, v, is_causal=True,
-                                            implementation=self.cfg.attention_impl)
+        if axes.cp is not None:
+            fn = ring_attention if self.cfg.cp_attention == "ring" else allgather_attention
+            attn = fn(q, k, v, axis=axes.cp, layout=self.cfg.cp_layout, valid_len=valid_len)
+        else:
+            attn = jax.nn.dot_product_attention(q, k, v, is_causal=True,
+                                                implementation=self.cfg.attention_impl)
         if tp is None:
             return self.out(attn)
         attn, w = _promote(attn, self.out.kernel[...], self.cfg.dtype)
@@ -335,7 +392,7 @@ class Block(nnx.Module):
 
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array,
                  valid_len: int | None = None) -> tuple[jax.Array, jax.Array]:
-        x = x + self.attn(self.attn_norm(x), cos, sin)
+        x = x + self.attn(self.attn_norm(x), cos, sin, valid_len)
         if isinstance(self.mlp, MoE):
             y, aux = self.mlp(self.mlp_norm(x), valid_len)
             return x + y, aux
@@ -397,24 +454,50 @@ class Transformer(nnx.Module):
             cfg.d_model, cfg.vocab_size, use_bias=False, dtype=cfg.dtype,
             param_dtype=cfg.param_dtype, kernel_init=_init(0.02), rngs=rngs)
 
-    def __call__(self, tokens: jax.Array) -> LMOutput:
+    def __call__(self, tokens: jax.Array, *, seq_len: int | None = None) -> LMOutput:
         """``tokens: int32[batch, seq]`` -> `LMOutput` (logits ``[batch, seq, vocab]``, aux).
 
         Under tensor parallelism (inside a sharded call) the logits are this rank's chunk of
-        the padded sequence; `gtp_output_layout` reassembles and unpads them.
+        the padded sequence; `gtp_output_layout` reassembles and unpads them. Under context
+        parallelism (``cp`` in `current_axes`) `tokens` is this rank's piece of the padded
+        sequence in ``cfg.cp_layout`` order and `seq_len` the global number of real tokens
+        (both set by `gtp_input_layout`); the logits are this rank's piece, reassembled by
+        `gtp_output_layout`.
         """
         cfg = self.cfg
+        axes = current_axes()
+        if axes.cp is not None:
+            return self._call_cp(tokens, seq_len, axes)
         seq_len = tokens.shape[1]
         if seq_len > cfg.max_seq_len:
             raise ValueError(
                 f"Sequence length {seq_len} exceeds TransformerConfig.max_seq_len="
                 f"{cfg.max_seq_len}; use shorter sequences or a larger max_seq_len."
             )
-        axes = current_axes()
         if axes.tp is not None:
             # Trailing pad to a multiple of tp: causal attention keeps real positions exact.
             tokens = seq_chunk(pad_seq(tokens, axes.tp_size), axes.tp)
         cos, sin = rope_tables(round_up(seq_len, axes.tp_size), cfg.head_dim, cfg.rope_theta)
+        return self._forward(tokens, cos, sin, seq_len)
+
+    def _call_cp(self, tokens: jax.Array, seq_len: int | None, axes: Any) -> LMOutput:
+        """The context-parallel forward: `tokens` is this rank's piece (see `__call__`)."""
+        cfg = self.cfg
+        _check_cp(cfg, axes.tp_size, axes.cp_size)
+        local = tokens.shape[1]
+        padded = local * axes.cp_size
+        seq_len = padded if seq_len is None else int(seq_len)
+        if seq_len > cfg.max_seq_len:
+            raise ValueError(
+                f"Sequence length {seq_len} exceeds TransformerConfig.max_seq_len="
+                f"{cfg.max_seq_len}; use shorter sequences or a larger max_seq_len.")
+        cos, sin = rope_at(position_ids(local, axes.cp, cfg.cp_layout), cfg.head_dim,
+                           cfg.rope_theta)
+        return self._forward(tokens, cos, sin, seq_len if seq_len < padded else None)
+
+    def _forward(self, tokens: jax.Array, cos: jax.Array, sin: jax.Array,
+                 seq_len: int | None) -> LMOutput:
+        cfg = self.cfg
         x = self.embed(tokens)
         graphdef, stacked = nnx.split(self.blocks)
 
@@ -429,22 +512,80 @@ class Transformer(nnx.Module):
         logits = self.embed.attend(x) if self.lm_head is None else self.lm_head(x)
         return LMOutput(logits, aux)
 
-    def gtp_output_layout(self, mesh: Any, tokens: jax.Array) -> OutputLayout | None:
-        """Output placement under `gtp_jax.shard`: logits sequence-sharded over ``tp``.
+    def gtp_input_layout(self, mesh: Any, tokens: jax.Array, *,
+                         seq_len: int | None = None) -> InputLayout:
+        """Input placement under `gtp_jax.shard` on a mesh with ``cp > 1``: the tokens are
+        padded at the end to `padded_seq_len` and put in ``cfg.cp_layout`` order (cheap: int
+        tokens), then split over ``cp`` on dim 1; ``seq_len`` (the real length) is passed
+        to `__call__` as a static keyword. Only consulted when the mesh has ``cp > 1``."""
+        cp = int(mesh.shape.get(CP_AXIS, 1))
+        _check_cp(self.cfg, int(mesh.shape.get(TP_AXIS, 1)), cp)
+        if seq_len is not None:
+            raise UsageError("Transformer: seq_len= is set by gtp_input_layout under context "
+                             "parallelism; call the sharded model with tokens only.")
+        layout = self.cfg.cp_layout
+
+        def prepare(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+            (toks,) = args
+            toks = getattr(toks, "value", toks)  # gtp_jax.replicated would be a misuse anyway
+            s = toks.shape[1]
+            padded = padded_seq_len(s, cp, layout)
+            if padded != s:
+                toks = jnp.pad(toks, ((0, 0), (0, padded - s)))
+            if layout == "zigzag":
+                toks = zigzag_split(toks, cp, axis=1)
+            return (toks,), {**kwargs, "seq_len": s}
+
+        return InputLayout(prepare=prepare)
+
+    def gtp_output_layout(self, mesh: Any, tokens: jax.Array, *,
+                          seq_len: int | None = None) -> OutputLayout | None:
+        """Output placement under `gtp_jax.shard`: logits sequence-sharded over ``tp``
+        (or ``cp``).
 
         The logits leave ``shard_map`` as ``[batch, padded_seq, vocab]`` with
         ``P(data_axes, "tp")`` (no all-gather of the vocabulary-sized tensor), and the
         sequence padding is sliced off afterwards. None (the default placement) without tp.
+        Under context parallelism they leave with ``P(data_axes, "cp")`` in
+        ``cfg.cp_layout`` order; the finalize step restores natural order and drops the
+        padding.
         """
+        cp = int(mesh.shape.get(CP_AXIS, 1))
+        data = data_axes(mesh)
+        seq_len = tokens.shape[1]
+        if cp > 1:
+            layout = self.cfg.cp_layout
+            padded = padded_seq_len(seq_len, cp, layout)
+
+            def finalize(out: LMOutput) -> LMOutput:
+                logits = out.logits
+                if layout == "zigzag":
+                    logits = zigzag_merge(logits, cp, axis=1)
+                return out._replace(logits=logits[:, :seq_len] if padded != seq_len
+                                    else logits)
+
+            return OutputLayout(LMOutput(P(data, CP_AXIS), P(data)), finalize)
         tp = int(mesh.shape.get(TP_AXIS, 1))
         if tp == 1:
             return None
-        data = data_axes(mesh)
-        seq_len = tokens.shape[1]
         specs = LMOutput(P(data, TP_AXIS), P(data))
         if round_up(seq_len, tp) == seq_len:
             return OutputLayout(specs)
         return OutputLayout(specs, lambda out: out._replace(logits=out.logits[:, :seq_len]))
+
+
+def _check_cp(cfg: TransformerConfig, tp: int, cp: int) -> None:
+    """What context parallelism does not combine with (yet)."""
+    if cp > 1 and tp > 1:
+        raise UsageError(
+            f"Transformer: context parallelism (cp={cp}) with tensor parallelism (tp={tp}) is "
+            "not supported: use tp=1 with cp > 1 (batch over dp x gtp, sequence over cp), or "
+            "cp=1 with tp.")
+    if cp > 1 and cfg.moe_experts:
+        raise UsageError(
+            f"Transformer: context parallelism (cp={cp}) with a mixture of experts "
+            f"(moe_experts={cfg.moe_experts}) is not supported (expert capacity is per "
+            "sequence); use a dense MLP or cp=1.")
 
 
 def lm_loss(model: nnx.Module, tokens: jax.Array, aux_weight: float = 0.0) -> jax.Array:

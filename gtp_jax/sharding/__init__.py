@@ -10,6 +10,7 @@ call runs inside ``jax.shard_map``).
 from gtp_jax.sharding.collectives import GatherSpec, gather_weight, reduce_scatter_grad
 from gtp_jax.sharding.lazy import GTPShard
 from gtp_jax.sharding.module import (
+    InputLayout,
     OutputLayout,
     Replicated,
     ShardedModule,
@@ -25,6 +26,7 @@ __all__ = [
     "Replicated",
     "GTPShard",
     "GatherSpec",
+    "InputLayout",
     "OutputLayout",
     "ShardedModule",
     "bytes_per_device",

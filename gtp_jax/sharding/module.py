@@ -18,7 +18,7 @@ from jax.sharding import PartitionSpec as P
 from gtp_jax.base.axes import ParallelAxes, use_axes
 from gtp_jax.base.config import GTPConfig
 from gtp_jax.base.errors import UsageError, UsageTypeError
-from gtp_jax.base.mesh import check_axis, data_axes, data_size, shard_key
+from gtp_jax.base.mesh import check_axis, cp_size, data_axes, data_size, seq_axes, shard_key
 from gtp_jax.base.metadata import LOGICAL_SHAPE, REDUCE, SPLIT_AXES, SPLIT_LAYOUT, STACKED
 from gtp_jax.sharding.collectives import gather_weight, regather_policy
 from gtp_jax.sharding.lazy import GTPShard, LazyWeight, whole_weight
@@ -47,6 +47,43 @@ class OutputLayout:
 
     specs: Any
     finalize: Callable[[Any], Any] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class InputLayout:
+    """How a module's batch arguments enter ``shard_map`` under context parallelism.
+
+    Returned by the wrapped module's optional hook ``gtp_input_layout(mesh, *args,
+    **kwargs) -> InputLayout | None`` (same arguments as ``__call__``). It is the module's
+    opt-in to the sequence split: on a mesh with ``cp > 1`` (`gtp_jax.make_mesh`), the batch
+    arguments it names are split on dim 1 (the sequence) over ``cp`` as well as on dim 0
+    over the data axes, and `gtp_jax.base.axes.current_axes` publishes ``cp`` while the
+    module is traced. Without the hook (or when it returns None) nothing is split over
+    ``cp``: every ``cp`` rank computes the same thing, as every ``tp`` rank does for a
+    module that does not use ``tp``. The hook is not consulted when the mesh has no ``cp``
+    axis (or ``cp == 1``).
+
+    A module that splits its inputs must also define ``gtp_output_layout`` (its outputs
+    differ between ``cp`` ranks: the default per-example layout would keep one rank's).
+
+    Attributes:
+      prepare: applied to the global ``(args, kwargs)`` before ``shard_map``, returning the
+        ``(args, kwargs)`` the module is called with (e.g. pad the sequence to a multiple of
+        the split and put it in the load-balanced zigzag order, and add a static keyword
+        with the real length). None: unchanged.
+      split_seq: which (prepared) batch arguments of rank >= 2 are split on dim 1: True
+        (all of them) or a tuple of argument names as errors spell them (``"args[0]"``,
+        ``"kwargs['mask']"``). Dim 1 of each must be a multiple of ``cp``.
+    """
+
+    prepare: Callable[[tuple, dict], tuple[tuple, dict]] | None = None
+    split_seq: bool | tuple[str, ...] = True
+
+    def splits(self, name: str, ndim: int) -> bool:
+        """Whether the batch argument called `name` of rank `ndim` is split over ``cp``."""
+        if ndim < 2:
+            return False
+        return self.split_seq if isinstance(self.split_seq, bool) else name in self.split_seq
 
 # Variables written back after a call: everything but parameters and RNG keys (keys are
 # folded per shard inside the call and must not be written back folded).
@@ -151,7 +188,8 @@ def _side_rules(paths: list[str], variables: list[nnx.Variable]) -> dict[str, st
 
 
 def _reduce_side_state(module: nnx.Module, before: dict[str, Any], rules: dict[str, str | None],
-                       local_batch: int | None, axes: tuple[str, ...]) -> list:
+                       local_batch: int | None, axes: tuple[str, ...],
+                       seq_split: bool = False) -> list:
     """``[(keys, variable, combined value)]`` of the state the call wrote (inside the body).
 
     Rules (one value for the whole mesh, never one shard's): existing variables follow
@@ -174,6 +212,12 @@ def _reduce_side_state(module: nnx.Module, before: dict[str, Any], rules: dict[s
             def concat(x, path=path, kind=kind, kept=kept):
                 if id(x) in kept:
                     return x
+                if seq_split:
+                    raise UsageError(
+                        f"{path!r}: a {kind} value was stored in __call__ while the inputs are "
+                        "split over the sequence (cp); each cp rank holds a different piece, "
+                        "which a per-example value cannot represent. Return it as an output "
+                        "(with gtp_output_layout) instead.")
                 if local_batch is None or jnp.ndim(x) < 1 or jnp.shape(x)[0] != local_batch:
                     raise UsageError(
                         f"{path!r}: a {kind} value of shape {jnp.shape(x)} was stored in "
@@ -270,6 +314,15 @@ class ShardedModule(nnx.Module):
     defines ``gtp_output_layout(mesh, *args, **kwargs) -> OutputLayout | None`` (same
     arguments as ``__call__``), e.g. to return sequence-sharded logits.
 
+    Context parallelism (a mesh with ``cp > 1``): the data axes exclude ``cp``; a module that
+    defines ``gtp_input_layout(mesh, *args, **kwargs) -> InputLayout | None`` gets the
+    batch arguments it names split on dim 1 (the sequence) over ``cp`` and sees ``cp`` in
+    `current_axes`; weights stay replicated over ``cp`` (GTP gathers are unchanged) and
+    their gradients are summed over ``cp`` as over the data axes (``shard_map``'s transpose
+    sums the cotangent of an input over every axis its spec does not name). Side state is
+    reduced, and RNG keys folded, over ``cp`` too. Any other module runs unsplit: every
+    ``cp`` rank computes the same thing.
+
     Call contract (each breach is a `gtp_jax.base.errors.UsageError` naming the argument, output
     or variable, raised before any state changes):
 
@@ -320,16 +373,26 @@ class ShardedModule(nnx.Module):
             placed[p].partition_spec(jnp.ndim(x)) if p in placed else P()
             for p, x in zip(paths, values)
         ]
+        plain_args, plain_kwargs = jax.tree.map(
+            lambda x: x.value if _is_replicated(x) else x, (args, kwargs), is_leaf=_is_replicated)
+        in_layout = self._input_layout(plain_args, plain_kwargs)
+        layout = self._output_layout(plain_args, plain_kwargs)
+        if in_layout is not None and in_layout.prepare is not None:
+            args, kwargs = in_layout.prepare(args, kwargs)
         with_path, arg_tree = jax.tree_util.tree_flatten_with_path(
             (args, kwargs), is_leaf=_is_replicated)
         leaves = [x for _, x in with_path]
         names = [_arg_name(keys) for keys, _ in with_path]
-        dynamic, arg_specs, batch = self._arg_specs(leaves, names)
+        dynamic, arg_specs, batch, seq_split = self._arg_specs(leaves, names, in_layout)
         local_batch = None if batch is None else batch // data_size(mesh)
-        plain_args, plain_kwargs = jax.tree.map(
-            lambda x: x.value if _is_replicated(x) else x, (args, kwargs), is_leaf=_is_replicated)
-        layout = self._output_layout(plain_args, plain_kwargs)
         default_layout = layout is None
+        if seq_split and default_layout:
+            raise UsageError(
+                f"{type(self.module).__name__}.gtp_input_layout splits its inputs over the "
+                f"sequence ({', '.join(seq_split)} over cp={cp_size(mesh)}), so each cp rank "
+                "computes different outputs; define gtp_output_layout to say how they leave "
+                "the sharded call (e.g. sequence-sharded over 'cp'), or return None from "
+                "gtp_input_layout.")
         if default_layout:
             # Without batch arguments every shard computes the same outputs: replicated.
             layout = OutputLayout(P(axes) if batch is not None else P())
@@ -337,7 +400,8 @@ class ShardedModule(nnx.Module):
         # On one device there is nothing to split or reduce: the body runs as is, without
         # shard_map (whose transpose would add an all-reduce, and a buffer, per gradient).
         single = mesh.devices.size == 1
-        reduce_axes = () if single else axes
+        # Ranks that see different tokens: the data axes, and cp when the sequence is split.
+        reduce_axes = () if single else axes + (seq_axes(mesh) if seq_split else ())
         side_keys: list[tuple[tuple, nnx.Variable]] = []
 
         def body(local_values, local_args, lazy=False):
@@ -357,7 +421,8 @@ class ShardedModule(nnx.Module):
             out = module(*call_args, **call_kwargs)
             if default_layout:
                 _check_outputs(out, local_batch)
-            side = _reduce_side_state(module, before, rules, local_batch, reduce_axes)
+            side = _reduce_side_state(module, before, rules, local_batch, reduce_axes,
+                                      bool(seq_split))
             side_keys[:] = [(k, v) for k, v, _ in side]
             return out, [x for _, _, x in side]
 
@@ -366,6 +431,8 @@ class ShardedModule(nnx.Module):
             p.spec.axis_size > 1 or p.spec.quantized or p.spec.gather_dtype is not None)]
         gathered = [s for s in built if s.axis_size > 1 or s.quantized]
         axes_in_use = ParallelAxes.from_mesh(mesh)
+        if not seq_split:  # cp is published only to a module whose inputs are split over it
+            axes_in_use = dataclasses.replace(axes_in_use, cp=None, cp_size=1)
         if self.config.remat_gathered and built:
             with use_axes(axes_in_use):
                 own_remat = _has_user_remat(body, mesh, value_specs, arg_specs, values,
@@ -403,6 +470,18 @@ class ShardedModule(nnx.Module):
             return LazyWeight(x, spec)
         return whole_weight(x, spec) if spec.axis_size == 1 else gather_weight(x, spec)
 
+    def _input_layout(self, args: tuple, kwargs: dict) -> InputLayout | None:
+        """The module's `InputLayout` on a mesh with ``cp > 1`` (None: no sequence split)."""
+        if cp_size(self.mesh) == 1:
+            return None
+        hook = getattr(self.module, "gtp_input_layout", None)
+        layout = hook(self.mesh, *args, **kwargs) if callable(hook) else None
+        if layout is not None and not isinstance(layout, InputLayout):
+            raise UsageTypeError(
+                f"{type(self.module).__name__}.gtp_input_layout must return an InputLayout "
+                f"or None, got {type(layout).__name__}.")
+        return layout
+
     def _output_layout(self, args: tuple, kwargs: dict) -> OutputLayout | None:
         hook = getattr(self.module, "gtp_output_layout", None)
         layout = hook(self.mesh, *args, **kwargs) if callable(hook) else None
@@ -412,13 +491,19 @@ class ShardedModule(nnx.Module):
                 f"or None, got {type(layout).__name__}.")
         return layout
 
-    def _arg_specs(self, leaves: list, names: list[str]) -> tuple[list[int], list[P], int | None]:
-        """(indices of array leaves, their in_specs, the global batch or None).
+    def _arg_specs(self, leaves: list, names: list[str], in_layout: InputLayout | None = None
+                   ) -> tuple[list[int], list[P], int | None, list[str]]:
+        """(indices of array leaves, their in_specs, the global batch or None, names of the
+        arguments split over the sequence).
 
         Arrays of rank >= 1 are batch arguments, split on dim 0 over the data axes; they must
         all have the same leading dim. `Replicated` arrays and scalars reach every shard whole.
+        With an `InputLayout` (cp > 1), the batch arguments it names are also split on dim 1
+        over ``cp``.
         """
         n = data_size(self.mesh)
+        cp = cp_size(self.mesh)
+        seq_split: list[str] = []
         dynamic, specs, batch, first = [], [], None, None
         for i, (x, name) in enumerate(zip(leaves, names)):
             if _is_replicated(x):
@@ -446,8 +531,26 @@ class ShardedModule(nnx.Module):
                     "every array argument of a sharded module is split on dim 0 as the batch, "
                     "so all must share it; pass arrays that are not batch-major (tables, "
                     "masks shared by all examples) as gtp_jax.replicated(x).")
+            if in_layout is not None and in_layout.splits(name, np.ndim(x)):
+                seq = int(np.shape(x)[1])
+                if seq % cp:
+                    raise UsageError(
+                        f"Argument {i} ({name}) has sequence dimension (dim 1) {seq}, which "
+                        f"does not divide over cp={cp}; the module's gtp_input_layout must "
+                        f"pad it (e.g. to gtp_jax.parallel.context.padded_seq_len({seq}, {cp}))"
+                        " in InputLayout.prepare.")
+                seq_split.append(name)
+                specs.append(P(data_axes(self.mesh), seq_axes(self.mesh)))
+                continue
             specs.append(P(data_axes(self.mesh)))
-        return dynamic, specs, batch
+        if in_layout is not None and not isinstance(in_layout.split_seq, bool):
+            unknown = sorted(set(in_layout.split_seq) - set(seq_split))
+            if unknown:
+                raise UsageError(
+                    f"{type(self.module).__name__}.gtp_input_layout names {unknown} in "
+                    "split_seq, which are not batch arguments of rank >= 2 of this call "
+                    f"(batch arguments: {[nm for nm in names]}).")
+        return dynamic, specs, batch, seq_split
 
     def describe(self) -> list[str]:
         """One line per GTP-sharded parameter: path, logical (per-layer, model-parallel-local)
@@ -704,6 +807,6 @@ def bytes_per_device(tree: Any, device: jax.Device | None = None) -> int:
     return total
 
 
-__all__: Sequence[str] = ("OutputLayout", "REDUCE", "Replicated", "ShardedModule", "replicated",
-                          "shard", "unshard",
+__all__: Sequence[str] = ("InputLayout", "OutputLayout", "REDUCE", "Replicated",
+                          "ShardedModule", "replicated", "shard", "unshard",
                           "unshard_values", "bytes_per_device")
