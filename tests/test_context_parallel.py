@@ -175,6 +175,22 @@ def test_make_mesh_cp_errors() -> None:
         gtp_jax.make_mesh(cp=2.0, gtp=4)
 
 
+@pytest.mark.parametrize("n", [1, 2, 4, 8])
+def test_zigzag_to_contiguous_is_zigzag_merge(n) -> None:
+    from jax.sharding import Mesh
+
+    from gtp_jax.parallel.context import zigzag_split, zigzag_to_contiguous
+
+    mesh = Mesh(np.array(jax.devices()[:n]), ("cp",))
+    x = jnp.arange(2 * 2 * n * 3 * 5, dtype=jnp.float32).reshape(2, 2 * n * 3, 5)
+    f = jax.shard_map(lambda v: zigzag_to_contiguous(v, "cp"), mesh=mesh,
+                      in_specs=P(None, "cp"), out_specs=P(None, "cp"))
+    np.testing.assert_array_equal(jax.jit(f)(zigzag_split(x, n)), x)
+    # differentiable: the transpose is the inverse permutation
+    g = jax.grad(lambda v: jnp.sum(f(v) * x))(zigzag_split(x, n))
+    np.testing.assert_array_equal(g, zigzag_split(x, n))
+
+
 # --------------------------------------------------------------------------- model equivalence
 
 CASES = [
@@ -360,5 +376,7 @@ def test_cp_step_moves_kv_by_collective_permute_without_full_scores() -> None:
     assert shapes
     assert not [s for s in shapes if s.count(seq) >= 2], "[S, S] array in the cp step"
     assert not [s for s in shapes if len(s) >= 2 and s[-2:] in ((el, seq), (seq, el))]
+    # the logits go back to natural order by ppermute: no rank holds [S, vocab] logits
+    assert not [s for s in shapes if len(s) >= 2 and s[-2:] == (seq, CFG.vocab_size)]
     ag = _step_hlo(dataclasses.replace(CFG, cp_attention="allgather"), mesh, seq)
     assert any(s[-2:] == (el, seq) for s in _shapes(ag) if len(s) >= 2)

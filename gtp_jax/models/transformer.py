@@ -23,8 +23,10 @@ opts in to the sequence split. Before ``shard_map`` the int tokens are padded at
 the tokens' global positions (`position_ids`), attention runs as a ring over ``cp``
 (`ring_attention`, or the all-gather baseline: ``TransformerConfig.cp_attention``) with the
 padding masked (``valid_len``), and everything else (norms, MLP, LM head) is per token and
-runs on the local piece. The logits leave ``shard_map`` sequence-sharded over ``cp``;
-`Transformer.gtp_output_layout` puts them back in natural order and drops the padding.
+runs on the local piece. The logits are moved back to natural order inside ``shard_map``
+(`zigzag_to_contiguous`: two half-size ppermutes, no gather of the vocabulary-sized array)
+and leave it sequence-sharded over ``cp``; `Transformer.gtp_output_layout`'s finalize drops
+the padding.
 Composition: batch over the data axes (dp x ep x gtp), sequence over ``cp``; GTP gathers are
 unchanged. Not supported with ``cp > 1`` (a `UsageError`): ``tp > 1`` (tensor/sequence
 parallelism inside a cp piece) and mixture-of-experts layers (``moe_experts``).
@@ -57,8 +59,8 @@ from gtp_jax.parallel.context import (
     padded_seq_len,
     position_ids,
     ring_attention,
-    zigzag_merge,
     zigzag_split,
+    zigzag_to_contiguous,
 )
 from gtp_jax.parallel.moe import MoE
 from gtp_jax.parallel.tp import column_parallel, pad_seq, row_parallel, seq_chunk
@@ -493,7 +495,12 @@ class Transformer(nnx.Module):
                 f"{cfg.max_seq_len}; use shorter sequences or a larger max_seq_len.")
         cos, sin = rope_at(position_ids(local, axes.cp, cfg.cp_layout), cfg.head_dim,
                            cfg.rope_theta)
-        return self._forward(tokens, cos, sin, seq_len if seq_len < padded else None)
+        out = self._forward(tokens, cos, sin, seq_len if seq_len < padded else None)
+        if cfg.cp_layout == "zigzag":
+            # Natural order across the cp ranks by two half-size ppermutes (never a gather of
+            # the vocabulary-sized logits), so they leave shard_map as contiguous pieces.
+            out = out._replace(logits=zigzag_to_contiguous(out.logits, axes.cp))
+        return out
 
     def _forward(self, tokens: jax.Array, cos: jax.Array, sin: jax.Array,
                  seq_len: int | None) -> LMOutput:
@@ -546,25 +553,20 @@ class Transformer(nnx.Module):
         The logits leave ``shard_map`` as ``[batch, padded_seq, vocab]`` with
         ``P(data_axes, "tp")`` (no all-gather of the vocabulary-sized tensor), and the
         sequence padding is sliced off afterwards. None (the default placement) without tp.
-        Under context parallelism they leave with ``P(data_axes, "cp")`` in
-        ``cfg.cp_layout`` order; the finalize step restores natural order and drops the
-        padding.
+        Under context parallelism they leave with ``P(data_axes, "cp")``, already in natural
+        order (the model moves zigzag pieces back with `zigzag_to_contiguous` inside
+        ``shard_map``: a gather of the global logits would materialise ``[batch, S, vocab]``
+        on every rank), and the finalize step drops the padding.
         """
         cp = int(mesh.shape.get(CP_AXIS, 1))
         data = data_axes(mesh)
         seq_len = tokens.shape[1]
         if cp > 1:
-            layout = self.cfg.cp_layout
-            padded = padded_seq_len(seq_len, cp, layout)
-
-            def finalize(out: LMOutput) -> LMOutput:
-                logits = out.logits
-                if layout == "zigzag":
-                    logits = zigzag_merge(logits, cp, axis=1)
-                return out._replace(logits=logits[:, :seq_len] if padded != seq_len
-                                    else logits)
-
-            return OutputLayout(LMOutput(P(data, CP_AXIS), P(data)), finalize)
+            specs = LMOutput(P(data, CP_AXIS), P(data))
+            if padded_seq_len(seq_len, cp, self.cfg.cp_layout) == seq_len:
+                return OutputLayout(specs)
+            return OutputLayout(
+                specs, lambda out: out._replace(logits=out.logits[:, :seq_len]))
         tp = int(mesh.shape.get(TP_AXIS, 1))
         if tp == 1:
             return None

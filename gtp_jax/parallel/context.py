@@ -171,6 +171,40 @@ def position_ids(local_len: int, axis: str = CP_AXIS, layout: str = "zigzag") ->
     return _positions(lax.axis_index(axis), n, int(local_len), layout)
 
 
+def zigzag_to_contiguous(x: jax.Array, axis: str = CP_AXIS, seq_dim: int = 1) -> jax.Array:
+    """Inside ``shard_map``: this device's zigzag piece -> its contiguous piece.
+
+    With ``n = axis_size(axis)`` and ``c = x.shape[seq_dim] / 2``, device ``i`` holds natural
+    chunks ``(i, 2n-1-i)`` of the zigzag layout on entry and chunks ``(2i, 2i+1)`` on exit,
+    so the pieces concatenated over `axis` (``out_specs=P(..., axis)``) are in natural
+    order: what `zigzag_merge` of the global array gives, without gathering it. Two
+    ``ppermute`` rounds of half the local array each (the device-to-device traffic is the
+    local array once); each round is a permutation: round 1 brings chunk ``2j`` to device
+    ``j`` (even devices send their first chunk, odd devices their second), round 2 chunk
+    ``2j+1`` (odd devices send their first, even devices their second). Differentiable
+    (the transpose of a ``ppermute`` is the inverse ``ppermute``).
+    """
+    n = _axis_size(axis, "zigzag_to_contiguous")
+    x = jnp.asarray(x)
+    seq_dim %= x.ndim
+    if x.shape[seq_dim] % 2:
+        raise UsageError(f"zigzag_to_contiguous: local length {x.shape[seq_dim]} on dim "
+                         f"{seq_dim} must be even (two zigzag chunks)")
+    if n == 1:
+        return x
+    first, second = jnp.split(x, 2, axis=seq_dim)
+    even = lax.axis_index(axis) % 2 == 0
+
+    def holder(k: int) -> int:  # the device that holds natural chunk k in the zigzag layout
+        return k if k < n else 2 * n - 1 - k
+
+    lo = lax.ppermute(jnp.where(even, first, second), axis,
+                      perm=[(holder(2 * j), j) for j in range(n)])
+    hi = lax.ppermute(jnp.where(even, second, first), axis,
+                      perm=[(holder(2 * j + 1), j) for j in range(n)])
+    return jnp.concatenate([lo, hi], axis=seq_dim)
+
+
 # --------------------------------------------------------------------------- block kernels
 
 
@@ -522,4 +556,5 @@ __all__ = [
     "ring_attention",
     "zigzag_merge",
     "zigzag_split",
+    "zigzag_to_contiguous",
 ]
