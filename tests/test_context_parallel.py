@@ -1,10 +1,11 @@
 """Context parallelism wired through the mesh, `ShardedModule` and the reference decoder.
 
 The sequence is split over a ``cp`` mesh axis (ring attention, `gtp_jax.parallel.context`)
-and composed with GTP and dp. Every model case trains the same `Transformer` sharded and
-unsharded for `STEPS` AdamW steps and compares the loss, the logits, every gradient (before
-each step) and every parameter afterwards; sequence lengths that do not divide ``2 * cp``
-exercise the padding (``valid_len`` masking).
+and composed with GTP, dp and tp (Megatron tensor/sequence parallelism inside a cp piece).
+Every model case trains the same `Transformer` sharded and unsharded for `STEPS` AdamW
+steps and compares the loss, the logits, every gradient (before each step) and every
+parameter afterwards; sequence lengths that do not divide ``2 * cp`` exercise the padding
+(``valid_len`` masking).
 
 Tolerances (relative to max|reference| of each compared array): float32, `FP32_RTOL` =
 1e-5 (as tests/test_tp.py). The sharded run computes the same float32 products per token
@@ -86,8 +87,9 @@ def _batches(cfg, seq: int, seed: int) -> list[jax.Array]:
 
 
 def _reference_cfg(cfg):
-    # cp_* and remat do not change the unsharded math: share one reference run.
-    return dataclasses.replace(cfg, cp_attention="ring", cp_layout="zigzag", remat="none")
+    # cp_*, tp_overlap and remat do not change the unsharded math: share one reference run.
+    return dataclasses.replace(cfg, cp_attention="ring", cp_layout="zigzag", remat="none",
+                               tp_overlap=False)
 
 
 @functools.cache
@@ -201,12 +203,18 @@ CASES = [
     ({"dp": 2, "cp": 4}, {"remat": "full"}, 11, False),           # pad 11 -> 16, remat full
     ({"dp": 2, "gtp": 2, "cp": 2}, {"cp_layout": "contiguous"}, 13, True),  # 13 -> 14
     ({"gtp": 2, "cp": 4}, {"cp_attention": "allgather"}, 13, False),
+    # cp x tp: Megatron tp/sp inside each cp piece (13 -> 16 = 2*cp*tp)
+    ({"gtp": 2, "cp": 2, "tp": 2}, {}, 13, True),
+    # 3 heads over tp=4 (padded heads), ring collective matmuls, contiguous layout
+    ({"cp": 2, "tp": 4}, {"d_model": 48, "n_heads": 3, "d_ff": 64, "tp_overlap": True,
+                          "cp_layout": "contiguous"}, 13, False),
 ]
 
 
 @pytest.mark.parametrize("mesh_sizes,overrides,seq,prefetch", CASES, ids=[
     "cp8_pad", "gtp4_cp2_pad_prefetch", "gtp2_cp4_dots_prefetch", "dp2_cp4_pad_full",
-    "dp2_gtp2_cp2_contiguous_prefetch", "gtp2_cp4_allgather"])
+    "dp2_gtp2_cp2_contiguous_prefetch", "gtp2_cp4_allgather", "gtp2_cp2_tp2_prefetch",
+    "cp2_tp4_padded_heads_overlap_contiguous"])
 def test_cp_matches_unsharded_over_steps(mesh_sizes, overrides, seq, prefetch) -> None:
     run_case(mesh_sizes, dataclasses.replace(CFG, **overrides), seq, 3, prefetch)
 
@@ -327,11 +335,8 @@ def test_usage_errors() -> None:
         call(_Split(nnx.Rngs(0), InputLayout(), out=False))
     with pytest.raises(UsageError, match="split_seq"):
         call(_Split(nnx.Rngs(0), InputLayout(split_seq=("kwargs['mask']",))))
-    # the Transformer: cp with tp, or with experts, is refused before anything runs
+    # the Transformer: cp with experts is refused before anything runs
     tokens = jnp.zeros((2, 8), jnp.int32)
-    tp_mesh = gtp_jax.make_mesh(gtp=2, cp=2, tp=2)
-    with pytest.raises(UsageError, match="tensor parallelism"):
-        gtp_jax.shard(Transformer(CFG, rngs=nnx.Rngs(0)), tp_mesh, cfg)(tokens)
     moe = dataclasses.replace(CFG, moe_experts=2)
     with pytest.raises(UsageError, match="mixture of experts"):
         gtp_jax.shard(Transformer(moe, rngs=nnx.Rngs(0)), mesh, cfg)(tokens)

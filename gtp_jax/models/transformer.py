@@ -27,9 +27,14 @@ runs on the local piece. The logits are moved back to natural order inside ``sha
 (`zigzag_to_contiguous`: two half-size ppermutes, no gather of the vocabulary-sized array)
 and leave it sequence-sharded over ``cp``; `Transformer.gtp_output_layout`'s finalize drops
 the padding.
-Composition: batch over the data axes (dp x ep x gtp), sequence over ``cp``; GTP gathers are
-unchanged. Not supported with ``cp > 1`` (a `UsageError`): ``tp > 1`` (tensor/sequence
-parallelism inside a cp piece) and mixture-of-experts layers (``moe_experts``).
+Composition: batch over the data axes (dp x ep x gtp), sequence over ``cp``, heads over
+``tp``; GTP gathers are unchanged. With ``tp > 1`` too, the sequence is padded to a multiple
+of ``2 * cp * tp`` (zigzag) so every cp piece divides over tp; Megatron sequence parallelism
+runs inside each cp piece (each tp rank holds 1/tp of it between the blocks' gathers) and
+ring attention runs over cp with each tp rank's heads; the logits leave sharded over
+``("cp", "tp")`` (the zigzag-to-natural reorder gathers the cp piece's logits over tp
+first: ``[batch, S / cp, vocab]`` per device). Not supported with ``cp > 1`` (a
+`UsageError`): mixture-of-experts layers (``moe_experts``).
 """
 
 from __future__ import annotations
@@ -485,7 +490,7 @@ class Transformer(nnx.Module):
     def _call_cp(self, tokens: jax.Array, seq_len: int | None, axes: Any) -> LMOutput:
         """The context-parallel forward: `tokens` is this rank's piece (see `__call__`)."""
         cfg = self.cfg
-        _check_cp(cfg, axes.tp_size, axes.cp_size)
+        _check_cp(cfg, axes.cp_size)
         local = tokens.shape[1]
         padded = local * axes.cp_size
         seq_len = padded if seq_len is None else int(seq_len)
@@ -493,13 +498,24 @@ class Transformer(nnx.Module):
             raise ValueError(
                 f"Sequence length {seq_len} exceeds TransformerConfig.max_seq_len="
                 f"{cfg.max_seq_len}; use shorter sequences or a larger max_seq_len.")
+        # rotary rows of the whole cp piece: under tp, attention sees it gathered over tp
         cos, sin = rope_at(position_ids(local, axes.cp, cfg.cp_layout), cfg.head_dim,
                            cfg.rope_theta)
+        if axes.tp is not None:  # the padded length is a multiple of cp * tp
+            tokens = seq_chunk(tokens, axes.tp)
         out = self._forward(tokens, cos, sin, seq_len if seq_len < padded else None)
         if cfg.cp_layout == "zigzag":
             # Natural order across the cp ranks by two half-size ppermutes (never a gather of
-            # the vocabulary-sized logits), so they leave shard_map as contiguous pieces.
-            out = out._replace(logits=zigzag_to_contiguous(out.logits, axes.cp))
+            # the global vocabulary-sized logits), so they leave shard_map as contiguous
+            # pieces. Under tp the cp piece is first gathered over tp (its two zigzag halves
+            # are spread over the tp ranks) and each tp rank keeps its slice afterwards.
+            logits = out.logits
+            if axes.tp is not None:
+                logits = jax.lax.all_gather(logits, axes.tp, axis=1, tiled=True)
+            logits = zigzag_to_contiguous(logits, axes.cp)
+            if axes.tp is not None:
+                logits = seq_chunk(logits, axes.tp)
+            out = out._replace(logits=logits)
         return out
 
     def _forward(self, tokens: jax.Array, cos: jax.Array, sin: jax.Array,
@@ -526,7 +542,8 @@ class Transformer(nnx.Module):
         tokens), then split over ``cp`` on dim 1; ``seq_len`` (the real length) is passed
         to `__call__` as a static keyword. Only consulted when the mesh has ``cp > 1``."""
         cp = int(mesh.shape.get(CP_AXIS, 1))
-        _check_cp(self.cfg, int(mesh.shape.get(TP_AXIS, 1)), cp)
+        tp = int(mesh.shape.get(TP_AXIS, 1))
+        _check_cp(self.cfg, cp)
         if seq_len is not None:
             raise UsageError("Transformer: seq_len= is set by gtp_input_layout under context "
                              "parallelism; call the sharded model with tokens only.")
@@ -536,7 +553,7 @@ class Transformer(nnx.Module):
             (toks,) = args
             toks = getattr(toks, "value", toks)  # gtp_jax.replicated would be a misuse anyway
             s = toks.shape[1]
-            padded = padded_seq_len(s, cp, layout)
+            padded = padded_seq_len(s, cp * tp, layout)  # every cp piece divides over tp
             if padded != s:
                 toks = jnp.pad(toks, ((0, 0), (0, padded - s)))
             if layout == "zigzag":
@@ -553,17 +570,20 @@ class Transformer(nnx.Module):
         The logits leave ``shard_map`` as ``[batch, padded_seq, vocab]`` with
         ``P(data_axes, "tp")`` (no all-gather of the vocabulary-sized tensor), and the
         sequence padding is sliced off afterwards. None (the default placement) without tp.
-        Under context parallelism they leave with ``P(data_axes, "cp")``, already in natural
+        Under context parallelism they leave with ``P(data_axes, "cp")`` (``("cp", "tp")``
+        with tp), already in natural
         order (the model moves zigzag pieces back with `zigzag_to_contiguous` inside
         ``shard_map``: a gather of the global logits would materialise ``[batch, S, vocab]``
         on every rank), and the finalize step drops the padding.
         """
         cp = int(mesh.shape.get(CP_AXIS, 1))
+        tp = int(mesh.shape.get(TP_AXIS, 1))
         data = data_axes(mesh)
         seq_len = tokens.shape[1]
         if cp > 1:
-            specs = LMOutput(P(data, CP_AXIS), P(data))
-            if padded_seq_len(seq_len, cp, self.cfg.cp_layout) == seq_len:
+            seq = (CP_AXIS, TP_AXIS) if tp > 1 else CP_AXIS
+            specs = LMOutput(P(data, seq), P(data))
+            if padded_seq_len(seq_len, cp * tp, self.cfg.cp_layout) == seq_len:
                 return OutputLayout(specs)
             return OutputLayout(
                 specs, lambda out: out._replace(logits=out.logits[:, :seq_len]))
@@ -576,13 +596,8 @@ class Transformer(nnx.Module):
         return OutputLayout(specs, lambda out: out._replace(logits=out.logits[:, :seq_len]))
 
 
-def _check_cp(cfg: TransformerConfig, tp: int, cp: int) -> None:
+def _check_cp(cfg: TransformerConfig, cp: int) -> None:
     """What context parallelism does not combine with (yet)."""
-    if cp > 1 and tp > 1:
-        raise UsageError(
-            f"Transformer: context parallelism (cp={cp}) with tensor parallelism (tp={tp}) is "
-            "not supported: use tp=1 with cp > 1 (batch over dp x gtp, sequence over cp), or "
-            "cp=1 with tp.")
     if cp > 1 and cfg.moe_experts:
         raise UsageError(
             f"Transformer: context parallelism (cp={cp}) with a mixture of experts "
