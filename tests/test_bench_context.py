@@ -10,6 +10,8 @@ import pytest
 
 from gtp_jax.bench import context as bench
 
+pytestmark = pytest.mark.slow  # a minute on 2 cores (subprocesses): `-m "not slow"` skips it
+
 
 def test_parse_mesh() -> None:
     assert bench.parse_mesh("gtp=2,cp=4") == {"gtp": 2, "cp": 4}

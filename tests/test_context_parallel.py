@@ -30,8 +30,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import Mixed, assert_close, flat_values, mixed_tokens, mse_loss, path_str
 from flax import nnx
+from helpers import Mixed, assert_close, flat_values, mixed_tokens, mse_loss, path_str
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -41,6 +41,8 @@ from gtp_jax.base.errors import UsageError, UsageTypeError
 from gtp_jax.base.mesh import AXES, AXES_CP, cp_size
 from gtp_jax.models import Transformer, preset
 from gtp_jax.sharding.module import InputLayout, OutputLayout, unshard_values
+
+pytestmark = pytest.mark.slow  # minutes on 2 cores: `pytest -m "not slow"` skips it
 
 FP32_RTOL = 1e-5
 STEPS = 3

@@ -99,6 +99,8 @@ def run_worker(args: argparse.Namespace) -> dict:
     import gtp_jax
     from gtp_jax.base.mesh import cp_size, data_size
     from gtp_jax.models import Transformer, lm_loss, preset
+    from gtp_jax.train import TrainStep
+    from gtp_jax.train.observe import memory_per_device, peak_flops
 
     sizes = parse_mesh(args.worker_mesh)
     n = math.prod(sizes.values())
@@ -116,23 +118,14 @@ def run_worker(args: argparse.Namespace) -> dict:
         gather_dtype=jnp.bfloat16 if on_gpu else None, prefetch=args.prefetch,
         min_elements=0 if not on_gpu else 2**16))
     optimizer = nnx.Optimizer(model, optax.adamw(1e-4), wrt=nnx.Param)
-    graphdef, state = nnx.split((model, optimizer))
-
-    def step_fn(state, tokens):
-        model, optimizer = nnx.merge(graphdef, state)
-        loss, grads = nnx.value_and_grad(lm_loss)(model, tokens)
-        optimizer.update(model, grads)
-        return nnx.state((model, optimizer)), loss
-
-    step = jax.jit(step_fn, donate_argnums=0)
+    # The training step of `gtp_jax.train` (jax.jit over the split state, donated).
+    step = TrainStep(model, optimizer, lm_loss, grad_norm=False)
     batch = args.batch * data_size(mesh)
     data = jax.random.randint(jax.random.key(1), (2, batch, seq + 1), 0, cfg.vocab_size)
     batches = [jax.device_put(data[i], gtp_jax.data_sharding(mesh)) for i in range(2)]
-    holder = [state]
 
     def run_step(i: int) -> jax.Array:
-        holder[0], loss = step(holder[0], batches[i % 2])
-        return loss
+        return step(batches[i % 2])["loss"]
 
     start = time.perf_counter()
     loss = jax.block_until_ready(run_step(0))
@@ -149,8 +142,11 @@ def run_worker(args: argparse.Namespace) -> dict:
         directory = Path(args.profile_dir) / f"{mesh_label(sizes)}_s{seq}"
         trace = profile_steps(run_step, directory, PROFILE_STEPS)
         ring = ring_overlap(directory, PROFILE_STEPS)
-    stats = [d.memory_stats() or {} for d in devices]
+    memory = memory_per_device(devices)
     med = statistics.median(times) if times else None
+    rate = peak_flops(devices[0].device_kind, "bfloat16")
+    # model FLOPs of the tokens one device trains (a cp group shares its sequences)
+    flops = cfg.train_flops_per_token(seq) * batch * seq / n
     return {
         "mesh": sizes, "label": mesh_label(sizes), "cp": cp_size(mesh), "devices": n,
         "device_kind": devices[0].device_kind, "preset": args.preset, "layers": cfg.n_layers,
@@ -158,7 +154,8 @@ def run_worker(args: argparse.Namespace) -> dict:
         "loss": float(loss), "first_step_s": first_s,
         "step_ms": med * 1e3 if med else None,
         "tokens_per_s": batch * seq / med if med else None,
-        "peak_mem_gib": max(s.get("peak_bytes_in_use", 0) for s in stats) / 2**30,
+        "peak_mem_gib": (memory["peak_bytes_in_use"] if memory else 0) / 2**30,
+        "mfu": flops / med / rate if med and rate else None,
         "trace": trace, "ring": ring, "jax": jax.__version__,
     }
 
