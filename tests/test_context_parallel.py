@@ -391,3 +391,27 @@ def test_cp_step_moves_kv_by_collective_permute_without_full_scores() -> None:
     assert not [s for s in shapes if len(s) >= 2 and s[-2:] == (seq, CFG.vocab_size)]
     ag = _step_hlo(dataclasses.replace(CFG, cp_attention="allgather"), mesh, seq)
     assert any(s[-2:] == (el, seq) for s in _shapes(ag) if len(s) >= 2)
+
+
+def test_cli_trains_with_cp_like_without(tmp_path) -> None:
+    # `--cp 2` splits each sequence over 2 devices; the math is the model's, so the first
+    # losses equal a run without cp up to float32 summation order.
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    losses = {}
+    for name, flags in (("cp", ["--cp", "2"]), ("plain", [])):
+        out = tmp_path / f"{name}.json"
+        proc = subprocess.run(
+            [sys.executable, "-m", "gtp_jax", "train", "--steps", "2", "--seq", "64",
+             "--metrics-json", str(out), *flags],
+            cwd=root, capture_output=True, text=True, timeout=300,
+            env={**os.environ, "PYTHONPATH": str(root)})
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        losses[name] = [s["loss"] for s in json.loads(out.read_text())["steps"]]
+        assert (f"cp={2 if name == 'cp' else 1}") in proc.stdout
+    np.testing.assert_allclose(losses["cp"], losses["plain"], rtol=1e-5)

@@ -549,7 +549,7 @@ def test_cli_mesh_that_does_not_fit_names_the_cause(capsys: pytest.CaptureFixtur
     assert "defaults {'dp': 2" in err, err
     assert cli_main(["train", "--steps", "1", "--gtp", "3", "--batch", "12"]) == 2
     err = capsys.readouterr().err
-    assert "dp*ep*gtp*tp = 2*1*3*1 = 6 must equal the 8 devices" in err, err
+    assert "dp*ep*gtp*cp*tp = 2*1*3*1*1 = 6 must equal the 8 devices" in err, err
 
 
 def test_distributed_join_timeout_is_one_line(tmp_path: Path) -> None:

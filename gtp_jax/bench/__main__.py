@@ -23,6 +23,8 @@ COMMANDS = {
               "jax.profiler trace"),
     "kernels": ("kernels", "kernel time per training step by category from a JAX or PyTorch "
                 "profiler trace"),
+    "context": ("context", "context parallelism: cp = 1 vs cp = N at long sequences (step time, "
+                "memory, the ring's hidden communication, the longest trainable sequence)"),
 }
 
 

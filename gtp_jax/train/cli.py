@@ -16,7 +16,7 @@ import sys
 from gtp_jax.base.errors import UsageError
 from gtp_jax.base.xla_flags import simulate_cpu_devices
 
-DEFAULT_CPU_MESH = {"dp": 2, "gtp": 4, "tp": 1, "ep": 1}
+DEFAULT_CPU_MESH = {"dp": 2, "gtp": 4, "tp": 1, "ep": 1, "cp": 1}
 
 #: Library argument names -> the flags that set them. The library's errors name arguments
 #: (it is used without this CLI too); the CLI reports them as the flags the user typed.
@@ -24,7 +24,8 @@ FLAGS = {
     "TrainConfig.preset": "--preset", "TrainConfig.steps": "--steps",
     "TrainConfig.batch_size": "--batch", "TrainConfig.seq_len": "--seq",
     "TrainConfig.dp": "--dp", "TrainConfig.gtp": "--gtp", "TrainConfig.tp": "--tp",
-    "TrainConfig.ep": "--ep", "TrainConfig.lr": "--lr", "TrainConfig.warmup": "--warmup",
+    "TrainConfig.ep": "--ep", "TrainConfig.cp": "--cp", "TrainConfig.lr": "--lr",
+    "TrainConfig.warmup": "--warmup",
     "TrainConfig.seed": "--seed", "TrainConfig.dtype": "--dtype",
     "TrainConfig.gather_dtype": "--gather-dtype", "TrainConfig.gather_format": "--gather-format",
     "TrainConfig.overlap": "--overlap", "TrainConfig.moe_experts": "--moe-experts",
@@ -95,6 +96,9 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--gtp", type=int, default=None, help="GTP (weight-sharding) size")
     train.add_argument("--tp", type=int, default=None, help="tensor(+sequence)-parallel size")
     train.add_argument("--ep", type=int, default=None, help="expert-parallel size")
+    train.add_argument("--cp", type=int, default=None,
+                       help="context-parallel size: sequences split over cp devices, ring "
+                       "attention (default 1)")
     train.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
     train.add_argument("--warmup", type=int, default=10, help="warm-up steps")
     train.add_argument("--seed", type=int, default=0, help="init and data-order seed")
@@ -170,7 +174,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _mesh_sizes(args: argparse.Namespace) -> dict[str, int | None]:
-    return {"dp": args.dp, "gtp": args.gtp, "tp": args.tp, "ep": args.ep}
+    return {"dp": args.dp, "gtp": args.gtp, "tp": args.tp, "ep": args.ep, "cp": args.cp}
 
 
 def _device_ids(text: str | None) -> tuple[int, ...] | None:
@@ -280,7 +284,7 @@ def _cpu_mesh(sizes: dict[str, int | None]) -> dict[str, int]:
     divide them (``--tp 4 --dp 2``: gtp=1), else its default 4."""
     mesh = {k: (v if v is not None else DEFAULT_CPU_MESH[k]) for k, v in sizes.items()}
     if sizes["gtp"] is None:
-        rest = mesh["dp"] * mesh["tp"] * mesh["ep"]
+        rest = mesh["dp"] * mesh["tp"] * mesh["ep"] * mesh["cp"]
         if CPU_DEVICES % rest == 0:
             mesh["gtp"] = CPU_DEVICES // rest
     return mesh
@@ -309,15 +313,16 @@ def _run(args: argparse.Namespace, sizes: dict[str, int | None], cpu_sizes: dict
         if primary:
             procs = f" in {jax.process_count()} processes" if jax.process_count() > 1 else ""
             print(f"gtp_jax train: preset={cfg.preset} steps={cfg.steps} batch={cfg.batch_size} "
-                  f"seq={cfg.seq_len} mesh dp={cfg.dp} ep={cfg.ep} gtp={cfg.gtp} tp={cfg.tp} on "
+                  f"seq={cfg.seq_len} mesh dp={cfg.dp} ep={cfg.ep} gtp={cfg.gtp} cp={cfg.cp} "
+                  f"tp={cfg.tp} on "
                   f"{jax.device_count()} {jax.default_backend()} devices{procs}", flush=True)
         result = train(cfg, checkpoint=checkpoint, observe=observe, failure=failure)
     except UsageError as err:  # other exceptions are bugs: they keep their traceback
         if jax.default_backend() == "cpu" and any(v is None for v in sizes.values()) and (
-                "TrainConfig.batch_size" in str(err) or "the mesh dp*ep*gtp*tp" in str(err)):
+                "TrainConfig.batch_size" in str(err) or "the mesh dp*ep*gtp*cp*tp" in str(err)):
             given = {k: v for k, v in cpu_sizes.items() if sizes[k] is None}
             err = UsageError(f"{err} (with defaults {given} for the mesh sizes not given; "
-                             "pass --dp/--gtp/--tp/--ep explicitly)")
+                             "pass --dp/--gtp/--tp/--ep/--cp explicitly)")
         return _fail(err, 2)
     except FloatingPointError as err:  # NaN/inf loss or state: not a bug, not a usage error
         return _fail(err, 1)
@@ -329,12 +334,12 @@ def _run(args: argparse.Namespace, sizes: dict[str, int | None], cpu_sizes: dict
 def _accelerator_mesh(sizes: dict[str, int | None], devices: int) -> dict[str, int]:
     """Mesh sizes on GPUs/TPUs: given sizes, tp = ep = 1 by default, and gtp (or dp, when
     gtp is given) takes the remaining devices; no sizes: gtp = all devices."""
-    mesh = {"tp": sizes["tp"] or 1, "ep": sizes["ep"] or 1, "dp": sizes["dp"],
-            "gtp": sizes["gtp"]}
+    mesh = {"tp": sizes["tp"] or 1, "ep": sizes["ep"] or 1, "cp": sizes["cp"] or 1,
+            "dp": sizes["dp"], "gtp": sizes["gtp"]}
+    fixed = mesh["tp"] * mesh["ep"] * mesh["cp"]
     if mesh["gtp"] is None:
-        rest = (mesh["dp"] or 1) * mesh["tp"] * mesh["ep"]
         mesh["dp"] = mesh["dp"] or 1
-        mesh["gtp"] = max(1, devices // rest)
+        mesh["gtp"] = max(1, devices // (mesh["dp"] * fixed))
     elif mesh["dp"] is None:
-        mesh["dp"] = max(1, devices // (mesh["gtp"] * mesh["tp"] * mesh["ep"]))
+        mesh["dp"] = max(1, devices // (mesh["gtp"] * fixed))
     return mesh

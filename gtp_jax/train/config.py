@@ -29,7 +29,7 @@ from gtp_jax.train.observe import (
 #: its math: a resumed run may change them. Every other field (including fields added
 #: later) must equal the checkpoint's. ``steps`` may grow: that extends a run (see
 #: `TrainConfig.schedule_steps`).
-RESUME_MAY_DIFFER = frozenset({"steps", "dp", "gtp", "tp", "ep", "pad_for_alignment",
+RESUME_MAY_DIFFER = frozenset({"steps", "dp", "gtp", "tp", "ep", "cp", "pad_for_alignment",
                                "gather_dtype", "gather_format", "prefetch", "remat", "overlap"})
 #: TransformerConfig fields that only change how the model is computed, not its math.
 MODEL_MAY_DIFFER = frozenset({"remat", "tp_overlap", "attention_impl"})
@@ -48,7 +48,9 @@ class TrainConfig:
       batch_size: global batch (sequences), split over the mesh's data axes; a multiple of
         ``dp * ep * gtp``.
       seq_len: tokens per sequence.
-      dp, gtp, tp, ep: mesh sizes (their product must equal the device count).
+      dp, gtp, tp, ep: mesh sizes (their product, times `cp`, must equal the device count).
+      cp: context-parallel size: each sequence is split over ``cp`` devices and attention
+        runs as ring attention (`gtp_jax.parallel.context`); 1: off.
       lr: peak AdamW learning rate (linear warm-up, cosine decay to 10%).
       warmup: warm-up steps.
       weight_decay: AdamW decoupled weight decay.
@@ -81,6 +83,7 @@ class TrainConfig:
     gtp: int = 4
     tp: int = 1
     ep: int = 1
+    cp: int = 1
     lr: float = 3e-3
     warmup: int = 10
     weight_decay: float = 0.1
@@ -100,8 +103,9 @@ class TrainConfig:
     def __post_init__(self) -> None:
         # Every field is checked for type and range, so nothing silently trains wrong.
         for name, minimum in (("steps", 1), ("batch_size", 1), ("seq_len", 1), ("dp", 1),
-                              ("gtp", 1), ("tp", 1), ("ep", 1), ("warmup", 0), ("seed", 0),
-                              ("pad_for_alignment", 0), ("moe_experts", 0), ("moe_top_k", 1)):
+                              ("gtp", 1), ("tp", 1), ("ep", 1), ("cp", 1), ("warmup", 0),
+                              ("seed", 0), ("pad_for_alignment", 0), ("moe_experts", 0),
+                              ("moe_top_k", 1)):
             _check_int(name, getattr(self, name), minimum)
         if self.schedule_steps is not None:
             _check_int("schedule_steps", self.schedule_steps, 1)
@@ -218,11 +222,17 @@ def check_devices(cfg: TrainConfig) -> None:
             f"TrainConfig.ep={cfg.ep} does not divide TrainConfig.moe_experts="
             f"{model_cfg.moe_experts}; choose an ep that divides the expert count."
         )
-    total, devices = cfg.dp * cfg.ep * cfg.gtp * cfg.tp, jax.device_count()
+    if cfg.cp > 1 and model_cfg.moe_experts:
+        raise UsageError(
+            f"TrainConfig.cp={cfg.cp} with TrainConfig.moe_experts={model_cfg.moe_experts}: "
+            "context parallelism does not support MoE layers yet (expert capacity is per "
+            "sequence); use cp=1 or a dense model.")
+    total, devices = cfg.dp * cfg.ep * cfg.gtp * cfg.cp * cfg.tp, jax.device_count()
     if total != devices:
         raise UsageError(
-            f"the mesh dp*ep*gtp*tp = {cfg.dp}*{cfg.ep}*{cfg.gtp}*{cfg.tp} = {total} must equal "
-            f"the {devices} devices; choose TrainConfig.dp/ep/gtp/tp whose product is {devices}."
+            f"the mesh dp*ep*gtp*cp*tp = {cfg.dp}*{cfg.ep}*{cfg.gtp}*{cfg.cp}*{cfg.tp} = "
+            f"{total} must equal the {devices} devices; choose TrainConfig.dp/ep/gtp/cp/tp "
+            f"whose product is {devices}."
         )
 
 

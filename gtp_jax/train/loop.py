@@ -125,7 +125,7 @@ def build_model_and_optimizer(cfg: TrainConfig) -> tuple[gtp_jax.ShardedModule, 
     """The GTP-sharded model (initialized from ``cfg.seed``) and its AdamW optimizer, on the
     mesh ``make_mesh(dp, gtp, tp, ep)`` over all devices: what `train` starts from (and
     what a checkpoint is restored into)."""
-    mesh = gtp_jax.make_mesh(dp=cfg.dp, gtp=cfg.gtp, tp=cfg.tp, ep=cfg.ep)
+    mesh = gtp_jax.make_mesh(dp=cfg.dp, gtp=cfg.gtp, tp=cfg.tp, ep=cfg.ep, cp=cfg.cp)
     model = gtp_jax.shard(Transformer(model_config(cfg), rngs=nnx.Rngs(cfg.seed)), mesh,
                           gtp_jax.GTPConfig(gather_dtype=cfg.gather_dtype,
                                             pad_for_alignment=cfg.pad_for_alignment,
