@@ -313,8 +313,8 @@ def _run(args: argparse.Namespace, sizes: dict[str, int | None], cpu_sizes: dict
         if primary:
             procs = f" in {jax.process_count()} processes" if jax.process_count() > 1 else ""
             print(f"gtp_jax train: preset={cfg.preset} steps={cfg.steps} batch={cfg.batch_size} "
-                  f"seq={cfg.seq_len} mesh dp={cfg.dp} ep={cfg.ep} gtp={cfg.gtp} cp={cfg.cp} "
-                  f"tp={cfg.tp} on "
+                  f"seq={cfg.seq_len} mesh dp={cfg.dp} ep={cfg.ep} gtp={cfg.gtp} "
+                  f"{f'cp={cfg.cp} ' if cfg.cp > 1 else ''}tp={cfg.tp} on "
                   f"{jax.device_count()} {jax.default_backend()} devices{procs}", flush=True)
         result = train(cfg, checkpoint=checkpoint, observe=observe, failure=failure)
     except UsageError as err:  # other exceptions are bugs: they keep their traceback
