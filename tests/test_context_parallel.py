@@ -40,7 +40,8 @@ from gtp_jax.base.axes import current_axes
 from gtp_jax.base.errors import UsageError, UsageTypeError
 from gtp_jax.base.mesh import AXES, AXES_CP, cp_size
 from gtp_jax.models import Transformer, preset
-from gtp_jax.sharding.module import InputLayout, OutputLayout, unshard_values
+from gtp_jax.sharding.contract import InputLayout, OutputLayout
+from gtp_jax.sharding.module import unshard_values
 
 pytestmark = pytest.mark.slow  # minutes on 2 cores: `pytest -m "not slow"` skips it
 

@@ -69,7 +69,7 @@ from gtp_jax.parallel.context import (
 )
 from gtp_jax.parallel.moe import MoE
 from gtp_jax.parallel.tp import column_parallel, pad_seq, row_parallel, seq_chunk
-from gtp_jax.sharding.module import InputLayout, OutputLayout
+from gtp_jax.sharding.contract import InputLayout, OutputLayout
 from gtp_jax.sharding.scan import scan_layers
 
 REMAT_POLICIES = ("none", "dots", "full")

@@ -8,14 +8,11 @@ call runs inside ``jax.shard_map``).
 """
 
 from gtp_jax.sharding.collectives import GatherSpec, gather_weight, reduce_scatter_grad
+from gtp_jax.sharding.contract import InputLayout, OutputLayout, Replicated, replicated
 from gtp_jax.sharding.lazy import GTPShard
 from gtp_jax.sharding.module import (
-    InputLayout,
-    OutputLayout,
-    Replicated,
     ShardedModule,
     bytes_per_device,
-    replicated,
     shard,
     unshard,
     unshard_values,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -20,7 +20,21 @@ from gtp_jax.base.config import GTPConfig
 from gtp_jax.base.errors import UsageError, UsageTypeError
 from gtp_jax.base.mesh import check_axis, cp_size, data_axes, data_size, seq_axes, shard_key
 from gtp_jax.base.metadata import LOGICAL_SHAPE, REDUCE, SPLIT_AXES, SPLIT_LAYOUT, STACKED
-from gtp_jax.sharding.collectives import gather_weight, regather_policy
+from gtp_jax.sharding.collectives import gather_weight
+from gtp_jax.sharding.contract import (
+    InputLayout,
+    OutputLayout,
+    Replicated,
+    arg_name,
+    check_outputs,
+    has_user_remat,
+    is_replicated,
+    key_name,
+    reduce_side_state,
+    replicated,
+    side_rules,
+    unwrap,
+)
 from gtp_jax.sharding.lazy import GTPShard, LazyWeight, whole_weight
 from gtp_jax.sharding.plan import (
     ParamPlan,
@@ -33,269 +47,14 @@ from gtp_jax.sharding.plan import (
 from gtp_jax.sharding.scan import gathered_weight_policy
 
 
-@dataclasses.dataclass(frozen=True)
-class OutputLayout:
-    """How a module's outputs leave ``shard_map`` (see `ShardedModule`).
-
-    Attributes:
-      specs: ``PartitionSpec`` (or a pytree prefix of them) of the module's outputs, e.g.
-        ``(P(("dp", "ep", "gtp"), "tp"), P(("dp", "ep", "gtp")))`` for sequence-parallel
-        logits plus a per-example value.
-      finalize: applied to the global outputs after ``shard_map`` (e.g. drop sequence
-        padding), or None.
-    """
-
-    specs: Any
-    finalize: Callable[[Any], Any] | None = None
-
-
-@dataclasses.dataclass(frozen=True)
-class InputLayout:
-    """How a module's batch arguments enter ``shard_map`` under context parallelism.
-
-    Returned by the wrapped module's optional hook ``gtp_input_layout(mesh, *args,
-    **kwargs) -> InputLayout | None`` (same arguments as ``__call__``). It is the module's
-    opt-in to the sequence split: on a mesh with ``cp > 1`` (`gtp_jax.make_mesh`), the batch
-    arguments it names are split on dim 1 (the sequence) over ``cp`` as well as on dim 0
-    over the data axes, and `gtp_jax.base.axes.current_axes` publishes ``cp`` while the
-    module is traced. Without the hook (or when it returns None) nothing is split over
-    ``cp``: every ``cp`` rank computes the same thing, as every ``tp`` rank does for a
-    module that does not use ``tp``. The hook is not consulted when the mesh has no ``cp``
-    axis (or ``cp == 1``).
-
-    A module that splits its inputs must also define ``gtp_output_layout`` (its outputs
-    differ between ``cp`` ranks: the default per-example layout would keep one rank's).
-
-    Attributes:
-      prepare: applied to the global ``(args, kwargs)`` before ``shard_map``, returning the
-        ``(args, kwargs)`` the module is called with (e.g. pad the sequence to a multiple of
-        the split and put it in the load-balanced zigzag order, and add a static keyword
-        with the real length). None: unchanged.
-      split_seq: which (prepared) batch arguments of rank >= 2 are split on dim 1: True
-        (all of them) or a tuple of argument names as errors spell them (``"args[0]"``,
-        ``"kwargs['mask']"``). Dim 1 of each must be a multiple of ``cp``.
-    """
-
-    prepare: Callable[[tuple, dict], tuple[tuple, dict]] | None = None
-    split_seq: bool | tuple[str, ...] = True
-
-    def splits(self, name: str, ndim: int) -> bool:
-        """Whether the batch argument called `name` of rank `ndim` is split over ``cp``."""
-        if ndim < 2:
-            return False
-        return self.split_seq if isinstance(self.split_seq, bool) else name in self.split_seq
-
-# Variables written back after a call: everything but parameters and RNG keys (keys are
-# folded per shard inside the call and must not be written back folded).
-_SIDE_STATE = nnx.Not(nnx.Any(nnx.Param, nnx.RngKey))
-
-
-_REDUCE_RULES = ("mean", "sum", "same")
-
-
-@jax.tree_util.register_pytree_node_class
-class Replicated:
-    """An argument of a sharded module that every data shard receives whole (see `replicated`)."""
-
-    __slots__ = ("value",)
-
-    def __init__(self, value: Any):
-        self.value = value
-
-    def tree_flatten(self):
-        return (self.value,), None
-
-    @classmethod
-    def tree_unflatten(cls, _: None, children: tuple[Any, ...]) -> Replicated:
-        return cls(children[0])
-
-    def __repr__(self) -> str:
-        return f"replicated({self.value!r})"
-
-
-def replicated(x: Any) -> Replicated:
-    """Marks an array argument of a `ShardedModule` call as not batch-major.
-
-    A sharded module splits every array argument on dim 0 over the data axes. Wrap arrays
-    that are not per-example (a lookup table, a mask shared by all examples, a positional
-    table) as ``model(tokens, gtp_jax.replicated(table))``: the module receives the plain
-    array, whole and identical on every shard.
-
-    Args:
-      x: a ``jax.Array`` or ``np.ndarray`` of any shape and dtype.
-
-    Returns:
-      A wrapper (a pytree, so it may also pass through ``jax.jit``) that `ShardedModule`
-      unwraps.
-    """
-    if not isinstance(x, (jax.Array, np.ndarray)) and not hasattr(x, "shape"):
-        raise UsageTypeError(f"gtp_jax.replicated expects an array, got {type(x).__name__}.")
-    return Replicated(x)
-
-
-def _is_replicated(x: Any) -> bool:
-    return isinstance(x, Replicated)
-
-
-def _unwrap(x: Any) -> Any:
-    return x.value if isinstance(x, Replicated) else x
-
-
-def _arg_name(keys: tuple) -> str:
-    """``args[1]`` / ``kwargs['mask']`` from a path into ``(args, kwargs)``."""
-    head, rest = keys[0], keys[1:]
-    return ("args" if getattr(head, "idx", 0) == 0 else "kwargs") + jax.tree_util.keystr(rest)
-
-
-def _check_outputs(out: Any, local_batch: int | None) -> None:
-    """Outputs of the default layout are concatenated over the data shards: per-example only."""
-    if local_batch is None:
-        return
-    for keys, x in jax.tree_util.tree_flatten_with_path(out)[0]:
-        shape = tuple(jnp.shape(x))
-        if not shape:
-            raise UsageError(
-                "A gtp_jax-sharded module must return arrays with a leading batch "
-                f"dimension, got an output{jax.tree_util.keystr(keys)} of shape {shape}. Return "
-                "per-example values and reduce them (e.g. jnp.mean) outside the module.")
-        if shape[0] != local_batch:
-            raise UsageError(
-                f"Output{jax.tree_util.keystr(keys) or ''} has shape {shape} but each data shard "
-                f"holds {local_batch} examples: outputs are concatenated over the data shards, "
-                "so each must be per-example (leading dim = batch). Return per-example values "
-                "and reduce outside the module, or define gtp_output_layout on the module.")
-
-
-def _side_rules(paths: list[str], variables: list[nnx.Variable]) -> dict[str, str | None]:
-    """The reduction rule of each non-parameter variable (None: refused if written)."""
-    rules = {}
-    for path, var in zip(paths, variables):
-        if isinstance(var, (nnx.Param, nnx.RngKey)):
-            continue
-        rule = var.get_metadata().get(REDUCE)
-        if rule is not None and rule not in _REDUCE_RULES:
-            raise UsageError(
-                f"{path!r}: metadata {REDUCE}={rule!r} is not one of {_REDUCE_RULES}.")
-        if rule is None:
-            value = var.get_value()
-            if isinstance(var, nnx.RngCount):
-                rule = "same"  # every shard draws the same number of times
-            elif all(jnp.issubdtype(jnp.result_type(x), jnp.floating)
-                     for x in jax.tree.leaves(value)):
-                rule = "mean"
-        rules[path] = rule
-    return rules
-
-
-def _reduce_side_state(module: nnx.Module, before: dict[str, Any], rules: dict[str, str | None],
-                       local_batch: int | None, axes: tuple[str, ...],
-                       seq_split: bool = False) -> list:
-    """``[(keys, variable, combined value)]`` of the state the call wrote (inside the body).
-
-    Rules (one value for the whole mesh, never one shard's): existing variables follow
-    `_side_rules` (``mean``: mean over the data shards; ``sum``: the old value plus the sum
-    of every shard's change; ``same``: identical on every shard, kept as is). New variables
-    (``sow``) must be per-example (leading dim = local batch) and are concatenated over the
-    data shards like outputs.
-    """
-    out = []
-    for keys, var in nnx.to_flat_state(nnx.state(module, _SIDE_STATE)):
-        path = path_str(_key_name(k) for k in keys)
-        value = var.get_value()
-        old = before.get(path)
-        if path in before and value is old:
-            continue  # not written
-        kind = type(var).__name__
-        if isinstance(var, nnx.Intermediate) or path not in before:
-            kept = {id(x) for x in jax.tree.leaves(old)}
-
-            def concat(x, path=path, kind=kind, kept=kept):
-                if id(x) in kept:
-                    return x
-                if seq_split:
-                    raise UsageError(
-                        f"{path!r}: a {kind} value was stored in __call__ while the inputs are "
-                        "split over the sequence (cp); each cp rank holds a different piece, "
-                        "which a per-example value cannot represent. Return it as an output "
-                        "(with gtp_output_layout) instead.")
-                if local_batch is None or jnp.ndim(x) < 1 or jnp.shape(x)[0] != local_batch:
-                    raise UsageError(
-                        f"{path!r}: a {kind} value of shape {jnp.shape(x)} was stored in "
-                        "__call__; a sharded module can only keep per-example values (leading "
-                        f"dim = the {local_batch} examples of a data shard), which are "
-                        "concatenated over the shards. Sow per-example values, or return the "
-                        "value as an output.")
-                return jax.lax.all_gather(x, axes, axis=0, tiled=True) if axes else x
-
-            out.append((keys, var, jax.tree.map(concat, value)))
-            continue
-        rule = rules.get(path)
-        if rule is None:
-            dtypes = sorted({str(jnp.result_type(x)) for x in jax.tree.leaves(value)})
-            raise UsageError(
-                f"{path!r}: {kind} state of dtype {'/'.join(dtypes)} is written in __call__, "
-                "and each data shard computes its own value; declare how to combine them "
-                f"with metadata {REDUCE}='sum' (e.g. counts), 'mean' or 'same' (identical on "
-                f"every shard), e.g. {kind}(value, {REDUCE}='sum').")
-        if not axes:
-            pass  # one data shard: its value is the value
-        elif rule == "mean":
-            for x in jax.tree.leaves(value):
-                if not jnp.issubdtype(jnp.result_type(x), jnp.floating):
-                    raise UsageError(
-                        f"{path!r}: {REDUCE}='mean' needs floating state, got "
-                        f"{jnp.result_type(x)}; use 'sum' or 'same'.")
-            value = jax.tree.map(lambda x: jax.lax.pmean(x, axes), value)
-        elif rule == "sum":
-            value = jax.tree.map(lambda x, o: o + jax.lax.psum(x - o, axes), value, old)
-        out.append((keys, var, value))
-    return out
-
-
-# Name of the ``jax.checkpoint`` primitive across JAX versions.
-_REMAT_NAMES = ("checkpoint", "remat", "remat2")
-
-
-def _has_user_remat(body: Callable, mesh: Mesh, value_specs: list, arg_specs: list,
-                    values: list, args: list) -> bool:
-    """Whether the module's own code (not gtp_jax's gathers) uses ``jax.checkpoint``."""
-    if mesh.devices.size == 1:
-        fn = body
-    else:
-        fn = jax.shard_map(body, mesh=mesh, in_specs=(value_specs, arg_specs),
-                           out_specs=(P(), P()), check_vma=False)
-    jaxpr = jax.make_jaxpr(lambda v, a: jax.tree.leaves(fn(v, a)))(values, args).jaxpr
-
-    def walk(j) -> bool:
-        for eqn in j.eqns:
-            if eqn.primitive.name in _REMAT_NAMES and \
-                    eqn.params.get("policy") is not regather_policy:
-                return True
-            if eqn.primitive.name.startswith("custom_"):
-                continue  # opaque to an outer checkpoint's policy (e.g. gtp_jax.scan_layers)
-            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-                if walk(sub):
-                    return True
-        return False
-
-    return walk(jaxpr)
-
-
 def _is_variable(x: Any) -> bool:
     return isinstance(x, nnx.Variable)
-
-
-def _key_name(key: Any) -> Any:
-    for attr in ("key", "name", "idx"):
-        if hasattr(key, attr):
-            return getattr(key, attr)
-    return str(key)
 
 
 def _flat_variables(state: Any) -> tuple[list[str], list[nnx.Variable], Any]:
     """(paths, variables, treedef) of a `nnx.State`, with Variables as leaves."""
     with_path, treedef = jax.tree_util.tree_flatten_with_path(state, is_leaf=_is_variable)
-    paths = [path_str(_key_name(k) for k in keys) for keys, _ in with_path]
+    paths = [path_str(key_name(k) for k in keys) for keys, _ in with_path]
     return paths, [v for _, v in with_path], treedef
 
 
@@ -374,15 +133,15 @@ class ShardedModule(nnx.Module):
             for p, x in zip(paths, values)
         ]
         plain_args, plain_kwargs = jax.tree.map(
-            lambda x: x.value if _is_replicated(x) else x, (args, kwargs), is_leaf=_is_replicated)
+            lambda x: x.value if is_replicated(x) else x, (args, kwargs), is_leaf=is_replicated)
         in_layout = self._input_layout(plain_args, plain_kwargs)
         layout = self._output_layout(plain_args, plain_kwargs)
         if in_layout is not None and in_layout.prepare is not None:
             args, kwargs = in_layout.prepare(args, kwargs)
         with_path, arg_tree = jax.tree_util.tree_flatten_with_path(
-            (args, kwargs), is_leaf=_is_replicated)
+            (args, kwargs), is_leaf=is_replicated)
         leaves = [x for _, x in with_path]
-        names = [_arg_name(keys) for keys, _ in with_path]
+        names = [arg_name(keys) for keys, _ in with_path]
         dynamic, arg_specs, batch, seq_split = self._arg_specs(leaves, names, in_layout)
         local_batch = None if batch is None else batch // data_size(mesh)
         default_layout = layout is None
@@ -396,7 +155,7 @@ class ShardedModule(nnx.Module):
         if default_layout:
             # Without batch arguments every shard computes the same outputs: replicated.
             layout = OutputLayout(P(axes) if batch is not None else P())
-        rules = _side_rules(paths, variables)
+        rules = side_rules(paths, variables)
         # On one device there is nothing to split or reduce: the body runs as is, without
         # shard_map (whose transpose would add an all-reduce, and a buffer, per gradient).
         single = mesh.devices.size == 1
@@ -420,8 +179,8 @@ class ShardedModule(nnx.Module):
             call_args, call_kwargs = jax.tree.unflatten(arg_tree, call_leaves)
             out = module(*call_args, **call_kwargs)
             if default_layout:
-                _check_outputs(out, local_batch)
-            side = _reduce_side_state(module, before, rules, local_batch, reduce_axes,
+                check_outputs(out, local_batch)
+            side = reduce_side_state(module, before, rules, local_batch, reduce_axes,
                                       bool(seq_split))
             side_keys[:] = [(k, v) for k, v, _ in side]
             return out, [x for _, _, x in side]
@@ -435,8 +194,8 @@ class ShardedModule(nnx.Module):
             axes_in_use = dataclasses.replace(axes_in_use, cp=None, cp_size=1)
         if self.config.remat_gathered and built:
             with use_axes(axes_in_use):
-                own_remat = _has_user_remat(body, mesh, value_specs, arg_specs, values,
-                                            [_unwrap(leaves[i]) for i in dynamic])
+                own_remat = has_user_remat(body, mesh, value_specs, arg_specs, values,
+                                            [unwrap(leaves[i]) for i in dynamic])
             if own_remat:
                 # An outer checkpoint would impose its policy inside the module's own remat
                 # regions (JAX applies the outermost policy to nested ones). Instead each
@@ -455,7 +214,7 @@ class ShardedModule(nnx.Module):
         # The body is traced inside this call (also under jit/grad), so model code sees the
         # axes; backward rules never read them (they get axis names as static arguments).
         with use_axes(axes_in_use):
-            out, side = run(values, [_unwrap(leaves[i]) for i in dynamic])
+            out, side = run(values, [unwrap(leaves[i]) for i in dynamic])
         if side_keys:
             nnx.update(self.module, nnx.from_flat_state(
                 [(k, v.replace(value=x)) for (k, v), x in zip(side_keys, side)]))
@@ -506,7 +265,7 @@ class ShardedModule(nnx.Module):
         seq_split: list[str] = []
         dynamic, specs, batch, first = [], [], None, None
         for i, (x, name) in enumerate(zip(leaves, names)):
-            if _is_replicated(x):
+            if is_replicated(x):
                 dynamic.append(i)
                 specs.append(P())
                 continue
@@ -562,7 +321,7 @@ class ShardedModule(nnx.Module):
             if p.stacked:
                 value = nnx.to_flat_state(nnx.state(self.module))
                 layers = next(int(v.get_value().shape[0]) for k, v in value
-                              if path_str(_key_name(x) for x in k) == p.path)
+                              if path_str(key_name(x) for x in k) == p.path)
             item = np.dtype(spec.param_dtype).itemsize * layers
             per_device = int(np.prod(spec.shard_shape)) * item
             full = int(np.prod(spec.logical_shape)) * item
