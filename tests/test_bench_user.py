@@ -8,6 +8,8 @@ import pytest
 
 from gtp_jax.bench import overlap
 
+pytestmark = pytest.mark.slow  # minutes on 2 cores: `pytest -m "not slow"` skips it
+
 
 @pytest.mark.parametrize("variant", overlap.USER_VARIANTS)
 def test_user_model_variant_runs_one_step(variant: str) -> None:

@@ -27,6 +27,8 @@ from gtp_jax.parallel import (
     row_parallel,
 )
 
+pytestmark = pytest.mark.slow  # minutes on 2 cores: `pytest -m "not slow"` skips it
+
 FP32_RTOL = 1e-5
 
 

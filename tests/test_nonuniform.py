@@ -30,6 +30,8 @@ from gtp_jax.nonuniform import (
 )
 from gtp_jax.sharding.plan import DimSplit
 
+pytestmark = pytest.mark.slow  # minutes on 2 cores: `pytest -m "not slow"` skips it
+
 
 def ids(mesh) -> list[int]:
     return [d.id for d in mesh.devices.flat]

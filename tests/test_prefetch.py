@@ -14,6 +14,8 @@ from helpers import get_mesh, max_rel_err
 import gtp_jax
 from gtp_jax.models import Transformer, lm_loss, preset
 
+pytestmark = pytest.mark.slow  # minutes on 2 cores: `pytest -m "not slow"` skips it
+
 # Small odd sizes: 3 layers (peeled first and last + one scanned), dims that do not divide 4.
 CFG = preset("tiny", d_model=96, n_heads=4, d_ff=200, vocab_size=250, n_layers=3)
 

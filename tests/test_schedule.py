@@ -18,6 +18,8 @@ from gtp_jax.bench.schedule import (
     shape_bytes,
 )
 
+pytestmark = pytest.mark.slow  # minutes on 2 cores: `pytest -m "not slow"` skips it
+
 HEADER = "HloModule m, is_scheduled=true, entry_computation_layout={(bf16[8,64]{1,0})->f32[]}\n\n"
 
 # Positions in ENTRY: x 0, w 1, ag 2, pair 3, wb 4, tok 5, e0 6, neg 7, fus 8, bc 9, out 10.

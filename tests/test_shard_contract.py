@@ -18,6 +18,8 @@ from jax.ad_checkpoint import print_saved_residuals
 import gtp_jax
 from gtp_jax.base.errors import UsageError
 
+pytestmark = pytest.mark.slow  # minutes on 2 cores: `pytest -m "not slow"` skips it
+
 
 def _place(mesh, x):
     return jax.device_put(x, gtp_jax.data_sharding(mesh, x.ndim))

@@ -16,6 +16,8 @@ import gtp_jax
 from gtp_jax.models import lm_loss
 from gtp_jax.train import TrainConfig, TrainStep, build_model_and_optimizer, model_config
 
+pytestmark = pytest.mark.slow  # minutes on 2 cores: `pytest -m "not slow"` skips it
+
 #: float32, the suite's dp=2 x gtp=4 mesh, small enough to compile quickly.
 CFG = TrainConfig(steps=3, batch_size=8, seq_len=32, warmup=1, dp=2, gtp=4)
 
