@@ -200,3 +200,23 @@ def assert_unchanged(module: nnx.Module, before: Mapping[tuple, tuple]) -> None:
         assert np.array_equal(new_value, value), f"{key} was modified"
         assert new_sharding == sharding, f"{key}: sharding changed to {new_sharding}"
         assert new_meta == meta, f"{key}: metadata changed {meta} -> {new_meta}"
+
+
+def assert_matches_reference_steps(sharded: Any, results: list, ref_steps: list,
+                                   ref_final: Mapping[str, Any], rtol: float) -> None:
+    """Each step's (loss, logits, grads) of a sharded run equals the unsharded reference's
+    (`ref_steps`: (loss, logits, {path: grad})), and so do the parameters after the last
+    step (`ref_final`: {path: value}); sharded grads and params are unsharded first."""
+    for step, ((loss, logits, grads), (ref_loss, ref_logits, ref_grads)) in enumerate(
+            zip(results, ref_steps, strict=True)):
+        assert_close(loss, ref_loss, rtol, f"step {step} loss")
+        assert logits.shape == ref_logits.shape, (step, logits.shape, ref_logits.shape)
+        assert_close(logits, ref_logits, rtol, f"step {step} logits")
+        got = gtp_jax.unshard_values(sharded, grads)
+        assert set(got) == set(ref_grads)
+        for path, ref_g in ref_grads.items():
+            assert_close(got[path], ref_g, rtol, f"step {step} grad {path}")
+    got = gtp_jax.unshard_values(sharded, sharded)
+    for path, ref_p in ref_final.items():
+        assert_close(got[path], ref_p, rtol, f"param {path} after {len(results)} steps")
+

@@ -31,7 +31,15 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from helpers import Mixed, assert_close, flat_values, mixed_tokens, mse_loss, path_str
+from helpers import (
+    Mixed,
+    assert_close,
+    assert_matches_reference_steps,
+    flat_values,
+    mixed_tokens,
+    mse_loss,
+    path_str,
+)
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -115,20 +123,9 @@ def run_case(mesh_sizes: dict, cfg, seq: int, seed: int, prefetch: bool = False)
                        gtp_jax.GTPConfig(min_elements=0, prefetch=prefetch))
     opt = nnx.Optimizer(sm, adamw(), wrt=nnx.Param)
     place_counters(opt, mesh)
-    for step, tokens in enumerate(_batches(cfg, seq, seed)):
-        loss, logits, grads = lm_step(sm, opt, jax.device_put(tokens,
-                                                              gtp_jax.data_sharding(mesh)))
-        ref_loss, ref_logits, ref_grads = ref_steps[step]
-        assert_close(loss, ref_loss, FP32_RTOL, f"step {step} loss")
-        assert logits.shape == ref_logits.shape
-        assert_close(logits, ref_logits, FP32_RTOL, f"step {step} logits")
-        got = unshard_values(sm, grads)
-        assert set(got) == set(ref_grads)
-        for path, ref_g in ref_grads.items():
-            assert_close(got[path], ref_g, FP32_RTOL, f"step {step} grad {path}")
-    got = unshard_values(sm, sm)
-    for path, ref_p in ref_final.items():
-        assert_close(got[path], ref_p, FP32_RTOL, f"param {path} after {STEPS} steps")
+    results = [lm_step(sm, opt, jax.device_put(tokens, gtp_jax.data_sharding(mesh)))
+               for tokens in _batches(cfg, seq, seed)]
+    assert_matches_reference_steps(sm, results, ref_steps, ref_final, FP32_RTOL)
 
 
 # --------------------------------------------------------------------------- mesh

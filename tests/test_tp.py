@@ -28,12 +28,11 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from helpers import assert_close, flat_values, path_str
+from helpers import assert_matches_reference_steps, flat_values, path_str
 from jax.sharding import PartitionSpec as P
 
 import gtp_jax
 from gtp_jax.models import Transformer, preset
-from gtp_jax.sharding.module import unshard_values
 from gtp_jax.sharding.plan import ParamPlan, SplitPlan
 from gtp_jax.train import replicate_stray_leaves
 
@@ -137,20 +136,9 @@ def run_case(mesh_sizes: dict, cfg, seq: int, seed: int, gtp_config=None) -> int
     chex.assert_trees_all_equal(full, {path_str(k): np.asarray(v) for k, v in init.items()})
 
     opt = make_optimizer(sm, mesh)
-    for step, tokens in enumerate(_batches(cfg, seq, seed)):
-        loss, logits, grads = lm_step(sm, opt, jax.device_put(tokens,
-                                                              gtp_jax.data_sharding(mesh)))
-        ref_loss, ref_logits, ref_grads = ref_steps[step]
-        assert_close(loss, ref_loss, FP32_RTOL, f"step {step} loss")
-        chex.assert_shape(logits, ref_logits.shape)
-        assert_close(logits, ref_logits, FP32_RTOL, f"step {step} logits")
-        got = unshard_values(sm, grads)
-        assert set(got) == set(ref_grads)
-        for path, ref_g in ref_grads.items():
-            assert_close(got[path], ref_g, FP32_RTOL, f"step {step} grad {path}")
-    got = unshard_values(sm, sm)
-    for path, ref_p in ref_final.items():
-        assert_close(got[path], ref_p, FP32_RTOL, f"param {path} after {STEPS} steps")
+    results = [lm_step(sm, opt, jax.device_put(tokens, gtp_jax.data_sharding(mesh)))
+               for tokens in _batches(cfg, seq, seed)]
+    assert_matches_reference_steps(sm, results, ref_steps, ref_final, FP32_RTOL)
     return assert_padding_zero(sm, ref_final)
 
 
