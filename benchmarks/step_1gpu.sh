@@ -3,8 +3,10 @@
 #   part "model": `bench overlap` compute-only and gtp_jax at gtp=1 (remat dots and none:
 #                 the wrapper's own cost where it has nothing to communicate, and whether
 #                 cuDNN attention compiles under each remat policy), then the PyTorch peer
-#                 compiled and eager; kernel breakdowns of the JAX compute-only step and of
-#                 the compiled PyTorch step (`python -m gtp_jax.bench.kernels`).
+#                 compiled and eager; kernel breakdowns (`python -m gtp_jax.bench.kernels`,
+#                 kernels_*.md) of the JAX steps, each from a short traced run with its
+#                 optimized HLO (so fusions are named with shape and source), and of the
+#                 compiled PyTorch step.
 #   part "user":  a user's own decoder (python loop of blocks, nnx.remat per block; see
 #                 gtp_jax/bench/user_model.py) unwrapped and under gtp_jax.shard, with and
 #                 without the user's remat.
@@ -21,8 +23,7 @@ filter() { grep -v -i deprecat | grep -E "^\[|^\||^device|error|Error" | tail -2
 if [ "$PART" = model ] || [ "$PART" = all ]; then
   log "bench overlap (JAX)"
   python3 -m gtp_jax.bench overlap $COMMON \
-    --variants compute_only_dots,gtp_dots,gtp --profile-dir "$PROF" \
-    --profile-variants compute_only_dots,gtp_dots --json "$OUT/overlap_1b.json" 2>&1 | filter
+    --variants compute_only_dots,gtp_dots,gtp --json "$OUT/overlap_1b.json" 2>&1 | filter
   for c in 1 0; do
     log "torch FSDP2 COMPILE=$c"
     trace=""; [ "$c" = 1 ] && trace="$PROF/torch_compiled.json"
@@ -35,14 +36,23 @@ from gtp_jax.models import preset
 c = preset('1b'); L, d, f, v = c.n_layers, c.d_model, c.d_ff, c.vocab_size
 print(6 * (L * (4 * d * d + 3 * d * f) + v * d) * 4 * 2048 / 1e12)")
   for name in compute_only_dots gtp_dots; do
+    # a short traced run with the optimized HLO dumped, so each kernel is named with its
+    # shape and the JAX operation it came from
     log "kernels $name"
+    dump="$PROF/hlo_$name"; mkdir -p "$dump"
+    XLA_FLAGS="${XLA_FLAGS:-} --xla_dump_to=$dump --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*step.*" \
+      python3 -m gtp_jax.bench overlap $COMMON --steps 5 --variants "$name" \
+      --profile-dir "$PROF" --profile-variants "$name" 2>&1 | filter
     python3 -m gtp_jax.bench.kernels "$PROF/$name" --steps 3 --gemm-tflop "$GEMM_TFLOP" \
-      --json "$OUT/kernels_${name}.json" | head -40
+      --top 40 --hlo "$dump" --json "$OUT/kernels_${name}.json" > "$OUT/kernels_${name}.md"
+    head -24 "$OUT/kernels_${name}.md"
   done
   if [ -f "$PROF/torch_compiled.json" ]; then
     log "kernels torch compiled"
     python3 -m gtp_jax.bench.kernels "$PROF/torch_compiled.json" --steps 3 \
-      --gemm-tflop "$GEMM_TFLOP" --json "$OUT/kernels_torch_compiled.json" | head -40
+      --gemm-tflop "$GEMM_TFLOP" --top 40 --json "$OUT/kernels_torch_compiled.json" \
+      > "$OUT/kernels_torch_compiled.md"
+    head -24 "$OUT/kernels_torch_compiled.md"
   fi
 fi
 

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from gtp_jax.bench.kernels import breakdown, category, main
+from gtp_jax.bench.kernels import breakdown, category, main, read_hlo
 
 
 def _jax_trace() -> list[dict]:
@@ -74,3 +74,70 @@ def test_errors() -> None:
         breakdown(_jax_trace(), device=3)
     with pytest.raises(ValueError, match="steps"):
         breakdown(_jax_trace(), steps=0)
+
+
+_HLO = """HloModule jit_step
+
+%fused_add (p0: f32[8]) -> f32[8] {
+  ROOT %add.1 = f32[8]{0} add(%p0, %p0)
+}
+
+ENTRY %main (a: f32[8]) -> f32[8] {
+  %loop_add_fusion.5 = f32[16,2048]{1,0} fusion(%a), kind=kLoop, calls=%fused_add, \
+metadata={op_name="jit(step)/transpose(jvp())/while/body/add" source_file="/x/model.py" \
+source_line=42}
+  ROOT %copy.3 = bf16[4,8]{1,0} copy(%loop_add_fusion.5)
+}
+"""
+
+
+def test_kernels_are_attributed_to_their_hlo_instructions(tmp_path, capsys) -> None:
+    meta = [{"ph": "M", "name": "process_name", "pid": 7, "args": {"name": "/device:GPU:0"}},
+            {"ph": "M", "name": "thread_name", "pid": 7, "tid": 1, "args": {"name": "Stream #1"}},
+            {"ph": "M", "name": "thread_name", "pid": 7, "tid": 2,
+             "args": {"name": "XLA Ops"}}]
+    ops = [("while.1", 0, 1000), ("loop_add_fusion.5", 10, 300), ("copy.3", 400, 100)]
+    kernels = [("loop_add_fusion_5", 20, 100), ("loop_add_fusion_5", 150, 60),
+               ("memcpy128", 410, 80), ("nvjet_gemm", 600, 200)]
+    events = meta + [{"ph": "X", "pid": 7, "tid": 2, "ts": ts, "dur": d, "name": n}
+                     for n, ts, d in ops] + [
+        {"ph": "X", "pid": 7, "tid": 1, "ts": ts, "dur": d, "name": n} for n, ts, d in kernels]
+    hlo = tmp_path / "module_0001.jit_step.sm_9.0a_gpu_after_optimizations.txt"
+    hlo.write_text(_HLO)
+    (tmp_path / "module_0002.small_after_optimizations.txt").write_text("HloModule x\n")
+    b = breakdown(events, steps=2, hlo=read_hlo(tmp_path))
+    by_op = {o.op: o for o in b.ops}
+    assert by_op["loop_add_fusion.5"].ms == pytest.approx(0.08)    # 160 us over 2 steps
+    assert by_op["loop_add_fusion.5"].shape == "f32[16,2048]"
+    assert by_op["loop_add_fusion.5"].source == "fusion transpose(jvp())/while/body/add model.py:42"
+    assert by_op["copy.3"].category == "copies" and by_op["copy.3"].shape == "bf16[4,8]"
+    assert by_op["while.1"].ms == pytest.approx(0.1)                # the GEMM inside the loop
+    assert [o.op for o in b.ops] == ["while.1", "loop_add_fusion.5", "copy.3"]
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    assert main([str(path), "--hlo", str(hlo)]) == 0
+    assert "| `copy.3` | 0.08 | copies | `bf16[4,8]` | copy |" in capsys.readouterr().out
+
+
+def test_hlo_folder_without_optimized_dump_is_refused(tmp_path) -> None:
+    with pytest.raises(ValueError, match="xla_dump_to"):
+        read_hlo(tmp_path)
+
+
+def test_kernels_without_op_rows_are_matched_to_instructions_by_name(tmp_path) -> None:
+    meta = [{"ph": "M", "name": "process_name", "pid": 7, "args": {"name": "/device:GPU:0"}},
+            {"ph": "M", "name": "thread_name", "pid": 7, "tid": 1,
+             "args": {"name": "Stream #14(Compute,Memset)"}}]
+    kernels = [("loop_add_fusion_5", 0, 100), ("loop_add_fusion_5", 200, 50),
+               ("memcpy128", 300, 30), ("copy_3", 400, 20)]
+    events = meta + [{"ph": "X", "pid": 7, "tid": 1, "ts": ts, "dur": d, "name": n}
+                     for n, ts, d in kernels]
+    path = tmp_path / "hlo.txt"
+    path.write_text(_HLO)
+    b = breakdown(events, hlo=read_hlo(path))
+    by_op = {o.op: o for o in b.ops}
+    assert by_op["loop_add_fusion.5"].ms == pytest.approx(0.15)
+    assert by_op["loop_add_fusion.5"].shape == "f32[16,2048]"
+    assert by_op["copy.3"].shape == "bf16[4,8]"
+    assert by_op["memcpy128"].shape == "" and by_op["memcpy128"].category == "copies"
+    assert breakdown(events).ops == ()          # nothing to match without HLO text

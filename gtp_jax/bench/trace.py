@@ -107,8 +107,9 @@ def load_events(path: str | Path) -> list[dict[str, Any]]:
     return data["traceEvents"] if isinstance(data, dict) else data
 
 
-def device_kernels(events: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
-    """Kernel events (``ph == "X"`` on a device stream thread), grouped by device name."""
+def _device_threads(events: list[dict[str, Any]]) -> tuple[dict[Any, str],
+                                                           dict[tuple[Any, Any], str]]:
+    """Device process names by pid, and thread names by (pid, tid)."""
     process_names: dict[Any, str] = {}
     thread_names: dict[tuple[Any, Any], str] = {}
     for e in events:
@@ -117,14 +118,29 @@ def device_kernels(events: list[dict[str, Any]]) -> dict[str, list[dict[str, Any
         elif e.get("ph") == "M" and e.get("name") == "thread_name":
             thread_names[(e["pid"], e.get("tid"))] = e["args"]["name"]
     devices = {pid: name for pid, name in process_names.items() if _DEVICE_PROCESS.search(name)}
+    return devices, thread_names
+
+
+def _device_events(events: list[dict[str, Any]], keep: Any) -> dict[str, list[dict[str, Any]]]:
+    devices, thread_names = _device_threads(events)
     out: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for e in events:
         if e.get("ph") != "X" or e.get("pid") not in devices or "dur" not in e:
             continue
-        if _SUMMARY_THREADS.search(thread_names.get((e["pid"], e.get("tid")), "")):
-            continue
-        out[devices[e["pid"]]].append(e)
+        if keep(thread_names.get((e["pid"], e.get("tid")), "")):
+            out[devices[e["pid"]]].append(e)
     return dict(out)
+
+
+def device_kernels(events: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    """Kernel events (``ph == "X"`` on a device stream thread), grouped by device name."""
+    return _device_events(events, lambda thread: not _SUMMARY_THREADS.search(thread))
+
+
+def device_ops(events: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    """The "XLA Ops" rows of a JAX trace (one event per HLO instruction run, named after
+    it, spanning its kernels), grouped by device name; empty for other traces."""
+    return _device_events(events, lambda thread: thread.startswith("XLA Ops"))
 
 
 def analyze_events(events: list[dict[str, Any]]) -> list[DeviceOverlap]:

@@ -54,6 +54,7 @@ from gtp_jax.base.mesh import data_axes
 from gtp_jax.base.metadata import STACKED, TP_DIM, TP_PARTS
 from gtp_jax.base.shapes import round_up
 from gtp_jax.models.cross_entropy import cross_entropy
+from gtp_jax.models.elementwise import apply_rope, swiglu
 from gtp_jax.parallel.collective_matmul import (
     all_gather_matmul_chunks,
     matmul_reduce_scatter_chunks,
@@ -93,8 +94,9 @@ class TransformerConfig:
       rope_theta: rotary base.
       norm_eps: RMSNorm epsilon.
       remat: activation recompute inside each layer: "none" (keep what autodiff keeps),
-        "dots" (save matmul outputs only), "full" (save layer inputs only). Gathered GTP
-        weights are never saved in any mode.
+        "dots" (save matmul outputs and the fused attention's outputs,
+        `save_dots_and_attention`), "full" (save layer inputs only). Gathered GTP weights
+        are never saved in any mode.
       attention_impl: passed to ``jax.nn.dot_product_attention`` (None, "xla", "cudnn").
       tp_overlap: under tensor parallelism, run the all-gather / reduce-scatter of these
         projections as ring collective matmuls (`gtp_jax.parallel.collective_matmul`):
@@ -267,13 +269,6 @@ def rope_at(positions: jax.Array, head_dim: int, theta: float) -> tuple[jax.Arra
     return jnp.cos(angles), jnp.sin(angles)
 
 
-def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """Rotates ``x: [batch, seq, heads, head_dim]`` (split-half convention)."""
-    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
-    c, s = cos[None, :, None, :], sin[None, :, None, :]
-    return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(x.dtype)
-
-
 def _init(stddev: float):
     return nnx.initializers.normal(stddev)
 
@@ -357,22 +352,17 @@ class SwiGLU(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         tp = current_axes().tp
         if tp is None:
-            gate, up = jnp.split(self.gate_up(x), 2, axis=-1)
-            return self.down(jax.nn.silu(gate) * up)
+            return self.down(swiglu(self.gate_up(x)))
         x, w = _promote(x, self.gate_up.kernel[...], self.cfg.dtype)
         if self.cfg.overlaps("gate_up") and self.cfg.overlaps("down"):
             # Both rings: the sequence chunks stay in ring order through the elementwise
             # middle, so no pass puts them in rank order (all_gather_matmul_chunks).
-            hs = []
-            for chunk in all_gather_matmul_chunks(x, w, tp):
-                gate, up = jnp.split(chunk, 2, axis=-1)
-                hs.append(jax.nn.silu(gate) * up)
+            hs = [swiglu(chunk) for chunk in all_gather_matmul_chunks(x, w, tp)]
             w = self.down.kernel[...]
             hs = [_promote(h, w, self.cfg.dtype)[0] for h in hs]
             return matmul_reduce_scatter_chunks(hs, _promote(hs[0], w, self.cfg.dtype)[1], tp)
-        gate, up = jnp.split(column_parallel(x, w, tp, overlap=self.cfg.overlaps("gate_up")),
-                             2, axis=-1)
-        h, w = _promote(jax.nn.silu(gate) * up, self.down.kernel[...], self.cfg.dtype)
+        h = swiglu(column_parallel(x, w, tp, overlap=self.cfg.overlaps("gate_up")))
+        h, w = _promote(h, self.down.kernel[...], self.cfg.dtype)
         return row_parallel(h, w, tp, overlap=self.cfg.overlaps("down"))
 
 
@@ -419,9 +409,29 @@ def _stacked_blocks(cfg: TransformerConfig, rngs: nnx.Rngs) -> Block:
     return blocks
 
 
+#: The cuDNN attention forward's primitive (``jax.nn.dot_product_attention``,
+#: ``implementation="cudnn"``, or None on a GPU where it applies).
+_FUSED_ATTENTION_FWD = "dot_product_attention_fwd_wrapper"
+
+
+def save_dots_and_attention(prim: Any, *avals: Any, **params: Any) -> bool:
+    """Remat policy of ``remat="dots"``: save matmul outputs (no batch dims) and the fused
+    attention's output and softmax statistics; recompute everything elementwise.
+
+    Without the second rule the cuDNN attention forward (batched, so not a "dot" here) runs
+    twice per step: once in the forward pass and again to rebuild its residuals for the
+    backward kernel. Saving it costs ``[batch, seq, heads, head_dim]`` plus float32
+    ``[batch, heads, seq]`` per layer. The XLA attention (CPU, or ``attention_impl="xla"``)
+    has no such primitive, and its ``seq x seq`` scores are still recomputed.
+    """
+    if getattr(prim, "name", None) == _FUSED_ATTENTION_FWD:
+        return True
+    return jax.checkpoint_policies.dots_with_no_batch_dims_saveable(prim, *avals, **params)
+
+
 _REMAT = {
     "none": None,
-    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "dots": save_dots_and_attention,
     "full": jax.checkpoint_policies.nothing_saveable,
 }
 

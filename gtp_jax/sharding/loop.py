@@ -54,16 +54,25 @@ class _ResidualSplit:
         self.jaxpr: Any = None  # closed jaxpr: (h, weights, plain, consts) -> residuals
         self.num_h = 0  # leaves of the activations argument
 
-    def forward(self, layer: Callable, args: tuple) -> tuple[Any, list[jax.Array]]:
-        """Runs the layer; returns its output and the residuals that must be saved."""
-        out, pullback = jax.vjp(layer, *args)
-        leaves, treedef = jax.tree.flatten(pullback)
+    def saved_shapes(self, layer: Callable, args: tuple) -> list[jax.ShapeDtypeStruct]:
+        """Shapes of the residuals `forward` saves (traces the layer abstractly once;
+        `args` may be ``jax.ShapeDtypeStruct``s)."""
         if self.jaxpr is None:
             closed = jax.make_jaxpr(lambda *a: jax.tree.leaves(jax.vjp(layer, *a)[1]))(*args)
-            self.treedef, self.jaxpr = treedef, closed
+            self.jaxpr = closed
             self.num_h = len(jax.tree.leaves(args[0]))
             self.saved = _activation_dependent(closed.jaxpr, self.num_h)
-        elif treedef != self.treedef or len(leaves) != len(self.saved):
+        return [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype)
+                for v, keep in zip(self.jaxpr.jaxpr.outvars, self.saved) if keep]
+
+    def forward(self, layer: Callable, args: tuple) -> tuple[Any, list[jax.Array]]:
+        """Runs the layer; returns its output and the residuals that must be saved."""
+        self.saved_shapes(layer, args)
+        out, pullback = jax.vjp(layer, *args)
+        leaves, treedef = jax.tree.flatten(pullback)
+        if self.treedef is None:
+            self.treedef = treedef
+        if treedef != self.treedef or len(leaves) != len(self.saved):
             raise RuntimeError(
                 "gtp_jax layer loop: the layer's residual structure differs between two "
                 "traces of the same layer; the layer function must be deterministic in "
@@ -223,6 +232,46 @@ def _put(buffers: list[jax.Array], values: list[jax.Array], i: Any) -> list[jax.
             for b, v in zip(buffers, values)]
 
 
+def _unfilled(n: int, like: Any) -> Any:
+    """Stacks ``[n, *x.shape]`` for every leaf of `like` whose every slot the loop writes.
+
+    ``lax.empty`` is uninitialized memory on GPU; ``lax.scan``'s own stacked outputs (and
+    ``jnp.zeros``) are filled with zeros first, a full extra write of every residual and
+    gradient stack per step.
+    """
+    return jax.tree.map(lambda x: jax.lax.empty((n, *x.shape), x.dtype), like)
+
+
+def _scan_stacked(body: Callable, carry: Any, n: int, ys_like: Any, *,
+                  reverse: bool = False) -> tuple:
+    """``lax.scan(body, carry, jnp.arange(n), reverse=reverse)`` whose per-iteration outputs
+    (shaped like `ys_like`, cast to its dtypes) go into `_unfilled` stacks: slot ``i`` holds
+    iteration ``i``'s output."""
+    def step(c: Any, i: Any) -> tuple:
+        c, bufs = c
+        c, ys = body(c, i)
+        bufs = jax.tree.map(
+            lambda b, y: jax.lax.dynamic_update_index_in_dim(b, y.astype(b.dtype), i, 0),
+            bufs, ys)
+        return (c, bufs), None
+
+    (carry, bufs), _ = jax.lax.scan(step, (carry, _unfilled(n, ys_like)), jnp.arange(n),
+                                    reverse=reverse)
+    return carry, bufs
+
+
+def _saved_like(spec: LoopSpec, split: _ResidualSplit, h: Any, plain: list,
+                consts: list) -> list[jax.ShapeDtypeStruct]:
+    """Shapes of one layer's saved residuals."""
+    w = [jax.ShapeDtypeStruct(s.logical_shape, s.compute_dtype) for s in spec.gather_specs]
+    p = [jax.ShapeDtypeStruct(x.shape[1:], x.dtype) for x in plain]
+    return split.saved_shapes(spec.layer, (h, w, p, consts))
+
+
+def _layer_like(stacks: list[jax.Array]) -> list[jax.ShapeDtypeStruct]:
+    return [jax.ShapeDtypeStruct(x.shape[1:], x.dtype) for x in stacks]
+
+
 def _run_layer(spec: LoopSpec, split: _ResidualSplit | None, h: Any, w: list, p: list,
                consts: list) -> tuple[Any, list | None]:
     if split is None:
@@ -253,12 +302,12 @@ def _const_cts(dconsts: list[Any], consts: list[jax.Array]) -> list[Any]:
 
 
 def _plain_forward(spec, h, shards, plain, consts, keep):
-    def body(h_, xs):
-        layer_shards, plain_i = xs
-        return _run_layer(spec, spec.mid if keep else None, h_, spec.gather(layer_shards),
-                          plain_i, consts)
+    def body(h_, i):
+        return _run_layer(spec, spec.mid if keep else None, h_, spec.gather(_at(shards, i)),
+                          _at(plain, i), consts)
 
-    return jax.lax.scan(body, h, (shards, plain))
+    like = _saved_like(spec, spec.mid, h, plain, consts) if keep else None
+    return _scan_stacked(body, h, spec.n_layers, like)
 
 
 def _plain_backward(spec, saved, ct):
@@ -266,15 +315,16 @@ def _plain_backward(spec, saved, ct):
     float_consts = _is_float(consts)
     zero = [jnp.zeros(c.shape, c.dtype) if f else None for c, f in zip(consts, float_consts)]
 
-    def body(c, xs):
+    def body(c, i):
         dh, dconsts = c
-        res_i, layer_shards, plain_i = xs
-        dh, dw, dp, dc = _layer_vjp(spec.mid, res_i, spec.gather(layer_shards), plain_i,
-                                    consts, dh, float_consts)
+        dh, dw, dp, dc = _layer_vjp(spec.mid, _tree_at(stacked_res, i),
+                                    spec.gather(_at(shards, i)), _at(plain, i), consts, dh,
+                                    float_consts)
         return (dh, _add(dconsts, dc)), (spec.reduce_scatter(dw), dp)
 
-    (dh, dconsts), (shard_grads, plain_grads) = jax.lax.scan(
-        body, (ct, zero), (stacked_res, shards, plain), reverse=True)
+    (dh, dconsts), (shard_grads, plain_grads) = _scan_stacked(
+        body, (ct, zero), spec.n_layers, (_layer_like(shards), _layer_like(plain)),
+        reverse=True)
     return dh, shard_grads, plain_grads, _const_cts(dconsts, consts)
 
 
@@ -293,7 +343,8 @@ def _prefetch_forward(spec, h, shards, plain, consts, keep):
                                  consts)
             return (h_, w_next), res
 
-        (h, w), stacked_res = jax.lax.scan(body, (h, w), jnp.arange(last))
+        like = _saved_like(spec, spec.mid, h, plain, consts) if keep else None
+        (h, w), stacked_res = _scan_stacked(body, (h, w), last, like)
     h, last_res = _run_layer(spec, spec.last if keep else None, h, w, _at(plain, last),
                              consts)
     return h, (stacked_res, last_res)
@@ -304,9 +355,10 @@ def _prefetch_backward(spec, saved, ct):
     float_consts = _is_float(consts)
     last = spec.n_layers - 1
     # Gradients are written into full-size stacked buffers as they arrive (in place in the
-    # loop carry) instead of being concatenated at the end.
-    shard_buf = [jnp.zeros(s.shape, s.dtype) for s in shards]
-    plain_buf = [jnp.zeros(p.shape, p.dtype) for p in plain]
+    # loop carry) instead of being concatenated at the end; every slot is written, so the
+    # buffers start uninitialized (`_unfilled`).
+    shard_buf = [jax.lax.empty(s.shape, s.dtype) for s in shards]
+    plain_buf = [jax.lax.empty(p.shape, p.dtype) for p in plain]
 
     w = spec.gather(_at(shards, last))
     w_prev = spec.gather(_at(shards, last - 1)) if last > 0 else None
