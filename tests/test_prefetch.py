@@ -21,12 +21,13 @@ CFG = preset("tiny", d_model=96, n_heads=4, d_ff=200, vocab_size=250, n_layers=3
 
 
 def _train(prefetch: bool, tokens: list[jax.Array], seed: int, remat: str = "none",
-           n_layers: int = 3):
+           n_layers: int = 3, keep: bool = False):
     mesh = get_mesh("dp2_gtp4")
     cfg = preset("tiny", **{**CFG.__dict__, "remat": remat, "n_layers": n_layers})
     model = gtp_jax.shard(Transformer(cfg,
                                       rngs=nnx.Rngs(seed)),
-                          mesh, gtp_jax.GTPConfig(prefetch=prefetch))
+                          mesh, gtp_jax.GTPConfig(prefetch=prefetch,
+                                                  keep_gathered_layers=keep))
     opt = nnx.Optimizer(model, optax.adamw(1e-2, eps=1e-3), wrt=nnx.Param)
 
     @nnx.jit
@@ -77,6 +78,51 @@ def _compiled_forward(prefetch: bool) -> str:
     tokens = jax.device_put(np.zeros((8, 16), np.int32), gtp_jax.data_sharding(mesh))
     fwd = jax.jit(lambda s, t: nnx.merge(graphdef, s)(t))
     return fwd.lower(state, tokens).compile().as_text()
+
+
+@pytest.mark.parametrize(("prefetch", "remat", "n_layers"),
+                         [(False, "none", 3), (True, "dots", 3), (True, "none", 2)])
+def test_kept_gathered_weights_equal_regathered_ones(key, seed, prefetch, remat, n_layers):
+    # keep_gathered_layers keeps each layer's gathered weights for the backward pass instead
+    # of gathering them again: the same values, so the same fp32 results up to rounding.
+    tokens = [jax.random.randint(jax.random.fold_in(key, i), (8, 17), 0, CFG.vocab_size)
+              for i in range(3)]
+    again, again_params = _train(prefetch, tokens, seed, remat, n_layers)
+    kept, kept_params = _train(prefetch, tokens, seed, remat, n_layers, keep=True)
+    for (l0, g0), (l1, g1) in zip(again, kept):
+        assert abs(l0 - l1) <= 1e-5 * abs(l0)
+        for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g1)):
+            assert max_rel_err(b, a) < 1e-5
+    for a, b in zip(jax.tree.leaves(again_params), jax.tree.leaves(kept_params)):
+        assert max_rel_err(b, a) < 1e-5
+
+
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_kept_gathered_weights_leave_the_backward_pass_without_gathers(prefetch):
+    mesh = get_mesh("dp2_gtp4")
+    tokens = jax.device_put(jax.numpy.zeros((8, 17), jax.numpy.int32),
+                            gtp_jax.data_sharding(mesh))
+
+    def gathers(keep: bool, grad: bool) -> int:
+        model = gtp_jax.shard(Transformer(CFG, rngs=nnx.Rngs(0)), mesh,
+                              gtp_jax.GTPConfig(prefetch=prefetch, keep_gathered_layers=keep,
+                                                remat_gathered=not keep))
+        graphdef, state = nnx.split(model)
+
+        def loss(state):
+            return lm_loss(nnx.merge(graphdef, state), tokens)
+
+        text = jax.jit(jax.grad(loss) if grad else loss).lower(state).as_text()
+        return len(re.findall(r"stablehlo\.all_gather", text))
+
+    forward = gathers(True, grad=False)
+    assert gathers(False, grad=False) == forward
+    # the gradient program gathers only what the forward pass does when the weights are
+    # kept (the layer stack's and, by remat_gathered=False, the embedding's and head's), and
+    # the stacked layers' weights once more (in the backward loop) otherwise
+    assert forward > 0
+    assert gathers(True, grad=True) == forward
+    assert gathers(False, grad=True) >= forward + 4
 
 
 def test_prefetch_loop_carries_next_layers_gathered_weights():

@@ -26,6 +26,7 @@ from gtp_jax.base.errors import UsageError, UsageTypeError
     (lambda: gtp_jax.GTPConfig(gather_dtype=jnp.float8_e4m3fn), "gather_format"),
     (lambda: gtp_jax.GTPConfig(reduce_dtype=jnp.int8), "reduce_dtype"),
     (lambda: gtp_jax.GTPConfig(remat_gathered="yes"), "remat_gathered"),
+    (lambda: gtp_jax.GTPConfig(keep_gathered_layers=1), "keep_gathered_layers"),
     (lambda: gtp_jax.GTPConfig(prefetch=1), "prefetch"),
     (lambda: gtp_jax.GTPConfig(pad_for_alignment=True), "pad_for_alignment"),
     (lambda: gtp_jax.GTPConfig(include=[3]), "include"),

@@ -62,7 +62,8 @@ class GTPConfig:
       reduce_dtype: dtype the weight gradient is reduce-scattered in.
       remat_gathered: recompute (re-gather) full weights in the backward pass instead of
         keeping them alive from the forward pass. This is the memory saving; switch off only
-        to trade memory for one all-gather per weight.
+        to trade memory for one all-gather per weight. Applies to weights outside a layer
+        stack; for a stack see `keep_gathered_layers`.
       gather_format: low-precision gather: None (gather in the parameter dtype or
         `gather_dtype`), "fp8" (e4m3, one fp32 scale per weight), "mxfp8" (e4m3, one
         power-of-two scale per 32 elements) or "nvfp4" (packed e2m1, one e4m3 scale per 16
@@ -78,6 +79,11 @@ class GTPConfig:
         weights are gathered while layer ``i`` computes, and in the backward loop layer
         ``i - 1``'s weights are gathered and layer ``i + 1``'s gradient reduce-scattered
         while layer ``i``'s backward runs.
+      keep_gathered_layers: `gtp_jax.scan_layers` keeps every layer's gathered weights
+        from the forward pass for the backward pass, which then gathers nothing (one
+        all-gather per weight and layer less) and re-casts nothing. The cost is memory: the
+        whole stack, unsharded, in the compute dtype, from the forward pass to the backward
+        pass. Off (the default), the backward loop gathers each layer again.
     """
 
     axis: str = "gtp"
@@ -91,6 +97,7 @@ class GTPConfig:
     gather_format: str | None = None
     prefetch: bool = False
     quant_backend: str = "pallas"
+    keep_gathered_layers: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.axis, str) or not self.axis:
@@ -144,7 +151,7 @@ class GTPConfig:
                 f"GTPConfig.quant_backend={self.quant_backend!r} is unknown; "
                 f"choose one of {QUANT_BACKENDS}."
             )
-        for field in ("prefetch", "remat_gathered"):
+        for field in ("prefetch", "remat_gathered", "keep_gathered_layers"):
             if not isinstance(getattr(self, field), bool):
                 raise UsageTypeError(
                     f"GTPConfig.{field}={getattr(self, field)!r} must be True or False.")

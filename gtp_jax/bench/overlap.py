@@ -88,6 +88,7 @@ def run_variant(args: argparse.Namespace) -> dict:
         model = gtp_jax.shard(model, mesh, gtp_jax.GTPConfig(
             gather_dtype=jnp.bfloat16, prefetch=variant_kind == "gtp_prefetch",
             reduce_dtype=args.reduce_dtype, remat_gathered=not args.no_remat_gathered,
+            keep_gathered_layers=args.keep_gathered_layers,
             gather_format=None if args.gather_format == "none" else args.gather_format))
     else:
         state = nnx.state(model)
@@ -190,6 +191,8 @@ def _spawn(variant: str, args: argparse.Namespace, timeout: float) -> dict | Non
         cmd.append("--no-user-remat")
     if args.no_remat_gathered:
         cmd.append("--no-remat-gathered")
+    if args.keep_gathered_layers:
+        cmd.append("--keep-gathered-layers")
     if args.profile_dir:
         cmd += ["--profile-dir", args.profile_dir, "--profile-variants", args.profile_variants]
     return run_for_result(variant, cmd, timeout)
@@ -281,6 +284,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="GTPConfig.gather_format of the gtp variants")
     parser.add_argument("--no-remat-gathered", action="store_true",
                         help="GTPConfig(remat_gathered=False) for the gtp variants")
+    parser.add_argument("--keep-gathered-layers", action="store_true",
+                        help="GTPConfig(keep_gathered_layers=True) for the gtp variants: the "
+                        "backward loop reuses the forward pass's gathered weights")
     parser.add_argument("--user-d", type=int, default=2048, help="user_* model width")
     parser.add_argument("--user-blocks", type=int, default=16, help="user_* model blocks")
     parser.add_argument("--user-heads", type=int, default=16, help="user_* attention heads")

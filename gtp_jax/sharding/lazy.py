@@ -19,24 +19,29 @@ from gtp_jax.sharding.collectives import GatherSpec, gather_weight
 class GTPShard:
     """A local shard plus the static `GatherSpec` that says how to materialize it.
 
-    `prefetch` asks `gtp_jax.scan_layers` to gather layer ``i + 1`` while layer ``i`` runs.
+    `prefetch` asks `gtp_jax.scan_layers` to gather layer ``i + 1`` while layer ``i`` runs;
+    `keep_gathered` asks it to keep every layer's gathered weight from the forward pass for
+    the backward pass instead of gathering it again (``GTPConfig.keep_gathered_layers``).
 
     For a layer-stacked weight the array has one extra leading (layer) dimension; slicing
     it (as ``jax.lax.scan`` does) leaves the spec, which describes one layer, unchanged.
     """
 
-    __slots__ = ("shard", "spec", "prefetch")
+    __slots__ = ("shard", "spec", "prefetch", "keep_gathered")
 
-    def __init__(self, shard: jax.Array, spec: GatherSpec, prefetch: bool = False):
+    def __init__(self, shard: jax.Array, spec: GatherSpec, prefetch: bool = False,
+                 keep_gathered: bool = False):
         self.shard = shard
         self.spec = spec
         self.prefetch = prefetch
+        self.keep_gathered = keep_gathered
 
     def tree_flatten(self):
-        return (self.shard,), (self.spec, self.prefetch)
+        return (self.shard,), (self.spec, self.prefetch, self.keep_gathered)
 
     @classmethod
-    def tree_unflatten(cls, aux: tuple[GatherSpec, bool], children: tuple[Any, ...]) -> GTPShard:
+    def tree_unflatten(cls, aux: tuple[GatherSpec, bool, bool],
+                       children: tuple[Any, ...]) -> GTPShard:
         return cls(children[0], *aux)
 
     @property

@@ -131,6 +131,7 @@ class LoopSpec:
       gather_specs: one `GatherSpec` per GTP-sharded stacked weight.
       n_layers: length of the stack.
       schedule: one of `SCHEDULES`.
+      keep_gathered: the forward pass stacks the gathered weights for the backward pass.
       mid, last: residual splits of the scanned layers and of the peeled last layer.
     """
 
@@ -138,6 +139,7 @@ class LoopSpec:
     gather_specs: tuple[GatherSpec, ...]
     n_layers: int
     schedule: str
+    keep_gathered: bool = False
     mid: _ResidualSplit = dataclasses.field(default_factory=_ResidualSplit)
     last: _ResidualSplit = dataclasses.field(default_factory=_ResidualSplit)
 
@@ -149,10 +151,17 @@ class LoopSpec:
     def reduce_scatter(self, grads: list[jax.Array]) -> list[jax.Array]:
         return [reduce_scatter_grad(g, s) for g, s in zip(grads, self.gather_specs)]
 
+    def gathered_like(self) -> list[jax.ShapeDtypeStruct] | None:
+        """One layer's gathered weights, when the forward pass keeps them (else None)."""
+        if not self.keep_gathered:
+            return None
+        return [jax.ShapeDtypeStruct(s.logical_shape, s.compute_dtype)
+                for s in self.gather_specs]
+
 
 def layer_loop(layer_fn: Callable[[Any, Any], Any], carry: Any, stacked_params: Any, *,
                remat_policy: Callable[..., bool] | None = None,
-               schedule: str = "plain") -> Any:
+               schedule: str = "plain", keep_gathered: bool = False) -> Any:
     """Runs ``carry = layer_fn(carry, params[i])`` over GTP-sharded stacked parameters.
 
     Must run inside ``jax.shard_map`` over a mesh with the shards' GTP axis.
@@ -165,6 +174,10 @@ def layer_loop(layer_fn: Callable[[Any, Any], Any], carry: Any, stacked_params: 
         (replicated stacked parameters) are sliced per layer.
       remat_policy: optional ``jax.checkpoint`` policy applied to each layer.
       schedule: ``"plain"`` or ``"prefetch"`` (see the module docstring).
+      keep_gathered: keep every layer's gathered weights from the forward pass (stacked,
+        ``[L, *logical_shape]`` in the compute dtype: the whole model's weights) and use
+        them in the backward pass, which then gathers nothing: one all-gather per weight
+        less, for that memory.
 
     Returns:
       The final carry. Gradients flow to the shards (reduce-scattered, ``spec.param_dtype``),
@@ -192,7 +205,8 @@ def layer_loop(layer_fn: Callable[[Any, Any], Any], carry: Any, stacked_params: 
     example_p = [jax.ShapeDtypeStruct(p.shape[1:], p.dtype) for p in plain]
     converted, consts = jax.closure_convert(apply, carry, example_w, example_p)
     spec = LoopSpec(layer=lambda h, w, p, c: converted(h, w, p, *c), gather_specs=specs,
-                    n_layers=(shards or plain)[0].shape[0], schedule=schedule)
+                    n_layers=(shards or plain)[0].shape[0], schedule=schedule,
+                    keep_gathered=bool(keep_gathered and specs))
     return _loop(spec, carry, shards, plain, list(consts))
 
 
@@ -243,20 +257,21 @@ def _unfilled(n: int, like: Any) -> Any:
 
 
 def _scan_stacked(body: Callable, carry: Any, n: int, ys_like: Any, *,
-                  reverse: bool = False) -> tuple:
+                  reverse: bool = False, xs: Any = None) -> tuple:
     """``lax.scan(body, carry, jnp.arange(n), reverse=reverse)`` whose per-iteration outputs
     (shaped like `ys_like`, cast to its dtypes) go into `_unfilled` stacks: slot ``i`` holds
     iteration ``i``'s output."""
-    def step(c: Any, i: Any) -> tuple:
+    def step(c: Any, ix: Any) -> tuple:
+        i, x = ix
         c, bufs = c
-        c, ys = body(c, i)
+        c, ys = body(c, i) if xs is None else body(c, i, x)
         bufs = jax.tree.map(
             lambda b, y: jax.lax.dynamic_update_index_in_dim(b, y.astype(b.dtype), i, 0),
             bufs, ys)
         return (c, bufs), None
 
-    (carry, bufs), _ = jax.lax.scan(step, (carry, _unfilled(n, ys_like)), jnp.arange(n),
-                                    reverse=reverse)
+    (carry, bufs), _ = jax.lax.scan(step, (carry, _unfilled(n, ys_like)),
+                                    (jnp.arange(n), xs), reverse=reverse)
     return carry, bufs
 
 
@@ -302,29 +317,35 @@ def _const_cts(dconsts: list[Any], consts: list[jax.Array]) -> list[Any]:
 
 
 def _plain_forward(spec, h, shards, plain, consts, keep):
+    kept = keep and spec.keep_gathered
+
     def body(h_, i):
-        return _run_layer(spec, spec.mid if keep else None, h_, spec.gather(_at(shards, i)),
-                          _at(plain, i), consts)
+        w = spec.gather(_at(shards, i))
+        h_, res = _run_layer(spec, spec.mid if keep else None, h_, w, _at(plain, i), consts)
+        return h_, ((res, w) if kept else res)
 
     like = _saved_like(spec, spec.mid, h, plain, consts) if keep else None
-    return _scan_stacked(body, h, spec.n_layers, like)
+    h, ys = _scan_stacked(body, h, spec.n_layers,
+                          (like, spec.gathered_like()) if kept else like)
+    return h, (ys if kept else (ys, None))
 
 
 def _plain_backward(spec, saved, ct):
-    stacked_res, shards, plain, consts = saved
+    (stacked_res, stacked_w), shards, plain, consts = saved
     float_consts = _is_float(consts)
     zero = [jnp.zeros(c.shape, c.dtype) if f else None for c, f in zip(consts, float_consts)]
 
-    def body(c, i):
+    def body(c, i, xs):
         dh, dconsts = c
-        dh, dw, dp, dc = _layer_vjp(spec.mid, _tree_at(stacked_res, i),
-                                    spec.gather(_at(shards, i)), _at(plain, i), consts, dh,
+        res_i, w_i = xs
+        w = spec.gather(_at(shards, i)) if w_i is None else w_i
+        dh, dw, dp, dc = _layer_vjp(spec.mid, res_i, w, _at(plain, i), consts, dh,
                                     float_consts)
         return (dh, _add(dconsts, dc)), (spec.reduce_scatter(dw), dp)
 
     (dh, dconsts), (shard_grads, plain_grads) = _scan_stacked(
         body, (ct, zero), spec.n_layers, (_layer_like(shards), _layer_like(plain)),
-        reverse=True)
+        reverse=True, xs=(stacked_res, stacked_w))
     return dh, shard_grads, plain_grads, _const_cts(dconsts, consts)
 
 
@@ -333,35 +354,43 @@ def _plain_backward(spec, saved, ct):
 
 def _prefetch_forward(spec, h, shards, plain, consts, keep):
     last = spec.n_layers - 1
+    kept = keep and spec.keep_gathered
     w = spec.gather(_at(shards, 0))
-    stacked_res = None
+    stacked_res = stacked_w = None
     if last > 0:
         def body(c, i):
             h_, w_cur = c
             w_next = spec.gather(_at(shards, i + 1))  # independent of this layer's compute
             h_, res = _run_layer(spec, spec.mid if keep else None, h_, w_cur, _at(plain, i),
                                  consts)
-            return (h_, w_next), res
+            return (h_, w_next), ((res, w_cur) if kept else res)
 
         like = _saved_like(spec, spec.mid, h, plain, consts) if keep else None
-        (h, w), stacked_res = _scan_stacked(body, (h, w), last, like)
+        (h, w), ys = _scan_stacked(body, (h, w), last,
+                                   (like, spec.gathered_like()) if kept else like)
+        stacked_res, stacked_w = ys if kept else (ys, None)
     h, last_res = _run_layer(spec, spec.last if keep else None, h, w, _at(plain, last),
                              consts)
-    return h, (stacked_res, last_res)
+    return h, (stacked_res, last_res, stacked_w, w if kept else None)
 
 
 def _prefetch_backward(spec, saved, ct):
-    (stacked_res, last_res), shards, plain, consts = saved
+    (stacked_res, last_res, stacked_w, last_w), shards, plain, consts = saved
     float_consts = _is_float(consts)
     last = spec.n_layers - 1
+
+    def weights(i: Any) -> list[jax.Array]:
+        """Layer i's weights (i < last): kept from the forward pass, or gathered again."""
+        return spec.gather(_at(shards, i)) if stacked_w is None else _at(stacked_w, i)
+
     # Gradients are written into full-size stacked buffers as they arrive (in place in the
     # loop carry) instead of being concatenated at the end; every slot is written, so the
     # buffers start uninitialized (`_unfilled`).
     shard_buf = [jax.lax.empty(s.shape, s.dtype) for s in shards]
     plain_buf = [jax.lax.empty(p.shape, p.dtype) for p in plain]
 
-    w = spec.gather(_at(shards, last))
-    w_prev = spec.gather(_at(shards, last - 1)) if last > 0 else None
+    w = spec.gather(_at(shards, last)) if last_w is None else last_w
+    w_prev = weights(last - 1) if last > 0 else None
     dh, pending, dp_last, dc = _layer_vjp(spec.last, last_res, w, _at(plain, last), consts,
                                           ct, float_consts)
     plain_buf = _put(plain_buf, dp_last, last)
@@ -374,7 +403,7 @@ def _prefetch_backward(spec, saved, ct):
     if last > 1:
         def body(c, i):
             dh_, w_cur, pending_, dconsts_, sbuf, pbuf = c
-            w_next = spec.gather(_at(shards, i - 1))  # prefetch layer i - 1
+            w_next = weights(i - 1)  # prefetch layer i - 1
             sbuf = _put(sbuf, spec.reduce_scatter(pending_), i + 1)  # beside layer i
             dh_, dw, dp, dc_ = _layer_vjp(spec.mid, _tree_at(stacked_res, i), w_cur,
                                           _at(plain, i), consts, dh_, float_consts)

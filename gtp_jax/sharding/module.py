@@ -224,7 +224,8 @@ class ShardedModule(nnx.Module):
         """The weight the module's math sees, from this device's stored piece (in the body)."""
         spec = plan.spec
         if plan.stacked:
-            return GTPShard(x, spec, self.config.prefetch)
+            return GTPShard(x, spec, self.config.prefetch,
+                            keep_gathered=self.config.keep_gathered_layers)
         if lazy:
             return LazyWeight(x, spec)
         return whole_weight(x, spec) if spec.axis_size == 1 else gather_weight(x, spec)

@@ -85,7 +85,9 @@ def scan_layers(
     stacked `GTPShard` leaves (inside a `gtp_jax.shard`-ed module) it is a ``custom_vjp``
     loop (`gtp_jax.sharding.loop.layer_loop`) that all-gathers one layer at a time
     in the forward *and* the backward pass, reduce-scatters each layer's weight gradient,
-    and never keeps a gathered weight from the forward pass for the backward pass.
+    and never keeps a gathered weight from the forward pass for the backward pass (unless
+    the shards ask for it: ``GTPConfig.keep_gathered_layers`` keeps every layer's gathered
+    weights and the backward pass gathers nothing).
 
     Args:
       layer_fn: ``(carry, layer_params) -> carry``; `layer_params` has the structure of
@@ -108,7 +110,8 @@ def scan_layers(
         if prefetch is None:
             prefetch = any(x.prefetch for x in shards)
         return layer_loop(layer_fn, carry, stacked_params, remat_policy=remat_policy,
-                          schedule="prefetch" if prefetch else "plain")
+                          schedule="prefetch" if prefetch else "plain",
+                          keep_gathered=any(x.keep_gathered for x in shards))
 
     def body(c, layer_params):
         return layer_fn(c, layer_params), None
