@@ -48,16 +48,25 @@ def _train(prefetch: bool, tokens: list[jax.Array], seed: int, remat: str = "non
 @pytest.mark.parametrize(("remat", "n_layers"), [("none", 3), ("dots", 2)])
 def test_prefetch_matches_plain_loop_over_steps(key, seed, remat, n_layers):
     # Same math, different schedule: fp32 results agree to rounding (reduction order only).
-    tokens = [jax.random.randint(jax.random.fold_in(key, i), (8, 17), 0, CFG.vocab_size)
-              for i in range(3)]
-    plain, plain_params = _train(False, tokens, seed, remat, n_layers)
-    pre, pre_params = _train(True, tokens, seed, remat, n_layers)
-    for (l0, g0), (l1, g1) in zip(plain, pre):
-        assert abs(l0 - l1) <= 1e-5 * abs(l0)
-        for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g1)):
-            assert max_rel_err(b, a) < 1e-5
-    for a, b in zip(jax.tree.leaves(plain_params), jax.tree.leaves(pre_params)):
-        assert max_rel_err(b, a) < 1e-5
+    tokens = _tokens(key)
+    _assert_same_runs(_train(False, tokens, seed, remat, n_layers),
+                      _train(True, tokens, seed, remat, n_layers))
+
+
+def _tokens(key: jax.Array) -> list[jax.Array]:
+    return [jax.random.randint(jax.random.fold_in(key, i), (8, 17), 0, CFG.vocab_size)
+            for i in range(3)]
+
+
+def _assert_same_runs(run_a: tuple, run_b: tuple, rtol: float = 1e-5) -> None:
+    """Two `_train` results agree step by step (loss, grads) and in the final params."""
+    (steps_a, params_a), (steps_b, params_b) = run_a, run_b
+    for (l0, g0), (l1, g1) in zip(steps_a, steps_b, strict=True):
+        assert abs(l0 - l1) <= rtol * abs(l0)
+        for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g1), strict=True):
+            assert max_rel_err(b, a) < rtol
+    for a, b in zip(jax.tree.leaves(params_a), jax.tree.leaves(params_b), strict=True):
+        assert max_rel_err(b, a) < rtol
 
 
 def _loop_carry_shapes(hlo: str) -> list[str]:
@@ -85,16 +94,9 @@ def _compiled_forward(prefetch: bool) -> str:
 def test_kept_gathered_weights_equal_regathered_ones(key, seed, prefetch, remat, n_layers):
     # keep_gathered_layers keeps each layer's gathered weights for the backward pass instead
     # of gathering them again: the same values, so the same fp32 results up to rounding.
-    tokens = [jax.random.randint(jax.random.fold_in(key, i), (8, 17), 0, CFG.vocab_size)
-              for i in range(3)]
-    again, again_params = _train(prefetch, tokens, seed, remat, n_layers)
-    kept, kept_params = _train(prefetch, tokens, seed, remat, n_layers, keep=True)
-    for (l0, g0), (l1, g1) in zip(again, kept):
-        assert abs(l0 - l1) <= 1e-5 * abs(l0)
-        for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g1)):
-            assert max_rel_err(b, a) < 1e-5
-    for a, b in zip(jax.tree.leaves(again_params), jax.tree.leaves(kept_params)):
-        assert max_rel_err(b, a) < 1e-5
+    tokens = _tokens(key)
+    _assert_same_runs(_train(prefetch, tokens, seed, remat, n_layers),
+                      _train(prefetch, tokens, seed, remat, n_layers, keep=True))
 
 
 @pytest.mark.parametrize("prefetch", [False, True])
