@@ -349,6 +349,16 @@ def _merge(o_a, lse_a, o_b, lse_b):
     return o_a * w_a + o_b * w_b, lse
 
 
+def _set_rows(x: jax.Array, rows: jax.Array, start: int) -> jax.Array:
+    """``x`` with rows ``[start, start + len(rows))`` of dim 1 replaced by `rows`.
+
+    A ``dynamic_update_slice`` at a static offset, not ``x.at[:, a:b].set`` (a scatter):
+    jax 0.11.2's XLA CPU compiler crashes on that scatter inside a multi-device
+    ``shard_map``.
+    """
+    return lax.dynamic_update_slice_in_dim(x, rows.astype(x.dtype), start, axis=1)
+
+
 def _fwd_tasks(spec, tasks, q, k, v, kpos, acc):
     o, lse = acc
     for t in tasks:
@@ -356,8 +366,8 @@ def _fwd_tasks(spec, tasks, q, k, v, kpos, acc):
                                causal=t.causal, kv_len=_kv_len(spec, kpos, t), scale=spec.scale)
         om, lm = _merge(o[:, t.r0:t.r1], lse[:, t.r0:t.r1], ob.astype(jnp.float32),
                         lb.astype(jnp.float32))
-        o = o.at[:, t.r0:t.r1].set(om)
-        lse = lse.at[:, t.r0:t.r1].set(lm)
+        o = _set_rows(o, om, t.r0)
+        lse = _set_rows(lse, lm, t.r0)
     return o, lse
 
 
@@ -368,9 +378,9 @@ def _bwd_tasks(spec, tasks, q, k, v, do, lse, delta, kpos, acc):
         gq, gk, gv = spec.block_bwd_fn(
             q[:, r], k[:, c], v[:, c], do[:, r], lse[:, r], delta[:, r], causal=t.causal,
             kv_len=_kv_len(spec, kpos, t), scale=spec.scale)
-        dq = dq.at[:, r].add(gq)
-        dk = dk.at[:, c].add(gk)
-        dv = dv.at[:, c].add(gv)
+        dq = _set_rows(dq, dq[:, r] + gq, t.r0)
+        dk = _set_rows(dk, dk[:, c] + gk, t.c0)
+        dv = _set_rows(dv, dv[:, c] + gv, t.c0)
     return dq, dk, dv
 
 
