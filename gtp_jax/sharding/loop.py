@@ -260,7 +260,9 @@ def _scan_stacked(body: Callable, carry: Any, n: int, ys_like: Any, *,
                   reverse: bool = False, xs: Any = None) -> tuple:
     """``lax.scan(body, carry, jnp.arange(n), reverse=reverse)`` whose per-iteration outputs
     (shaped like `ys_like`, cast to its dtypes) go into `_unfilled` stacks: slot ``i`` holds
-    iteration ``i``'s output."""
+    iteration ``i``'s output. With `xs` (stacks of length `n`), ``body(carry, i, xs[i])``:
+    the scan slices them as its inputs, which XLA reads in place where a dynamic index
+    into a closed-over stack is copied out first."""
     def step(c: Any, ix: Any) -> tuple:
         i, x = ix
         c, bufs = c
