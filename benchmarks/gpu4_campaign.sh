@@ -40,5 +40,9 @@ python3 -m gtp_jax.bench parallel $PAR --tp 2 --gtp 2 --variants tp_gtp,tp_gtp_o
 log "MoE ep2 x gtp2"
 python3 -m gtp_jax.bench parallel $PAR --tp 1 --gtp 2 --variants tp_gtp_overlap_moe \
   --json "$OUT/parallel_moe_ep2_gtp2.json" 2>&1 | show
+if [ "${SCALE:-gpu}" != cpu ]; then  # cuDNN only: which remat policies compile on 4 GPUs
+  log "cuDNN attention under each remat policy, in and out of shard_map"
+  python3 docs/repro/cudnn_attention_remat.py 2>&1 | tee "$OUT/cudnn_attention_remat.md"
+fi
 log done
 ls "$OUT"
