@@ -226,3 +226,19 @@ def test_layer_stack_on_one_device(prefetch, gather_format, key, seed):
             want = ref_flat[path[1:]].get_value()
             assert max_rel_err(np.asarray(g.get_value())[tuple(slice(0, n) for n in want.shape)],
                                np.asarray(want)) < 1e-5, path
+
+
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_loop_stacks_start_uninitialized(prefetch):
+    # Every slot of the residual and gradient stacks is written, so the loop allocates them
+    # with lax.empty (uninitialized memory on GPU) rather than zero-filling them first.
+    mesh = get_mesh("gtp8")
+    model = gtp_jax.shard(Transformer(CFG, rngs=nnx.Rngs(0)), mesh,
+                          gtp_jax.GTPConfig(prefetch=prefetch))
+    graphdef, state = nnx.split(model)
+    tokens = jax.numpy.zeros((8, 17), jax.numpy.int32)
+    jaxpr = str(jax.make_jaxpr(jax.grad(lambda s: lm_loss(nnx.merge(graphdef, s), tokens)))(
+        state))
+    stacks = re.findall(r"= empty\[[^\]]*shape=\((\d+),", jaxpr)
+    # a gradient stack per GTP-sharded weight (qkv, out, gate_up, down) and residual stacks
+    assert stacks.count(str(CFG.n_layers)) + stacks.count(str(CFG.n_layers - 1)) >= 4, stacks
