@@ -192,28 +192,30 @@ def attribute(kernels: list[dict[str, Any]], ops: list[dict[str, Any]], *, steps
         return []
     ops = sorted(ops, key=lambda e: float(e["ts"]))
     starts = [float(e["ts"]) for e in ops]
-    ms: dict[str, float] = defaultdict(float)
-    cats: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
-    for k in kernels:
-        t = float(k.get("ts", 0.0))
+
+    def covering_op(kernel: dict[str, Any]) -> str:
+        t = float(kernel.get("ts", 0.0))
         i = bisect.bisect_right(starts, t) - 1
         while i >= 0 and float(ops[i]["ts"]) + float(ops[i]["dur"]) < t:
             i -= 1
-        if ops:
-            name = ops[i]["name"] if i >= 0 else "(no XLA op)"
-        else:
-            name = _instruction_of(k.get("name", ""), hlo)
+        return ops[i]["name"] if i >= 0 else "(no XLA op)"
+
+    def named_instruction(kernel: dict[str, Any]) -> str:
+        name = kernel.get("name", "")
+        dotted = re.sub(r"_(\d+)$", r".\1", name)
+        return dotted if dotted in hlo and name not in hlo else name
+
+    instruction = covering_op if ops else named_instruction
+    ms: dict[str, float] = defaultdict(float)
+    cats: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    for k in kernels:
+        name = instruction(k)
         d = float(k.get("dur", 0.0)) / 1e3 / steps
         ms[name] += d
         cats[name][category(k.get("name", ""))] += d
     return [OpTime(op=name, ms=t, category=max(cats[name].items(), key=lambda kv: kv[1])[0],
                    shape=hlo.get(name, ("", ""))[0], source=hlo.get(name, ("", ""))[1])
             for name, t in sorted(ms.items(), key=lambda kv: -kv[1])]
-
-
-def _instruction_of(kernel: str, hlo: dict[str, tuple[str, str]]) -> str:
-    dotted = re.sub(r"_(\d+)$", r".\1", kernel)
-    return dotted if dotted in hlo and kernel not in hlo else kernel
 
 
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+) = (.*?) ([a-z][\w\-]*)\(")

@@ -36,8 +36,8 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     xf = x.astype(jnp.float32).reshape(b, s, h, 2, hd // 2)
     c = cos[None, :, None, None, :]
     sn = sin[None, :, None, None, :]
-    # [x1, x2] -> [-x2, x1]: the flip and the sign are exact, so this equals the
-    # concatenate form bit for bit.
+    # [x1, x2] -> [-x2, x1]: the flip and the sign are exact, so this is the concatenate
+    # form's arithmetic (up to where XLA contracts a multiply-add).
     sign = jnp.asarray([-1.0, 1.0], jnp.float32)[:, None]
     out = xf * c + jnp.flip(xf, axis=-2) * sign * sn
     return out.reshape(x.shape).astype(x.dtype)

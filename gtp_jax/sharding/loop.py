@@ -151,12 +151,10 @@ class LoopSpec:
     def reduce_scatter(self, grads: list[jax.Array]) -> list[jax.Array]:
         return [reduce_scatter_grad(g, s) for g, s in zip(grads, self.gather_specs)]
 
-    def gathered_like(self) -> list[jax.ShapeDtypeStruct] | None:
-        """One layer's gathered weights, when the forward pass keeps them (else None)."""
-        if not self.keep_gathered:
-            return None
-        return [jax.ShapeDtypeStruct(s.logical_shape, s.compute_dtype)
-                for s in self.gather_specs]
+    def kept_like(self, keep: bool) -> list[jax.ShapeDtypeStruct] | None:
+        """One layer's gathered weights, when a forward pass that saves residuals (`keep`)
+        also keeps them for the backward pass (else None)."""
+        return _gathered_like(self.gather_specs) if keep and self.keep_gathered else None
 
 
 def layer_loop(layer_fn: Callable[[Any, Any], Any], carry: Any, stacked_params: Any, *,
@@ -201,9 +199,8 @@ def layer_loop(layer_fn: Callable[[Any, Any], Any], carry: Any, stacked_params: 
             merged[pos] = p
         return fn(h, jax.tree.unflatten(treedef, merged))
 
-    example_w = [jax.ShapeDtypeStruct(s.logical_shape, s.compute_dtype) for s in specs]
-    example_p = [jax.ShapeDtypeStruct(p.shape[1:], p.dtype) for p in plain]
-    converted, consts = jax.closure_convert(apply, carry, example_w, example_p)
+    converted, consts = jax.closure_convert(apply, carry, _gathered_like(specs),
+                                            _layer_like(plain))
     spec = LoopSpec(layer=lambda h, w, p, c: converted(h, w, p, *c), gather_specs=specs,
                     n_layers=(shards or plain)[0].shape[0], schedule=schedule,
                     keep_gathered=bool(keep_gathered and specs))
@@ -277,15 +274,22 @@ def _scan_stacked(body: Callable, carry: Any, n: int, ys_like: Any, *,
     return carry, bufs
 
 
-def _saved_like(spec: LoopSpec, split: _ResidualSplit, h: Any, plain: list,
-                consts: list) -> list[jax.ShapeDtypeStruct]:
-    """Shapes of one layer's saved residuals."""
-    w = [jax.ShapeDtypeStruct(s.logical_shape, s.compute_dtype) for s in spec.gather_specs]
-    p = [jax.ShapeDtypeStruct(x.shape[1:], x.dtype) for x in plain]
-    return split.saved_shapes(spec.layer, (h, w, p, consts))
+def _saved_like(spec: LoopSpec, split: _ResidualSplit, h: Any, plain: list, consts: list,
+                keep: bool) -> list[jax.ShapeDtypeStruct] | None:
+    """Shapes of one layer's saved residuals (None when the pass saves none)."""
+    if not keep:
+        return None
+    return split.saved_shapes(spec.layer, (h, _gathered_like(spec.gather_specs),
+                                           _layer_like(plain), consts))
+
+
+def _gathered_like(specs: Sequence[GatherSpec]) -> list[jax.ShapeDtypeStruct]:
+    """One layer's gathered weights: logical shape, compute dtype."""
+    return [jax.ShapeDtypeStruct(s.logical_shape, s.compute_dtype) for s in specs]
 
 
 def _layer_like(stacks: list[jax.Array]) -> list[jax.ShapeDtypeStruct]:
+    """One layer's slice of each stack."""
     return [jax.ShapeDtypeStruct(x.shape[1:], x.dtype) for x in stacks]
 
 
@@ -319,17 +323,16 @@ def _const_cts(dconsts: list[Any], consts: list[jax.Array]) -> list[Any]:
 
 
 def _plain_forward(spec, h, shards, plain, consts, keep):
-    kept = keep and spec.keep_gathered
+    kept = spec.kept_like(keep)
 
     def body(h_, i):
         w = spec.gather(_at(shards, i))
         h_, res = _run_layer(spec, spec.mid if keep else None, h_, w, _at(plain, i), consts)
-        return h_, ((res, w) if kept else res)
+        return h_, (res, None if kept is None else w)
 
-    like = _saved_like(spec, spec.mid, h, plain, consts) if keep else None
-    h, ys = _scan_stacked(body, h, spec.n_layers,
-                          (like, spec.gathered_like()) if kept else like)
-    return h, (ys if kept else (ys, None))
+    # residuals: (stacked saved residuals, stacked kept weights or None)
+    return _scan_stacked(body, h, spec.n_layers,
+                         (_saved_like(spec, spec.mid, h, plain, consts, keep), kept))
 
 
 def _plain_backward(spec, saved, ct):
@@ -356,7 +359,7 @@ def _plain_backward(spec, saved, ct):
 
 def _prefetch_forward(spec, h, shards, plain, consts, keep):
     last = spec.n_layers - 1
-    kept = keep and spec.keep_gathered
+    kept = spec.kept_like(keep)
     w = spec.gather(_at(shards, 0))
     stacked_res = stacked_w = None
     if last > 0:
@@ -365,15 +368,13 @@ def _prefetch_forward(spec, h, shards, plain, consts, keep):
             w_next = spec.gather(_at(shards, i + 1))  # independent of this layer's compute
             h_, res = _run_layer(spec, spec.mid if keep else None, h_, w_cur, _at(plain, i),
                                  consts)
-            return (h_, w_next), ((res, w_cur) if kept else res)
+            return (h_, w_next), (res, None if kept is None else w_cur)
 
-        like = _saved_like(spec, spec.mid, h, plain, consts) if keep else None
-        (h, w), ys = _scan_stacked(body, (h, w), last,
-                                   (like, spec.gathered_like()) if kept else like)
-        stacked_res, stacked_w = ys if kept else (ys, None)
+        (h, w), (stacked_res, stacked_w) = _scan_stacked(
+            body, (h, w), last, (_saved_like(spec, spec.mid, h, plain, consts, keep), kept))
     h, last_res = _run_layer(spec, spec.last if keep else None, h, w, _at(plain, last),
                              consts)
-    return h, (stacked_res, last_res, stacked_w, w if kept else None)
+    return h, (stacked_res, last_res, stacked_w, None if kept is None else w)
 
 
 def _prefetch_backward(spec, saved, ct):
