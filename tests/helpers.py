@@ -14,6 +14,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from flax import nnx
 
 import gtp_jax
@@ -220,3 +221,39 @@ def assert_matches_reference_steps(sharded: Any, results: list, ref_steps: list,
     for path, ref_p in ref_final.items():
         assert_close(got[path], ref_p, rtol, f"param {path} after {len(results)} steps")
 
+
+
+def train_and_record(model: nnx.Module, batches: list[jax.Array],
+                     mesh: jax.sharding.Mesh | None = None) -> tuple[list, Any]:
+    """Trains a `Transformer` (sharded when `mesh` is given: batches are placed on its data
+    axes) with AdamW for one step per batch; returns ``[(loss, grads), ...]`` and the final
+    parameters, as numpy."""
+    from gtp_jax.models import lm_loss
+
+    opt = nnx.Optimizer(model, optax.adamw(1e-2, eps=1e-3), wrt=nnx.Param)
+
+    @nnx.jit
+    def step(model, opt, batch):
+        loss, grads = nnx.value_and_grad(lm_loss)(model, batch)
+        opt.update(model, grads)
+        return loss, grads
+
+    out = []
+    for batch in batches:
+        if mesh is not None:
+            batch = jax.device_put(batch, gtp_jax.data_sharding(mesh))
+        loss, grads = step(model, opt, batch)
+        out.append((float(loss), jax.tree.map(np.asarray, nnx.state(grads, nnx.Param))))
+    return out, jax.tree.map(np.asarray, nnx.state(model, nnx.Param))
+
+
+def assert_same_runs(run_a: tuple, run_b: tuple, rtol: float = 1e-5) -> None:
+    """Two `train_and_record` results agree step by step (loss, every gradient) and in the
+    final parameters, to `rtol` (fp32 runs of the same math: reduction order only)."""
+    (steps_a, params_a), (steps_b, params_b) = run_a, run_b
+    for (l0, g0), (l1, g1) in zip(steps_a, steps_b, strict=True):
+        assert abs(l0 - l1) <= rtol * abs(l0)
+        for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g1), strict=True):
+            assert max_rel_err(b, a) < rtol
+    for a, b in zip(jax.tree.leaves(params_a), jax.tree.leaves(params_b), strict=True):
+        assert max_rel_err(b, a) < rtol

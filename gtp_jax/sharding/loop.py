@@ -12,6 +12,11 @@ over a static `LoopSpec`; the spec's schedule picks the forward and backward bod
   running layer ``i`` (no data dependence between the two, so at most two gathered layers
   are alive); the backward iteration ``i`` gathers layer ``i - 1`` and reduce-scatters layer
   ``i + 1``'s gradient (one step late) while layer ``i``'s backward runs.
+``"unrolled"``
+  no ``lax.scan``: a Python loop over the layers, each gathering its own weights, so each
+  layer's residuals stay in their own buffers (a scanned loop copies every saved residual
+  into a stack and back out of it) at the price of a program, and a compile time, that
+  grow with the number of layers. Where each gather runs is left to XLA's scheduler.
 
 Residuals. Each layer's autodiff residuals (under the layer's own remat policy) are split
 by what they depend on, read off the layer's jaxpr (`_ResidualSplit`): a residual computed
@@ -37,7 +42,7 @@ from gtp_jax.sharding.collectives import GatherSpec, all_gather_shards, reduce_s
 from gtp_jax.sharding.lazy import is_shard
 
 #: Loop schedules: see the module docstring.
-SCHEDULES = ("plain", "prefetch")
+SCHEDULES = ("plain", "prefetch", "unrolled")
 
 
 class _ResidualSplit:
@@ -133,6 +138,8 @@ class LoopSpec:
       schedule: one of `SCHEDULES`.
       keep_gathered: the forward pass stacks the gathered weights for the backward pass.
       mid, last: residual splits of the scanned layers and of the peeled last layer.
+      unrolled: the unrolled schedule's residual split of each layer (each layer is its own
+        trace there), filled as the layers are traced.
     """
 
     layer: Callable
@@ -142,6 +149,11 @@ class LoopSpec:
     keep_gathered: bool = False
     mid: _ResidualSplit = dataclasses.field(default_factory=_ResidualSplit)
     last: _ResidualSplit = dataclasses.field(default_factory=_ResidualSplit)
+    unrolled: dict[int, _ResidualSplit] = dataclasses.field(default_factory=dict)
+
+    def split_at(self, i: int) -> _ResidualSplit:
+        """The unrolled schedule's residual split of layer `i`."""
+        return self.unrolled.setdefault(i, _ResidualSplit())
 
     def gather(self, layer_shards: list[jax.Array]) -> list[jax.Array]:
         # One call per layer: low-precision formats agree on all of a layer's scales with
@@ -162,7 +174,8 @@ def layer_loop(layer_fn: Callable[[Any, Any], Any], carry: Any, stacked_params: 
                schedule: str = "plain", keep_gathered: bool = False) -> Any:
     """Runs ``carry = layer_fn(carry, params[i])`` over GTP-sharded stacked parameters.
 
-    Must run inside ``jax.shard_map`` over a mesh with the shards' GTP axis.
+    With `GTPShard` leaves it must run inside ``jax.shard_map`` over a mesh with the shards'
+    GTP axis (without any, e.g. the unrolled schedule of an unsharded model, anywhere).
 
     Args:
       layer_fn: ``(carry, layer_params) -> carry``.
@@ -171,7 +184,7 @@ def layer_loop(layer_fn: Callable[[Any, Any], Any], carry: Any, stacked_params: 
         shards ``[L, *spec.shard_shape]``) are gathered one layer at a time, other leaves
         (replicated stacked parameters) are sliced per layer.
       remat_policy: optional ``jax.checkpoint`` policy applied to each layer.
-      schedule: ``"plain"`` or ``"prefetch"`` (see the module docstring).
+      schedule: one of `SCHEDULES` (see the module docstring).
       keep_gathered: keep every layer's gathered weights from the forward pass (stacked,
         ``[L, *logical_shape]`` in the compute dtype: the whole model's weights) and use
         them in the backward pass, which then gathers nothing: one all-gather per weight
@@ -425,5 +438,46 @@ def _prefetch_backward(spec, saved, ct):
     return dh, shard_buf, plain_buf, _const_cts(dconsts, consts)
 
 
-_FORWARD = {"plain": _plain_forward, "prefetch": _prefetch_forward}
-_BACKWARD = {"plain": _plain_backward, "prefetch": _prefetch_backward}
+# --------------------------------------------------------------------------- unrolled
+
+
+def _static_at(arrays: Sequence[jax.Array], i: int) -> list[jax.Array]:
+    return [jax.lax.index_in_dim(a, i, keepdims=False) for a in arrays]
+
+
+def _unrolled_forward(spec, h, shards, plain, consts, keep):
+    kept = spec.kept_like(keep) is not None
+    res, ws = [], []
+    for i in range(spec.n_layers):
+        w = spec.gather(_static_at(shards, i))
+        h, r = _run_layer(spec, spec.split_at(i) if keep else None, h, w,
+                          _static_at(plain, i), consts)
+        res.append(r)
+        ws.append(w if kept else None)
+    # residuals: (per-layer saved residuals, per-layer kept weights or None)
+    return h, (res, ws)
+
+
+def _unrolled_backward(spec, saved, ct):
+    (res, ws), shards, plain, consts = saved
+    float_consts = _is_float(consts)
+    dconsts = [jnp.zeros(c.shape, c.dtype) if f else None for c, f in zip(consts, float_consts)]
+    # Each gradient goes straight into its slot of an uninitialized full-size buffer (a
+    # static in-place update); stacking the per-layer gradients at the end would copy them.
+    shard_buf = [jax.lax.empty(s.shape, s.dtype) for s in shards]
+    plain_buf = [jax.lax.empty(p.shape, p.dtype) for p in plain]
+    dh = ct
+    for i in reversed(range(spec.n_layers)):
+        w = spec.gather(_static_at(shards, i)) if ws[i] is None else ws[i]
+        dh, dw, dp, dc = _layer_vjp(spec.split_at(i), res[i], w, _static_at(plain, i),
+                                    consts, dh, float_consts)
+        shard_buf = _put(shard_buf, spec.reduce_scatter(dw), i)
+        plain_buf = _put(plain_buf, dp, i)
+        dconsts = _add(dconsts, dc)
+    return dh, shard_buf, plain_buf, _const_cts(dconsts, consts)
+
+
+_FORWARD = {"plain": _plain_forward, "prefetch": _prefetch_forward,
+            "unrolled": _unrolled_forward}
+_BACKWARD = {"plain": _plain_backward, "prefetch": _prefetch_backward,
+             "unrolled": _unrolled_backward}

@@ -78,8 +78,10 @@ def scan_layers(
     *,
     remat_policy: Callable[..., bool] | None = None,
     prefetch: bool | None = None,
+    unroll: bool = False,
 ) -> Carry:
-    """Runs ``carry = layer_fn(carry, params[i])`` for every layer ``i`` with ``lax.scan``.
+    """Runs ``carry = layer_fn(carry, params[i])`` for every layer ``i`` with ``lax.scan``
+    (or unrolled: `unroll`).
 
     On plain stacked arrays (the unsharded model) this is an ordinary ``lax.scan``. On
     stacked `GTPShard` leaves (inside a `gtp_jax.shard`-ed module) it is a ``custom_vjp``
@@ -101,16 +103,31 @@ def scan_layers(
         computes, and the backward loop gathers layer ``i - 1`` and reduce-scatters layer
         ``i + 1``'s gradient while layer ``i``'s backward runs. None follows the shards
         (``GTPConfig.prefetch``).
+      unroll: a Python loop over the layers instead of ``lax.scan`` (sharded or not; the
+        ``"unrolled"`` schedule of `gtp_jax.sharding.loop`): each layer's saved residuals
+        stay in their own buffers instead of being copied into and out of a stack, and the
+        weight gradients are written in place into their stacks; the program and its compile
+        time grow with the number of layers, and XLA's scheduler places each gather. Same
+        results as the scanned loop. Not combinable with prefetch.
 
     Returns:
       The final carry.
     """
+    if not isinstance(unroll, bool):
+        raise TypeError(f"scan_layers: unroll={unroll!r} must be True or False (a partial "
+                        "unroll, like lax.scan's unroll=k, is not offered).")
     shards = [x for x in jax.tree.leaves(stacked_params, is_leaf=is_shard) if is_shard(x)]
-    if shards:
-        if prefetch is None:
-            prefetch = any(x.prefetch for x in shards)
+    if prefetch is None:
+        prefetch = any(x.prefetch for x in shards)
+    if unroll and prefetch:
+        raise ValueError(
+            "scan_layers: unroll=True with prefetch (GTPConfig.prefetch=True or prefetch="
+            "True): the unrolled loop leaves the gather order to XLA's scheduler; set "
+            "prefetch=False, or unroll=False for the scanned double-buffered loop.")
+    if unroll or shards:
+        schedule = "unrolled" if unroll else "prefetch" if prefetch else "plain"
         return layer_loop(layer_fn, carry, stacked_params, remat_policy=remat_policy,
-                          schedule="prefetch" if prefetch else "plain",
+                          schedule=schedule,
                           keep_gathered=any(x.keep_gathered for x in shards))
 
     def body(c, layer_params):

@@ -1,0 +1,84 @@
+"""The unrolled layer loop (``scan_layers(unroll=True)``) against the scanned one."""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+from helpers import assert_same_runs, get_mesh, train_and_record
+
+import gtp_jax
+from gtp_jax.models import Transformer, lm_loss, preset
+
+# Odd sizes that do not divide the 4-way gtp axis; two layers (the unrolled program, and
+# its compile time, grow with each).
+CFG = preset("tiny", d_model=96, n_heads=4, d_ff=200, vocab_size=250, n_layers=2)
+
+
+def _train(tokens: list[jax.Array], seed: int, *, unroll: bool, remat: str = "none",
+           sharded: bool = True, keep: bool = False):
+    cfg = preset("tiny", **{**CFG.__dict__, "remat": remat, "unroll_layers": unroll})
+    model = Transformer(cfg, rngs=nnx.Rngs(seed))
+    if not sharded:
+        return train_and_record(model, tokens)
+    mesh = get_mesh("dp2_gtp4")
+    model = gtp_jax.shard(model, mesh, gtp_jax.GTPConfig(keep_gathered_layers=keep))
+    return train_and_record(model, tokens, mesh)
+
+
+def _tokens(key: jax.Array) -> list[jax.Array]:
+    return [jax.random.randint(jax.random.fold_in(key, i), (8, 17), 0, CFG.vocab_size)
+            for i in range(3)]
+
+
+@pytest.mark.parametrize(("remat", "sharded", "keep"),
+                         [("none", True, False), ("dots", True, True), ("dots", False, False)])
+def test_unrolled_loop_matches_scanned_loop_over_steps(key, seed, remat, sharded, keep):
+    tokens = _tokens(key)
+    assert_same_runs(_train(tokens, seed, unroll=False, remat=remat, sharded=sharded),
+                      _train(tokens, seed, unroll=True, remat=remat, sharded=sharded,
+                             keep=keep))
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_unrolled_gradient_program_has_no_loop(sharded):
+    # The point of unrolling: no while loop, so no residual stacks to copy into and out of.
+    mesh = get_mesh("gtp8")
+
+    def program(unroll: bool) -> str:
+        model = Transformer(preset("tiny", **{**CFG.__dict__, "unroll_layers": unroll,
+                                              "remat": "dots"}), rngs=nnx.Rngs(0))
+        tokens = np.zeros((8, 16), np.int32)
+        if sharded:
+            model = gtp_jax.shard(model, mesh)
+            tokens = jax.device_put(tokens, gtp_jax.data_sharding(mesh))
+        graphdef, state = nnx.split(model)
+        grad = jax.jit(jax.grad(lambda s: lm_loss(nnx.merge(graphdef, s), tokens)))
+        return grad.lower(state).compile().as_text()
+
+    assert re.search(r"\bwhile\(", program(False))
+    assert not re.search(r"\bwhile\(", program(True))
+
+
+def test_unroll_with_prefetch_is_refused():
+    mesh = get_mesh("gtp8")
+    model = gtp_jax.shard(Transformer(preset("tiny", **{**CFG.__dict__, "unroll_layers": True}),
+                                      rngs=nnx.Rngs(0)),
+                          mesh, gtp_jax.GTPConfig(prefetch=True))
+    tokens = jax.device_put(np.zeros((8, 16), np.int32), gtp_jax.data_sharding(mesh))
+    with pytest.raises(ValueError, match="unroll=True with prefetch"):
+        model(tokens)
+
+
+def test_unroll_layers_must_be_a_bool():
+    with pytest.raises(TypeError, match="unroll_layers"):
+        preset("tiny", unroll_layers=1)
+
+
+def test_partial_unroll_is_refused():
+    params = {"w": jax.numpy.ones((3, 4))}
+    with pytest.raises(TypeError, match="unroll=2 must be True or False"):
+        gtp_jax.scan_layers(lambda h, p: h * p["w"], jax.numpy.ones(4), params, unroll=2)
