@@ -47,7 +47,8 @@ CATEGORIES: tuple[tuple[str, re.Pattern[str]], ...] = tuple(
         ("copies", r"memcpy|memset|copy|concatenate|dynamic[-_]update[-_]slice|transpose|"
                    r"gather|scatter|pad"),
         ("fusions/elementwise", r"fusion|triton|loop_|input_|reduce|elementwise|convert|"
-                                r"broadcast|slice|select|add|multiply|vectorized|kernel"),
+                                r"broadcast|slice|select|add|multiply|vectorized|kernel|"
+                                r"swiglu|rms_?norm|rope"),
     ))
 OTHER = "other"
 

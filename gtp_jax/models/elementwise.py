@@ -10,13 +10,19 @@ forward pass for `apply_rope` and in the backward pass for `swiglu`.
   pass each.
 - `swiglu` takes the fused ``[..., 2 * f]`` projection output and has a custom VJP whose
   backward writes the ``[..., 2 * f]`` gradient in one pass, instead of autodiff's two
-  ``[..., f]`` gradients joined by a concatenate.
+  ``[..., f]`` gradients joined by a concatenate: one Pallas kernel on a GPU
+  (`gtp_jax.pallas.swiglu_bwd`), one XLA fusion elsewhere.
 """
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
+
+from gtp_jax.base.errors import UsageError
+from gtp_jax.pallas.swiglu import SWIGLU_BACKENDS, swiglu_bwd
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
@@ -43,47 +49,38 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return out.reshape(x.shape).astype(x.dtype)
 
 
-@jax.custom_vjp
-def swiglu(gate_up: jax.Array) -> jax.Array:
+def swiglu(gate_up: jax.Array, *, backend: str | None = None) -> jax.Array:
     """``silu(gate) * up`` of a fused projection output ``gate_up = [gate | up]``.
 
     Args:
       gate_up: ``[..., 2 * f]``, any float dtype: the gate in the first ``f`` features, up
         in the last ``f``.
+      backend: who computes the backward pass (`gtp_jax.pallas.swiglu_bwd`): "pallas" (one
+        Triton kernel), "reference" (one XLA fusion), or None (the kernel on a GPU where
+        the shape tiles, else the reference).
 
     Returns:
       ``[..., f]`` in the dtype of `gate_up` (computed in float32).
     """
-    gate, up = _halves(gate_up)
-    return (jax.nn.silu(gate) * up).astype(gate_up.dtype)
+    if backend not in (None, *SWIGLU_BACKENDS):
+        raise UsageError(f"swiglu: backend={backend!r}; use one of {SWIGLU_BACKENDS} or None.")
+    return _swiglu(gate_up, backend)
 
 
-def _halves(gate_up: jax.Array) -> tuple[jax.Array, jax.Array]:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _swiglu(gate_up: jax.Array, backend: str | None) -> jax.Array:
     f = gate_up.shape[-1] // 2
     x = gate_up.astype(jnp.float32)
-    return x[..., :f], x[..., f:]
+    return (jax.nn.silu(x[..., :f]) * x[..., f:]).astype(gate_up.dtype)
 
 
-def _swiglu_fwd(gate_up: jax.Array) -> tuple[jax.Array, jax.Array]:
-    return swiglu(gate_up), gate_up
+def _swiglu_fwd(gate_up: jax.Array, backend: str | None) -> tuple[jax.Array, jax.Array]:
+    return _swiglu(gate_up, backend), gate_up
 
 
-def _swiglu_bwd(gate_up: jax.Array, g: jax.Array) -> tuple[jax.Array]:
-    *lead, two_f = gate_up.shape
-    f = two_f // 2
-    x = gate_up.astype(jnp.float32).reshape(*lead, 2, f)
-    # Every output element reads its own value and its partner in the other half (a flip
-    # of the size-2 axis) and computes one sigmoid: no value is shared between elements,
-    # so XLA emits one loop fusion, with no float32 intermediate and no concatenate.
-    is_gate = jax.lax.broadcasted_iota(jnp.int32, (2, 1), 0) == 0
-    partner = jnp.flip(x, axis=-2)
-    gate = jnp.where(is_gate, x, partner)
-    up = jnp.where(is_gate, partner, x)
-    sig = jax.nn.sigmoid(gate)
-    # d/d gate = g * up * silu'(gate); d/d up = g * silu(gate)
-    local = jnp.where(is_gate, up * sig * (1.0 + gate * (1.0 - sig)), gate * sig)
-    grad = g.astype(jnp.float32)[..., None, :] * local
-    return (grad.reshape(gate_up.shape).astype(gate_up.dtype),)
+def _swiglu_bwd(backend: str | None, gate_up: jax.Array, g: jax.Array) -> tuple[jax.Array]:
+    # one pass that writes the whole [..., 2 * f] gradient: no concatenate of two halves
+    return (swiglu_bwd(gate_up, g, backend=backend),)
 
 
-swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
+_swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)

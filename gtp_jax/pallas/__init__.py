@@ -1,4 +1,5 @@
-"""Low-precision quantization kernels (Pallas, Triton GPU backend) for weight gathering.
+"""Pallas kernels (Triton GPU backend): low-precision quantization for weight gathering,
+and the SwiGLU backward pass (`swiglu_bwd`, beside its reference `swiglu_bwd_reference`).
 
 Formats: ``"fp8"`` (e4m3 + per-tensor fp32 scale), ``"mxfp8"`` (e4m3 + one e8m0 scale per
 32 elements along the contraction dim, OCP MX v1.0) and ``"nvfp4"`` (packed e2m1 + one
@@ -61,6 +62,7 @@ from gtp_jax.pallas.formats import (
     SUPPORTED_DTYPES,
     FormatSpec,
 )
+from gtp_jax.pallas.swiglu import SWIGLU_BACKENDS, swiglu_bwd, swiglu_bwd_reference
 from gtp_jax.pallas.tensor import QuantizedTensor
 
 __all__ = [
@@ -72,6 +74,7 @@ __all__ = [
     "NVFP4_BLOCK",
     "SPECS",
     "SUPPORTED_DTYPES",
+    "SWIGLU_BACKENDS",
     "FormatSpec",
     "QuantizedTensor",
     "cast_only",
@@ -81,4 +84,6 @@ __all__ = [
     "quantize",
     "quantize_coalesced",
     "reduce_amax",
+    "swiglu_bwd",
+    "swiglu_bwd_reference",
 ]
