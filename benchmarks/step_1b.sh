@@ -4,7 +4,9 @@
 # PyTorch FSDP2 peer, in one invocation. A profiler trace of each sharded variant is read per
 # stream (hidden vs exposed communication); trimmed excerpts of the gtp_jax traces are kept
 # for notebooks/02_overlap.ipynb.
-# Writes $OUT/step_1b.json, $OUT/trace_step_1b_gtp{,_prefetch}.json.gz (default OUT=runs).
+# Writes $OUT/step_1b.json, $OUT/trace_step_1b_gtp{,_prefetch}.json.gz (default OUT=runs),
+# then compute only and gtp_jax with the blocks unrolled (TransformerConfig.unroll_layers;
+# XLA's scheduler places the gathers) in $OUT/step_1b_unrolled.json.
 # EXPERIMENTS=1 adds two single-variant runs of gtp_jax + prefetch: the gradient
 # reduce-scatter in bf16 ($OUT/step_1b_reduce_bf16.json) and NCCL limited to 8 channels
 # ($OUT/step_1b_nccl8.json).
@@ -21,6 +23,9 @@ mkdir -p "$PROF.excerpts"
 python3 -m gtp_jax.bench.trace "$PROF" --each --steps 3 --excerpt-dir "$PROF.excerpts" --excerpt-ms 160
 cp "$PROF.excerpts/trace_gtp_dots_excerpt.json.gz" "$OUT/trace_step_1b_gtp.json.gz"
 cp "$PROF.excerpts/trace_gtp_prefetch_dots_excerpt.json.gz" "$OUT/trace_step_1b_gtp_prefetch.json.gz"
+timeout 300 python3 -m gtp_jax.bench overlap $COMMON --unroll-layers \
+  --variants compute_only_dots,gtp_dots --json "$OUT/step_1b_unrolled.json" 2>&1 \
+  | grep -E "^\[" | sed 's/^/unrolled: /'
 if [ "${EXPERIMENTS:-0}" = 1 ]; then
   timeout 120 python3 -m gtp_jax.bench overlap $COMMON --variants gtp_prefetch_dots --reduce-dtype bfloat16 \
     --json "$OUT/step_1b_reduce_bf16.json" 2>&1 | grep -E "^\| gtp" | sed 's/^/reduce bf16: /'

@@ -72,7 +72,8 @@ def run_variant(args: argparse.Namespace) -> dict:
         loss_fn, vocab = user_loss, cfg.vocab
     else:
         cfg = preset(args.preset, dtype=jnp.bfloat16, remat=remat, max_seq_len=args.seq,
-                     attention_impl=attention, **overrides)
+                     attention_impl=attention, unroll_layers=args.unroll_layers,
+                     swiglu_backend=args.swiglu_backend, **overrides)
         loss_fn = functools.partial(lm_loss, aux_weight=cfg.moe_aux_weight)
         vocab = cfg.vocab_size
     if variant_kind in ("gtp", "gtp_prefetch", "xla_fsdp"):
@@ -142,6 +143,8 @@ def run_variant(args: argparse.Namespace) -> dict:
         "device_kind": kind, "preset": args.preset,
         "layers": cfg.n_blocks if user else cfg.n_layers, "seq": args.seq,
         "per_device_batch": args.per_device_batch,
+        "unroll_layers": bool(getattr(cfg, "unroll_layers", False)),
+        "swiglu_backend": getattr(cfg, "swiglu_backend", None),
         "step_ms": med * 1e3, "step_ms_min": min(times) * 1e3, "loss": float(loss),
         "peak_mem_gib": peak / 2**30,
         "state_gib": (2 * param_bytes + opt_bytes) / 2**30,
@@ -193,6 +196,10 @@ def _spawn(variant: str, args: argparse.Namespace, timeout: float) -> dict | Non
         cmd.append("--no-remat-gathered")
     if args.keep_gathered_layers:
         cmd.append("--keep-gathered-layers")
+    if args.unroll_layers:
+        cmd.append("--unroll-layers")
+    if args.swiglu_backend:
+        cmd += ["--swiglu-backend", args.swiglu_backend]
     if args.profile_dir:
         cmd += ["--profile-dir", args.profile_dir, "--profile-variants", args.profile_variants]
     return run_for_result(variant, cmd, timeout)
@@ -287,6 +294,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--keep-gathered-layers", action="store_true",
                         help="GTPConfig(keep_gathered_layers=True) for the gtp variants: the "
                         "backward loop reuses the forward pass's gathered weights")
+    parser.add_argument("--unroll-layers", action="store_true",
+                        help="TransformerConfig(unroll_layers=True) for every Transformer "
+                        "variant: the blocks run as a Python loop instead of lax.scan")
+    parser.add_argument("--swiglu-backend", default=None, choices=("pallas", "reference"),
+                        help="TransformerConfig.swiglu_backend (default: the Pallas kernel "
+                        "on a GPU)")
     parser.add_argument("--user-d", type=int, default=2048, help="user_* model width")
     parser.add_argument("--user-blocks", type=int, default=16, help="user_* model blocks")
     parser.add_argument("--user-heads", type=int, default=16, help="user_* attention heads")

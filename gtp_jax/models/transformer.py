@@ -40,12 +40,14 @@ first: ``[batch, S / cp, vocab]`` per device). Not supported with ``cp > 1`` (a
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from gtp_jax.base.axes import CP_AXIS, TP_AXIS, current_axes
@@ -55,6 +57,7 @@ from gtp_jax.base.metadata import STACKED, TP_DIM, TP_PARTS
 from gtp_jax.base.shapes import round_up
 from gtp_jax.models.cross_entropy import cross_entropy
 from gtp_jax.models.elementwise import apply_rope, swiglu
+from gtp_jax.pallas.swiglu import SWIGLU_BACKENDS
 from gtp_jax.parallel.collective_matmul import (
     all_gather_matmul_chunks,
     matmul_reduce_scatter_chunks,
@@ -114,6 +117,13 @@ class TransformerConfig:
         baseline). No effect without ``cp``.
       cp_layout: which tokens each ``cp`` rank holds: "zigzag" (load-balanced under the
         causal mask) or "contiguous". No effect without ``cp``.
+      unroll_layers: run the blocks as a Python loop instead of ``lax.scan``
+        (`gtp_jax.scan_layers` ``unroll=True``): no copies of residuals into and out of
+        stacks, a program (and compile time) that grows with ``n_layers``; not with
+        ``GTPConfig.prefetch``.
+      swiglu_backend: the SwiGLU backward pass (`gtp_jax.pallas.swiglu_bwd`): "pallas",
+        "reference" (one XLA fusion) or None (the Pallas kernel on a GPU where the shape
+        tiles, else the reference).
     """
 
     vocab_size: int = 256
@@ -137,6 +147,8 @@ class TransformerConfig:
     moe_aux_weight: float = 0.01
     cp_attention: str = "ring"
     cp_layout: str = "zigzag"
+    unroll_layers: bool = False
+    swiglu_backend: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "d_model", "n_heads", "n_layers", "d_ff", "max_seq_len"):
@@ -164,6 +176,13 @@ class TransformerConfig:
         if self.cp_layout not in LAYOUTS:
             raise ValueError(
                 f"TransformerConfig.cp_layout={self.cp_layout!r}; choose one of {LAYOUTS}.")
+        if self.swiglu_backend not in (None, *SWIGLU_BACKENDS):
+            raise ValueError(
+                f"TransformerConfig.swiglu_backend={self.swiglu_backend!r}; choose one of "
+                f"{SWIGLU_BACKENDS} or None (the Pallas kernel on a GPU, else the reference).")
+        if not isinstance(self.unroll_layers, bool):
+            raise TypeError(
+                f"TransformerConfig.unroll_layers={self.unroll_layers!r} must be True or False.")
         if not isinstance(self.tp_overlap, bool):
             names = tuple(self.tp_overlap) if isinstance(self.tp_overlap, (tuple, list)) \
                 else None
@@ -319,6 +338,9 @@ class Attention(nnx.Module):
             qkv = column_parallel(x, w, tp, overlap=self.cfg.overlaps("qkv"))
         q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        # named for `save_dots_and_attention`: saving the attention's inputs instead of the
+        # qkv projection output (same bytes) spares the backward pass re-running rotary
+        q, k, v = (checkpoint_name(t, n) for t, n in zip((q, k, v), ATTENTION_INPUTS))
         if axes.cp is not None:
             fn = ring_attention if self.cfg.cp_attention == "ring" else allgather_attention
             attn = fn(q, k, v, axis=axes.cp, layout=self.cfg.cp_layout, valid_len=valid_len)
@@ -351,17 +373,18 @@ class SwiGLU(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         tp = current_axes().tp
+        act = functools.partial(swiglu, backend=self.cfg.swiglu_backend)
         if tp is None:
-            return self.down(swiglu(self.gate_up(x)))
+            return self.down(act(self.gate_up(x)))
         x, w = _promote(x, self.gate_up.kernel[...], self.cfg.dtype)
         if self.cfg.overlaps("gate_up") and self.cfg.overlaps("down"):
             # Both rings: the sequence chunks stay in ring order through the elementwise
             # middle, so no pass puts them in rank order (all_gather_matmul_chunks).
-            hs = [swiglu(chunk) for chunk in all_gather_matmul_chunks(x, w, tp)]
+            hs = [act(chunk) for chunk in all_gather_matmul_chunks(x, w, tp)]
             w = self.down.kernel[...]
             hs = [_promote(h, w, self.cfg.dtype)[0] for h in hs]
             return matmul_reduce_scatter_chunks(hs, _promote(hs[0], w, self.cfg.dtype)[1], tp)
-        h = swiglu(column_parallel(x, w, tp, overlap=self.cfg.overlaps("gate_up")))
+        h = act(column_parallel(x, w, tp, overlap=self.cfg.overlaps("gate_up")))
         h, w = _promote(h, self.down.kernel[...], self.cfg.dtype)
         return row_parallel(h, w, tp, overlap=self.cfg.overlaps("down"))
 
@@ -409,22 +432,30 @@ def _stacked_blocks(cfg: TransformerConfig, rngs: nnx.Rngs) -> Block:
     return blocks
 
 
+#: ``checkpoint_name``s of the attention's inputs (saved by `save_dots_and_attention`).
+ATTENTION_INPUTS = ("attention_q", "attention_k", "attention_v")
 #: The cuDNN attention forward's primitive (``jax.nn.dot_product_attention``,
 #: ``implementation="cudnn"``, or None on a GPU where it applies).
 _FUSED_ATTENTION_FWD = "dot_product_attention_fwd_wrapper"
 
 
 def save_dots_and_attention(prim: Any, *avals: Any, **params: Any) -> bool:
-    """Remat policy of ``remat="dots"``: save matmul outputs (no batch dims) and the fused
-    attention's output and softmax statistics; recompute everything elementwise.
+    """Remat policy of ``remat="dots"``: save matmul outputs (no batch dims), the attention's
+    inputs (q and k after rotary, v: `ATTENTION_INPUTS`) and the fused attention's output
+    and softmax statistics; recompute everything else elementwise.
 
-    Without the second rule the cuDNN attention forward (batched, so not a "dot" here) runs
-    twice per step: once in the forward pass and again to rebuild its residuals for the
+    Without the attention rule the cuDNN attention forward (batched, so not a "dot" here)
+    runs twice per step: once in the forward pass and again to rebuild its residuals for the
     backward kernel. Saving it costs ``[batch, seq, heads, head_dim]`` plus float32
-    ``[batch, heads, seq]`` per layer. The XLA attention (CPU, or ``attention_impl="xla"``)
-    has no such primitive, and its ``seq x seq`` scores are still recomputed.
+    ``[batch, heads, seq]`` per layer. With q, k, v saved, nothing in the backward pass
+    reads the qkv projection output, so it is not saved instead: same bytes, and no rotary
+    or slicing is re-run. The XLA attention (CPU, or ``attention_impl="xla"``) has no fused
+    primitive, and its ``seq x seq`` scores are still recomputed.
     """
-    if getattr(prim, "name", None) == _FUSED_ATTENTION_FWD:
+    name = getattr(prim, "name", None)
+    if name == _FUSED_ATTENTION_FWD:
+        return True
+    if name == "name" and params.get("name") in ATTENTION_INPUTS:
         return True
     return jax.checkpoint_policies.dots_with_no_batch_dims_saveable(prim, *avals, **params)
 
@@ -540,7 +571,8 @@ class Transformer(nnx.Module):
             return h, aux + layer_aux
 
         carry = (x, jnp.zeros((x.shape[0],), jnp.float32))
-        x, aux = scan_layers(layer, carry, stacked, remat_policy=_REMAT[cfg.remat])
+        x, aux = scan_layers(layer, carry, stacked, remat_policy=_REMAT[cfg.remat],
+                             unroll=cfg.unroll_layers)
         x = self.final_norm(x)
         logits = self.embed.attend(x) if self.lm_head is None else self.lm_head(x)
         return LMOutput(logits, aux)
