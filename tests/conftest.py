@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+import tempfile
 
 NUM_DEVICES = 8
 
@@ -16,6 +17,14 @@ _flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "",
                 os.environ.get("XLA_FLAGS", ""))
 os.environ["XLA_FLAGS"] = f"{_flags} --xla_force_host_platform_device_count={NUM_DEVICES}".strip()
 os.environ["JAX_PLATFORMS"] = "cpu"
+# Many tests compile the same programs (the same small models, built in different closures,
+# which jit's in-memory cache does not match). A persistent compilation cache, fresh for each
+# run and shared with the test's subprocesses, compiles each distinct program once: about
+# 15% less wall time on 2 cores.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="gtp_jax_tests_xla_")
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
