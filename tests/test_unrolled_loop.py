@@ -82,3 +82,23 @@ def test_partial_unroll_is_refused():
     params = {"w": jax.numpy.ones((3, 4))}
     with pytest.raises(TypeError, match="unroll=2 must be True or False"):
         gtp_jax.scan_layers(lambda h, p: h * p["w"], jax.numpy.ones(4), params, unroll=2)
+
+
+@pytest.mark.parametrize("axes,config", [
+    ({"dp": 2, "gtp": 2, "tp": 2}, {"gather_format": "fp8"}),  # TP/SP + fp8 gathers
+    ({"gtp": 2, "cp": 2, "tp": 2}, {}),                        # context parallel ring
+], ids=["dp2_gtp2_tp2_fp8", "gtp2_cp2_tp2"])
+def test_unrolled_loop_composes_like_the_scanned_one(key, seed, axes, config):
+    # The unrolled schedule runs the same layer function, gathers and reduce-scatters as the
+    # scanned one, so with TP, context parallelism or low-precision gathers it must give the
+    # scanned loop's results (fp32; the quantized weights are the same bytes in both).
+    mesh = gtp_jax.make_mesh(**axes)
+    tokens = _tokens(key)[:2]
+
+    def run(unroll: bool):
+        cfg = preset("tiny", **{**CFG.__dict__, "unroll_layers": unroll, "remat": "dots"})
+        model = gtp_jax.shard(Transformer(cfg, rngs=nnx.Rngs(seed)), mesh,
+                              gtp_jax.GTPConfig(**config))
+        return train_and_record(model, tokens, mesh)
+
+    assert_same_runs(run(False), run(True))
