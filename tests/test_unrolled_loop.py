@@ -63,14 +63,26 @@ def test_unrolled_gradient_program_has_no_loop(sharded):
     assert not re.search(r"\bwhile\(", program(True))
 
 
-def test_unroll_with_prefetch_is_refused():
+@pytest.mark.parametrize("grad", [False, True])
+def test_unrolled_gathers_are_tied_one_layer_ahead(grad):
+    # Each gather (and, backward, each gradient reduce-scatter) is held back by an
+    # optimization barrier until the layer before it has its input: without them XLA's
+    # scheduler may issue every layer's gather at once and keep all of them alive.
     mesh = get_mesh("gtp8")
+    n = CFG.n_layers
     model = gtp_jax.shard(Transformer(preset("tiny", **{**CFG.__dict__, "unroll_layers": True}),
-                                      rngs=nnx.Rngs(0)),
-                          mesh, gtp_jax.GTPConfig(prefetch=True))
+                                      rngs=nnx.Rngs(0)), mesh)
+    graphdef, state = nnx.split(model)
     tokens = jax.device_put(np.zeros((8, 16), np.int32), gtp_jax.data_sharding(mesh))
-    with pytest.raises(ValueError, match="unroll=True with prefetch"):
-        model(tokens)
+
+    def loss(s):
+        return lm_loss(nnx.merge(graphdef, s), tokens)
+
+    text = jax.jit(jax.grad(loss) if grad else loss).lower(state).as_text()
+    barriers = text.count("stablehlo.optimization_barrier")
+    # forward: one per layer after the first; backward: one gather per layer but the last
+    # and one reduce-scatter per layer but the first (the forward's are in the grad too)
+    assert barriers >= (3 * (n - 1) if grad else n - 1), barriers
 
 
 def test_unroll_layers_must_be_a_bool():
@@ -86,12 +98,13 @@ def test_partial_unroll_is_refused():
 
 @pytest.mark.parametrize("axes,config", [
     ({"dp": 2, "gtp": 2, "tp": 2}, {"gather_format": "fp8"}),  # TP/SP + fp8 gathers
-    ({"gtp": 2, "cp": 2, "tp": 2}, {}),                        # context parallel ring
-], ids=["dp2_gtp2_tp2_fp8", "gtp2_cp2_tp2"])
+    ({"gtp": 2, "cp": 2, "tp": 2}, {"prefetch": True}),        # context parallel ring
+], ids=["dp2_gtp2_tp2_fp8", "gtp2_cp2_tp2_prefetch"])
 def test_unrolled_loop_composes_like_the_scanned_one(key, seed, axes, config):
     # The unrolled schedule runs the same layer function, gathers and reduce-scatters as the
-    # scanned one, so with TP, context parallelism or low-precision gathers it must give the
-    # scanned loop's results (fp32; the quantized weights are the same bytes in both).
+    # scanned one (plain or prefetch), so with TP, context parallelism or low-precision
+    # gathers it must give the scanned loop's results (fp32; the quantized weights are the
+    # same bytes in both).
     mesh = gtp_jax.make_mesh(**axes)
     tokens = _tokens(key)[:2]
 

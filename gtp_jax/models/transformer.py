@@ -119,8 +119,8 @@ class TransformerConfig:
         causal mask) or "contiguous". No effect without ``cp``.
       unroll_layers: run the blocks as a Python loop instead of ``lax.scan``
         (`gtp_jax.scan_layers` ``unroll=True``): no copies of residuals into and out of
-        stacks, a program (and compile time) that grows with ``n_layers``; not with
-        ``GTPConfig.prefetch``.
+        stacks, a program (and compile time) that grows with ``n_layers``; GTP gathers run
+        one layer ahead.
       swiglu_backend: the SwiGLU backward pass (`gtp_jax.pallas.swiglu_bwd`): "pallas",
         "reference" (one XLA fusion) or None (the Pallas kernel on a GPU where the shape
         tiles, else the reference).

@@ -13,10 +13,13 @@ over a static `LoopSpec`; the spec's schedule picks the forward and backward bod
   are alive); the backward iteration ``i`` gathers layer ``i - 1`` and reduce-scatters layer
   ``i + 1``'s gradient (one step late) while layer ``i``'s backward runs.
 ``"unrolled"``
-  no ``lax.scan``: a Python loop over the layers, each gathering its own weights, so each
-  layer's residuals stay in their own buffers (a scanned loop copies every saved residual
-  into a stack and back out of it) at the price of a program, and a compile time, that
-  grow with the number of layers. Where each gather runs is left to XLA's scheduler.
+  no ``lax.scan``: a Python loop over the layers, so each layer's residuals stay in their
+  own buffers (a scanned loop copies every saved residual into a stack and back out of it)
+  at the price of a program, and a compile time, that grow with the number of layers. The
+  prefetch order is kept by optimization barriers: layer ``i + 1``'s gather (backward:
+  ``i - 1``'s) cannot start before layer ``i``'s input exists, and layer ``i + 1``'s
+  gradient reduce-scatter must finish before layer ``i - 1``'s backward starts; without
+  them XLA's scheduler issues every gather at once and keeps every gathered layer alive.
 
 Residuals. Each layer's autodiff residuals (under the layer's own remat policy) are split
 by what they depend on, read off the layer's jaxpr (`_ResidualSplit`): a residual computed
@@ -445,15 +448,32 @@ def _static_at(arrays: Sequence[jax.Array], i: int) -> list[jax.Array]:
     return [jax.lax.index_in_dim(a, i, keepdims=False) for a in arrays]
 
 
+def _tied(spec: LoopSpec, x: Any, y: Any) -> tuple[Any, Any]:
+    """`x` and `y` unchanged, but neither available before both are computed: a collective
+    issued on the returned `y` cannot be scheduled before `x` exists. No barrier where the
+    loop communicates nothing (no shards, or a GTP axis of size 1): nothing to hold back."""
+    if not jax.tree.leaves(y) or not any(s.axis_size > 1 for s in spec.gather_specs):
+        return x, y
+    return jax.lax.optimization_barrier((x, y))
+
+
 def _unrolled_forward(spec, h, shards, plain, consts, keep):
     kept = spec.kept_like(keep) is not None
     res, ws = [], []
+    w = spec.gather(_static_at(shards, 0))
     for i in range(spec.n_layers):
-        w = spec.gather(_static_at(shards, i))
+        w_next = None
+        if i + 1 < spec.n_layers:
+            # Layer i + 1's gather waits for layer i's input, so it runs beside layer i and
+            # no earlier: left alone, XLA's scheduler issues every layer's gather at the
+            # start and keeps all the gathered weights alive.
+            h, nxt = _tied(spec, h, _static_at(shards, i + 1))
+            w_next = spec.gather(nxt)
         h, r = _run_layer(spec, spec.split_at(i) if keep else None, h, w,
                           _static_at(plain, i), consts)
         res.append(r)
         ws.append(w if kept else None)
+        w = w_next
     # residuals: (per-layer saved residuals, per-layer kept weights or None)
     return h, (res, ws)
 
@@ -466,14 +486,34 @@ def _unrolled_backward(spec, saved, ct):
     # static in-place update); stacking the per-layer gradients at the end would copy them.
     shard_buf = [jax.lax.empty(s.shape, s.dtype) for s in shards]
     plain_buf = [jax.lax.empty(p.shape, p.dtype) for p in plain]
-    dh = ct
+    last = spec.n_layers - 1
+
+    def weights(i: int, dh: Any) -> tuple[Any, list[jax.Array]]:
+        """Layer i's weights: kept, or gathered no earlier than `dh` exists."""
+        if ws[i] is not None:
+            return dh, ws[i]
+        dh, s = _tied(spec, dh, _static_at(shards, i))
+        return dh, spec.gather(s)
+
+    dh, w = weights(last, ct)
+    pending = None  # the previous layer's reduce-scattered gradient, still in flight
     for i in reversed(range(spec.n_layers)):
-        w = spec.gather(_static_at(shards, i)) if ws[i] is None else ws[i]
+        w_prev = None
+        if i > 0:  # layer i - 1's gather runs beside layer i's backward
+            dh, w_prev = weights(i - 1, dh)
         dh, dw, dp, dc = _layer_vjp(spec.split_at(i), res[i], w, _static_at(plain, i),
                                     consts, dh, float_consts)
-        shard_buf = _put(shard_buf, spec.reduce_scatter(dw), i)
+        if pending is not None:
+            # Layer i + 1's reduce-scatter, issued before layer i's backward, must finish
+            # before layer i - 1's starts: it runs beside layer i's, and the full-size
+            # gradient it reads is not kept alive until the end of the backward pass.
+            dh, done = _tied(spec, dh, pending)
+            shard_buf = _put(shard_buf, done, i + 1)
+        pending = spec.reduce_scatter(dw)
         plain_buf = _put(plain_buf, dp, i)
         dconsts = _add(dconsts, dc)
+        w = w_prev
+    shard_buf = _put(shard_buf, pending, 0)
     return dh, shard_buf, plain_buf, _const_cts(dconsts, consts)
 
 

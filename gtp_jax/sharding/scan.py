@@ -107,8 +107,9 @@ def scan_layers(
         ``"unrolled"`` schedule of `gtp_jax.sharding.loop`): each layer's saved residuals
         stay in their own buffers instead of being copied into and out of a stack, and the
         weight gradients are written in place into their stacks; the program and its compile
-        time grow with the number of layers, and XLA's scheduler places each gather. Same
-        results as the scanned loop. Not combinable with prefetch.
+        time grow with the number of layers. It always gathers one layer ahead (as
+        `prefetch` does; `prefetch` has no further effect). Same results as the scanned
+        loop.
 
     Returns:
       The final carry.
@@ -119,11 +120,6 @@ def scan_layers(
     shards = [x for x in jax.tree.leaves(stacked_params, is_leaf=is_shard) if is_shard(x)]
     if prefetch is None:
         prefetch = any(x.prefetch for x in shards)
-    if unroll and prefetch:
-        raise ValueError(
-            "scan_layers: unroll=True with prefetch (GTPConfig.prefetch=True or prefetch="
-            "True): the unrolled loop leaves the gather order to XLA's scheduler; set "
-            "prefetch=False, or unroll=False for the scanned double-buffered loop.")
     if unroll or shards:
         schedule = "unrolled" if unroll else "prefetch" if prefetch else "plain"
         return layer_loop(layer_fn, carry, stacked_params, remat_policy=remat_policy,
