@@ -450,8 +450,11 @@ def _static_at(arrays: Sequence[jax.Array], i: int) -> list[jax.Array]:
 
 def _tied(spec: LoopSpec, x: Any, y: Any) -> tuple[Any, Any]:
     """`x` and `y` unchanged, but neither available before both are computed: a collective
-    issued on the returned `y` cannot be scheduled before `x` exists. No barrier where the
-    loop communicates nothing (no shards, or a GTP axis of size 1): nothing to hold back."""
+    issued on (a slice of) the returned `y` cannot be scheduled before `x` exists. No
+    barrier where the loop communicates nothing (no shards, or a GTP axis of size 1).
+
+    Tie whole buffers (the stacked shards, a collective's output), never a slice: the
+    barrier passes its operands through in place, but a slice would first be copied out."""
     if not jax.tree.leaves(y) or not any(s.axis_size > 1 for s in spec.gather_specs):
         return x, y
     return jax.lax.optimization_barrier((x, y))
@@ -467,8 +470,8 @@ def _unrolled_forward(spec, h, shards, plain, consts, keep):
             # Layer i + 1's gather waits for layer i's input, so it runs beside layer i and
             # no earlier: left alone, XLA's scheduler issues every layer's gather at the
             # start and keeps all the gathered weights alive.
-            h, nxt = _tied(spec, h, _static_at(shards, i + 1))
-            w_next = spec.gather(nxt)
+            h, shards = _tied(spec, h, shards)
+            w_next = spec.gather(_static_at(shards, i + 1))
         h, r = _run_layer(spec, spec.split_at(i) if keep else None, h, w,
                           _static_at(plain, i), consts)
         res.append(r)
@@ -488,19 +491,19 @@ def _unrolled_backward(spec, saved, ct):
     plain_buf = [jax.lax.empty(p.shape, p.dtype) for p in plain]
     last = spec.n_layers - 1
 
-    def weights(i: int, dh: Any) -> tuple[Any, list[jax.Array]]:
+    def weights(i: int, dh: Any, stack: list) -> tuple[Any, list, list[jax.Array]]:
         """Layer i's weights: kept, or gathered no earlier than `dh` exists."""
         if ws[i] is not None:
-            return dh, ws[i]
-        dh, s = _tied(spec, dh, _static_at(shards, i))
-        return dh, spec.gather(s)
+            return dh, stack, ws[i]
+        dh, stack = _tied(spec, dh, stack)
+        return dh, stack, spec.gather(_static_at(stack, i))
 
-    dh, w = weights(last, ct)
+    dh, shards, w = weights(last, ct, shards)
     pending = None  # the previous layer's reduce-scattered gradient, still in flight
     for i in reversed(range(spec.n_layers)):
         w_prev = None
         if i > 0:  # layer i - 1's gather runs beside layer i's backward
-            dh, w_prev = weights(i - 1, dh)
+            dh, shards, w_prev = weights(i - 1, dh, shards)
         dh, dw, dp, dc = _layer_vjp(spec.split_at(i), res[i], w, _static_at(plain, i),
                                     consts, dh, float_consts)
         if pending is not None:
