@@ -97,7 +97,7 @@ class TransformerConfig:
       rope_theta: rotary base.
       norm_eps: RMSNorm epsilon.
       remat: activation recompute inside each layer: "none" (keep what autodiff keeps),
-        "dots" (save matmul outputs and the fused attention's outputs,
+        "dots" (save matmul outputs and the attention's inputs and fused outputs,
         `save_dots_and_attention`), "full" (save layer inputs only). Gathered GTP weights
         are never saved in any mode.
       attention_impl: passed to ``jax.nn.dot_product_attention`` (None, "xla", "cudnn").
