@@ -21,8 +21,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from gtp_jax.base.errors import UsageError
-from gtp_jax.pallas.swiglu import SWIGLU_BACKENDS, swiglu_bwd
+from gtp_jax.pallas.swiglu import check_backend, swiglu_bwd
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
@@ -62,8 +61,7 @@ def swiglu(gate_up: jax.Array, *, backend: str | None = None) -> jax.Array:
     Returns:
       ``[..., f]`` in the dtype of `gate_up` (computed in float32).
     """
-    if backend not in (None, *SWIGLU_BACKENDS):
-        raise UsageError(f"swiglu: backend={backend!r}; use one of {SWIGLU_BACKENDS} or None.")
+    check_backend(backend, "swiglu")
     return _swiglu(gate_up, backend)
 
 

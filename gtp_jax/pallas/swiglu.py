@@ -13,6 +13,8 @@ such tiles of useful size run the reference (`swiglu_bwd` with ``backend=None``)
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
@@ -25,6 +27,13 @@ SWIGLU_BACKENDS = ("pallas", "reference")
 _MAX_COLS = 512  # widest column tile
 _TILE_ELEMENTS = 16384  # elements of gate_up per program
 _MIN_COLS = 64  # narrower column tiles waste the GPU: the reference runs instead
+
+
+def check_backend(backend: object, caller: str) -> None:
+    """A `UsageError` naming `caller` unless `backend` is in `SWIGLU_BACKENDS` or None."""
+    if backend not in (None, *SWIGLU_BACKENDS):
+        raise UsageError(f"{caller}: backend={backend!r}; use one of {SWIGLU_BACKENDS} or "
+                         "None (the kernel on a GPU where the shape tiles, else the reference).")
 
 
 def _grad_halves(gate: jax.Array, up: jax.Array, g: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -56,9 +65,7 @@ def tiles(gate_up_shape: tuple[int, ...]) -> tuple[int, int] | None:
     useful size (``f`` without a power-of-two divisor >= 64)."""
     *lead, two_f = gate_up_shape
     f = two_f // 2
-    m = 1
-    for d in lead:
-        m *= d
+    m = math.prod(lead)
     bn = min(_MAX_COLS, f & -f)  # largest power of two dividing f
     if bn < _MIN_COLS or m < 1:
         return None
@@ -93,9 +100,7 @@ def swiglu_bwd(gate_up: jax.Array, g: jax.Array, *, backend: str | None = None,
             tuple(g.shape) != (*gate_up.shape[:-1], gate_up.shape[-1] // 2):
         raise UsageError(f"swiglu_bwd: gate_up {tuple(gate_up.shape)} must be [..., 2 * f] "
                          f"and g {tuple(g.shape)} [..., f] with the same leading shape.")
-    if backend not in (None, *SWIGLU_BACKENDS):
-        raise UsageError(f"swiglu_bwd: backend={backend!r}; use one of {SWIGLU_BACKENDS} "
-                         "or None (the kernel on a GPU where the shape tiles).")
+    check_backend(backend, "swiglu_bwd")
     tile = tiles(tuple(gate_up.shape))
     if backend is None:
         backend = "pallas" if tile is not None and jax.default_backend() == "gpu" \

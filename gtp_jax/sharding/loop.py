@@ -19,7 +19,8 @@ over a static `LoopSpec`; the spec's schedule picks the forward and backward bod
   prefetch order is kept by optimization barriers: layer ``i + 1``'s gather (backward:
   ``i - 1``'s) cannot start before layer ``i``'s input exists, and layer ``i + 1``'s
   gradient reduce-scatter must finish before layer ``i - 1``'s backward starts; without
-  them XLA's scheduler issues every gather at once and keeps every gathered layer alive.
+  them XLA may gather layers early and merge a backward re-gather with the identical
+  forward gather, keeping gathered layers alive from the forward to the backward pass.
 
 Residuals. Each layer's autodiff residuals (under the layer's own remat policy) are split
 by what they depend on, read off the layer's jaxpr (`_ResidualSplit`): a residual computed
@@ -259,6 +260,11 @@ def _put(buffers: list[jax.Array], values: list[jax.Array], i: Any) -> list[jax.
             for b, v in zip(buffers, values)]
 
 
+def _uninitialized(arrays: list[jax.Array]) -> list[jax.Array]:
+    """Buffers shaped like `arrays` whose every slot the loop writes (see `_unfilled`)."""
+    return [jax.lax.empty(a.shape, a.dtype) for a in arrays]
+
+
 def _unfilled(n: int, like: Any) -> Any:
     """Stacks ``[n, *x.shape]`` for every leaf of `like` whose every slot the loop writes.
 
@@ -326,6 +332,11 @@ def _is_float(consts: list) -> list[bool]:
     return [jnp.issubdtype(c.dtype, jnp.inexact) for c in consts]
 
 
+def _zero_cts(consts: list, float_consts: list[bool]) -> list:
+    """Zero accumulators for the float constants' cotangents (None for the others)."""
+    return [jnp.zeros(c.shape, c.dtype) if f else None for c, f in zip(consts, float_consts)]
+
+
 def _add(acc: list, new: list) -> list:
     return [a if n is None else a + n for a, n in zip(acc, new)]
 
@@ -354,7 +365,7 @@ def _plain_forward(spec, h, shards, plain, consts, keep):
 def _plain_backward(spec, saved, ct):
     (stacked_res, stacked_w), shards, plain, consts = saved
     float_consts = _is_float(consts)
-    zero = [jnp.zeros(c.shape, c.dtype) if f else None for c, f in zip(consts, float_consts)]
+    zero = _zero_cts(consts, float_consts)
 
     def body(c, i, xs):
         dh, dconsts = c
@@ -405,8 +416,7 @@ def _prefetch_backward(spec, saved, ct):
     # Gradients are written into full-size stacked buffers as they arrive (in place in the
     # loop carry) instead of being concatenated at the end; every slot is written, so the
     # buffers start uninitialized (`_unfilled`).
-    shard_buf = [jax.lax.empty(s.shape, s.dtype) for s in shards]
-    plain_buf = [jax.lax.empty(p.shape, p.dtype) for p in plain]
+    shard_buf, plain_buf = _uninitialized(shards), _uninitialized(plain)
 
     w = spec.gather(_at(shards, last)) if last_w is None else last_w
     w_prev = weights(last - 1) if last > 0 else None
@@ -468,8 +478,7 @@ def _unrolled_forward(spec, h, shards, plain, consts, keep):
         w_next = None
         if i + 1 < spec.n_layers:
             # Layer i + 1's gather waits for layer i's input, so it runs beside layer i and
-            # no earlier: left alone, XLA's scheduler issues every layer's gather at the
-            # start and keeps all the gathered weights alive.
+            # no earlier (left alone, XLA may issue it anywhere before its use).
             h, shards = _tied(spec, h, shards)
             w_next = spec.gather(_static_at(shards, i + 1))
         h, r = _run_layer(spec, spec.split_at(i) if keep else None, h, w,
@@ -484,11 +493,10 @@ def _unrolled_forward(spec, h, shards, plain, consts, keep):
 def _unrolled_backward(spec, saved, ct):
     (res, ws), shards, plain, consts = saved
     float_consts = _is_float(consts)
-    dconsts = [jnp.zeros(c.shape, c.dtype) if f else None for c, f in zip(consts, float_consts)]
+    dconsts = _zero_cts(consts, float_consts)
     # Each gradient goes straight into its slot of an uninitialized full-size buffer (a
     # static in-place update); stacking the per-layer gradients at the end would copy them.
-    shard_buf = [jax.lax.empty(s.shape, s.dtype) for s in shards]
-    plain_buf = [jax.lax.empty(p.shape, p.dtype) for p in plain]
+    shard_buf, plain_buf = _uninitialized(shards), _uninitialized(plain)
     last = spec.n_layers - 1
 
     def weights(i: int, dh: Any, stack: list) -> tuple[Any, list, list[jax.Array]]:
