@@ -360,8 +360,11 @@ def test_usage_errors(fn):
 
 def test_usage_errors_misc():
     q = jnp.zeros((2, 8, 2, 8))
-    with pytest.raises(UsageError, match="impl"):
-        _call(ring_attention, q, q, q, impl="triton")
+    with pytest.raises(UsageError, match="backend='triton'"):
+        _call(ring_attention, q, q, q, backend="triton")
+    # explicit kernels on shapes they do not take: refused with the reason, not run
+    with pytest.raises(UsageError, match="float32"):
+        _call(ring_attention, q, q, q, backend="pallas")
     with pytest.raises(UsageTypeError, match="block_fn"):
         _call(ring_attention, q, q, q, block_fn=3)
     with pytest.raises(UsageError, match="multiple of 2\\*n"):

@@ -113,7 +113,9 @@ def run_worker(args: argparse.Namespace) -> dict:
     seq = args.worker_seq
     cfg = preset(args.preset, dtype=jnp.bfloat16 if on_gpu else jnp.float32, remat=args.remat,
                  max_seq_len=seq, attention_impl=args.attention if on_gpu else None,
-                 cp_attention=args.cp_attention, **overrides)
+                 cp_attention=args.cp_attention,
+                 cp_attention_backend=None if args.cp_backend == "auto" else args.cp_backend,
+                 **overrides)
     model = gtp_jax.shard(Transformer(cfg, rngs=nnx.Rngs(0)), mesh, gtp_jax.GTPConfig(
         gather_dtype=jnp.bfloat16 if on_gpu else None, prefetch=args.prefetch,
         min_elements=0 if not on_gpu else 2**16))
@@ -151,6 +153,7 @@ def run_worker(args: argparse.Namespace) -> dict:
         "mesh": sizes, "label": mesh_label(sizes), "cp": cp_size(mesh), "devices": n,
         "device_kind": devices[0].device_kind, "preset": args.preset, "layers": cfg.n_layers,
         "seq": seq, "batch": batch, "remat": args.remat, "cp_attention": args.cp_attention,
+        "cp_backend": args.cp_backend,
         "loss": float(loss), "first_step_s": first_s,
         "step_ms": med * 1e3 if med else None,
         "tokens_per_s": batch * seq / med if med else None,
@@ -170,7 +173,7 @@ def _spawn(args: argparse.Namespace, sizes: dict[str, int], seq: int, steps: int
            "--worker-seq", str(seq), "--preset", args.preset, "--layers", str(args.layers),
            "--batch", str(args.batch), "--steps", str(steps), "--warmup", str(warmup),
            "--remat", args.remat, "--attention", args.attention,
-           "--cp-attention", args.cp_attention]
+           "--cp-attention", args.cp_attention, "--cp-backend", args.cp_backend]
     if not args.prefetch:
         cmd.append("--no-prefetch")
     if args.profile_dir and steps:
@@ -187,9 +190,9 @@ def _spawn(args: argparse.Namespace, sizes: dict[str, int], seq: int, steps: int
     return None, f"{reason}: {tail.strip().splitlines()[-1] if tail.strip() else ''}"
 
 
-def longest_sequence(args: argparse.Namespace, sizes: dict[str, int]) -> dict:
-    """Doubles the sequence from ``--search-start`` until one training step fails."""
-    best, seq, tries = None, args.search_start, []
+def longest_sequence(args: argparse.Namespace, sizes: dict[str, int], start: int) -> dict:
+    """Doubles the sequence from `start` until one training step fails."""
+    best, seq, tries = None, start, []
     while seq <= args.search_max:
         result, why = _spawn(args, sizes, seq, steps=0, warmup=1)
         tries.append({"seq": seq, "ok": result is not None, "why": why,
@@ -236,6 +239,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--attention", default="cudnn", choices=("cudnn", "xla"),
                         help="attention implementation on GPU where cp=1")
     parser.add_argument("--cp-attention", default="ring", choices=("ring", "allgather"))
+    parser.add_argument("--cp-backend", default="auto", choices=("auto", "pallas", "reference"),
+                        help="the ring's block kernels (TransformerConfig.cp_attention_backend; "
+                             "auto: the Pallas kernels on GPUs where the blocks tile)")
     parser.add_argument("--no-prefetch", dest="prefetch", action="store_false",
                         help="GTPConfig(prefetch=False)")
     parser.add_argument("--search", action="store_true",
@@ -274,7 +280,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"{result['peak_mem_gib']:.2f} GiB, loss {result['loss']:.3f}", flush=True)
             rows.append(result)
         if args.search:
-            searches.append(longest_sequence(args, sizes))
+            found = [s["longest_seq"] for s in searches if s["longest_seq"]]
+            searches.append(longest_sequence(args, sizes, max([args.search_start, *found])))
     if rows:
         print(f"device: {rows[-1]['device_kind']}, preset {args.preset}, remat {args.remat}, "
               f"{args.batch} sequence(s) per cp group")

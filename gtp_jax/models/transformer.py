@@ -57,6 +57,7 @@ from gtp_jax.base.metadata import STACKED, TP_DIM, TP_PARTS
 from gtp_jax.base.shapes import round_up
 from gtp_jax.models.cross_entropy import cross_entropy
 from gtp_jax.models.elementwise import apply_rope, swiglu
+from gtp_jax.pallas.flash_block import ATTENTION_BLOCK_BACKENDS
 from gtp_jax.pallas.swiglu import SWIGLU_BACKENDS
 from gtp_jax.parallel.collective_matmul import (
     all_gather_matmul_chunks,
@@ -115,6 +116,10 @@ class TransformerConfig:
         (`gtp_jax.parallel.context.ring_attention`: K/V travel around the ``cp`` ring, no
         ``S x S`` scores) or "allgather" (all-gather K/V, ``s_local x S`` scores: the
         baseline). No effect without ``cp``.
+      cp_attention_backend: the ring's block kernels (`gtp_jax.pallas.attention_block`):
+        "pallas" (flash-attention kernels), "reference" (pure JAX, a block's scores at
+        once) or None (the kernels on a GPU where the block shapes tile, else the
+        reference). No effect without ``cp`` or with ``cp_attention="allgather"``.
       cp_layout: which tokens each ``cp`` rank holds: "zigzag" (load-balanced under the
         causal mask) or "contiguous". No effect without ``cp``.
       unroll_layers: run the blocks as a Python loop instead of ``lax.scan``
@@ -146,6 +151,7 @@ class TransformerConfig:
     moe_d_ff: int | None = None
     moe_aux_weight: float = 0.01
     cp_attention: str = "ring"
+    cp_attention_backend: str | None = None
     cp_layout: str = "zigzag"
     unroll_layers: bool = False
     swiglu_backend: str | None = None
@@ -173,6 +179,11 @@ class TransformerConfig:
             raise ValueError(
                 f"TransformerConfig.cp_attention={self.cp_attention!r}; choose one of "
                 f"{CP_ATTENTION}.")
+        if self.cp_attention_backend not in (None, *ATTENTION_BLOCK_BACKENDS):
+            raise ValueError(
+                f"TransformerConfig.cp_attention_backend={self.cp_attention_backend!r}; "
+                f"choose one of {ATTENTION_BLOCK_BACKENDS} or None (the Pallas kernels on a "
+                "GPU where the block shapes tile, else the reference).")
         if self.cp_layout not in LAYOUTS:
             raise ValueError(
                 f"TransformerConfig.cp_layout={self.cp_layout!r}; choose one of {LAYOUTS}.")
@@ -343,7 +354,9 @@ class Attention(nnx.Module):
         q, k, v = (checkpoint_name(t, n) for t, n in zip((q, k, v), ATTENTION_INPUTS))
         if axes.cp is not None:
             fn = ring_attention if self.cfg.cp_attention == "ring" else allgather_attention
-            attn = fn(q, k, v, axis=axes.cp, layout=self.cfg.cp_layout, valid_len=valid_len)
+            extra = {"backend": self.cfg.cp_attention_backend} if fn is ring_attention else {}
+            attn = fn(q, k, v, axis=axes.cp, layout=self.cfg.cp_layout, valid_len=valid_len,
+                      **extra)
         else:
             attn = jax.nn.dot_product_attention(q, k, v, is_causal=True,
                                                 implementation=self.cfg.attention_impl)

@@ -1,5 +1,7 @@
 """Pallas kernels (Triton GPU backend): low-precision quantization for weight gathering,
-and the SwiGLU backward pass (`swiglu_bwd`, beside its reference `swiglu_bwd_reference`).
+the SwiGLU backward pass (`swiglu_bwd`, beside its reference `swiglu_bwd_reference`) and
+the flash-attention block kernels of ring attention (`attention_block` /
+`attention_block_bwd`, beside `attention_block_reference` / `attention_block_bwd_reference`).
 
 Formats: ``"fp8"`` (e4m3 + per-tensor fp32 scale), ``"mxfp8"`` (e4m3 + one e8m0 scale per
 32 elements along the contraction dim, OCP MX v1.0) and ``"nvfp4"`` (packed e2m1 + one
@@ -50,6 +52,14 @@ from gtp_jax.pallas.api import (
     multi_amax,
     quantize,
 )
+from gtp_jax.pallas.flash_block import (
+    ATTENTION_BLOCK_BACKENDS,
+    BlockTiles,
+    attention_block,
+    attention_block_bwd,
+    attention_block_bwd_reference,
+    attention_block_reference,
+)
 from gtp_jax.pallas.coalesced import gather_quantized, quantize_coalesced, reduce_amax
 from gtp_jax.pallas.formats import (
     BACKENDS,
@@ -66,6 +76,12 @@ from gtp_jax.pallas.swiglu import SWIGLU_BACKENDS, swiglu_bwd, swiglu_bwd_refere
 from gtp_jax.pallas.tensor import QuantizedTensor
 
 __all__ = [
+    "ATTENTION_BLOCK_BACKENDS",
+    "BlockTiles",
+    "attention_block",
+    "attention_block_bwd",
+    "attention_block_bwd_reference",
+    "attention_block_reference",
     "BACKENDS",
     "E2M1_MAX",
     "E4M3_MAX",

@@ -54,3 +54,15 @@ def saturate(v: jax.Array, limit: float) -> jax.Array:
     min/max are NaN-dropping minnum/maxnum; XLA's propagate: selects agree on both)."""
     v = jnp.where(v > limit, jnp.float32(limit), v)
     return jnp.where(v < -limit, jnp.float32(-limit), v)
+
+
+
+def varying_axes(x: Any) -> frozenset:
+    """Manual mesh axes `x` is typed as varying over: non-empty only inside
+    ``shard_map(check_vma=True)`` (jax names it ``aval.mat.varying`` or, in older
+    releases, ``aval.vma``)."""
+    aval = jax.typeof(x)
+    mat = getattr(aval, "mat", None)
+    if mat is not None and hasattr(mat, "varying"):
+        return frozenset(mat.varying)
+    return frozenset(getattr(aval, "vma", None) or ())

@@ -53,8 +53,10 @@ visible (padding; the visible keys of a local block are always a prefix). It mus
 ``out`` ``[b, sq, h, d]`` (the block's softmax-normalised output, any float dtype; it is
 upcast to float32) and ``lse`` ``[b, sq, h]`` float32, the natural log-sum-exp of the
 row's visible scaled scores -- ``-inf`` with ``out == 0`` (finite) for a row that sees no
-key. `attention_block` is the pure-JAX default; the backward uses `attention_block_bwd`
-(``block_bwd_fn`` to replace it) which must return float32 ``(dq, dk, dv)``.
+key. The default is `gtp_jax.pallas.attention_block` (flash-attention Pallas kernels on a
+GPU where the block shapes tile, the pure-JAX reference elsewhere; ``backend=`` picks);
+the backward uses `attention_block_bwd` (``block_bwd_fn`` to replace it), which must return
+float32 ``(dq, dk, dv)``.
 """
 
 from __future__ import annotations
@@ -71,11 +73,16 @@ import numpy as np
 from jax import lax
 
 from gtp_jax.base.errors import UsageError, UsageTypeError
+from gtp_jax.pallas.flash_block import (
+    attention_block,
+    attention_block_bwd,
+    check_backend,
+    softmax_attend,
+)
 
 #: Conventional name of the context-parallel mesh axis.
 CP_AXIS = "cp"
 LAYOUTS = ("zigzag", "contiguous")
-IMPLS = ("xla",)
 
 BlockFn = Callable[..., tuple[jax.Array, jax.Array]]
 BlockBwdFn = Callable[..., tuple[jax.Array, jax.Array, jax.Array]]
@@ -203,94 +210,6 @@ def zigzag_to_contiguous(x: jax.Array, axis: str = CP_AXIS, seq_dim: int = 1) ->
     hi = lax.ppermute(jnp.where(even, second, first), axis,
                       perm=[(holder(2 * j + 1), j) for j in range(n)])
     return jnp.concatenate([lo, hi], axis=seq_dim)
-
-
-# --------------------------------------------------------------------------- block kernels
-
-
-def _block_mask(sq: int, sk: int, causal: bool, kv_len: jax.Array | None) -> jax.Array | None:
-    mask = None
-    if causal:
-        mask = jnp.arange(sq)[:, None] >= jnp.arange(sk)[None, :]
-    if kv_len is not None:
-        visible = jnp.broadcast_to(jnp.arange(sk)[None, :] < kv_len, (sq, sk))
-        mask = visible if mask is None else mask & visible
-    return mask
-
-
-def _grouped(q: jax.Array, h_kv: int) -> jax.Array:
-    b, s, h, d = q.shape
-    return q.reshape(b, s, h_kv, h // h_kv, d)
-
-
-def _masked_scores(q: jax.Array, k: jax.Array, mask: jax.Array | None, scale: float):
-    """Scaled float32 scores ``[b, h_kv, g, sq, sk]`` with masked entries ``-inf``."""
-    s = jnp.einsum("bqhgd,bkhd->bhgqk", _grouped(q, k.shape[2]), k,
-                   preferred_element_type=jnp.float32) * scale
-    if mask is not None:
-        s = jnp.where(mask, s, -jnp.inf)
-    return s
-
-
-def _softmax_attend(q, k, v, mask, scale):
-    """Masked softmax attention; returns float32 ``out [b, sq, h, d]`` and ``lse [b, sq, h]``.
-    A row with no visible key gives ``out = 0`` and ``lse = -inf``."""
-    b, sq, h, d = q.shape
-    s = _masked_scores(q, k, mask, scale)
-    m = lax.stop_gradient(jnp.max(s, axis=-1, keepdims=True))
-    m = jnp.where(jnp.isfinite(m), m, 0.0)
-    p = jnp.exp(s - m)
-    denom = jnp.sum(p, axis=-1, keepdims=True)
-    o = jnp.einsum("bhgqk,bkhd->bqhgd", p.astype(v.dtype), v,
-                   preferred_element_type=jnp.float32)
-    inv = jnp.where(denom > 0, 1.0 / jnp.where(denom > 0, denom, 1.0), 0.0)  # [b,hk,g,q,1]
-    o = o * jnp.moveaxis(inv[..., 0], 3, 1)[..., None]
-    lse = (m + jnp.log(denom))[..., 0]  # log(0) = -inf for rows that see nothing
-    return o.reshape(b, sq, h, d), jnp.moveaxis(lse, 3, 1).reshape(b, sq, h)
-
-
-def attention_block(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool,
-                    kv_len: jax.Array | None, scale: float) -> tuple[jax.Array, jax.Array]:
-    """Pure-JAX attention of one (query block, key block) pair: the default `block_fn`.
-
-    ``q [b, sq, h, d]``, ``k``/``v`` ``[b, sk, h_kv, d]``; returns float32 ``out
-    [b, sq, h, d]`` (normalised within the block) and ``lse [b, sq, h]`` (``-inf`` and
-    ``out = 0`` for rows that see no key). See the module docstring for `causal` and
-    `kv_len`. Scores and softmax are float32; ``p @ v`` takes ``p`` in ``v.dtype`` (as fused
-    kernels do) with float32 accumulation.
-    """
-    return _softmax_attend(q, k, v, _block_mask(q.shape[1], k.shape[1], causal, kv_len), scale)
-
-
-def attention_block_bwd(q, k, v, do, lse, delta, *, causal: bool, kv_len: jax.Array | None,
-                        scale: float) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Backward of one block from recomputed scores (the default `block_bwd_fn`).
-
-    ``do [b, sq, h, d]`` is the gradient of the *final* output rows, ``lse [b, sq, h]`` the
-    *final* float32 log-sum-exp of those rows and ``delta = sum(do * out, -1)`` ``[b, sq,
-    h]`` float32. Returns this block's float32 contributions ``dq [b, sq, h, d]``, ``dk``
-    and ``dv`` ``[b, sk, h_kv, d]``.
-    """
-    b, sq, h, d = q.shape
-    h_kv = k.shape[2]
-    mask = _block_mask(sq, k.shape[1], causal, kv_len)
-    s = _masked_scores(q, k, mask, scale)
-
-    def heads_first(x):  # [b, sq, h] -> [b, h_kv, g, sq, 1]
-        return jnp.moveaxis(x.reshape(b, sq, h_kv, h // h_kv), 1, 3)[..., None]
-
-    lse = heads_first(lse)
-    p = jnp.exp(s - jnp.where(jnp.isfinite(lse), lse, 0.0))  # masked: exp(-inf) = 0
-    dog = _grouped(do, h_kv)
-    dv = jnp.einsum("bhgqk,bqhgd->bkhd", p.astype(do.dtype), dog,
-                    preferred_element_type=jnp.float32)
-    dp = jnp.einsum("bqhgd,bkhd->bhgqk", dog, v, preferred_element_type=jnp.float32)
-    ds = p * (dp - heads_first(delta))
-    dq = jnp.einsum("bhgqk,bkhd->bqhgd", ds.astype(k.dtype), k,
-                    preferred_element_type=jnp.float32) * scale
-    dk = jnp.einsum("bhgqk,bqhgd->bkhd", ds.astype(q.dtype), _grouped(q, h_kv),
-                    preferred_element_type=jnp.float32) * scale
-    return dq.reshape(b, sq, h, d), dk, dv
 
 
 # --------------------------------------------------------------------------- ring schedule
@@ -494,7 +413,8 @@ def _validate(q, k, v, axis, layout, valid_len, scale, what):
 
 
 def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, axis: str = CP_AXIS,
-                   layout: str = "zigzag", impl: str = "xla", valid_len: int | None = None,
+                   layout: str = "zigzag", backend: str | None = None,
+                   valid_len: int | None = None,
                    scale: float | None = None, block_fn: BlockFn | None = None,
                    block_bwd_fn: BlockBwdFn | None = None) -> jax.Array:
     """Causal self-attention of a sequence sharded over mesh axis `axis`, as a ring.
@@ -507,8 +427,11 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, axis: str = CP_A
     Args:
       axis: the context-parallel mesh axis (bound by the enclosing ``shard_map``).
       layout: ``"zigzag"`` (load-balanced; ``s_local`` even) or ``"contiguous"``.
-      impl: ``"xla"`` -- the pure-JAX block kernels (`attention_block` / `_bwd`); `block_fn`
-        / `block_bwd_fn` override them (e.g. with a fused GPU kernel).
+      backend: the block kernels (`gtp_jax.pallas.attention_block` / `_bwd`): "pallas"
+        (flash-attention kernels that stream key tiles, ``O(block)`` memory), "reference"
+        (pure JAX, all of a block's scores at once), or None: the kernels on a GPU where
+        the block shapes tile, else the reference. `block_fn` / `block_bwd_fn` replace
+        them.
       valid_len: global number of real tokens when the sequence was padded at the end
         (keys at positions ``>= valid_len`` are masked); ``None``: no padding.
       scale: score scale, default ``1 / sqrt(d)``.
@@ -519,16 +442,15 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, axis: str = CP_A
     projections feeding q/k/v must be summed over `axis` by the caller, as over a data axis.
     """
     n, valid_len, scale = _validate(q, k, v, axis, layout, valid_len, scale, "ring_attention")
-    if impl not in IMPLS:
-        raise UsageError(f"ring_attention: impl={impl!r}: expected one of {IMPLS} (pass "
-                         "block_fn= / block_bwd_fn= to use another block kernel)")
+    check_backend(backend, "ring_attention")
     if block_fn is not None and not callable(block_fn):
         raise UsageTypeError("ring_attention: block_fn must be callable")
     if block_bwd_fn is not None and not callable(block_bwd_fn):
         raise UsageTypeError("ring_attention: block_bwd_fn must be callable")
     spec = _Spec(axis=axis, layout=layout, scale=scale, valid_len=valid_len,
-                 block_fn=block_fn or attention_block,
-                 block_bwd_fn=block_bwd_fn or attention_block_bwd)
+                 block_fn=block_fn or functools.partial(attention_block, backend=backend),
+                 block_bwd_fn=block_bwd_fn or functools.partial(attention_block_bwd,
+                                                                backend=backend))
     return _ring(spec, q, k, v)
 
 
@@ -552,7 +474,7 @@ def allgather_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, axis: str =
     mask = qpos[:, None] >= kpos[None, :]
     if valid_len is not None:
         mask = mask & (kpos < valid_len)[None, :]
-    return _softmax_attend(q, k_all, v_all, mask, scale)[0].astype(q.dtype)
+    return softmax_attend(q, k_all, v_all, mask, scale)[0].astype(q.dtype)
 
 
 __all__ = [
