@@ -4,9 +4,11 @@
 # gtp_jax at gtp = all GPUs, remat dots, seq 2048, 4 sequences per GPU); then a kernel
 # breakdown of the gtp_jax step under each setting (kernels_<name>.md: fusions named by HLO
 # shape and JAX source). TORCH=1 adds the compiled PyTorch FSDP2 peer to every round.
-# Usage: OUT=dir SETS="name|XLA flags|bench options;name2|...|..." ROUNDS=2 TORCH=0|1 \
-#        PROFILE_SETS="name ..." PROFILE_VARIANTS="gtp_dots ..." bash benchmarks/step_ab.sh
+# Usage: OUT=dir SETS="name|XLA flags|bench options|ENV=value ...;name2|...|...|..." \
+#        ROUNDS=2 TORCH=0|1 BASE_OPTS="bench options for every set" \
+#        PROFILE_SETS="name ..."|none PROFILE_VARIANTS="gtp_dots ..." bash benchmarks/step_ab.sh
 # e.g.   SETS="unrolled||--unroll-layers;dsf|--xla_gpu_enable_dynamic_slice_fusion=true|"
+#        SETS="nch4|||NCCL_MAX_NCHANNELS=4" BASE_OPTS=--unroll-layers PROFILE_SETS=none
 set -u
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1 PYTHONPATH="$PWD"
 OUT=${OUT:-runs/step_ab}; ROUNDS=${ROUNDS:-2}; mkdir -p "$OUT"
@@ -21,16 +23,17 @@ IFS=';' read -r -a ALL <<< "default||;$SETS"
 if [ -z "${PROFILE_SETS:-}" ]; then  # default: every set but "default"
   PROFILE_SETS=""; for s in "${ALL[@]:1}"; do PROFILE_SETS="$PROFILE_SETS ${s%%|*}"; done
 fi
-run() {  # run NAME FLAGS OPTIONS JSON [extra bench args...]
-  local name=$1 flags=$2 opts=$3 json=$4; shift 4
-  XLA_FLAGS="$BASE_FLAGS $flags" python3 -m gtp_jax.bench overlap $ARGS $opts "$@" \
-    --json "$json" 2>&1 | grep -E "^\[|Error"
+run() {  # run NAME FLAGS OPTIONS ENVS JSON [extra bench args...]
+  local name=$1 flags=$2 opts=$3 envs=$4 json=$5; shift 5
+  env $envs XLA_FLAGS="$BASE_FLAGS $flags" python3 -m gtp_jax.bench overlap $ARGS \
+    ${BASE_OPTS:-} $opts "$@" --json "$json" 2>&1 | grep -E "^\[|Error"
 }
 for round in $(seq 1 "$ROUNDS"); do
   for s in "${ALL[@]}"; do
-    IFS='|' read -r name flags opts <<< "$s"
-    log "$name round $round: flags [$flags] options [$opts]"
-    run "$name" "$flags" "$opts" "$OUT/step_${name}_${round}.json" --variants "$VARIANTS"
+    IFS='|' read -r name flags opts envs <<< "$s"
+    log "$name round $round: flags [$flags] options [$opts] env [$envs]"
+    run "$name" "$flags" "$opts" "$envs" "$OUT/step_${name}_${round}.json" \
+      --variants "$VARIANTS"
   done
   if [ "${TORCH:-0}" = 1 ]; then
     log "torch FSDP2 compiled round $round"
@@ -44,13 +47,13 @@ from gtp_jax.models import preset
 c = preset('1b'); L, d, f, v = c.n_layers, c.d_model, c.d_ff, c.vocab_size
 print(6 * (L * (4 * d * d + 3 * d * f) + v * d) * 4 * 2048 / 1e12)")
 for s in "${ALL[@]}"; do
-  IFS='|' read -r name flags opts <<< "$s"
+  IFS='|' read -r name flags opts envs <<< "$s"
   case " $PROFILE_SETS " in *" $name "*) ;; *) continue ;; esac
   for variant in $PROFILE_VARIANTS; do
     prof=/tmp/gtp_prof_ab/$name; rm -rf "$prof"; dump="$prof/hlo"; mkdir -p "$dump"
     log "kernels $variant under $name"
     run "$name" "$flags --xla_dump_to=$dump --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*step.*" \
-      "$opts" "$prof/step.json" --steps 5 --variants "$variant" \
+      "$opts" "$envs" "$prof/step.json" --steps 5 --variants "$variant" \
       --profile-dir "$prof" --profile-variants "$variant"
     python3 -m gtp_jax.bench.kernels "$prof/$variant" --steps 3 \
       --gemm-tflop "$GEMM_TFLOP" --top 40 --hlo "$dump" \
