@@ -29,8 +29,9 @@ Two implementations with the same contract:
   steps, each overlappable with the block in hand) while each device merges per-block
   results with an online softmax (running log-sum-exp in float32). Forward and backward are
   one ``jax.custom_vjp`` (`_fwd` / `_bwd`); the backward recomputes each block's scores from
-  the saved ``q, k, v, out, lse`` and sends float32 dK/dV accumulators around the ring with
-  their K/V block (``n`` hops, the last one brings them home). No array of all ``S x S``
+  the saved ``q, k, v, out, lse``; K/V travel ahead as in the forward, and each visiting
+  block's float32 dK/dV accumulator follows one step behind (``n-1`` hops, the last one
+  home), so every hop has a block's computation to overlap. No array of all ``S x S``
   scores (nor of ``s_local x S``) ever exists; blocks that the causal mask hides entirely
   are skipped (``lax.cond``), diagonal blocks are masked.
 * `allgather_attention`: the baseline -- ``all_gather`` K/V over `axis`, then one masked
@@ -345,6 +346,16 @@ def _fwd(spec, q, k, v):
     return out, (q, k, v, out, lse)
 
 
+def _split_own(own: tuple[_Task, ...]) -> tuple[tuple[_Task, ...], tuple[_Task, ...]]:
+    """The own block's backward tasks before the ring steps and after them: the first part
+    runs while the first K/V hop is in flight, the second while the dK/dV of the last
+    block goes home. Zigzag: the two causal diagonal tasks, then the full one (equal work);
+    contiguous (one task): all of it first."""
+    if len(own) == 3:
+        return (own[0], own[2]), (own[1],)
+    return own, ()
+
+
 def _bwd(spec, res, do):
     q, k, v, out, lse = res
     n = lax.axis_size(spec.axis)
@@ -353,19 +364,38 @@ def _bwd(spec, res, do):
     own, lower, higher = _schedule(spec.layout, el)
     do = do.astype(q.dtype)
     delta = jnp.sum(do.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
-    dq = jnp.zeros(q.shape, jnp.float32)
-    kv = (k, v)
-    dkv = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
-    for step in range(n):
-        if step:  # the K/V block and its gradient accumulators move on together
-            kv, dkv = _shift((kv, dkv), spec.axis, n)
+
+    def zeros_kv():  # like k and v: varying over the mesh axes as they do (check_vma)
+        return jnp.zeros_like(k, jnp.float32), jnp.zeros_like(v, jnp.float32)
+
+    def run(tasks, acc, ck, cv, kpos):
+        return _bwd_tasks(spec, tasks, q, ck, cv, do, lse, delta, kpos, acc)
+
+    own_kpos = _positions(i, n, el, spec.layout)
+    first, last = _split_own(own) if n > 1 else (own, ())
+    # K/V travel ahead of the computation (each hop overlaps the block in hand); the dK/dV
+    # of a visiting block travel one step behind: a device computes its contribution into
+    # fresh zeros and adds the accumulator that arrived meanwhile only afterwards, so no
+    # hop waits for the computation it is meant to overlap. The first hop carries no
+    # gradient, and the last one -- a block's summed dK/dV going home -- overlaps the
+    # second part of the own block.
+    kv = _shift((k, v), spec.axis, n) if n > 1 else None
+    dq, dk, dv = run(first, (jnp.zeros(q.shape, jnp.float32), *zeros_kv()), k, v, own_kpos)
+    travelling = None  # the visiting block's dK/dV accumulated so far, in flight
+    for step in range(1, n):
+        ck, cv = kv
+        kv = _shift(kv, spec.axis, n) if step < n - 1 else None
         j = (i - step) % n
         kpos = _positions(j, n, el, spec.layout)
-        ck, cv = kv
-        dq, *dkv = _ring_step(lambda ts, a, ck=ck, cv=cv, kpos=kpos: _bwd_tasks(
-            spec, ts, q, ck, cv, do, lse, delta, kpos, a), own, lower, higher, i, j, step,
-            (dq, *dkv))
-    dk, dv = _shift(tuple(dkv), spec.axis, n) if n > 1 else dkv  # last hop: home
+        dq, *part = _ring_step(lambda ts, a, ck=ck, cv=cv, kpos=kpos: run(ts, a, ck, cv, kpos),
+                               own, lower, higher, i, j, step, (dq, *zeros_kv()))
+        if travelling is not None:
+            part = [a + b for a, b in zip(travelling, part)]
+        travelling = _shift(tuple(part), spec.axis, n)  # to the next visitor, or home
+    if last:
+        dq, dk, dv = run(last, (dq, dk, dv), k, v, own_kpos)
+    if travelling is not None:
+        dk, dv = dk + travelling[0], dv + travelling[1]
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 
@@ -437,7 +467,7 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, axis: str = CP_A
       scale: score scale, default ``1 / sqrt(d)``.
 
     Communication: forward ``n-1`` ppermutes of the local K/V; backward ``n-1`` of K/V plus
-    ``n`` of float32 dK/dV accumulators. Gradients w.r.t. ``q, k, v`` are local (this
+    ``n-1`` of float32 dK/dV accumulators. Gradients w.r.t. ``q, k, v`` are local (this
     device's tokens); nothing is reduced over `axis` here -- weight gradients of the
     projections feeding q/k/v must be summed over `axis` by the caller, as over a data axis.
     """
