@@ -4,9 +4,10 @@
 # PyTorch FSDP2 peer, in one invocation. A profiler trace of each sharded variant is read per
 # stream (hidden vs exposed communication); trimmed excerpts of the gtp_jax traces are kept
 # for notebooks/02_overlap.ipynb.
+# The first run scans the blocks (--no-unroll-layers: the loop where prefetch is a choice).
 # Writes $OUT/step_1b.json, $OUT/trace_step_1b_gtp{,_prefetch}.json.gz (default OUT=runs),
-# then compute only and gtp_jax with the blocks unrolled (TransformerConfig.unroll_layers;
-# XLA's scheduler places the gathers) in $OUT/step_1b_unrolled.json.
+# then compute only and gtp_jax with the blocks unrolled (TransformerConfig.unroll_layers,
+# the default; gathers run one layer ahead) in $OUT/step_1b_unrolled.json.
 # EXPERIMENTS=1 adds two single-variant runs of gtp_jax + prefetch: the gradient
 # reduce-scatter in bf16 ($OUT/step_1b_reduce_bf16.json) and NCCL limited to 8 channels
 # ($OUT/step_1b_nccl8.json).
@@ -15,7 +16,7 @@ export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1 PYTHONPATH="$PWD"
 OUT=${OUT:-runs}; mkdir -p "$OUT"
 PROF=/tmp/gtp_prof; rm -rf "$PROF" "$PROF.excerpts"
 COMMON="--preset 1b --steps 20 --warmup 2 --per-device-batch 4 --timeout 110 --attention cudnn --no-remat-gathered"
-timeout 540 python3 -m gtp_jax.bench overlap $COMMON --torch \
+timeout 540 python3 -m gtp_jax.bench overlap $COMMON --no-unroll-layers --torch \
   --variants compute_only_dots,replicated_dots,xla_fsdp_dots,gtp_dots,gtp_prefetch_dots \
   --profile-dir "$PROF" --profile-variants replicated_dots,xla_fsdp_dots,gtp_dots,gtp_prefetch_dots \
   --json "$OUT/step_1b.json" 2>&1 | tee "$OUT/step_1b.log" | grep -v -i deprecat | grep -E "^\[|^\||^device" | tail -20

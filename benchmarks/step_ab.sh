@@ -7,12 +7,12 @@
 # Usage: OUT=dir SETS="name|XLA flags|bench options|ENV=value ...;name2|...|...|..." \
 #        ROUNDS=2 TORCH=0|1 BASE_OPTS="bench options for every set" \
 #        PROFILE_SETS="name ..."|none PROFILE_VARIANTS="gtp_dots ..." bash benchmarks/step_ab.sh
-# e.g.   SETS="unrolled||--unroll-layers;dsf|--xla_gpu_enable_dynamic_slice_fusion=true|"
-#        SETS="nch4|||NCCL_MAX_NCHANNELS=4" BASE_OPTS=--unroll-layers PROFILE_SETS=none
+# e.g.   SETS="scanned||--no-unroll-layers;dsf|--xla_gpu_enable_dynamic_slice_fusion=true|"
+#        SETS="nch4|||NCCL_MAX_NCHANNELS=4" PROFILE_SETS=none
 set -u
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1 PYTHONPATH="$PWD"
 OUT=${OUT:-runs/step_ab}; ROUNDS=${ROUNDS:-2}; mkdir -p "$OUT"
-SETS=${SETS:-"unrolled||--unroll-layers"}
+SETS=${SETS:-"scanned||--no-unroll-layers"}
 VARIANTS=${VARIANTS:-compute_only_dots,gtp_dots}
 PROFILE_VARIANTS=${PROFILE_VARIANTS:-gtp_dots}
 ARGS="--preset 1b --seq 2048 --per-device-batch 4 --steps 30 --warmup 3 --timeout 300"

@@ -12,7 +12,8 @@ export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1 PYTHONPATH="$PWD"
 OUT=${OUT:-runs/step_scanned_unrolled_torch}; mkdir -p "$OUT"
 A="--preset 1b --seq 2048 --per-device-batch 4 --steps 20 --warmup 2 --timeout 110"
 NGPU=$(nvidia-smi -L | wc -l)
-python3 -m gtp_jax.bench overlap $A --no-remat-gathered --variants gtp_dots,gtp_prefetch_dots \
+python3 -m gtp_jax.bench overlap $A --no-remat-gathered --no-unroll-layers \
+  --variants gtp_dots,gtp_prefetch_dots \
   --json "$OUT/step_2gpu_scanned.json" 2>&1 | grep -E '^\[|Error'
 python3 -m gtp_jax.bench overlap $A --no-remat-gathered --unroll-layers --variants gtp_dots \
   --json "$OUT/step_2gpu_unrolled.json" 2>&1 | grep -E '^\[|Error'

@@ -119,6 +119,8 @@ def _reference_run(cfg, seq: int, seed: int):
 def run_case(mesh_sizes: dict, cfg, seq: int, seed: int, prefetch: bool = False) -> None:
     mesh = gtp_jax.make_mesh(**mesh_sizes)
     ref_steps, ref_final = _reference_run(_reference_cfg(cfg), seq, seed)
+    # prefetch cases run the scanned prefetching loop; the others the default (unrolled)
+    cfg = dataclasses.replace(cfg, unroll_layers=not prefetch)
     sm = gtp_jax.shard(Transformer(cfg, rngs=nnx.Rngs(seed)), mesh,
                        gtp_jax.GTPConfig(min_elements=0, prefetch=prefetch))
     opt = nnx.Optimizer(sm, adamw(), wrt=nnx.Param)

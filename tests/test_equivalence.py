@@ -192,7 +192,9 @@ class TransformerRun:
     def __init__(self, tie: bool, prefetch: bool):
         name = f"transformer-run-tie={tie}-prefetch={prefetch}"
         self.mesh = get_mesh("dp2_gtp4")
-        cfg = preset("tiny", tie_embeddings=tie, **TRANSFORMER_SIZES)
+        # prefetch: the scanned prefetching loop; else the default (unrolled) loop
+        cfg = preset("tiny", tie_embeddings=tie, unroll_layers=not prefetch,
+                     **TRANSFORMER_SIZES)
         self.ref = Transformer(cfg, rngs=nnx.Rngs(test_seed(name)))
         self.initial = flat_values(self.ref)
         self.sm = gtp_jax.shard(self.ref, self.mesh,

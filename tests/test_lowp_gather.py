@@ -118,8 +118,9 @@ def test_lowp_gather_differs_from_full_precision(key, seed) -> None:
 @pytest.mark.parametrize(("prefetch", "backend"), [(False, REF), (True, "pallas")])
 def test_transformer_lowp_gather_matches_quantized_reference(prefetch, backend, key,
                                                              seed) -> None:
+    # prefetch: the scanned prefetching loop; else the default (unrolled) loop
     cfg = preset("tiny", d_model=64, n_heads=4, d_ff=96, vocab_size=120, n_layers=3,
-                 max_seq_len=16)
+                 max_seq_len=16, unroll_layers=not prefetch)
     mesh = get_mesh("dp2_gtp4")
     ref = Transformer(cfg, rngs=nnx.Rngs(seed))
     sm = gtp_jax.shard(ref, mesh, gtp_jax.GTPConfig(gather_format="fp8", prefetch=prefetch,
@@ -133,12 +134,14 @@ def test_transformer_lowp_gather_matches_quantized_reference(prefetch, backend, 
     assert_state_matches(g_sm, g_ref, sm.plan, rtol=FP32_RTOL, what="grad")
 
 
-def test_one_coalesced_amax_reduction_per_layer() -> None:
+@pytest.mark.parametrize("unroll", [False, True])
+def test_one_coalesced_amax_reduction_per_layer(unroll: bool) -> None:
     # fp8 needs one scale per weight agreed over gtp. The layer loop agrees on all of a
     # layer's scales with ONE all-reduce (an int32 pmax of the amax bit patterns); weights
-    # outside the loop are gathered one by one, one all-reduce each.
+    # outside the loop are gathered one by one, one all-reduce each. The scanned loop's
+    # program holds one layer's body; the unrolled one, every layer.
     cfg = preset("tiny", d_model=64, n_heads=4, d_ff=96, vocab_size=120, n_layers=3,
-                 max_seq_len=16)
+                 max_seq_len=16, unroll_layers=unroll)
     mesh = get_mesh("gtp8")
     sm = gtp_jax.shard(Transformer(cfg, rngs=nnx.Rngs(0)), mesh,
                        gtp_jax.GTPConfig(gather_format="fp8", quant_backend=REF))
@@ -149,8 +152,9 @@ def test_one_coalesced_amax_reduction_per_layer() -> None:
     tokens = jax.device_put(np.zeros((8, 16), np.int32), gtp_jax.data_sharding(mesh))
     text = jax.jit(lambda s, t: nnx.merge(graphdef, s)(t)).lower(state, tokens).as_text()
     reduces = re.findall(r'"stablehlo\.all_reduce".*?\}\) : \(tensor<(\d+)xi32>\)', text, re.S)
-    assert len(reduces) == len(single) + 1, reduces
-    assert str(len(stacked)) in reduces  # the loop body's: one int32[num stacked weights]
+    per_layer = [r for r in reduces if r == str(len(stacked))]  # int32[num stacked weights]
+    assert len(per_layer) == (cfg.n_layers if unroll else 1), reduces
+    assert len(reduces) == len(single) + len(per_layer), reduces
 
 
 def test_backward_does_not_keep_dequantized_weights(key, seed) -> None:

@@ -8,6 +8,7 @@ order of the cross-device gradient sums differ (a few float32 ulps).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 
@@ -190,10 +191,12 @@ def test_expert_weights_gathered_and_reduce_scattered_once_per_layer() -> None:
     expert), on the d_model dim; one reduce-scatter returns their gradient.
 
     Lowered StableHLO of loss + grad with the plain layer loop: the scanned forward body
-    and the scanned backward body each hold one gather per stacked weight.
+    and the scanned backward body each hold one gather per stacked weight (the unrolled
+    loop, one per layer in each pass: checked in test_unrolled_loop.py).
     """
     mesh = gtp_jax.make_mesh(ep=2, gtp=2, tp=2)
-    sm = gtp_jax.shard(Transformer(MOE, rngs=nnx.Rngs(0)), mesh,
+    cfg = dataclasses.replace(MOE, unroll_layers=False)
+    sm = gtp_jax.shard(Transformer(cfg, rngs=nnx.Rngs(0)), mesh,
                        gtp_jax.GTPConfig(min_elements=0))
     plans = {p.path: p for p in sm.plan}
     w_in = plans["blocks/mlp/w_in"].spec

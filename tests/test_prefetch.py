@@ -16,7 +16,9 @@ from gtp_jax.models import Transformer, lm_loss, preset
 pytestmark = pytest.mark.slow  # minutes on 2 cores: `pytest -m "not slow"` skips it
 
 # Small odd sizes: 3 layers (peeled first and last + one scanned), dims that do not divide 4.
-CFG = preset("tiny", d_model=96, n_heads=4, d_ff=200, vocab_size=250, n_layers=3)
+# The scanned loop (unroll_layers=False): these tests are about its schedules.
+CFG = preset("tiny", d_model=96, n_heads=4, d_ff=200, vocab_size=250, n_layers=3,
+             unroll_layers=False)
 
 
 def _train(prefetch: bool, tokens: list[jax.Array], seed: int, remat: str = "none",

@@ -158,8 +158,9 @@ TP_CASES = [
                          ids=["gtp4_tp2", "dp2_tp4_overlap", "dp2_gtp2_tp2_overlap",
                               "gtp2_tp4_overlap_qkv_down"])
 def test_tp_matches_unsharded_over_steps(mesh_sizes, cfg, seq, overlap, seed) -> None:
-    cfg = preset("tiny", **{**cfg.__dict__, "tp_overlap": overlap})
     prefetch = mesh_sizes == {"dp": 2, "gtp": 2, "tp": 2}  # one case through the prefetch loop
+    cfg = preset("tiny", **{**cfg.__dict__, "tp_overlap": overlap,
+                            "unroll_layers": not prefetch})
     pads = run_case(mesh_sizes, cfg, seq, seed % 1000,
                     gtp_jax.GTPConfig(min_elements=0, prefetch=prefetch))
     if cfg.n_heads % mesh_sizes["tp"]:
@@ -244,7 +245,7 @@ def test_forward_uses_ring_only_with_overlap(overlap) -> None:
     """Lowered forward (scanned layers: one loop body): with overlap every projection is a
     ring of tp - 1 ppermutes (4 per layer body); without, none."""
     tp = 4
-    cfg = preset("tiny", **{**ODD.__dict__, "tp_overlap": overlap})
+    cfg = preset("tiny", **{**ODD.__dict__, "tp_overlap": overlap, "unroll_layers": False})
     mesh = gtp_jax.make_mesh(gtp=2, tp=tp)
     sm = gtp_jax.shard(Transformer(cfg, rngs=nnx.Rngs(0)), mesh)
     graphdef, state = nnx.split(sm)

@@ -85,9 +85,16 @@ def test_unrolled_gathers_are_tied_one_layer_ahead(grad):
     assert barriers >= (3 * (n - 1) if grad else n - 1), barriers
 
 
-def test_unroll_layers_must_be_a_bool():
-    with pytest.raises(TypeError, match="unroll_layers"):
+def test_unroll_layers_must_be_a_bool_or_none():
+    with pytest.raises(TypeError, match="unroll_layers=1 must be True, False or None"):
         preset("tiny", unroll_layers=1)
+
+
+@pytest.mark.parametrize(("unroll", "remat", "want"), [
+    (None, "none", True), (None, "dots", True), (None, "full", False),
+    (True, "full", True), (False, "dots", False)])
+def test_default_unrolls_unless_remat_full(unroll, remat, want):
+    assert preset("tiny", unroll_layers=unroll, remat=remat).unrolled is want
 
 
 def test_partial_unroll_is_refused():

@@ -143,7 +143,7 @@ def run_variant(args: argparse.Namespace) -> dict:
         "device_kind": kind, "preset": args.preset,
         "layers": cfg.n_blocks if user else cfg.n_layers, "seq": args.seq,
         "per_device_batch": args.per_device_batch,
-        "unroll_layers": bool(getattr(cfg, "unroll_layers", False)),
+        "unroll_layers": bool(getattr(cfg, "unrolled", False)),
         "swiglu_backend": getattr(cfg, "swiglu_backend", None),
         "step_ms": med * 1e3, "step_ms_min": min(times) * 1e3, "loss": float(loss),
         "peak_mem_gib": peak / 2**30,
@@ -196,8 +196,8 @@ def _spawn(variant: str, args: argparse.Namespace, timeout: float) -> dict | Non
         cmd.append("--no-remat-gathered")
     if args.keep_gathered_layers:
         cmd.append("--keep-gathered-layers")
-    if args.unroll_layers:
-        cmd.append("--unroll-layers")
+    if args.unroll_layers is not None:
+        cmd.append("--unroll-layers" if args.unroll_layers else "--no-unroll-layers")
     if args.swiglu_backend:
         cmd += ["--swiglu-backend", args.swiglu_backend]
     if args.profile_dir:
@@ -294,9 +294,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--keep-gathered-layers", action="store_true",
                         help="GTPConfig(keep_gathered_layers=True) for the gtp variants: the "
                         "backward loop reuses the forward pass's gathered weights")
-    parser.add_argument("--unroll-layers", action="store_true",
-                        help="TransformerConfig(unroll_layers=True) for every Transformer "
-                        "variant: the blocks run as a Python loop instead of lax.scan")
+    parser.add_argument("--unroll-layers", action=argparse.BooleanOptionalAction, default=None,
+                        help="TransformerConfig.unroll_layers for every Transformer variant "
+                        "(default: the library's, unrolled unless remat full; "
+                        "--no-unroll-layers: the blocks run under lax.scan, where the "
+                        "prefetch variants differ)")
     parser.add_argument("--swiglu-backend", default=None, choices=("pallas", "reference"),
                         help="TransformerConfig.swiglu_backend (default: the Pallas kernel "
                         "on a GPU)")

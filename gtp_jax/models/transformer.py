@@ -125,7 +125,8 @@ class TransformerConfig:
       unroll_layers: run the blocks as a Python loop instead of ``lax.scan``
         (`gtp_jax.scan_layers` ``unroll=True``): no copies of residuals into and out of
         stacks, a program (and compile time) that grows with ``n_layers``; GTP gathers run
-        one layer ahead.
+        one layer ahead. None (default): unrolled unless ``remat="full"`` (see
+        `unrolled`).
       swiglu_backend: the SwiGLU backward pass (`gtp_jax.pallas.swiglu_bwd`): "pallas",
         "reference" (one XLA fusion) or None (the Pallas kernel on a GPU where the shape
         tiles, else the reference).
@@ -153,7 +154,7 @@ class TransformerConfig:
     cp_attention: str = "ring"
     cp_attention_backend: str | None = None
     cp_layout: str = "zigzag"
-    unroll_layers: bool = False
+    unroll_layers: bool | None = None
     swiglu_backend: str | None = None
 
     def __post_init__(self) -> None:
@@ -191,9 +192,10 @@ class TransformerConfig:
             raise ValueError(
                 f"TransformerConfig.swiglu_backend={self.swiglu_backend!r}; choose one of "
                 f"{SWIGLU_BACKENDS} or None (the Pallas kernel on a GPU, else the reference).")
-        if not isinstance(self.unroll_layers, bool):
+        if self.unroll_layers is not None and not isinstance(self.unroll_layers, bool):
             raise TypeError(
-                f"TransformerConfig.unroll_layers={self.unroll_layers!r} must be True or False.")
+                f"TransformerConfig.unroll_layers={self.unroll_layers!r} must be True, False "
+                "or None (unrolled unless remat='full').")
         if not isinstance(self.tp_overlap, bool):
             names = tuple(self.tp_overlap) if isinstance(self.tp_overlap, (tuple, list)) \
                 else None
@@ -223,6 +225,17 @@ class TransformerConfig:
             if not self.moe_aux_weight >= 0:
                 raise ValueError(
                     f"TransformerConfig.moe_aux_weight={self.moe_aux_weight!r} must be >= 0.")
+
+    @property
+    def unrolled(self) -> bool:
+        """Whether the blocks run unrolled: `unroll_layers`, or when it is None, unless
+        ``remat="full"``. Unrolled, the step is faster and (with ``"dots"`` / ``"none"``)
+        no larger; but XLA schedules an unrolled program's recomputation freely, so
+        ``"full"`` no longer bounds memory to the layer inputs there -- the scanned loop
+        keeps that promise (docs/performance.md, "Layer loop")."""
+        if self.unroll_layers is None:
+            return self.remat != "full"
+        return self.unroll_layers
 
     def overlaps(self, projection: str) -> bool:
         """Whether `projection` (one of `TP_PROJECTIONS`) uses the ring collective matmul."""
@@ -585,7 +598,7 @@ class Transformer(nnx.Module):
 
         carry = (x, jnp.zeros((x.shape[0],), jnp.float32))
         x, aux = scan_layers(layer, carry, stacked, remat_policy=_REMAT[cfg.remat],
-                             unroll=cfg.unroll_layers)
+                             unroll=cfg.unrolled)
         x = self.final_norm(x)
         logits = self.embed.attend(x) if self.lm_head is None else self.lm_head(x)
         return LMOutput(logits, aux)

@@ -58,7 +58,7 @@ class BlockTiles:
     dq_q: int = 128
     dq_k: int = 32
     num_warps: int = 8
-    num_stages: int = 2
+    num_stages: int = 3
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
