@@ -52,6 +52,7 @@ from gtp_jax.pallas.api import (
     multi_amax,
     quantize,
 )
+from gtp_jax.pallas.coalesced import gather_quantized, quantize_coalesced, reduce_amax
 from gtp_jax.pallas.flash_block import (
     ATTENTION_BLOCK_BACKENDS,
     BlockTiles,
@@ -60,7 +61,6 @@ from gtp_jax.pallas.flash_block import (
     attention_block_bwd_reference,
     attention_block_reference,
 )
-from gtp_jax.pallas.coalesced import gather_quantized, quantize_coalesced, reduce_amax
 from gtp_jax.pallas.formats import (
     BACKENDS,
     E2M1_MAX,
