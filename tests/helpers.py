@@ -257,3 +257,24 @@ def assert_same_runs(run_a: tuple, run_b: tuple, rtol: float = 1e-5) -> None:
             assert max_rel_err(b, a) < rtol
     for a, b in zip(jax.tree.leaves(params_a), jax.tree.leaves(params_b), strict=True):
         assert max_rel_err(b, a) < rtol
+
+
+def sharded_logits_and_grads(cfg: Any, mesh: Any, tokens: jax.Array,
+                             seed: int = 0) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """A `Transformer(cfg)` sharded on `mesh`: its logits for `tokens` and the gradient of
+    ``sum(sin(logits))`` per weight, unsharded (`unshard_values`; float32 loss)."""
+    from gtp_jax.models import Transformer
+    from gtp_jax.sharding.module import unshard_values
+
+    sm = gtp_jax.shard(Transformer(cfg, rngs=nnx.Rngs(seed)), mesh,
+                       gtp_jax.GTPConfig(min_elements=0))
+
+    @nnx.jit
+    def fwd_bwd(m, t):
+        def loss(m):
+            logits = m(t).logits
+            return jnp.sum(jnp.sin(logits.astype(jnp.float32))), logits
+        return nnx.value_and_grad(loss, has_aux=True)(m)
+
+    (_, logits), grads = fwd_bwd(sm, tokens)
+    return logits, unshard_values(sm, grads)

@@ -39,6 +39,7 @@ from helpers import (
     mixed_tokens,
     mse_loss,
     path_str,
+    sharded_logits_and_grads,
 )
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -221,27 +222,14 @@ def test_cp_matches_unsharded_over_steps(mesh_sizes, overrides, seq, prefetch) -
     run_case(mesh_sizes, dataclasses.replace(CFG, **overrides), seq, 3, prefetch)
 
 
-def _logits_and_grads(cfg, mesh, tokens, seed=0):
-    sm = gtp_jax.shard(Transformer(cfg, rngs=nnx.Rngs(seed)), mesh,
-                       gtp_jax.GTPConfig(min_elements=0))
-
-    @nnx.jit
-    def fwd_bwd(m, t):
-        def loss(m):
-            logits = m(t).logits
-            return jnp.sum(jnp.sin(logits.astype(jnp.float32))), logits
-        return nnx.value_and_grad(loss, has_aux=True)(m)
-
-    (_, logits), grads = fwd_bwd(sm, tokens)
-    return logits, unshard_values(sm, grads)
 
 
 def test_zigzag_equals_contiguous() -> None:
     mesh = gtp_jax.make_mesh(gtp=2, cp=4)
     tokens = jax.random.randint(jax.random.key(1), (BATCH, 21), 0, CFG.vocab_size)
-    z_logits, z_grads = _logits_and_grads(CFG, mesh, tokens)
-    c_logits, c_grads = _logits_and_grads(dataclasses.replace(CFG, cp_layout="contiguous"),
-                                          mesh, tokens)
+    z_logits, z_grads = sharded_logits_and_grads(CFG, mesh, tokens)
+    c_logits, c_grads = sharded_logits_and_grads(
+        dataclasses.replace(CFG, cp_layout="contiguous"), mesh, tokens)
     assert_close(z_logits, c_logits, FP32_RTOL, "logits")
     for path, g in z_grads.items():
         assert_close(g, c_grads[path], FP32_RTOL, f"grad {path}")

@@ -22,6 +22,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from helpers import max_rel_err, sharded_logits_and_grads
 from jax.sharding import PartitionSpec as P
 
 import gtp_jax
@@ -36,8 +37,6 @@ from gtp_jax.pallas.flash_block import (
     supported,
 )
 from gtp_jax.parallel.context import ring_attention, zigzag_merge, zigzag_split
-from gtp_jax.sharding.module import unshard_values
-from tests.helpers import max_rel_err
 
 BF16_TOL = 1.5e-2
 LSE_TOL = 1e-5
@@ -205,18 +204,7 @@ def test_decoder_with_kernels_matches_reference_kernels_and_trains():
 
     def logits_and_grads(backend):
         cfg = dataclasses.replace(base, cp_attention_backend=backend)
-        sm = gtp_jax.shard(Transformer(cfg, rngs=nnx.Rngs(0)), mesh,
-                           gtp_jax.GTPConfig(min_elements=0))
-
-        @nnx.jit
-        def fwd_bwd(m, t):
-            def loss(m):
-                logits = m(t).logits
-                return jnp.sum(jnp.sin(logits.astype(jnp.float32))), logits
-            return nnx.value_and_grad(loss, has_aux=True)(m)
-
-        (_, logits), grads = fwd_bwd(sm, tokens[:, :-1])
-        return logits, unshard_values(sm, grads)
+        return sharded_logits_and_grads(cfg, mesh, tokens[:, :-1])
 
     logits, grads = logits_and_grads("pallas")
     r_logits, r_grads = logits_and_grads("reference")

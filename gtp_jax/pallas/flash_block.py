@@ -316,10 +316,12 @@ def _row_spec(rows: int, d: int | None, group: int, tiled: bool):
     return pl.BlockSpec(shape, index)
 
 
-def _kv_len_input(kv_len, bk: int):
-    """kv_len as ``int32 [bk]`` (one copy per key lane) and its BlockSpec."""
-    vec = jnp.broadcast_to(jnp.asarray(kv_len, jnp.int32), (bk,))
-    return vec, pl.BlockSpec((bk,), lambda t, bi, hi: (0,))
+def _add_kv_len(ins: list, specs: list, kv_len, bk: int) -> None:
+    """Appends kv_len (if any) to a launch's inputs as ``int32 [bk]``, one copy per key
+    lane, so that the kernel reads it with a vector load."""
+    if kv_len is not None:
+        ins.append(jnp.broadcast_to(jnp.asarray(kv_len, jnp.int32), (bk,)))
+        specs.append(pl.BlockSpec((bk,), lambda t, bi, hi: (0,)))
 
 
 def _fwd_pallas(q, k, v, causal, kv_len, scale, tiles: BlockTiles, interpret: bool):
@@ -329,10 +331,7 @@ def _fwd_pallas(q, k, v, causal, kv_len, scale, tiles: BlockTiles, interpret: bo
     bq, bk = tiles.fwd_q, tiles.fwd_k
     ins = [q, k, v]
     specs = [_row_spec(bq, d, 1, True), _row_spec(sk, d, g, False), _row_spec(sk, d, g, False)]
-    if kv_len is not None:
-        vec, spec = _kv_len_input(kv_len, bk)
-        ins.append(vec)
-        specs.append(spec)
+    _add_kv_len(ins, specs, kv_len, bk)
     kernel = functools.partial(_fwd_kernel, scale=scale, causal=causal,
                                has_kv_len=kv_len is not None, bq=bq, bk=bk)
     out, lse = _call(kernel, (sq // bq, b, h), ins, specs,
@@ -359,10 +358,7 @@ def _bwd_pallas(q, k, v, do, lse, delta, causal, kv_len, scale, tiles: BlockTile
     specs = [_row_spec(sq, d, 1, False), _row_spec(bk, d, g, True), _row_spec(bk, d, g, True),
              _row_spec(sq, d, 1, False), _row_spec(sq, None, 1, False),
              _row_spec(sq, None, 1, False)]
-    if has_kv_len:
-        vec, spec = _kv_len_input(kv_len, bk)
-        ins.append(vec)
-        specs.append(spec)
+    _add_kv_len(ins, specs, kv_len, bk)
     kernel = functools.partial(_dkv_kernel, scale=scale, causal=causal,
                                has_kv_len=has_kv_len, bq=bq, bk=bk)
     # per query head; a group's heads are summed below (grouped-query attention)
@@ -379,10 +375,7 @@ def _bwd_pallas(q, k, v, do, lse, delta, causal, kv_len, scale, tiles: BlockTile
     specs = [_row_spec(bq, d, 1, True), _row_spec(sk, d, g, False), _row_spec(sk, d, g, False),
              _row_spec(bq, d, 1, True), _row_spec(bq, None, 1, True),
              _row_spec(bq, None, 1, True)]
-    if has_kv_len:
-        vec, spec = _kv_len_input(kv_len, bk)
-        ins.append(vec)
-        specs.append(spec)
+    _add_kv_len(ins, specs, kv_len, bk)
     kernel = functools.partial(_dq_kernel, scale=scale, causal=causal,
                                has_kv_len=has_kv_len, bq=bq, bk=bk)
     (dq,) = _call(kernel, (sq // bq, b, h), ins, specs,
