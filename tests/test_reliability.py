@@ -372,6 +372,12 @@ def test_resume_compares_every_field_that_is_not_layout_only() -> None:
     # Layout-only fields may change.
     moved = dataclasses.replace(cfg, dp=1, gtp=8, remat="dots", prefetch=True)
     assert _check_resume(moved, model_config(moved), _meta(cfg), "/ck").schedule_steps == 6
+    # So may the model's schedule and kernel choices, e.g. a checkpoint written when the
+    # layers were scanned by default (unroll_layers=False) resumes under today's None.
+    meta = _meta(cfg)
+    meta["extra"]["model_config"].update(unroll_layers=False, swiglu_backend="reference",
+                                         cp_attention_backend="reference")
+    assert _check_resume(cfg, model_config(cfg), meta, "/ck").schedule_steps == 6
 
 
 def test_resume_rejects_changed_moe_fields() -> None:

@@ -232,7 +232,7 @@ class TransformerConfig:
         ``remat="full"``. Unrolled, the step is faster and (with ``"dots"`` / ``"none"``)
         no larger; but XLA schedules an unrolled program's recomputation freely, so
         ``"full"`` no longer bounds memory to the layer inputs there -- the scanned loop
-        keeps that promise (docs/performance.md, "Layer loop")."""
+        keeps that promise (docs/performance.md, first section)."""
         if self.unroll_layers is None:
             return self.remat != "full"
         return self.unroll_layers

@@ -32,7 +32,9 @@ from gtp_jax.train.observe import (
 RESUME_MAY_DIFFER = frozenset({"steps", "dp", "gtp", "tp", "ep", "cp", "pad_for_alignment",
                                "gather_dtype", "gather_format", "prefetch", "remat", "overlap"})
 #: TransformerConfig fields that only change how the model is computed, not its math.
-MODEL_MAY_DIFFER = frozenset({"remat", "tp_overlap", "attention_impl"})
+#: Model options that change how the step computes, not what: a run may resume with others.
+MODEL_MAY_DIFFER = frozenset({"remat", "tp_overlap", "attention_impl", "unroll_layers",
+                              "swiglu_backend", "cp_attention_backend"})
 _GATHER_FORMATS = (None, "fp8", "mxfp8", "nvfp4")
 _REMAT = ("none", "dots", "full")
 
