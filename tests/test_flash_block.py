@@ -197,7 +197,7 @@ def test_decoder_with_kernels_matches_reference_kernels_and_trains():
     128 tokens): logits and every weight gradient match the same sharded model with the
     reference block kernels (itself checked against the unsharded model in
     test_context_parallel.py), and AdamW steps on one batch track the unsharded model."""
-    base = TransformerConfig(vocab_size=64, d_model=64, n_heads=4, n_layers=2, d_ff=128,
+    base = TransformerConfig(vocab_size=64, d_model=64, n_heads=4, n_layers=1, d_ff=128,
                              max_seq_len=512, dtype=jnp.bfloat16)
     tokens = jax.random.randint(jax.random.key(3), (2, 513), 0, base.vocab_size)
     mesh = gtp_jax.make_mesh(cp=2, devices=jax.devices()[:2])
