@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import triton as plgpu
 
+from gtp_jax.base.errors import UsageError
 from gtp_jax.pallas.formats import MAX_ELEMENTS
 
 
@@ -66,3 +67,11 @@ def varying_axes(x: Any) -> frozenset:
     if mat is not None and hasattr(mat, "varying"):
         return frozenset(mat.varying)
     return frozenset(getattr(aval, "vma", None) or ())
+
+
+def check_backend_choice(backend: object, choices: tuple[str, ...], caller: str) -> None:
+    """A `UsageError` naming `caller` unless `backend` is one of `choices` or None (None:
+    the kernel on a GPU where the shapes suit it, else the pure-JAX reference)."""
+    if backend not in (None, *choices):
+        raise UsageError(f"{caller}: backend={backend!r}; use one of {choices} or None (the "
+                         "kernel on a GPU where the shapes suit it, else the reference).")

@@ -405,10 +405,7 @@ def supported(q_shape: tuple[int, ...], k_shape: tuple[int, ...], dtype,
 def check_backend(backend: object, caller: str) -> None:
     """A `UsageError` naming `caller` unless `backend` is in `ATTENTION_BLOCK_BACKENDS` or
     None."""
-    if backend not in (None, *ATTENTION_BLOCK_BACKENDS):
-        raise UsageError(f"{caller}: backend={backend!r}; use one of "
-                         f"{ATTENTION_BLOCK_BACKENDS} or None (the kernels on a GPU where "
-                         "they apply, else the reference).")
+    _util.check_backend_choice(backend, ATTENTION_BLOCK_BACKENDS, caller)
 
 
 def _pick(backend, q, k, tiles, caller: str) -> bool:

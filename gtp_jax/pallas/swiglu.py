@@ -31,9 +31,7 @@ _MIN_COLS = 64  # narrower column tiles waste the GPU: the reference runs instea
 
 def check_backend(backend: object, caller: str) -> None:
     """A `UsageError` naming `caller` unless `backend` is in `SWIGLU_BACKENDS` or None."""
-    if backend not in (None, *SWIGLU_BACKENDS):
-        raise UsageError(f"{caller}: backend={backend!r}; use one of {SWIGLU_BACKENDS} or "
-                         "None (the kernel on a GPU where the shape tiles, else the reference).")
+    _util.check_backend_choice(backend, SWIGLU_BACKENDS, caller)
 
 
 def _grad_halves(gate: jax.Array, up: jax.Array, g: jax.Array) -> tuple[jax.Array, jax.Array]:
