@@ -231,6 +231,14 @@ def _loop(spec: LoopSpec, h: Any, shards: list, plain: list, consts: list) -> An
 
 def _loop_fwd(spec: LoopSpec, h: Any, shards: list, plain: list, consts: list):
     out, residuals = _FORWARD[spec.schedule](spec, h, shards, plain, consts, keep=True)
+    # The loop chooses its own residuals; an enclosing remat (`gtp_jax.shard`'s checkpoint
+    # that re-gathers unstacked weights) must not choose again. Differentiated under it,
+    # this rule is inlined and partially evaluated with the enclosing policy, and a scan is
+    # split into a saving scan plus a staged copy that rebuilds every output: the residual
+    # stacks, carried through the scan, would each be saved once per layer ([L, L, ...]:
+    # memory quadratic in depth) and refused weights re-gathered. Behind the barrier the
+    # staged copy has no user and is dropped; the barrier's outputs are saved as they are.
+    out, residuals = jax.lax.optimization_barrier((out, residuals))
     return out, (residuals, shards, plain, consts)
 
 
