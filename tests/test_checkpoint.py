@@ -271,8 +271,9 @@ def test_restore_errors_leave_model_unchanged(tmp_path: Path, mesh_dp2_gtp4) -> 
 
 def _fake_run(directory: Path, mesh, **train_config) -> None:
     """A checkpoint whose metadata claims to come from a `train` run with `train_config`."""
-    cfg = dataclasses.replace(SOURCE, **train_config)
-    from gtp_jax.train.config import model_json  # noqa: PLC0415
+    from gtp_jax.train.config import model_json, resolve_auto  # noqa: PLC0415
+
+    cfg = resolve_auto(dataclasses.replace(SOURCE, **train_config))  # as a run records it
 
     with Checkpointer(CheckpointConfig(directory)) as ckpt:
         ckpt.save(2, _linear(mesh), extra={

@@ -44,6 +44,7 @@ from gtp_jax.train.checkpoint import (
 )
 from gtp_jax.train.cli import main as cli_main
 from gtp_jax.train.config import model_json as _model_json
+from gtp_jax.train.config import resolve_auto
 from gtp_jax.train.fingerprint import fingerprint as _fingerprint
 from gtp_jax.train.lock import LOCK_FILE, CheckpointLockedError, DirectoryLock
 from gtp_jax.train.observe import (
@@ -338,6 +339,7 @@ def test_train_stops_before_saving_a_non_finite_state(tmp_path: Path,
 
 def _meta(cfg: TrainConfig, **saved_changes: object) -> dict:
     saved = dataclasses.replace(cfg, **saved_changes) if saved_changes else cfg
+    saved = resolve_auto(saved)  # a run saves the choices it made, never "auto"
     return {"step": 2, "extra": {"train_config": dataclasses.asdict(saved),
                                  "model_config": _model_json(model_config(saved)),
                                  "data": {"position": 2}}}

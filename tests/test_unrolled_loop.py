@@ -85,6 +85,23 @@ def test_unrolled_gathers_are_tied_one_layer_ahead(grad):
     assert barriers >= (3 * (n - 1) if grad else n - 1), barriers
 
 
+def test_prefetch_does_not_change_the_unrolled_program():
+    # The unrolled loop always gathers one layer ahead; GTPConfig.prefetch (the scanned
+    # loop's schedule) leaves its program as it is, which is what the CLI's header says.
+    mesh = get_mesh("gtp8")
+    tokens = jax.device_put(np.zeros((8, 16), np.int32), gtp_jax.data_sharding(mesh))
+
+    def program(prefetch: bool) -> str:
+        model = gtp_jax.shard(
+            Transformer(preset("tiny", **{**CFG.__dict__, "unroll_layers": True}),
+                        rngs=nnx.Rngs(0)), mesh, gtp_jax.GTPConfig(prefetch=prefetch))
+        graphdef, state = nnx.split(model)
+        return jax.jit(jax.grad(lambda s: lm_loss(nnx.merge(graphdef, s), tokens))
+                       ).lower(state).as_text()
+
+    assert program(True) == program(False)
+
+
 def test_unroll_layers_must_be_a_bool_or_none():
     with pytest.raises(TypeError, match="unroll_layers=1 must be True, False or None"):
         preset("tiny", unroll_layers=1)

@@ -55,6 +55,7 @@ from gtp_jax.base.errors import UsageError
 from gtp_jax.base.mesh import data_axes
 from gtp_jax.base.metadata import STACKED, TP_DIM, TP_PARTS
 from gtp_jax.base.shapes import round_up
+from gtp_jax.models.attention import ATTENTION_IMPLS, causal_attention
 from gtp_jax.models.cross_entropy import cross_entropy
 from gtp_jax.models.elementwise import apply_rope, swiglu
 from gtp_jax.pallas.flash_block import ATTENTION_BLOCK_BACKENDS
@@ -101,7 +102,10 @@ class TransformerConfig:
         "dots" (save matmul outputs and the attention's inputs and fused outputs,
         `save_dots_and_attention`), "full" (save layer inputs only). Gathered GTP weights
         are never saved in any mode.
-      attention_impl: passed to ``jax.nn.dot_product_attention`` (None, "xla", "cudnn").
+      attention_impl: "auto" (or None): cuDNN's fused attention on a GPU where it applies
+        (bf16/fp16, head dim a multiple of 8 up to 128), else XLA's; "cudnn" (an error where
+        it does not apply) or "xla" (`gtp_jax.models.attention.causal_attention`). No effect
+        under context parallelism (ring attention).
       tp_overlap: under tensor parallelism, run the all-gather / reduce-scatter of these
         projections as ring collective matmuls (`gtp_jax.parallel.collective_matmul`):
         True (all of `TP_PROJECTIONS`), False (none), or a tuple of their names. Same math
@@ -176,6 +180,10 @@ class TransformerConfig:
             raise ValueError(
                 f"TransformerConfig.remat={self.remat!r}; choose one of {REMAT_POLICIES}."
             )
+        if self.attention_impl is not None and self.attention_impl not in ATTENTION_IMPLS:
+            raise ValueError(
+                f"TransformerConfig.attention_impl={self.attention_impl!r}; choose one of "
+                f"{ATTENTION_IMPLS} or None (auto).")
         if self.cp_attention not in CP_ATTENTION:
             raise ValueError(
                 f"TransformerConfig.cp_attention={self.cp_attention!r}; choose one of "
@@ -371,8 +379,7 @@ class Attention(nnx.Module):
             attn = fn(q, k, v, axis=axes.cp, layout=self.cfg.cp_layout, valid_len=valid_len,
                       **extra)
         else:
-            attn = jax.nn.dot_product_attention(q, k, v, is_causal=True,
-                                                implementation=self.cfg.attention_impl)
+            attn = causal_attention(q, k, v, impl=self.cfg.attention_impl)
         if tp is None:
             return self.out(attn)
         attn, w = _promote(attn, self.out.kernel[...], self.cfg.dtype)

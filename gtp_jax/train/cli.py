@@ -32,6 +32,7 @@ FLAGS = {
     "TrainConfig.moe_top_k": "--moe-top-k", "TrainConfig.moe_capacity_factor": "--moe-capacity",
     "TrainConfig.prefetch": "--prefetch", "TrainConfig.pad_for_alignment": "--pad-for-alignment",
     "TrainConfig.remat": "--remat", "TrainConfig.weight_decay": "weight_decay (no flag)",
+    "TrainConfig.attention": "--attention", "TrainConfig.unroll_layers": "--[no-]unroll-layers",
     "TrainConfig.schedule_steps": "schedule_steps (no flag; kept from the checkpoint)",
     "CheckpointConfig.directory": "--checkpoint-dir",
     "CheckpointConfig.every": "--checkpoint-every",
@@ -102,10 +103,13 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
     train.add_argument("--warmup", type=int, default=10, help="warm-up steps")
     train.add_argument("--seed", type=int, default=0, help="init and data-order seed")
-    train.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
-                       help="compute dtype (master weights stay float32)")
-    train.add_argument("--gather-dtype", choices=("float32", "bfloat16"), default=None,
-                       help="dtype weights are all-gathered in (default: parameter dtype)")
+    train.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
+                       help="compute dtype (master weights stay float32); auto: bfloat16 on "
+                       "GPUs, float32 on CPUs")
+    train.add_argument("--gather-dtype", choices=("auto", "float32", "bfloat16"),
+                       default="auto",
+                       help="dtype weights are all-gathered in; auto: bfloat16 with bfloat16 "
+                       "compute (the same values in half the bytes), else the parameter dtype")
     train.add_argument("--gather-format", choices=("fp8", "mxfp8", "nvfp4"), default=None,
                        help="low-precision weight all-gather (Pallas quantize kernels)")
     train.add_argument("--overlap", action="store_true",
@@ -115,11 +119,20 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--moe-capacity", type=float, default=1.25,
                        help="MoE capacity factor (0: dropless)")
     train.add_argument("--prefetch", action="store_true",
-                       help="double-buffered prefetch of the next layer's weights")
+                       help="double-buffered prefetch of the next layer's weights in the "
+                       "scanned layer loop (unrolled layers always gather one layer ahead)")
+    train.add_argument("--unroll-layers", action=argparse.BooleanOptionalAction, default=None,
+                       help="run the layers as a Python loop (fastest) or, with "
+                       "--no-unroll-layers, under lax.scan (smaller program, faster compile); "
+                       "default: unrolled unless --remat full")
+    train.add_argument("--attention", choices=("auto", "cudnn", "xla"), default="auto",
+                       help="attention kernel; auto: cuDNN's fused attention on GPUs where "
+                       "it applies (bfloat16, head dim a multiple of 8 up to 128), else XLA")
     train.add_argument("--pad-for-alignment", type=int, default=0,
                        help="pad sharded dims to a multiple of gtp * this (0: divisibility)")
-    train.add_argument("--remat", choices=("none", "dots", "full"), default="none",
-                       help="activation recompute inside each layer")
+    train.add_argument("--remat", choices=("auto", "none", "dots", "full"), default="auto",
+                       help="activation recompute inside each layer; auto: dots on GPUs "
+                       "(save matmul outputs), none on CPUs")
 
     ntp = train.add_argument_group(
         "fault tolerance (nonuniform tensor parallelism, docs/fault_tolerance.md)")
@@ -306,6 +319,7 @@ def _run(args: argparse.Namespace, sizes: dict[str, int | None], cpu_sizes: dict
                           seq_len=args.seq, lr=args.lr, warmup=args.warmup, seed=args.seed,
                           dtype=args.dtype, gather_dtype=args.gather_dtype,
                           pad_for_alignment=args.pad_for_alignment, remat=args.remat,
+                          attention=args.attention, unroll_layers=args.unroll_layers,
                           gather_format=args.gather_format, prefetch=args.prefetch,
                           overlap=args.overlap, moe_experts=args.moe_experts,
                           moe_top_k=args.moe_top_k,
@@ -316,7 +330,8 @@ def _run(args: argparse.Namespace, sizes: dict[str, int | None], cpu_sizes: dict
                   f"seq={cfg.seq_len} mesh dp={cfg.dp} ep={cfg.ep} gtp={cfg.gtp} "
                   f"{f'cp={cfg.cp} ' if cfg.cp > 1 else ''}tp={cfg.tp} on "
                   f"{jax.device_count()} {jax.default_backend()} devices{procs}", flush=True)
-        result = train(cfg, checkpoint=checkpoint, observe=observe, failure=failure)
+        result = train(cfg, checkpoint=checkpoint, observe=observe, failure=failure,
+                       on_start=_print_choices if primary else None)
     except UsageError as err:  # other exceptions are bugs: they keep their traceback
         if jax.default_backend() == "cpu" and any(v is None for v in sizes.values()) and (
                 "TrainConfig.batch_size" in str(err) or "the mesh dp*ep*gtp*cp*tp" in str(err)):
@@ -329,6 +344,12 @@ def _run(args: argparse.Namespace, sizes: dict[str, int | None], cpu_sizes: dict
     if primary:
         print(result.summary(), flush=True)
     return 0
+
+
+def _print_choices(cfg: object, model_cfg: object) -> None:
+    from gtp_jax.train.config import describe_choices  # noqa: PLC0415
+
+    print(f"gtp_jax train: {describe_choices(cfg, model_cfg)}", flush=True)
 
 
 def _accelerator_mesh(sizes: dict[str, int | None], devices: int) -> dict[str, int]:

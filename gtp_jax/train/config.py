@@ -15,9 +15,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from gtp_jax.base.config import GTPConfig
 from gtp_jax.base.errors import UsageError, UsageTypeError
 from gtp_jax.data import VOCAB_SIZE
 from gtp_jax.models import TransformerConfig, preset
+from gtp_jax.models.attention import cudnn_unsupported, resolve_attention_impl
 from gtp_jax.train.observe import (
     MEMORY_ADVICE,
     DeviceMemoryError,
@@ -30,13 +32,19 @@ from gtp_jax.train.observe import (
 #: later) must equal the checkpoint's. ``steps`` may grow: that extends a run (see
 #: `TrainConfig.schedule_steps`).
 RESUME_MAY_DIFFER = frozenset({"steps", "dp", "gtp", "tp", "ep", "cp", "pad_for_alignment",
-                               "gather_dtype", "gather_format", "prefetch", "remat", "overlap"})
+                               "gather_dtype", "gather_format", "prefetch", "remat", "overlap",
+                               "attention", "unroll_layers"})
+#: Fields whose default, "auto", is resolved for the backend (`resolve_auto`): the fast path
+#: on GPUs, exact float32 on CPUs. A resumed run keeps the saved run's values for those left
+#: on "auto" (`adopt_saved`).
+AUTO_FIELDS = ("dtype", "gather_dtype", "remat")
 #: TransformerConfig fields that only change how the model is computed, not its math.
 #: Model options that change how the step computes, not what: a run may resume with others.
 MODEL_MAY_DIFFER = frozenset({"remat", "tp_overlap", "attention_impl", "unroll_layers",
                               "swiglu_backend", "cp_attention_backend"})
 _GATHER_FORMATS = (None, "fp8", "mxfp8", "nvfp4")
-_REMAT = ("none", "dots", "full")
+_REMAT = ("auto", "none", "dots", "full")
+_ATTENTION = ("auto", "cudnn", "xla")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,12 +65,19 @@ class TrainConfig:
       warmup: warm-up steps.
       weight_decay: AdamW decoupled weight decay.
       seed: parameter init and data-order seed.
-      dtype: compute dtype ("float32" or "bfloat16"); master weights stay float32.
-      gather_dtype: dtype weights are all-gathered in (None: the parameter dtype).
+      dtype: compute dtype ("float32", "bfloat16", or "auto": bfloat16 on GPUs, float32
+        elsewhere); master weights stay float32.
+      gather_dtype: dtype weights are all-gathered in ("float32", "bfloat16", None: the
+        parameter dtype, or "auto": the compute dtype when it is bfloat16 (the same values,
+        half the bytes), else the parameter dtype).
       pad_for_alignment: `GTPConfig.pad_for_alignment`.
-      remat: `TransformerConfig.remat`.
+      remat: `TransformerConfig.remat`, or "auto": "dots" on GPUs, "none" elsewhere.
+      attention: `TransformerConfig.attention_impl` ("auto": cuDNN's fused attention on a
+        GPU where it applies, else XLA's; "cudnn"; "xla").
+      unroll_layers: `TransformerConfig.unroll_layers` (None: unrolled unless remat "full").
       gather_format: `GTPConfig.gather_format` (None, "fp8", "mxfp8" or "nvfp4").
-      prefetch: `GTPConfig.prefetch`.
+      prefetch: `GTPConfig.prefetch` (the scanned loop's double buffering; the unrolled loop
+        always gathers one layer ahead).
       overlap: ring collective matmuls for the tp GEMMs (`TransformerConfig.tp_overlap`).
       moe_experts: experts per MoE layer (0: dense MLP); `moe_top_k`, `moe_capacity_factor`
         (None: dropless) as in `TransformerConfig`.
@@ -90,10 +105,12 @@ class TrainConfig:
     warmup: int = 10
     weight_decay: float = 0.1
     seed: int = 0
-    dtype: str = "float32"
-    gather_dtype: str | None = None
+    dtype: str = "auto"
+    gather_dtype: str | None = "auto"
     pad_for_alignment: int = 0
-    remat: str = "none"
+    remat: str = "auto"
+    attention: str = "auto"
+    unroll_layers: bool | None = None
     gather_format: str | None = None
     prefetch: bool = False
     overlap: bool = False
@@ -119,15 +136,19 @@ class TrainConfig:
 
         if self.preset not in PRESETS:
             raise UsageError(f"TrainConfig.preset={self.preset!r}: use one of {sorted(PRESETS)}.")
-        for name, allowed in (("dtype", ("float32", "bfloat16")),
-                              ("gather_dtype", (None, "float32", "bfloat16")),
-                              ("gather_format", _GATHER_FORMATS), ("remat", _REMAT)):
+        for name, allowed in (("dtype", ("auto", "float32", "bfloat16")),
+                              ("gather_dtype", ("auto", None, "float32", "bfloat16")),
+                              ("gather_format", _GATHER_FORMATS), ("remat", _REMAT),
+                              ("attention", _ATTENTION)):
             if getattr(self, name) not in allowed:
                 raise UsageError(f"TrainConfig.{name}={getattr(self, name)!r}: use one of "
                                  f"{list(allowed)}.")
         for name in ("prefetch", "overlap"):
             if not isinstance(getattr(self, name), bool):
                 raise UsageTypeError(f"TrainConfig.{name}={getattr(self, name)!r} must be a bool.")
+        if self.unroll_layers is not None and not isinstance(self.unroll_layers, bool):
+            raise UsageTypeError(f"TrainConfig.unroll_layers={self.unroll_layers!r} must be "
+                                 "True, False or None (unrolled unless remat 'full').")
         if self.moe_experts and self.moe_top_k > self.moe_experts:
             raise UsageError(
                 f"TrainConfig.moe_top_k={self.moe_top_k} must be <= TrainConfig.moe_experts="
@@ -141,6 +162,11 @@ class TrainConfig:
                 f"{self.dp}*{self.ep}*{self.gtp} = {shards} (the batch is split over those "
                 f"axes); e.g. TrainConfig.batch_size={fit}."
             )
+
+    @property
+    def auto_fields(self) -> frozenset[str]:
+        """The `AUTO_FIELDS` left on "auto"."""
+        return frozenset(f for f in AUTO_FIELDS if getattr(self, f) == "auto")
 
     @property
     def lr_schedule_steps(self) -> int:
@@ -186,12 +212,76 @@ def _make_optimizer(lr: float, warmup: int, steps: int,
                        optax.adamw(schedule, b2=0.95, weight_decay=weight_decay))
 
 
+def resolve_auto(cfg: TrainConfig, backend: str | None = None) -> TrainConfig:
+    """`cfg` with its "auto" fields (`AUTO_FIELDS`) set for `backend` (None: JAX's default).
+
+    On GPUs: bfloat16 compute, bfloat16 gathers and remat "dots" (the benchmark's fast
+    path); elsewhere float32 compute, gathers in the parameter dtype and no remat (CPU runs
+    are for checking, and exact). ``gather_dtype="auto"`` follows the resolved compute dtype:
+    bfloat16 gathers move the same values as bfloat16 compute reads, in half the bytes.
+    """
+    if not cfg.auto_fields:
+        return cfg
+    gpu = (jax.default_backend() if backend is None else backend) == "gpu"
+    dtype = cfg.dtype if cfg.dtype != "auto" else "bfloat16" if gpu else "float32"
+    gather = cfg.gather_dtype
+    if gather == "auto":
+        gather = "bfloat16" if dtype == "bfloat16" else None
+    remat = cfg.remat if cfg.remat != "auto" else "dots" if gpu else "none"
+    return dataclasses.replace(cfg, dtype=dtype, gather_dtype=gather, remat=remat)
+
+
+def adopt_saved(cfg: TrainConfig, saved: dict[str, Any], auto: frozenset[str]) -> TrainConfig:
+    """`cfg` with the fields in `auto` (left on "auto" by the caller) taken from a saved
+    run's config `saved` (a checkpoint's ``train_config``): a resumed run continues with
+    the settings it was started with unless told otherwise."""
+    changes = {f: saved[f] for f in auto if f in saved and saved[f] != getattr(cfg, f)}
+    if not changes:
+        return cfg
+    try:
+        return dataclasses.replace(cfg, **changes)
+    except (UsageError, UsageTypeError):
+        return cfg  # a value this version does not accept: the resume check names it
+
+
 def model_config(cfg: TrainConfig) -> TransformerConfig:
-    """The `TransformerConfig` that `train` builds for `cfg`."""
+    """The `TransformerConfig` that `train` builds for `cfg` ("auto" fields resolved for
+    JAX's default backend)."""
+    cfg = resolve_auto(cfg)
     dtype = jnp.bfloat16 if cfg.dtype == "bfloat16" else jnp.float32
     return preset(cfg.preset, vocab_size=VOCAB_SIZE, max_seq_len=cfg.seq_len, dtype=dtype,
                   remat=cfg.remat, tp_overlap=cfg.overlap, moe_experts=cfg.moe_experts,
-                  moe_top_k=cfg.moe_top_k, moe_capacity_factor=cfg.moe_capacity_factor)
+                  moe_top_k=cfg.moe_top_k, moe_capacity_factor=cfg.moe_capacity_factor,
+                  attention_impl=cfg.attention, unroll_layers=cfg.unroll_layers)
+
+
+def gtp_config(cfg: TrainConfig) -> GTPConfig:
+    """The `GTPConfig` that `train` shards the model with for `cfg` ("auto" fields resolved
+    for JAX's default backend)."""
+    cfg = resolve_auto(cfg)
+    return GTPConfig(gather_dtype=cfg.gather_dtype, pad_for_alignment=cfg.pad_for_alignment,
+                     gather_format=cfg.gather_format, prefetch=cfg.prefetch)
+
+
+def describe_choices(cfg: TrainConfig, model_cfg: TransformerConfig) -> str:
+    """One line naming how the run computes: compute and gather dtypes, remat, attention,
+    layer loop (and whether `TrainConfig.prefetch` applies), e.g. ``compute bfloat16,
+    gathers bfloat16, remat dots, attention cudnn, layers unrolled (gathered one ahead)``."""
+    gather = cfg.gather_format or cfg.gather_dtype or "float32 (the parameter dtype)"
+    if cfg.cp > 1:
+        attention = f"ring over cp={cfg.cp}"
+    else:
+        attention = resolve_attention_impl(model_cfg.attention_impl, model_cfg.dtype,
+                                           model_cfg.head_dim)
+    if model_cfg.unrolled:
+        loop = "layers unrolled (gathered one layer ahead)"
+        if cfg.prefetch:
+            loop += "; prefetch has no further effect there (the scanned loop's option)"
+    else:
+        loop = "layers scanned" + (" with prefetch (double-buffered gathers)" if cfg.prefetch
+                                   else "")
+    return (f"compute {cfg.dtype}, gathers {gather}, remat {model_cfg.remat}, attention "
+            f"{attention}, {loop}")
 
 
 def model_json(model_cfg: TransformerConfig) -> dict[str, Any]:
@@ -229,6 +319,11 @@ def check_devices(cfg: TrainConfig) -> None:
             f"TrainConfig.cp={cfg.cp} with TrainConfig.moe_experts={model_cfg.moe_experts}: "
             "context parallelism does not support MoE layers yet (expert capacity is per "
             "sequence); use cp=1 or a dense model.")
+    if cfg.cp == 1 and cfg.attention == "cudnn":
+        reason = cudnn_unsupported(model_cfg.dtype, model_cfg.head_dim)
+        if reason is not None:
+            raise UsageError(f"TrainConfig.attention='cudnn' does not apply here: {reason}; "
+                             "use 'auto' (cuDNN where it applies) or 'xla'.")
     total, devices = cfg.dp * cfg.ep * cfg.gtp * cfg.cp * cfg.tp, jax.device_count()
     if total != devices:
         raise UsageError(

@@ -10,10 +10,11 @@ profiler traces, MFU/memory reporting and JSON metrics (`gtp_jax.train.observe`)
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
@@ -29,11 +30,13 @@ from gtp_jax.train.config import (
     TrainConfig,
     check_devices,
     check_memory_fits,
+    gtp_config,
     make_optimizer,
     memory_estimate,
     memory_parts,
     model_config,
     model_json,
+    resolve_auto,
 )
 from gtp_jax.train.ntp import NonuniformStep, Recovery, SimulatedFailure, check_failure
 from gtp_jax.train.observe import (
@@ -53,12 +56,14 @@ from gtp_jax.train.resume import restore_newest, select_candidates
 from gtp_jax.train.step import TrainStep, replicate_stray_leaves
 
 OnStep = Callable[[int, float, float], None]
+OnStart = Callable[[TrainConfig, TransformerConfig], None]
 
 
 def train(cfg: TrainConfig, *, on_step: OnStep | None = None,
           progress: bool = True, checkpoint: CheckpointConfig | None = None,
           observe: ObserveConfig | None = None,
-          failure: SimulatedFailure | None = None) -> TrainResult:
+          failure: SimulatedFailure | None = None,
+          on_start: OnStart | None = None) -> TrainResult:
     """Trains `cfg.preset` with GTP on the mesh ``(dp, ep, gtp, tp)`` over all devices.
 
     Everything that depends on the caller's input is checked before the model is built:
@@ -69,6 +74,10 @@ def train(cfg: TrainConfig, *, on_step: OnStep | None = None,
     Args:
       cfg: the run.
       on_step: called after each step with (step, loss, step seconds); on every process.
+        Steps are dispatched one ahead of the host (see `_step_loop`), so it runs while
+        the next step computes.
+      on_start: called once with the run's resolved config (its "auto" fields set, and a
+        resumed run's saved values adopted) and model config, before the model is built.
       progress: show a progress bar (process 0 only).
       checkpoint: save checkpoints (and with ``resume=True`` continue from the newest
         intact one: same parameters, optimizer state and LR-schedule position, data order
@@ -93,6 +102,8 @@ def train(cfg: TrainConfig, *, on_step: OnStep | None = None,
     """
     observe = ObserveConfig() if observe is None else observe
     primary = jax.process_index() == 0
+    auto = cfg.auto_fields  # a resumed run keeps its saved values for these
+    cfg = resolve_auto(cfg)
     check_devices(cfg)
     check_failure(cfg, failure)
     check_memory_fits(cfg)
@@ -111,7 +122,7 @@ def train(cfg: TrainConfig, *, on_step: OnStep | None = None,
         ckpt = Checkpointer(checkpoint) if checkpoint is not None else None
         try:
             return _train(cfg, on_step=on_step, progress=progress, ckpt=ckpt, observe=observe,
-                          failure=failure)
+                          failure=failure, auto=auto, on_start=on_start)
         finally:
             if ckpt is not None:
                 # Finishes (finalizes) a pending asynchronous save, also when training failed.
@@ -125,12 +136,10 @@ def build_model_and_optimizer(cfg: TrainConfig) -> tuple[gtp_jax.ShardedModule, 
     """The GTP-sharded model (initialized from ``cfg.seed``) and its AdamW optimizer, on the
     mesh ``make_mesh(dp, gtp, tp, ep)`` over all devices: what `train` starts from (and
     what a checkpoint is restored into)."""
+    cfg = resolve_auto(cfg)
     mesh = gtp_jax.make_mesh(dp=cfg.dp, gtp=cfg.gtp, tp=cfg.tp, ep=cfg.ep, cp=cfg.cp)
     model = gtp_jax.shard(Transformer(model_config(cfg), rngs=nnx.Rngs(cfg.seed)), mesh,
-                          gtp_jax.GTPConfig(gather_dtype=cfg.gather_dtype,
-                                            pad_for_alignment=cfg.pad_for_alignment,
-                                            gather_format=cfg.gather_format,
-                                            prefetch=cfg.prefetch))
+                          gtp_config(cfg))
     optimizer = nnx.Optimizer(model, make_optimizer(cfg), wrt=nnx.Param)
     replicate_stray_leaves(optimizer, mesh)
     return model, optimizer
@@ -153,15 +162,19 @@ def replicated_bytes(model: nnx.Module, cfg: TrainConfig) -> tuple[int, int]:
 
 def _train(cfg: TrainConfig, *, on_step: OnStep | None, progress: bool,
            ckpt: Checkpointer | None, observe: ObserveConfig,
-           failure: SimulatedFailure | None = None) -> TrainResult:
+           failure: SimulatedFailure | None = None,
+           auto: frozenset[str] = frozenset(),
+           on_start: OnStart | None = None) -> TrainResult:
+    cfg, candidates = select_candidates(cfg, model_config(cfg), ckpt, auto=auto)
     model_cfg = model_config(cfg)
-    cfg, candidates = select_candidates(cfg, model_cfg, ckpt)
     failure_plan = check_failure(cfg, failure, start=candidates[0][0] if candidates else 0)
     # Validation: nothing below this line fails on user input before training starts.
     if cfg.schedule_steps is None:
         # Recorded explicitly in checkpoints, so extending the run keeps this schedule.
         cfg = dataclasses.replace(cfg, schedule_steps=cfg.steps)
     window = observe.profile_window((candidates[0][0] if candidates else 0) + 1, cfg.steps)
+    if on_start is not None:
+        on_start(cfg, model_cfg)
 
     model, optimizer = build_model_and_optimizer(cfg)
     meta, start = restore_newest(cfg, model_cfg, ckpt, candidates, model, optimizer)
@@ -213,54 +226,100 @@ def _step_loop(cfg: TrainConfig, model_cfg: TransformerConfig, step_fn: TrainSte
     """Steps ``start + 1 .. cfg.steps``: (losses, step seconds, checkpointed steps, the
     recovery from a simulated failure or None, the step function in use at the end).
 
+    The host stays one step ahead of the devices: it dispatches step ``s``, builds step
+    ``s + 1``'s batch and copies it to the devices, and only then waits for step ``s - 1``'s
+    loss (for the NaN check, the progress bar and `on_step`). So the devices never wait for
+    the host between steps. The host waits for the step in flight only where it must: at a
+    checkpoint (the state is donated to the next step), at the simulated failure, at the
+    ends of the profiler window and after the last step. A step's time is the interval
+    between the completions of consecutive steps (the first one's includes compiling).
+
     After step `failure_step`, ``switch(step_fn.state)`` re-plans and re-lays out the state
     (see `gtp_jax.train.ntp`) and the loop continues with the nonuniform step it returns."""
     placement = gtp_jax.data_sharding(step_fn.objects[0].mesh)
     tokens_per_step = cfg.batch_size * cfg.seq_len
     bar = ProgressBar(cfg.steps) if progress and jax.process_index() == 0 else None
     extra = {"train_config": dataclasses.asdict(cfg), "model_config": model_json(model_cfg)}
-    losses, times, saved, recovery = [], [], [], None
-    for step in range(start + 1, cfg.steps + 1):
-        if profiler is not None:
-            profiler.before(step)
+    losses: list[float] = []
+    times: list[float] = []
+    saved: list[int] = []
+    recovery: Recovery | None = None
+    last_done = time.perf_counter()
+
+    def next_batch() -> tuple[Any, dict[str, int]]:
+        """The next step's tokens on the devices, and the data position after them."""
         batch = batcher.next_batch()
         # The nonuniform step splits the host batch over its replicas itself.
         tokens = batch if recovery is not None else _global_batch(batch, placement)
-        with jax.profiler.StepTraceAnnotation("train", step_num=step):
-            begin = time.perf_counter()
-            loss = _run_step(cfg, step_fn, tokens, step)
-            times.append(time.perf_counter() - begin)
-        if profiler is not None:
-            profiler.after(step)
+        return tokens, batcher.state_dict()
+
+    def finish(step: int, metrics: dict[str, jax.Array], *, save: bool = False) -> None:
+        """Waits for `step`'s loss; records it and its time, saves the checkpoint of `step`
+        when `save`, then reports the step (so a checkpoint exists before `on_step` sees
+        its step)."""
+        nonlocal last_done
+        with _device_memory_errors(cfg, step):
+            loss = float(metrics["loss"])
+        now = time.perf_counter()
+        times.append(now - last_done)
+        last_done = now
         losses.append(loss)
         if not np.isfinite(loss):
             raise FloatingPointError(
                 f"loss became {loss} at step {step}; lower TrainConfig.lr (now {cfg.lr})"
                 + (f"; the last checkpoint is step {saved[-1]}" if saved else "") + ".")
-        if ckpt is not None and (step == cfg.steps
-                                 or (ckpt.config.every and step % ckpt.config.every == 0)):
+        if save:
             # Refuses (NonFiniteStateError) a state with NaN/inf: the loss above was
             # computed before this step's update, the checked state is the one saved.
             step_fn.sync()
             model, optimizer = step_fn.objects
-            ckpt.save(step, model, optimizer,
-                      extra={**extra, "data": batcher.state_dict(), "loss": loss})
+            ckpt.save(step, model, optimizer, extra={**extra, "data": data_state, "loss": loss})
             saved.append(step)
         if bar is not None:
             bar.update(step, loss=loss, tok_s=tokens_per_step / times[-1])
         if on_step is not None:
             on_step(step, loss, times[-1])
+
+    pending: tuple[int, dict[str, jax.Array]] | None = None
+    ahead = next_batch() if start < cfg.steps else None
+    for step in range(start + 1, cfg.steps + 1):
+        if profiler is not None and step == profiler.window[0] and pending is not None:
+            finish(*pending)  # the trace starts with the device idle
+            pending = None
+        if profiler is not None:
+            profiler.before(step)
+        (tokens, data_state), ahead = ahead, None
+        with jax.profiler.StepTraceAnnotation("train", step_num=step), \
+                _device_memory_errors(cfg, step):
+            metrics = step_fn(tokens)
+        checkpoint = ckpt is not None and (
+            step == cfg.steps or (ckpt.config.every and step % ckpt.config.every == 0))
+        wait = (checkpoint or step == cfg.steps or step == failure_step
+                or (profiler is not None and step == profiler.window[1]))
+        if not wait:
+            ahead = next_batch()  # copied while this step runs
+        if pending is not None:
+            finish(*pending)
+        pending = (step, metrics)
+        if not wait:
+            continue
+        finish(*pending, save=checkpoint)
+        pending = None
+        if profiler is not None:
+            profiler.after(step)
         if step == failure_step:
             step_fn, recovery = switch(step_fn.state)
+        if step < cfg.steps:
+            ahead = next_batch()
     return losses, times, saved, recovery, step_fn
 
 
-def _run_step(cfg: TrainConfig, step_fn: TrainStep | NonuniformStep, tokens: Any,
-              step: int) -> float:
-    """`step_fn` on `tokens`; its loss, with XLA's out-of-memory error turned into a
-    `DeviceMemoryError`."""
+@contextlib.contextmanager
+def _device_memory_errors(cfg: TrainConfig, step: int) -> Iterator[None]:
+    """Turns XLA's out-of-memory error (when a step is compiled, dispatched or waited for)
+    into a `DeviceMemoryError` naming the estimate and what to change."""
     try:
-        return float(step_fn(tokens)["loss"])
+        yield
     except Exception as err:  # XlaRuntimeError has no stable import path; match its status
         if "RESOURCE_EXHAUSTED" not in str(err):
             raise

@@ -50,7 +50,7 @@ from gtp_jax.nonuniform import (
     take_survivors,
 )
 from gtp_jax.nonuniform.config import AXES
-from gtp_jax.train.config import TrainConfig, make_optimizer, model_config
+from gtp_jax.train.config import TrainConfig, gtp_config, make_optimizer, model_config
 from gtp_jax.train.step import replicate_stray_leaves
 
 
@@ -260,10 +260,7 @@ def _splits(tree: Any, by_path: dict[str, LeafSplit | None]) -> Any:
 
 def _build(cfg: TrainConfig, mesh: jax.sharding.Mesh) -> gtp_jax.ShardedModule:
     return gtp_jax.shard(Transformer(model_config(cfg), rngs=nnx.Rngs(cfg.seed)), mesh,
-                         gtp_jax.GTPConfig(gather_dtype=cfg.gather_dtype,
-                                           pad_for_alignment=cfg.pad_for_alignment,
-                                           gather_format=cfg.gather_format,
-                                           prefetch=cfg.prefetch))
+                         gtp_config(cfg))
 
 
 def _with_values(template: Any, values: Any) -> Any:

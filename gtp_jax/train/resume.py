@@ -13,7 +13,15 @@ from flax import nnx
 from gtp_jax.base.errors import UsageError
 from gtp_jax.models import TransformerConfig
 from gtp_jax.train.checkpoint import CheckpointCorruptError, Checkpointer
-from gtp_jax.train.config import MODEL_MAY_DIFFER, RESUME_MAY_DIFFER, TrainConfig, model_json
+from gtp_jax.train.config import (
+    MODEL_MAY_DIFFER,
+    RESUME_MAY_DIFFER,
+    TrainConfig,
+    adopt_saved,
+    model_config,
+    model_json,
+    resolve_auto,
+)
 
 #: (step, metadata) of a checkpoint that may be resumed from, newest first.
 Candidate = tuple[int, dict[str, Any]]
@@ -26,9 +34,11 @@ def note(line: str) -> None:
 
 
 def select_candidates(cfg: TrainConfig, model_cfg: TransformerConfig,
-                      ckpt: Checkpointer | None) -> tuple[TrainConfig, list[Candidate]]:
+                      ckpt: Checkpointer | None, *, auto: frozenset[str] = frozenset()
+                      ) -> tuple[TrainConfig, list[Candidate]]:
     """The checkpoints to try to resume from, newest first (none for a new run), and `cfg`
-    with the saved run's ``schedule_steps``; checked before anything is built.
+    with the saved run's ``schedule_steps`` (and, for the fields named in `auto`, left on
+    "auto" by the user, the saved run's values); checked before anything is built.
 
     Raises:
       UsageError: resume without an intact checkpoint, a checkpoint of another run or of a
@@ -53,7 +63,9 @@ def select_candidates(cfg: TrainConfig, model_cfg: TransformerConfig,
             "the CheckpointConfig.directory of an earlier run, or drop "
             "CheckpointConfig.resume to start a new run."
         )
-    cfg = check_resume(cfg, model_cfg, candidates[0][1], directory, steps_left=False)
+    cfg = check_resume(cfg, model_cfg, candidates[0][1], directory, steps_left=False,
+                       auto=auto)
+    model_cfg = model_config(cfg)
     while candidates and candidates[0][0] >= cfg.steps:
         # Nothing left to train from this one, unless it is damaged: verify it
         # before saying so (an older intact checkpoint may still have steps left).
@@ -101,12 +113,15 @@ def restore_newest(cfg: TrainConfig, model_cfg: TransformerConfig, ckpt: Checkpo
 
 
 def check_resume(cfg: TrainConfig, model_cfg: TransformerConfig, meta: dict[str, Any],
-                  directory: str, *, steps_left: bool = True) -> TrainConfig:
+                  directory: str, *, steps_left: bool = True,
+                  auto: frozenset[str] = frozenset()) -> TrainConfig:
     """Raises UsageError unless checkpoint `meta` belongs to a run `cfg` can continue (and,
     with `steps_left`, has steps left to train).
 
     Returns `cfg` with ``schedule_steps`` set to the saved run's schedule length, so that
-    a run extended with a larger ``steps`` keeps its original LR schedule.
+    a run extended with a larger ``steps`` keeps its original LR schedule, and the fields
+    named in `auto` (`TrainConfig.auto_fields` of the caller's config) set to the saved
+    run's values.
     """
     extra = meta.get("extra", {})
     saved_cfg, saved_model = extra.get("train_config"), extra.get("model_config")
@@ -117,6 +132,11 @@ def check_resume(cfg: TrainConfig, model_cfg: TransformerConfig, meta: dict[str,
             "`python -m gtp_jax train`; point CheckpointConfig.directory at a training run's "
             "checkpoints."
         )
+    auto = auto | cfg.auto_fields  # a config still on "auto" continues the saved choices
+    if auto:
+        adopted = resolve_auto(adopt_saved(cfg, saved_cfg, auto))
+        if adopted is not cfg:
+            cfg, model_cfg = adopted, model_config(adopted)
     saved_schedule = saved_cfg.get("schedule_steps") or saved_cfg.get("steps")
     if cfg.schedule_steps is None:
         cfg = dataclasses.replace(cfg, schedule_steps=saved_schedule)
