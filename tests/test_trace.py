@@ -7,7 +7,15 @@ import json
 
 import pytest
 
-from gtp_jax.bench.trace import analyze_events, find_trace, intersect, load_events, trim, union
+from gtp_jax.bench.trace import (
+    analyze_events,
+    exposed_spans,
+    find_trace,
+    intersect,
+    load_events,
+    trim,
+    union,
+)
 
 
 def _meta(pid, name, tid=None, thread=None):
@@ -98,3 +106,12 @@ def test_cli_each_summarizes_every_variant_and_writes_excerpts(tmp_path, capsys)
     assert {e["name"] for e in excerpt if e["ph"] == "X"} == {
         "nvjet_tst_gemm", "loop_fusion_3",
         "ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage)"}
+
+
+def test_exposed_spans_name_the_collectives_running_alone():
+    # Communication alone on the device only over [100, 150) us: one span, 0.05 ms long,
+    # starting 0.1 ms after the first kernel, naming the all-gather.
+    ((start, length, names),) = exposed_spans(_gpu_trace(), device=0)
+    assert start == pytest.approx(0.1) and length == pytest.approx(0.05)
+    assert "AllGather" in names
+    assert exposed_spans([e for e in _gpu_trace() if e["pid"] == 2]) == []

@@ -23,6 +23,9 @@ COMMANDS = {
               "jax.profiler trace"),
     "kernels": ("kernels", "kernel time per training step by category from a JAX or PyTorch "
                 "profiler trace"),
+    "matrix": ("matrix", "the 1b step on every path a user takes (scanned/unrolled loop, "
+               "prefetch, remat, gather format, the CLI, a user's own model), flagged "
+               "against the best cell of its group"),
     "context": ("context", "context parallelism: cp = 1 vs cp = N at long sequences (step time, "
                 "memory, the ring's hidden communication, the longest trainable sequence)"),
 }

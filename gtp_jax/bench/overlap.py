@@ -62,6 +62,8 @@ def run_variant(args: argparse.Namespace) -> dict:
     n = len(devices)
     on_gpu = jax.default_backend() == "gpu"
     overrides = {"n_layers": args.layers} if args.layers else {}
+    if args.vocab:
+        overrides["vocab_size"] = args.vocab
     attention = args.attention if on_gpu else None
     if user:
         from gtp_jax.bench.user_model import UserDecoder, UserDecoderConfig, user_loss
@@ -102,12 +104,19 @@ def run_variant(args: argparse.Namespace) -> dict:
             return jax.device_put(x, NamedSharding(mesh, spec))
 
         nnx.update(model, jax.tree_util.tree_map_with_path(place, state))
-    optimizer = nnx.Optimizer(model, optax.adamw(1e-4), wrt=nnx.Param)
+    if args.optimizer == "train":  # what `python -m gtp_jax train` steps with
+        from gtp_jax.train import TrainConfig
+        from gtp_jax.train.config import make_optimizer
+
+        tx, grad_norm = make_optimizer(TrainConfig(steps=args.warmup + args.steps)), True
+    else:
+        tx, grad_norm = optax.adamw(1e-4), False  # as the peers: loss only
+    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
     # The training step of `gtp_jax.train` (jax.jit over the split state, donated): plain
     # jit dispatch, so the host-side cost of walking the NNX object graph every step
     # (measured: a 6-9 ms idle gap between steps in the GPU trace with nnx.jit) is not
     # charged to any variant.
-    step = TrainStep(model, optimizer, loss_fn, grad_norm=False)  # as the peers: loss only
+    step = TrainStep(model, optimizer, loss_fn, grad_norm=grad_norm)
 
     batch = args.per_device_batch * n
     data = jax.random.randint(jax.random.key(1), (4, batch, args.seq + 1), 0, vocab)
@@ -186,6 +195,7 @@ def _spawn(variant: str, args: argparse.Namespace, timeout: float) -> dict | Non
            "--warmup", str(args.warmup), "--per-device-batch", str(args.per_device_batch),
            "--remat", args.remat, "--layers", str(args.layers or 0),
            "--attention", args.attention, "--reduce-dtype", args.reduce_dtype,
+           "--vocab", str(args.vocab), "--optimizer", args.optimizer,
            "--gather-format", args.gather_format,
            "--user-d", str(args.user_d), "--user-blocks", str(args.user_blocks),
            "--user-heads", str(args.user_heads), "--user-vocab", str(args.user_vocab),
@@ -280,8 +290,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--warmup", type=int, default=3, help="untimed warm-up steps")
     parser.add_argument("--remat", default="none", choices=("none", "dots", "full"),
                         help="activation recompute in the layer loop (*_dots variants: dots)")
-    parser.add_argument("--attention", default="cudnn", choices=("cudnn", "xla"),
-                        help="attention implementation on GPU")
+    parser.add_argument("--attention", default="auto", choices=("auto", "cudnn", "xla"),
+                        help="attention implementation on GPU (TransformerConfig."
+                        "attention_impl; auto: cuDNN where it applies)")
+    parser.add_argument("--vocab", type=int, default=0,
+                        help="override the preset's vocabulary (256: the byte vocabulary of "
+                        "python -m gtp_jax train)")
+    parser.add_argument("--optimizer", default="bench", choices=("bench", "train"),
+                        help="bench: AdamW, loss only (as the peers); train: the optimizer "
+                        "of python -m gtp_jax train (clipped AdamW with its schedule) and "
+                        "the gradient norm it reports")
     parser.add_argument("--variants", default=",".join(VARIANTS),
                         help="comma-separated variants (see the module docstring)")
     parser.add_argument("--reduce-dtype", default="float32", choices=("float32", "bfloat16"),

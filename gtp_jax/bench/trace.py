@@ -167,6 +167,48 @@ def analyze_events(events: list[dict[str, Any]]) -> list[DeviceOverlap]:
     return results
 
 
+def exposed_spans(events: list[dict[str, Any]], device: int = 0, top: int = 15
+                  ) -> list[tuple[float, float, str]]:
+    """The `top` longest stretches of communication with no compute kernel running, on the
+    `device`-th device (name order): ``(start ms from the first kernel, length ms, the
+    collectives and HLO ops running then)``. Where a step's communication is exposed
+    (its start, its end, a particular layer) shows what to move or prefetch."""
+    kernels = sorted(device_kernels(events).items())
+    if not kernels:
+        return []
+    name, events_d = kernels[device]
+    ops = device_ops(events).get(name, [])
+    comm = union((float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in events_d
+                 if COMM_PATTERN.search(e.get("name", "")))
+    compute = union((float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in events_d
+                    if not COMM_PATTERN.search(e.get("name", "")))
+    t0 = min(float(e["ts"]) for e in events_d)
+    idle = _complement(comm, compute)
+    out = []
+    for lo, hi in sorted(idle, key=lambda iv: iv[0] - iv[1])[:top]:
+        names = {_short(e["name"]) for e in events_d + ops
+                 if float(e["ts"]) < hi and float(e["ts"]) + float(e["dur"]) > lo
+                 and COMM_PATTERN.search(e.get("name", ""))}
+        out.append(((lo - t0) / 1e3, (hi - lo) / 1e3, ", ".join(sorted(names))[:160]))
+    return out
+
+
+def _complement(a: Sequence[Interval], b: Sequence[Interval]) -> list[Interval]:
+    """The parts of merged intervals `a` not covered by merged intervals `b`."""
+    out = []
+    for lo, hi in a:
+        cur = lo
+        for blo, bhi in b:
+            if bhi <= cur or blo >= hi:
+                continue
+            if blo > cur:
+                out.append((cur, blo))
+            cur = max(cur, bhi)
+        if cur < hi:
+            out.append((cur, hi))
+    return out
+
+
 def find_trace(directory: str | Path) -> Path:
     """The newest ``perfetto_trace.json.gz`` under `directory` (a `jax.profiler` log dir)."""
     found = sorted(Path(directory).rglob("perfetto_trace.json.gz"), key=lambda p: p.stat().st_mtime)
@@ -222,14 +264,22 @@ def main(argv: list[str] | None = None) -> int:
                         help="with --each: also write trace_<variant>_excerpt.json.gz here")
     parser.add_argument("--excerpt-ms", type=float, default=60.0,
                         help="device time kept in each excerpt (see `trim`)")
+    parser.add_argument("--exposed", type=int, default=0, metavar="N",
+                        help="also list device 0's N longest stretches of exposed "
+                        "communication, with what ran then")
     args = parser.parse_args(argv)
     if args.each:
         return _each(Path(args.trace), args.steps, args.excerpt_dir, args.excerpt_ms)
     path = Path(args.trace)
     if path.is_dir():
         path = find_trace(path)
-    results = analyze_events(load_events(path))
+    events = load_events(path)
+    results = analyze_events(events)
     print(summarize(results, args.steps))
+    if args.exposed:
+        print("\n| starts at ms | exposed ms | communication running |\n|---|---|---|")
+        for start, dur, names in exposed_spans(events, top=args.exposed):
+            print(f"| {start:.2f} | {dur:.3f} | {names} |")
     if args.json:
         Path(args.json).write_text(json.dumps([r.as_dict() for r in results], indent=1))
     return 0
