@@ -19,6 +19,13 @@ from gtp_jax.base.errors import UsageError, UsageTypeError
 GATHER_FORMATS = (None, "fp8", "mxfp8", "nvfp4")
 #: Implementations of the quantize / dequantize kernels (`gtp_jax.pallas`).
 QUANT_BACKENDS = ("pallas", "reference")
+#: FP8 compute recipes (`GTPConfig.fp8_compute`). None computes in the compute dtype.
+FP8_COMPUTE_RECIPES = (None, "tensorwise")
+#: Layers kept out of FP8 compute by default: the output head, whose logits feed the loss.
+DEFAULT_FP8_EXCLUDE = (r"(^|/)(lm_head|head|output|unembed)(/|$)",)
+#: Gather formats that compose with FP8 compute (the others' block scales would be
+#: dequantized and quantized again per tensor: two roundings of every weight).
+FP8_COMPUTE_GATHER_FORMATS = (None, "fp8")
 
 
 #: Dtypes weights can be gathered and gradients reduced in (the arithmetic dtypes of a
@@ -84,6 +91,18 @@ class GTPConfig:
         all-gather per weight and layer less) and re-casts nothing. The cost is memory: the
         whole stack, unsharded, in the compute dtype, from the forward pass to the backward
         pass. Off (the default), the backward loop gathers each layer again.
+      fp8_compute: None (matmuls in the compute dtype) or "tensorwise": the matmuls of the
+        eligible ``nnx.Linear`` / ``nnx.LinearGeneral`` / ``nnx.Einsum`` layers run on e4m3
+        activations and weights with e5m2 gradients, one scale per tensor from its current
+        amax (`gtp_jax.sharding.fp8`). Needs FP8 GEMMs on GPUs (Ada/Hopper or later); on
+        CPUs it is emulated exactly. Composes with gather_format None or "fp8".
+      fp8_min_features: a layer computes in FP8 only if its kernel has at least this many
+        input features and as many output features (smaller GEMMs gain less than their
+        quantize passes cost; see docs/fp8.md).
+      fp8_include: regular expressions on layer paths (e.g. ``"blocks/mlp"``); when given,
+        exactly the matching layers compute in FP8, whatever their size.
+      fp8_exclude: regular expressions on layer paths kept out of FP8 compute (default:
+        the output head, `DEFAULT_FP8_EXCLUDE`).
     """
 
     axis: str = "gtp"
@@ -98,6 +117,10 @@ class GTPConfig:
     prefetch: bool = False
     quant_backend: str = "pallas"
     keep_gathered_layers: bool = False
+    fp8_compute: str | None = None
+    fp8_min_features: int = 2048
+    fp8_include: tuple[str, ...] = ()
+    fp8_exclude: tuple[str, ...] = DEFAULT_FP8_EXCLUDE
 
     def __post_init__(self) -> None:
         if not isinstance(self.axis, str) or not self.axis:
@@ -112,7 +135,7 @@ class GTPConfig:
         if (isinstance(self.min_elements, bool) or not isinstance(self.min_elements, int)
                 or self.min_elements < 0):
             raise UsageError(f"GTPConfig.min_elements={self.min_elements!r} must be an int >= 0.")
-        for field in ("include", "exclude"):
+        for field in ("include", "exclude", "fp8_include", "fp8_exclude"):
             patterns = getattr(self, field)
             if patterns is None:
                 patterns = ()  # no patterns: the same as the default
@@ -151,6 +174,20 @@ class GTPConfig:
                 f"GTPConfig.quant_backend={self.quant_backend!r} is unknown; "
                 f"choose one of {QUANT_BACKENDS}."
             )
+        if self.fp8_compute not in FP8_COMPUTE_RECIPES:
+            raise UsageError(
+                f"GTPConfig.fp8_compute={self.fp8_compute!r} is unknown; choose one of "
+                f"{FP8_COMPUTE_RECIPES}.")
+        if self.fp8_compute is not None and self.gather_format not in FP8_COMPUTE_GATHER_FORMATS:
+            raise UsageError(
+                f"GTPConfig.fp8_compute={self.fp8_compute!r} with gather_format="
+                f"{self.gather_format!r}: block-scaled formats (mxfp8, nvfp4) are gather "
+                "formats only (their GEMMs need Blackwell GPUs); use gather_format='fp8' or "
+                "None with FP8 compute.")
+        if (isinstance(self.fp8_min_features, bool) or not isinstance(self.fp8_min_features, int)
+                or self.fp8_min_features < 0):
+            raise UsageError(
+                f"GTPConfig.fp8_min_features={self.fp8_min_features!r} must be an int >= 0.")
         for field in ("prefetch", "remat_gathered", "keep_gathered_layers"):
             if not isinstance(getattr(self, field), bool):
                 raise UsageTypeError(

@@ -20,6 +20,7 @@ from gtp_jax.base.config import GTPConfig
 from gtp_jax.base.errors import UsageError, UsageTypeError
 from gtp_jax.base.mesh import check_axis, cp_size, data_axes, data_size, seq_axes, shard_key
 from gtp_jax.base.metadata import LOGICAL_SHAPE, REDUCE, SPLIT_AXES, SPLIT_LAYOUT, STACKED
+from gtp_jax.sharding import fp8
 from gtp_jax.sharding.collectives import gather_weight
 from gtp_jax.sharding.contract import (
     InputLayout,
@@ -111,15 +112,19 @@ class ShardedModule(nnx.Module):
       config: the `GTPConfig` it was sharded with.
       plan: one `ParamPlan` per GTP-sharded parameter.
       split_plan: one `SplitPlan` per parameter split over ``tp``/``ep`` but not GTP-sharded.
+      fp8_layers: ``(path, attribute, original matmul)`` of each layer whose matmuls run in
+        FP8 (``GTPConfig.fp8_compute``; `gtp_jax.sharding.fp8`).
     """
 
     def __init__(self, module: nnx.Module, *, mesh: Mesh, config: GTPConfig,
-                 plan: tuple[ParamPlan, ...], split_plan: tuple[SplitPlan, ...] = ()):
+                 plan: tuple[ParamPlan, ...], split_plan: tuple[SplitPlan, ...] = (),
+                 fp8_layers: tuple[tuple[str, str, Any], ...] = ()):
         self.module = module
         self.mesh = mesh
         self.config = config
         self.plan = plan
         self.split_plan = split_plan
+        self.fp8_layers = fp8_layers
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         mesh, axes = self.mesh, data_axes(self.mesh)
@@ -332,6 +337,8 @@ class ShardedModule(nnx.Module):
                 f"dim {spec.shard_dim} padded {spec.logical_shape[spec.shard_dim]}->"
                 f"{spec.padded_size} over {spec.axis}={spec.axis_size}: {per_device} B/device "
                 f"vs {full} B replicated ({per_device / full:.3f}, ideal {1 / spec.axis_size:.3f})")
+        lines += [f"{path}: matmuls in fp8 ({self.config.fp8_compute})"
+                  for path, _, _ in self.fp8_layers]
         return lines
 
     def sharded_paths(self) -> list[str]:
@@ -426,6 +433,17 @@ def shard(module: nnx.Module, mesh: Mesh, config: GTPConfig | None = None) -> Sh
             f"elements, include={config.include}, exclude={config.exclude}). Lower "
             "min_elements, widen include, or leave this module replicated."
         )
+    fp8.check_fp8_compute(config, mesh)
+    fp8_layers = fp8.fp8_layers(module, config)
+    if config.fp8_compute is not None and not fp8_layers:
+        where = (f"matches GTPConfig.fp8_include={config.fp8_include}" if config.fp8_include
+                 else "has both input and output features >= GTPConfig.fp8_min_features="
+                 f"{config.fp8_min_features}")
+        raise UsageError(
+            f"gtp_jax.shard: GTPConfig.fp8_compute={config.fp8_compute!r}, but no layer "
+            f"(nnx.Linear, nnx.LinearGeneral, nnx.Einsum) {where} outside fp8_exclude="
+            f"{config.fp8_exclude}; lower fp8_min_features, set fp8_include, or use "
+            "fp8_compute=None.")
     # Validation is complete: from here on nothing can fail on user input.
     new_vars = []
     for var, plan in zip(variables, plans):
@@ -446,7 +464,8 @@ def shard(module: nnx.Module, mesh: Mesh, config: GTPConfig | None = None) -> Sh
     inner = nnx.merge(graphdef, jax.tree.unflatten(var_tree, new_vars))
     return ShardedModule(inner, mesh=mesh, config=config,
                          plan=tuple(p for p in plans if isinstance(p, ParamPlan)),
-                         split_plan=tuple(p for p in plans if isinstance(p, SplitPlan)))
+                         split_plan=tuple(p for p in plans if isinstance(p, SplitPlan)),
+                         fp8_layers=fp8.inject(inner, fp8_layers))
 
 
 def unshard(module: ShardedModule) -> nnx.Module:
@@ -474,7 +493,9 @@ def unshard(module: ShardedModule) -> nnx.Module:
         if SPLIT_LAYOUT in new_var.get_metadata():
             new_var.del_metadata(SPLIT_LAYOUT)
         new_vars.append(new_var)
-    return nnx.merge(graphdef, jax.tree.unflatten(var_tree, new_vars))
+    full_module = nnx.merge(graphdef, jax.tree.unflatten(var_tree, new_vars))
+    fp8.restore(full_module, module.fp8_layers)  # the module's own matmuls again
+    return full_module
 
 
 def unshard_values(module: ShardedModule, tree: Any) -> dict[str, jax.Array]:

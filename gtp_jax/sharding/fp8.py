@@ -1,0 +1,178 @@
+"""FP8 compute for a module's linear layers (``GTPConfig.fp8_compute``).
+
+`gtp_jax.shard` routes the matmuls of eligible ``nnx.Linear``, ``nnx.LinearGeneral`` and
+``nnx.Einsum`` layers through `fp8_dot_general` (`gtp_jax.pallas.fp8_matmul`: e4m3
+activations and weights, e5m2 gradients, per-tensor current scaling), through the layers'
+own injection points (``dot_general`` / ``einsum_op``). Nothing else changes: master
+weights, optimizer state, the weight gathers and the gradients' reduce-scatters stay as
+configured. The built-in decoder's projections are such layers; a user's module gets the
+same treatment.
+
+Which layers (`fp8_layers`): those whose per-layer kernel has at least
+``GTPConfig.fp8_min_features`` input features and as many output features (smaller GEMMs
+gain less than their quantize passes cost), whose path matches no ``GTPConfig.fp8_exclude``
+pattern (by default the output head: its logits feed the loss directly) and, when
+``GTPConfig.fp8_include`` is given, matches one of those patterns. ``describe()`` of the
+sharded module lists them.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from gtp_jax.base.config import GTPConfig
+from gtp_jax.base.errors import UsageError
+from gtp_jax.base.metadata import STACKED
+from gtp_jax.pallas.fp8_matmul import FP8_MATMUL_DTYPES, fp8_matmul
+from gtp_jax.sharding.contract import key_name
+from gtp_jax.sharding.plan import path_str
+
+#: Smallest CUDA compute capability with FP8 GEMMs (Ada / Hopper).
+FP8_MIN_COMPUTE_CAPABILITY = (8, 9)
+
+
+def fp8_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any,
+                    precision: Any = None, preferred_element_type: Any = None,
+                    out_sharding: Any = None) -> jax.Array:
+    """``jax.lax.dot_general`` computed as an FP8 matmul (`fp8_matmul`).
+
+    Same arguments and result shape as ``jax.lax.dot_general`` (``precision`` is ignored:
+    the operands are FP8). Contractions without batch dims of two operands of one float
+    dtype (float32, bfloat16, float16) are computed as ``[M, K] @ [K, N]`` in FP8; any other
+    contraction (batch dims, mixed or integer dtypes) runs ``jax.lax.dot_general`` as given.
+    """
+    (lc, rc), (lb, rb) = dimension_numbers
+    plain = (lb or rb or lhs.dtype != rhs.dtype
+             or np.dtype(lhs.dtype) not in FP8_MATMUL_DTYPES or not lc)
+    if plain:
+        extra = {} if out_sharding is None else {"out_sharding": out_sharding}
+        return jax.lax.dot_general(lhs, rhs, dimension_numbers, precision=precision,
+                                   preferred_element_type=preferred_element_type, **extra)
+    lc, rc = tuple(int(d) % lhs.ndim for d in lc), tuple(int(d) % rhs.ndim for d in rc)
+    lfree = [d for d in range(lhs.ndim) if d not in lc]
+    rfree = [d for d in range(rhs.ndim) if d not in rc]
+    k = int(np.prod([lhs.shape[d] for d in lc]))
+    x = jnp.transpose(lhs, (*lfree, *lc)).reshape(-1, k)
+    w = jnp.transpose(rhs, (*rc, *rfree)).reshape(k, -1)
+    y = fp8_matmul(x, w).reshape(*(lhs.shape[d] for d in lfree),
+                                 *(rhs.shape[d] for d in rfree))
+    return y if preferred_element_type is None else y.astype(preferred_element_type)
+
+
+def fp8_einsum(subscripts: str, *operands: Any, **kwargs: Any) -> jax.Array:
+    """``jnp.einsum`` whose contractions run through `fp8_dot_general` (an
+    ``nnx.Einsum(einsum_op=...)``)."""
+    return jnp.einsum(subscripts, *operands, _dot_general=fp8_dot_general, **kwargs)
+
+
+#: The layer types FP8 compute applies to, and the attribute each injects its matmul by.
+_INJECTION = ((nnx.LinearGeneral, "dot_general"), (nnx.Linear, "dot_general"),
+              (nnx.Einsum, "einsum_op"))
+_FP8_OP = {"dot_general": fp8_dot_general, "einsum_op": fp8_einsum}
+
+
+def _features(node: nnx.Module, kernel: tuple[int, ...]) -> tuple[int, int] | None:
+    """(input, output) features of a layer's per-layer kernel; None where it is not a
+    plain projection (batched ``LinearGeneral``, an ``Einsum`` without a 2-way split)."""
+    if isinstance(node, nnx.LinearGeneral):
+        if node.batch_axis:
+            return None
+        n_in = len(node.in_features)
+        return int(np.prod(kernel[:n_in])), int(np.prod(kernel[n_in:]))
+    if isinstance(node, nnx.Linear):
+        return int(kernel[0]), int(kernel[1])
+    # Einsum: the kernel's dims contracted with the input are not known without parsing
+    # the subscripts; the smallest split of its dims stands for both sides.
+    if len(kernel) < 2:
+        return None
+    return int(min(kernel[0], np.prod(kernel[1:]))), int(np.prod(kernel[1:]))
+
+
+def fp8_layers(module: nnx.Module, config: GTPConfig) -> list[tuple[tuple, str, str]]:
+    """The layers of `module` that FP8 compute applies to under `config`: a list of
+    ``(graph path keys, "/"-joined path, injection attribute)``."""
+    if config.fp8_compute is None:
+        return []
+    found = []
+    for keys, node in nnx.graph.iter_graph(module):
+        attr = next((a for t, a in _INJECTION if isinstance(node, t)), None)
+        if attr is None or getattr(node, "kernel", None) is None:
+            continue
+        path = path_str(key_name(k) for k in keys)
+        kernel = node.kernel
+        shape = tuple(int(d) for d in kernel.get_value().shape)
+        if kernel.get_metadata().get(STACKED, False):
+            shape = shape[1:]
+        feats = _features(node, shape)
+        if feats is None:
+            continue
+        if any(re.search(p, path) for p in config.fp8_exclude):
+            continue
+        if config.fp8_include:
+            if not any(re.search(p, path) for p in config.fp8_include):
+                continue
+        elif min(feats) < config.fp8_min_features:
+            continue
+        found.append((tuple(keys), path, attr))
+    return found
+
+
+def check_fp8_compute(config: GTPConfig, mesh: jax.sharding.Mesh) -> None:
+    """Raises a `UsageError` where ``config.fp8_compute`` cannot run on `mesh`'s devices:
+    a GPU without FP8 GEMMs (compute capability below 8.9), or a mesh with ``tp > 1`` (the
+    tensor-parallel projections run their own collective matmuls, in bf16)."""
+    if config.fp8_compute is None:
+        return
+    if mesh.shape.get("tp", 1) > 1:
+        raise UsageError(
+            f"GTPConfig.fp8_compute={config.fp8_compute!r} with tp={mesh.shape['tp']}: the "
+            "tensor-parallel projections do not compute in FP8 yet; use a mesh with tp=1 "
+            "(gtp, dp, cp and ep compose with FP8 compute), or fp8_compute=None.")
+    device = mesh.devices.flat[0]
+    if device.platform == "gpu":
+        cc = getattr(device, "compute_capability", None)
+        try:
+            major, minor = (int(v) for v in str(cc).split(".")[:2])
+        except ValueError:
+            return  # unknown: let XLA decide
+        if (major, minor) < FP8_MIN_COMPUTE_CAPABILITY:
+            raise UsageError(
+                f"GTPConfig.fp8_compute={config.fp8_compute!r}: this GPU "
+                f"({device.device_kind}, compute capability {cc}) has no FP8 matrix units "
+                "(Ada or Hopper and later do); use fp8_compute=None (bf16 compute).")
+
+
+def inject(module: nnx.Module, layers: Sequence[tuple[tuple, str, str]]
+           ) -> tuple[tuple[str, str, Callable], ...]:
+    """Routes the matmuls of `layers` (from `fp8_layers`) in `module` through FP8, in
+    place; returns ``(path, attribute, original)`` for each, for `restore`."""
+    originals = []
+    for keys, path, attr in layers:
+        node = _node_at(module, keys)
+        originals.append((path, attr, getattr(node, attr)))
+        setattr(node, attr, _FP8_OP[attr])
+    return tuple(originals)
+
+
+def restore(module: nnx.Module, originals: Sequence[tuple[str, str, Callable]]) -> None:
+    """Undoes `inject` on a module with the same graph (in place)."""
+    by_path = {path: (attr, fn) for path, attr, fn in originals}
+    for keys, node in nnx.graph.iter_graph(module):
+        path = path_str(key_name(k) for k in keys)
+        if path in by_path and isinstance(node, nnx.Module):
+            attr, fn = by_path[path]
+            setattr(node, attr, fn)
+
+
+def _node_at(module: nnx.Module, keys: tuple) -> Any:
+    for path, node in nnx.graph.iter_graph(module):
+        if tuple(path) == keys:
+            return node
+    raise KeyError(keys)  # unreachable: keys come from the same graph

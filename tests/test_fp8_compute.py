@@ -1,0 +1,262 @@
+"""FP8 compute (`GTPConfig.fp8_compute`, `gtp_jax.pallas.fp8_matmul`, `gtp_jax.sharding.fp8`).
+
+On CPUs FP8 is emulated exactly: e4m3 / e5m2 payloads are bfloat16-exact and their products
+are accumulated in float32, so a sharded run and its unsharded reference differ only in
+float32 reduction order, except where such a difference moves a value across an FP8
+rounding boundary (one FP8 step is 2**-3 of the value in e4m3): the tolerances below allow
+a few such flips in a sum, not a wrong scale or a missing quantization (those give errors of
+whole percents, as the bf16 comparisons show).
+
+Activation and gradient scales are per device (each device quantizes its own tokens, as in
+torchao and TransformerEngine); weights are quantized whole after their gather. So the
+reference of a sharded run is the unsharded module applied to each data shard's rows
+(`jax.vmap` over the shards makes every amax per shard), averaged like the sharded loss.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from helpers import Mixed, assert_close, get_mesh, max_rel_err, mixed_tokens
+
+import gtp_jax
+from gtp_jax.base.errors import UsageError, UsageTypeError
+from gtp_jax.models import Transformer, lm_loss, preset
+from gtp_jax.pallas.fp8_matmul import (
+    fp8_matmul,
+    fp8_matmul_grads_reference,
+    fp8_matmul_reference,
+    quantize_tensorwise,
+)
+from gtp_jax.sharding import fp8
+
+#: Float32 reduction order alone, including a few FP8 rounding flips in long sums.
+RTOL_SAME_MATH = 2e-4
+#: FP8 against the unquantized float32 module: e4m3 keeps 3 mantissa bits (relative
+#: rounding 2**-4 per element), averaged over the contraction.
+RTOL_FP8_VS_F32 = 0.1
+ALL = gtp_jax.GTPConfig(fp8_compute="tensorwise", fp8_min_features=0, min_elements=0)
+
+
+# --------------------------------------------------------------------------- the op
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_fp8_matmul_matches_its_reference(dtype, key):
+    kx, kw, kg = jax.random.split(key, 3)
+    x = jax.random.normal(kx, (37, 50), dtype)          # unaligned shapes
+    w = (jax.random.normal(kw, (50, 29)) * 0.05).astype(dtype)
+    dy = jax.random.normal(kg, (37, 29), dtype)
+    y, vjp = jax.vjp(fp8_matmul, x, w)
+    dx, dw = vjp(dy)
+    rdx, rdw = fp8_matmul_grads_reference(x, w, dy)
+    tol = 1e-6 if dtype == jnp.float32 else 2**-8  # float32 vs a bf16 output rounding
+    assert y.dtype == dx.dtype == dw.dtype == dtype
+    assert_close(y, fp8_matmul_reference(x, w), tol, "forward")
+    assert_close(dx, rdx, tol, "dx")
+    assert_close(dw, rdw, tol, "dw")
+    # ... and it is a quantized product: far from exact, within FP8's rounding.
+    exact = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
+    assert 1e-3 < max_rel_err(y, exact) < RTOL_FP8_VS_F32
+
+
+def test_quantize_is_saturating_and_exact_for_fp8_values():
+    x = jnp.array([0.0, 1.0, -2.0, 448.0, 1e-3], jnp.float32)
+    x8, s = quantize_tensorwise(x, jnp.float8_e4m3fn)
+    assert float(s) == 1.0  # amax 448 is e4m3's largest value
+    np.testing.assert_array_equal(np.asarray(x8.astype(jnp.float32))[:4], [0, 1, -2, 448])
+    zeros8, s0 = quantize_tensorwise(jnp.zeros((3,)), jnp.float8_e5m2)
+    assert float(s0) == 1.0 and not np.any(np.asarray(zeros8.astype(jnp.float32)))
+
+
+@pytest.mark.parametrize("bad", [jnp.inf, jnp.nan])
+def test_a_non_finite_operand_makes_the_whole_product_nan(bad, key):
+    # A documented, loud result: never a finite output computed from a broken scale.
+    x = jax.random.normal(key, (8, 16)).at[3, 4].set(bad)
+    y = fp8_matmul(x, jnp.ones((16, 4)))
+    assert np.all(np.isnan(np.asarray(y)))
+
+
+def test_fp8_matmul_refuses_bad_operands():
+    with pytest.raises(UsageTypeError, match="x has dtype int32"):
+        fp8_matmul(jnp.ones((2, 3), jnp.int32), jnp.ones((3, 2)))
+    with pytest.raises(UsageError, match=r"w has shape \(3,\)"):
+        fp8_matmul(jnp.ones((2, 3)), jnp.ones((3,)))
+    with pytest.raises(UsageError, match="do not contract"):
+        fp8_matmul(jnp.ones((2, 3)), jnp.ones((4, 2)))
+    with pytest.raises(UsageTypeError, match="cast both"):
+        fp8_matmul(jnp.ones((2, 3)), jnp.ones((3, 2), jnp.bfloat16))
+
+
+def test_fp8_dot_general_contracts_like_dot_general(key):
+    a = jax.random.normal(key, (4, 6, 3, 5))
+    b = jax.random.normal(jax.random.fold_in(key, 1), (5, 3, 7))
+    dims = (((2, 3), (1, 0)), ((), ()))
+    got = fp8.fp8_dot_general(a, b, dims)
+    want = jax.lax.dot_general(a, b, dims)
+    assert got.shape == want.shape
+    assert 1e-4 < max_rel_err(got, want) < RTOL_FP8_VS_F32
+    # batch dims are left to dot_general, exactly
+    c = jax.random.normal(key, (2, 4, 3))
+    batched = (((2,), (2,)), ((0,), (0,)))
+    np.testing.assert_array_equal(fp8.fp8_dot_general(c, c, batched),
+                                  jax.lax.dot_general(c, c, batched))
+
+
+# --------------------------------------------------------------------------- modules
+
+
+def _per_shard_reference(model: nnx.Module, loss_fn, batch: jax.Array, shards: int,
+                         cfg: gtp_jax.GTPConfig):
+    """(loss, grads) of the unsharded `model` with FP8 compute applied to each of `shards`
+    equal row blocks of `batch` separately (per-device scales), averaged."""
+    ref = nnx.clone(model)
+    fp8.inject(ref, fp8.fp8_layers(ref, cfg))
+    graphdef, params, rest = nnx.split(ref, nnx.Param, ...)
+    value, grads = _mean_loss_and_grads(graphdef, loss_fn, shards, params, rest, batch)
+    return float(value), grads
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def _mean_loss_and_grads(graphdef, loss_fn, shards, params, rest, batch):
+    def mean_loss(p):
+        rows = batch.reshape(shards, batch.shape[0] // shards, *batch.shape[1:])
+        per_shard = jax.vmap(lambda r: loss_fn(nnx.merge(graphdef, p, rest), r))(rows)
+        return jnp.mean(per_shard)
+
+    return jax.value_and_grad(mean_loss)(params)
+
+
+def _flat(state: nnx.State) -> dict[str, np.ndarray]:
+    return {"/".join(map(str, k)): np.asarray(v.get_value())
+            for k, v in nnx.to_flat_state(state)}
+
+
+def _mse(model, tokens):
+    return jnp.mean(model(tokens).astype(jnp.float32) ** 2)
+
+
+def test_user_module_in_fp8_matches_unsharded_per_shard(key, seed):
+    mesh = get_mesh("dp2_gtp4")
+    model = Mixed(nnx.Rngs(seed))
+    tokens = mixed_tokens(key)
+    sharded = gtp_jax.shard(model, mesh, ALL)
+    # Linear, Einsum and LinearGeneral all compute in FP8; the module's own are untouched.
+    assert sorted(p for p, _, _ in sharded.fp8_layers) == ["ein", "gen", "lin"]
+    assert model.lin.dot_general is jax.lax.dot_general
+    loss, grads = nnx.value_and_grad(_mse)(sharded, jax.device_put(
+        tokens, gtp_jax.data_sharding(mesh)))
+    ref_loss, ref_grads = _per_shard_reference(model, _mse, tokens, 8, ALL)
+    assert abs(float(loss) - ref_loss) <= RTOL_SAME_MATH * abs(ref_loss)
+    got = gtp_jax.unshard_values(sharded, grads)
+    for path, g in _flat(ref_grads).items():
+        assert_close(got[path], g, RTOL_SAME_MATH, path)
+    # not the unquantized module's gradient
+    plain = nnx.grad(_mse)(model, tokens)
+    lin = np.asarray(plain.lin.kernel.get_value())
+    assert 1e-4 < max_rel_err(got["lin/kernel"], lin) < RTOL_FP8_VS_F32
+    # unshard gives back the module's own matmuls
+    assert gtp_jax.unshard(sharded).lin.dot_general is jax.lax.dot_general
+
+
+@pytest.mark.parametrize(("unroll", "mesh_name"), [(True, "gtp8"), (False, "dp2_gtp4")],
+                         ids=["unrolled", "scanned_prefetch"])
+def test_decoder_in_fp8_trains_like_unsharded_per_shard(unroll, mesh_name, key, seed):
+    mesh = get_mesh(mesh_name)
+    cfg = preset("tiny", d_model=96, n_heads=4, d_ff=200, vocab_size=250, n_layers=2,
+                 remat="dots", unroll_layers=unroll)
+    config = gtp_jax.GTPConfig(fp8_compute="tensorwise", fp8_min_features=64,
+                               prefetch=not unroll)
+    model = Transformer(cfg, rngs=nnx.Rngs(seed))
+    sharded = gtp_jax.shard(nnx.clone(model), mesh, config)
+    assert sorted(p for p, _, _ in sharded.fp8_layers) == [
+        "blocks/attn/out", "blocks/attn/qkv", "blocks/mlp/down", "blocks/mlp/gate_up"]
+    # Each step is compared from the same state: FP8 rounding is discontinuous, so two runs
+    # whose parameters differ in the last float32 bit (the update of a padded shard against
+    # the full weight) quantize a few elements to neighbouring FP8 values one step later,
+    # and the runs drift apart by FP8 rounding, as any two FP8 runs would.
+    tx = optax.sgd(0.5)
+    opt = nnx.Optimizer(sharded, tx, wrt=nnx.Param)
+
+    @nnx.jit
+    def step(m, o, batch):
+        loss, grads = nnx.value_and_grad(lm_loss)(m, batch)
+        o.update(m, grads)
+        return loss, grads
+
+    for i in range(2):
+        batch = jax.random.randint(jax.random.fold_in(key, i), (8, 17), 0, 250)
+        before = gtp_jax.unshard(sharded)
+        ref_loss, ref_grads = _per_shard_reference(before, lm_loss, batch, 8, config)
+        loss, grads = step(sharded, opt, jax.device_put(batch, gtp_jax.data_sharding(mesh)))
+        assert abs(float(loss) - ref_loss) <= RTOL_SAME_MATH * abs(ref_loss), (i, loss, ref_loss)
+        got = gtp_jax.unshard_values(sharded, grads)
+        after = gtp_jax.unshard_values(sharded, sharded)
+        for name, g in _flat(ref_grads).items():
+            assert_close(got[name], g, RTOL_SAME_MATH, f"step {i} grad {name}")
+        for name, p in _flat(nnx.state(before, nnx.Param)).items():
+            assert_close(after[name], p - 0.5 * _flat(ref_grads)[name], RTOL_SAME_MATH,
+                         f"step {i} param {name}")
+
+
+def test_backward_keeps_no_gathered_weight_with_fp8_compute(key, seed):
+    # The FP8 matmul saves the activation payload, not a quantized copy of the gathered
+    # weight: the weight is re-gathered and quantized again in the backward pass.
+    import contextlib
+    import io
+
+    from jax.ad_checkpoint import print_saved_residuals
+
+    mesh = get_mesh("dp2_gtp4")
+    sharded = gtp_jax.shard(Mixed(nnx.Rngs(seed)), mesh, ALL)
+    graphdef, state = nnx.split(sharded)
+    tokens = jax.device_put(mixed_tokens(key), gtp_jax.data_sharding(mesh))
+    full = {p.spec.logical_shape for p in sharded.plan} | {p.spec.padded_shape
+                                                           for p in sharded.plan}
+    buffer = io.StringIO()
+    with contextlib.redirect_stdout(buffer):
+        print_saved_residuals(lambda s, t: _mse(nnx.merge(graphdef, s), t), state, tokens)
+    saved = []
+    for line in buffer.getvalue().splitlines():
+        if "from the argument" in line:
+            continue
+        dims = line.split("[", 1)[1].split("]", 1)[0]
+        shape = tuple(int(d) for d in dims.split(",") if d)
+        per_device = (shape[0] // 8,) + shape[1:] if shape and shape[0] % 8 == 0 else shape
+        if {shape, per_device} & full:
+            saved.append(line)
+    assert not saved, saved
+
+
+# --------------------------------------------------------------------------- errors
+
+
+def test_fp8_compute_settings_are_checked():
+    with pytest.raises(UsageError, match="fp8_compute='delayed' is unknown"):
+        gtp_jax.GTPConfig(fp8_compute="delayed")
+    with pytest.raises(UsageError, match="gather_format='nvfp4'.*gather formats only"):
+        gtp_jax.GTPConfig(fp8_compute="tensorwise", gather_format="nvfp4")
+    with pytest.raises(UsageError, match="fp8_min_features=-1"):
+        gtp_jax.GTPConfig(fp8_compute="tensorwise", fp8_min_features=-1)
+    with pytest.raises(UsageError, match="fp8_exclude has an invalid regular expression"):
+        gtp_jax.GTPConfig(fp8_exclude=("(",))
+
+
+def test_fp8_compute_with_nothing_eligible_or_tp_is_refused(seed):
+    model = Mixed(nnx.Rngs(seed))
+    with pytest.raises(UsageError, match=r"no layer .*fp8_min_features=2048"):
+        gtp_jax.shard(model, get_mesh("gtp8"),
+                      gtp_jax.GTPConfig(fp8_compute="tensorwise", min_elements=0))
+    with pytest.raises(UsageError, match="tp=2: the tensor-parallel projections"):
+        gtp_jax.shard(model, get_mesh("ep2_gtp2_tp2"), ALL)
+    # fp8_include picks layers by path, whatever their size
+    only = gtp_jax.GTPConfig(fp8_compute="tensorwise", fp8_include=("gen",), min_elements=0)
+    sharded = gtp_jax.shard(model, get_mesh("gtp8"), only)
+    assert [p for p, _, _ in sharded.fp8_layers] == ["gen"]
+    assert any("gen: matmuls in fp8" in line for line in sharded.describe())
