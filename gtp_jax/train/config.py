@@ -272,7 +272,7 @@ def describe_choices(cfg: TrainConfig, model_cfg: TransformerConfig) -> str:
         attention = f"ring over cp={cfg.cp}"
     else:
         attention = resolve_attention_impl(model_cfg.attention_impl, model_cfg.dtype,
-                                           model_cfg.head_dim)
+                                           model_cfg.head_size)
     if model_cfg.unrolled:
         loop = "layers unrolled (gathered one layer ahead)"
         if cfg.prefetch:
@@ -320,7 +320,7 @@ def check_devices(cfg: TrainConfig) -> None:
             "context parallelism does not support MoE layers yet (expert capacity is per "
             "sequence); use cp=1 or a dense model.")
     if cfg.cp == 1 and cfg.attention == "cudnn":
-        reason = cudnn_unsupported(model_cfg.dtype, model_cfg.head_dim)
+        reason = cudnn_unsupported(model_cfg.dtype, model_cfg.head_size)
         if reason is not None:
             raise UsageError(f"TrainConfig.attention='cudnn' does not apply here: {reason}; "
                              "use 'auto' (cuDNN where it applies) or 'xla'.")
