@@ -95,7 +95,8 @@ def config_from_hf(hf: dict[str, Any], directory: str = "<config>",
     if hf.get("hidden_act", "silu") != "silu":
         raise _fail(directory, f"config.json hidden_act={hf.get('hidden_act')!r} is not "
                     "supported (SwiGLU with silu only).")
-    rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    # transformers 5 writes ``rope_parameters`` (theta included), 4 ``rope_scaling``
+    rope = {**(hf.get("rope_parameters") or {}), **(hf.get("rope_scaling") or {})}
     theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     scaling: dict[str, Any] = {}
@@ -337,8 +338,25 @@ def _stored_array(reader: _Reader, source: tuple, plan: Any, sharding: NamedShar
     return jax.make_array_from_callback(stored_shape, sharding, shard_data)
 
 
+def read_config(directory: str, **overrides: Any) -> TransformerConfig:
+    """The `TransformerConfig` of the checkpoint in `directory` (its ``config.json``), with
+    `overrides` (`config_from_hf`). Raises `UsageError` as `from_hf` does."""
+    directory = os.fspath(directory)
+    if not os.path.isdir(directory):
+        raise _fail(directory, "no such directory.")
+    try:
+        with open(os.path.join(directory, "config.json")) as f:
+            hf = json.load(f)
+    except (OSError, ValueError) as err:
+        raise _fail(directory, f"config.json is missing or unreadable ({err}).") from None
+    if not isinstance(hf, dict):
+        raise _fail(directory, "config.json is not a JSON object.")
+    return config_from_hf(hf, directory, **overrides)
+
+
 def from_hf(directory: str, *, mesh: Any = None, gtp_config: GTPConfig | None = None,
             dtype: Any = jnp.float32, param_dtype: Any = jnp.float32,
+            config: TransformerConfig | None = None,
             **overrides: Any) -> Transformer | ShardedModule:
     """A `Transformer` with the weights of a Hugging Face Llama-family checkpoint.
 
@@ -349,6 +367,8 @@ def from_hf(directory: str, *, mesh: Any = None, gtp_config: GTPConfig | None = 
         device's shard is read straight from the files. None: an unsharded model.
       gtp_config: the `GTPConfig` of the sharded model (default ``GTPConfig()``).
       dtype: compute dtype; param_dtype: stored dtype (weights are converted to it).
+      config: the model's `TransformerConfig` instead of the one config.json implies
+        (e.g. with other computation options); the tensors must have its shapes.
       overrides: further `TransformerConfig` fields (remat, attention_impl, ...).
 
     Returns:
@@ -360,15 +380,9 @@ def from_hf(directory: str, *, mesh: Any = None, gtp_config: GTPConfig | None = 
         (the field is named).
     """
     directory = os.fspath(directory)
-    cfg_path = os.path.join(directory, "config.json")
-    if not os.path.isdir(directory):
-        raise _fail(directory, "no such directory.")
-    try:
-        with open(cfg_path) as f:
-            hf = json.load(f)
-    except (OSError, ValueError) as err:
-        raise _fail(directory, f"config.json is missing or unreadable ({err}).") from None
-    cfg = config_from_hf(hf, directory, dtype=dtype, param_dtype=param_dtype, **overrides)
+    cfg = read_config(directory, dtype=dtype, param_dtype=param_dtype, **overrides)
+    if config is not None:
+        cfg = config
     reader = _Reader(directory)
     for name, shape in _hf_names(cfg).items():
         got = reader.shape(name)
@@ -376,7 +390,7 @@ def from_hf(directory: str, *, mesh: Any = None, gtp_config: GTPConfig | None = 
             raise _fail(directory, f"tensor {name!r} has shape {list(got)}, but config.json "
                         f"implies {list(shape)}.")
     sources = _sources(cfg)
-    np_dtype = np.dtype(param_dtype)
+    np_dtype = np.dtype(cfg.param_dtype)
 
     def build() -> Any:
         model = Transformer(cfg, rngs=nnx.Rngs(0))
