@@ -201,6 +201,7 @@ GQA_CFG = preset("tiny", d_model=32, n_heads=4, n_kv_heads=2, head_dim=16, d_ff=
                  rope_original_max_len=8)
 
 
+@pytest.mark.slow  # about a minute each on 2 cores, as tests/test_tp.py
 @pytest.mark.parametrize("mesh_sizes", [{"dp": 2, "gtp": 2, "tp": 2}, {"gtp": 2, "tp": 4}],
                          ids=["kv_split_tp2", "kv_replicated_tp4"])
 def test_gqa_tp_trains_like_unsharded(mesh_sizes, seed) -> None:
