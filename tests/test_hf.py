@@ -232,3 +232,22 @@ def test_live_export_loads_in_transformers(tmp_path) -> None:
     with torch.no_grad():
         ref = net(torch.tensor(tokens)).logits.numpy()
     assert _rel(_logits(model, jnp.asarray(tokens)), ref) < RTOL
+
+
+def test_checkpoint_without_new_model_fields_resumes() -> None:
+    """A checkpoint written before n_kv_heads, head_dim and the rotary scaling fields
+    existed resumes (missing fields compare as their defaults); a changed one is refused."""
+    from test_reliability import _check_resume, _meta
+
+    from gtp_jax.train import TrainConfig, model_config
+
+    cfg = TrainConfig(steps=6, schedule_steps=6)
+    meta = _meta(cfg)
+    new = ("n_kv_heads", "head_dim", "rope_scaling", "rope_factor", "rope_low_freq_factor",
+           "rope_high_freq_factor", "rope_original_max_len")
+    for name in new:
+        del meta["extra"]["model_config"][name]
+    assert _check_resume(cfg, model_config(cfg), meta, "/ck").steps == 6
+    meta["extra"]["model_config"]["rope_factor"] = 2.0
+    with pytest.raises(UsageError, match="model rope_factor: checkpoint"):
+        _check_resume(cfg, model_config(cfg), meta, "/ck")

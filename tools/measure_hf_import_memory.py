@@ -2,8 +2,9 @@
 
 Writes a random built-in model of about 1.2 GB (float32, GQA, 16 layers) as a Hugging Face
 checkpoint with `to_hf` (in a child process), then imports it in a fresh child process onto
-8 simulated CPU devices (gtp=8: every weight stored once, 1/8 per device) and reports that process's peak resident memory
-(``resource.getrusage(RUSAGE_SELF).ru_maxrss``) before and after the import. On CPU the
+8 simulated CPU devices (gtp=8: every weight stored once, 1/8 per device) and reports that
+process's peak resident memory (``resource.getrusage(RUSAGE_SELF).ru_maxrss``) before and
+after the import. On CPU the
 devices' buffers are host memory too, so the placed weights themselves count once (the
 model's size); the rest is what the import needs on top of them.
 
@@ -36,7 +37,7 @@ mesh = gtp_jax.make_mesh(gtp=8)
 jax.numpy.zeros(1).block_until_ready()
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 model = from_hf(sys.argv[1], mesh=mesh)
-jax.block_until_ready(jax.tree.leaves(nnx_state := __import__("flax").nnx.state(model)))
+jax.block_until_ready(jax.tree.leaves(__import__("flax").nnx.state(model)))
 after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 print(before * 1024, after * 1024)
 """
