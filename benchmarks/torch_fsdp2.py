@@ -21,38 +21,42 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-SIZES = {  # vocab, d_model, heads, layers, d_ff
+SIZES = {  # vocab, d_model, heads, layers, d_ff[, kv heads, head dim]
     "tiny": (256, 128, 4, 4, 352),
     "small": (32000, 512, 8, 6, 1408),
     "100m": (32000, 768, 12, 12, 2048),
     "1b": (32000, 2048, 16, 16, 5632),
+    "llama3-8b": (128256, 4096, 32, 32, 14336, 8, 128),  # grouped-query, as gtp_jax's preset
 }
 
 
 class Block(nn.Module):
-    def __init__(self, d, heads, ff):
+    def __init__(self, d, heads, ff, kv=None, hd=None):
         super().__init__()
-        self.heads = heads
+        self.heads, self.kv, self.hd = heads, kv or heads, hd or d // heads
         self.attn_norm, self.mlp_norm = nn.RMSNorm(d), nn.RMSNorm(d)
-        self.qkv = nn.Linear(d, 3 * d, bias=False)
-        self.out = nn.Linear(d, d, bias=False)
+        self.qkv = nn.Linear(d, (heads + 2 * self.kv) * self.hd, bias=False)
+        self.out = nn.Linear(heads * self.hd, d, bias=False)
         self.gate_up = nn.Linear(d, 2 * ff, bias=False)
         self.down = nn.Linear(ff, d, bias=False)
 
     def forward(self, x):
         b, t, d = x.shape
-        q, k, v = self.qkv(self.attn_norm(x)).view(b, t, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
-        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.out(a.transpose(1, 2).reshape(b, t, d))
+        q, k, v = self.qkv(self.attn_norm(x)).view(b, t, -1, self.hd).split(
+            [self.heads, self.kv, self.kv], dim=2)
+        q, k, v = (y.transpose(1, 2) for y in (q, k, v))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                           enable_gqa=self.kv != self.heads)
+        x = x + self.out(a.transpose(1, 2).reshape(b, t, self.heads * self.hd))
         gate, up = self.gate_up(self.mlp_norm(x)).chunk(2, dim=-1)
         return x + self.down(F.silu(gate) * up)
 
 
 class Decoder(nn.Module):
-    def __init__(self, vocab, d, heads, layers, ff):
+    def __init__(self, vocab, d, heads, layers, ff, kv=None, hd=None):
         super().__init__()
         self.embed = nn.Embedding(vocab, d)
-        self.blocks = nn.ModuleList(Block(d, heads, ff) for _ in range(layers))
+        self.blocks = nn.ModuleList(Block(d, heads, ff, kv, hd) for _ in range(layers))
         self.final_norm = nn.RMSNorm(d)
         self.head = nn.Linear(d, vocab, bias=False)
 
@@ -69,12 +73,12 @@ def main():
     dist.init_process_group("nccl")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.cuda.set_device(rank)
-    vocab, d, heads, layers, ff = SIZES[os.environ.get("PRESET", "1b")]
+    vocab, d, heads, layers, ff, *gqa = SIZES[os.environ.get("PRESET", "1b")]
     layers = int(os.environ.get("LAYERS", "0")) or layers
     seq, mb = int(os.environ.get("SEQ", "2048")), int(os.environ.get("MB", "4"))
     steps = int(os.environ.get("STEPS", "20"))
     torch.manual_seed(0)
-    model = Decoder(vocab, d, heads, layers, ff).cuda()
+    model = Decoder(vocab, d, heads, layers, ff, *gqa).cuda()
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     compiled = os.environ.get("COMPILE", "1") != "0"
     replicate = int(os.environ.get("REPLICATE", "1"))
@@ -122,7 +126,10 @@ def main():
             torch.cuda.synchronize()
         if rank == 0:
             prof.export_chrome_trace(os.environ["PROFILE"])
-    flops_per_token = 6.0 * (layers * (4 * d * d + 3 * d * ff) + vocab * d) + 6.0 * layers * d * seq
+    kv, hd = gqa or (heads, d // heads)  # the formula of TransformerConfig.train_flops_per_token
+    attn = 2 * d * hd * (heads + kv)
+    flops_per_token = (6.0 * (layers * (attn + 3 * d * ff) + vocab * d)
+                       + 6.0 * layers * heads * hd * seq)
     flops = flops_per_token * mb * seq
     if rank == 0:
         print("RESULT " + json.dumps({

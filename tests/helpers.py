@@ -25,6 +25,9 @@ MESHES: dict[str, dict[str, int]] = {
     "dp2_gtp4": {"dp": 2, "gtp": 4},
     "dp8_gtp1": {"dp": 8},
     "ep2_gtp2_tp2": {"ep": 2, "gtp": 2, "tp": 2},
+    "dp2_gtp2_tp2": {"dp": 2, "gtp": 2, "tp": 2},
+    "gtp2_tp4": {"gtp": 2, "tp": 4},
+    "cp2_gtp2_tp2": {"cp": 2, "gtp": 2, "tp": 2},
 }
 
 

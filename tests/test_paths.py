@@ -147,4 +147,4 @@ def test_preset_head_dims_take_cudnn():
     # The presets a GPU user trains (bf16) get cuDNN's kernel under "auto".
     for name in ("100m", "1b"):
         cfg = preset(name, dtype=BF16)
-        assert resolve_attention_impl(None, BF16, cfg.head_dim, "gpu") == "cudnn", name
+        assert resolve_attention_impl(None, BF16, cfg.head_size, "gpu") == "cudnn", name

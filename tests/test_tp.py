@@ -176,7 +176,7 @@ def test_two_axis_placement_and_local_shapes() -> None:
     mesh = gtp_jax.make_mesh(dp=2, gtp=2, tp=2)
     sm = gtp_jax.shard(Transformer(ODD, rngs=nnx.Rngs(0)), mesh,
                        gtp_jax.GTPConfig(min_elements=0))
-    layers, d, heads, hd, f = ODD.n_layers, ODD.d_model, 4, ODD.head_dim, ODD.d_ff
+    layers, d, heads, hd, f = ODD.n_layers, ODD.d_model, 4, ODD.head_size, ODD.d_ff
     expected = {
         # path: (stored shape, stored spec, local logical shape, gtp shard dim per layer)
         "blocks/attn/qkv/kernel": ((layers, d, 3, heads, hd), P(None, "gtp", None, "tp", None),

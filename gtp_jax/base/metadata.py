@@ -8,6 +8,9 @@ Set by model code (``nnx.Param(..., gtp_tp_dim=1)`` or ``var.set_metadata(KEY, v
 - `TP_DIM`: per-layer dim split over the ``tp`` mesh axis (Megatron column/row parallel).
 - `TP_PARTS`: the `TP_DIM` holds this many equal fused parts (``[gate | up]``: 2), each
   split over ``tp`` on its own so every rank holds a piece of every part.
+- `TP_UNEVEN`: what to do when ``tp`` does not divide the `TP_DIM`: ``"pad"`` (default:
+  zero-pad it at its end; the model keeps the padding at zero) or ``"replicate"`` (no tp
+  split: every tp rank holds the whole weight, e.g. grouped-query kv heads fewer than tp).
 - `EP_DIM`: per-layer dim split over the ``ep`` mesh axis (the expert dim).
 - `SHARD_DIM`: per-layer dim to GTP-shard (default: chosen by `gtp_jax.shard`).
 - `REDUCE`: how non-parameter state written in ``__call__`` is combined over the data
@@ -27,6 +30,7 @@ from __future__ import annotations
 STACKED = "gtp_stacked"
 TP_DIM = "gtp_tp_dim"
 TP_PARTS = "gtp_tp_parts"
+TP_UNEVEN = "gtp_tp_uneven"
 EP_DIM = "gtp_ep_dim"
 SHARD_DIM = "gtp_shard_dim"
 REDUCE = "gtp_reduce"

@@ -1,5 +1,6 @@
 """Reference models written in plain Flax NNX."""
 
+from gtp_jax.models.hf import from_hf, to_hf
 from gtp_jax.models.transformer import (
     PRESETS,
     LMOutput,
@@ -9,4 +10,5 @@ from gtp_jax.models.transformer import (
     preset,
 )
 
-__all__ = ["LMOutput", "PRESETS", "Transformer", "TransformerConfig", "lm_loss", "preset"]
+__all__ = ["LMOutput", "PRESETS", "Transformer", "TransformerConfig", "from_hf", "lm_loss",
+           "preset", "to_hf"]

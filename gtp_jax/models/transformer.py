@@ -1,6 +1,8 @@
 """A decoder-only transformer in plain Flax NNX, with its layers stacked for ``lax.scan``.
 
-RMSNorm, rotary attention, SwiGLU MLP (or a mixture of experts), tied or untied embeddings.
+RMSNorm, rotary attention (multi-head or grouped-query, with optional Llama 3 / linear rotary
+scaling), SwiGLU MLP (or a mixture of experts), tied or untied embeddings: the shapes of the
+Llama family (`gtp_jax.models.hf` reads and writes Hugging Face checkpoints).
 The blocks are created with ``nnx.vmap`` (one stacked parameter per weight, leading dim =
 layer) and marked with ``gtp_stacked`` metadata, so `gtp_jax.shard` splits them on dim 1
 and `gtp_jax.scan_layers` gathers one layer at a time. Unsharded, the same module is an
@@ -53,7 +55,7 @@ from jax.sharding import PartitionSpec as P
 from gtp_jax.base.axes import CP_AXIS, TP_AXIS, current_axes
 from gtp_jax.base.errors import UsageError
 from gtp_jax.base.mesh import data_axes
-from gtp_jax.base.metadata import STACKED, TP_DIM, TP_PARTS
+from gtp_jax.base.metadata import STACKED, TP_DIM, TP_PARTS, TP_UNEVEN
 from gtp_jax.base.shapes import round_up
 from gtp_jax.models.attention import ATTENTION_IMPLS, causal_attention
 from gtp_jax.models.cross_entropy import cross_entropy
@@ -79,6 +81,8 @@ from gtp_jax.sharding.contract import InputLayout, OutputLayout
 from gtp_jax.sharding.scan import scan_layers
 
 REMAT_POLICIES = ("none", "dots", "full")
+#: Rotary scalings (`TransformerConfig.rope_scaling`), Hugging Face's ``rope_type`` names.
+ROPE_SCALINGS = (None, "linear", "llama3")
 #: Attention implementations under context parallelism (`TransformerConfig.cp_attention`).
 CP_ATTENTION = ("ring", "allgather")
 #: Projections whose tensor-parallel collective can run as a ring (`TransformerConfig.tp_overlap`).
@@ -91,12 +95,24 @@ class TransformerConfig:
 
     Attributes:
       vocab_size, d_model, n_heads, n_layers, d_ff: model sizes (``d_ff`` is the SwiGLU
-        hidden width; ``d_model`` must divide by ``n_heads``).
+        hidden width; ``d_model`` must divide by ``n_heads`` unless `head_dim` is set). Any
+        vocabulary size works: sharded weights are padded invisibly (the model only ever
+        sees ``vocab_size`` logits).
+      n_kv_heads: key/value heads (grouped-query attention: each group of
+        ``n_heads // n_kv_heads`` consecutive query heads shares one); None: ``n_heads``
+        (multi-head attention, one fused ``qkv`` projection). Under tensor parallelism the
+        kv heads are split over ``tp`` when they divide by it, else replicated on every
+        ``tp`` rank (each rank picks the kv heads of its query heads).
+      head_dim: width of one head; None: ``d_model // n_heads``.
       max_seq_len: longest sequence (rotary tables are built per call, so this is a check).
       tie_embeddings: the output head reuses the input embedding.
       dtype: compute dtype (activations, gathered weights); params stay in `param_dtype`.
       param_dtype: dtype of the stored (master) parameters.
       rope_theta: rotary base.
+      rope_scaling: None (plain rotary), "linear" (every frequency divided by
+        `rope_factor`) or "llama3" (Llama 3.1+ frequency-dependent scaling by `rope_factor`,
+        `rope_low_freq_factor`, `rope_high_freq_factor`, `rope_original_max_len`), as
+        Hugging Face's ``rope_scaling`` of the same ``rope_type``.
       norm_eps: RMSNorm epsilon.
       remat: activation recompute inside each layer: "none" (keep what autodiff keeps),
         "dots" (save matmul outputs and the attention's inputs and fused outputs,
@@ -147,6 +163,13 @@ class TransformerConfig:
     param_dtype: Any = jnp.float32
     rope_theta: float = 10000.0
     norm_eps: float = 1e-6
+    n_kv_heads: int | None = None
+    head_dim: int | None = None
+    rope_scaling: str | None = None
+    rope_factor: float = 1.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_len: int = 8192
     remat: str = "none"
     attention_impl: str | None = None
     tp_overlap: bool | tuple[str, ...] = False
@@ -166,16 +189,44 @@ class TransformerConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"TransformerConfig.{name}={value!r} must be a positive int.")
-        if self.d_model % self.n_heads:
+        for name in ("n_kv_heads", "head_dim"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"TransformerConfig.{name}={value!r} must be a positive int "
+                                 "or None.")
+        if self.head_dim is None and self.d_model % self.n_heads:
             raise ValueError(
                 f"TransformerConfig.d_model={self.d_model} must be divisible by "
-                f"n_heads={self.n_heads}."
+                f"n_heads={self.n_heads} (or set head_dim)."
             )
-        if (self.d_model // self.n_heads) % 2:
+        if self.head_size % 2:
             raise ValueError(
-                f"TransformerConfig: head dim {self.d_model // self.n_heads} must be even "
-                "for rotary embeddings; change d_model or n_heads."
+                f"TransformerConfig: head dim {self.head_size} must be even "
+                "for rotary embeddings; change d_model, n_heads or head_dim."
             )
+        if self.n_heads % self.kv_heads:
+            raise ValueError(
+                f"TransformerConfig.n_kv_heads={self.n_kv_heads} must divide "
+                f"n_heads={self.n_heads} (each kv head serves a group of query heads).")
+        if self.rope_scaling not in ROPE_SCALINGS:
+            raise ValueError(
+                f"TransformerConfig.rope_scaling={self.rope_scaling!r}; choose one of "
+                f"{ROPE_SCALINGS}.")
+        if not (isinstance(self.rope_factor, (int, float)) and self.rope_factor > 0):
+            raise ValueError(
+                f"TransformerConfig.rope_factor={self.rope_factor!r} must be a number > 0.")
+        if self.rope_scaling == "llama3" and not (
+                0 < self.rope_low_freq_factor < self.rope_high_freq_factor
+                and isinstance(self.rope_original_max_len, int)
+                and self.rope_original_max_len > 0):
+            raise ValueError(
+                "TransformerConfig: llama3 rotary scaling needs 0 < rope_low_freq_factor "
+                f"({self.rope_low_freq_factor}) < rope_high_freq_factor "
+                f"({self.rope_high_freq_factor}) and a positive int rope_original_max_len "
+                f"({self.rope_original_max_len!r}).")
+        if not (isinstance(self.norm_eps, (int, float)) and self.norm_eps >= 0):
+            raise ValueError(
+                f"TransformerConfig.norm_eps={self.norm_eps!r} must be a number >= 0.")
         if self.remat not in REMAT_POLICIES:
             raise ValueError(
                 f"TransformerConfig.remat={self.remat!r}; choose one of {REMAT_POLICIES}."
@@ -255,8 +306,20 @@ class TransformerConfig:
         return self.moe_d_ff or self.d_ff
 
     @property
-    def head_dim(self) -> int:
-        return self.d_model // self.n_heads
+    def head_size(self) -> int:
+        """Width of one head: `head_dim`, or ``d_model // n_heads`` when it is None."""
+        return self.head_dim if self.head_dim is not None else self.d_model // self.n_heads
+
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads: `n_kv_heads`, or ``n_heads`` when it is None."""
+        return self.n_kv_heads if self.n_kv_heads is not None else self.n_heads
+
+    @property
+    def grouped(self) -> bool:
+        """Grouped-query attention (fewer kv heads than query heads): separate ``q`` and
+        ``kv`` projections instead of the fused ``qkv``."""
+        return self.kv_heads != self.n_heads
 
     def num_params(self) -> int:
         """Parameter count (embeddings included)."""
@@ -264,7 +327,8 @@ class TransformerConfig:
         mlp = 3 * d * f
         if self.moe_experts:
             mlp = self.moe_experts * 3 * d * self.expert_d_ff + d * self.moe_experts
-        per_layer = 4 * d * d + mlp + 2 * d
+        attn = 2 * d * self.head_size * (self.n_heads + self.kv_heads)
+        per_layer = attn + mlp + 2 * d
         emb = self.vocab_size * d * (1 if self.tie_embeddings else 2)
         return self.n_layers * per_layer + emb + d
 
@@ -278,8 +342,10 @@ class TransformerConfig:
         mlp = 3 * d * f
         if self.moe_experts:  # active experts per token, plus the router
             mlp = self.moe_top_k * 3 * d * self.expert_d_ff + d * self.moe_experts
-        block = self.n_layers * (4 * d * d + mlp)
-        return 6.0 * (block + self.vocab_size * d) + 6.0 * self.n_layers * d * seq_len
+        attn = 2 * d * self.head_size * (self.n_heads + self.kv_heads)
+        block = self.n_layers * (attn + mlp)
+        width = self.n_heads * self.head_size  # d_model unless head_dim says otherwise
+        return 6.0 * (block + self.vocab_size * d) + 6.0 * self.n_layers * width * seq_len
 
 
 PRESETS: dict[str, TransformerConfig] = {
@@ -294,28 +360,77 @@ PRESETS: dict[str, TransformerConfig] = {
     # 0.95B params: the GPU benchmark model (same as the PyTorch/XLA peer baselines).
     "1b": TransformerConfig(vocab_size=32000, d_model=2048, n_heads=16, n_layers=16,
                             d_ff=5632, max_seq_len=2048, tie_embeddings=False),
+    # The shapes of Meta's Llama 3.2 1B / 3B and Llama 3 8B (their Hugging Face config.json).
+    "llama3.2-1b": TransformerConfig(
+        vocab_size=128256, d_model=2048, n_heads=32, n_kv_heads=8, head_dim=64, n_layers=16,
+        d_ff=8192, max_seq_len=131072, tie_embeddings=True, rope_theta=500000.0,
+        norm_eps=1e-5, rope_scaling="llama3", rope_factor=32.0, rope_low_freq_factor=1.0,
+        rope_high_freq_factor=4.0, rope_original_max_len=8192),
+    "llama3.2-3b": TransformerConfig(
+        vocab_size=128256, d_model=3072, n_heads=24, n_kv_heads=8, head_dim=128, n_layers=28,
+        d_ff=8192, max_seq_len=131072, tie_embeddings=True, rope_theta=500000.0,
+        norm_eps=1e-5, rope_scaling="llama3", rope_factor=32.0, rope_low_freq_factor=1.0,
+        rope_high_freq_factor=4.0, rope_original_max_len=8192),
+    "llama3-8b": TransformerConfig(
+        vocab_size=128256, d_model=4096, n_heads=32, n_kv_heads=8, head_dim=128, n_layers=32,
+        d_ff=14336, max_seq_len=8192, tie_embeddings=False, rope_theta=500000.0,
+        norm_eps=1e-5),
 }
 
 
 def preset(name: str, **overrides: Any) -> TransformerConfig:
-    """A named preset (``tiny``, ``small``, ``100m``, ``1b``) with optional field overrides."""
+    """A named preset (``tiny``, ``small``, ``100m``, ``1b``, ``llama3.2-1b``,
+    ``llama3.2-3b``, ``llama3-8b``) with optional field overrides."""
     if name not in PRESETS:
         raise ValueError(f"Unknown preset {name!r}; choose one of {sorted(PRESETS)}.")
     return dataclasses.replace(PRESETS[name], **overrides)
 
 
-def rope_tables(seq_len: int, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
-    """cos/sin tables, float32 ``[seq_len, head_dim // 2]``."""
-    inv_freq = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))
+def rope_inv_freq(head_dim: int, theta: float,
+                  cfg: TransformerConfig | None = None) -> np.ndarray:
+    """Rotary inverse frequencies, float32 ``[head_dim // 2]``: ``theta ** (-2i / head_dim)``,
+    scaled as ``cfg.rope_scaling`` says (None or no `cfg`: unscaled).
+
+    "linear" divides every frequency by ``cfg.rope_factor``; "llama3" divides the low
+    frequencies (wavelength above ``original / low_freq_factor``) by it, keeps the high ones
+    (below ``original / high_freq_factor``) and interpolates smoothly between, as Hugging
+    Face's ``_compute_llama3_parameters`` (float32, the same operations).
+    """
+    inv_freq = (1.0 / (np.float32(theta) ** (np.arange(0, head_dim, 2, dtype=np.float32)
+                                             / np.float32(head_dim)))).astype(np.float32)
+    scaling = None if cfg is None else cfg.rope_scaling
+    if scaling == "linear":
+        return (inv_freq / np.float32(cfg.rope_factor)).astype(np.float32)
+    if scaling == "llama3":
+        factor = np.float32(cfg.rope_factor)
+        low, high = np.float32(cfg.rope_low_freq_factor), np.float32(cfg.rope_high_freq_factor)
+        old = np.float32(cfg.rope_original_max_len)
+        wavelen = np.float32(2 * np.pi) / inv_freq
+        scaled = np.where(wavelen > old / low, inv_freq / factor, inv_freq).astype(np.float32)
+        smooth = ((old / wavelen - low) / (high - low)).astype(np.float32)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < old / high) & ~(wavelen > old / low)
+        return np.where(medium, smoothed, scaled).astype(np.float32)
+    return inv_freq
+
+
+def rope_tables(seq_len: int, head_dim: int, theta: float, *,
+                inv_freq: np.ndarray | None = None) -> tuple[jax.Array, jax.Array]:
+    """cos/sin tables, float32 ``[seq_len, head_dim // 2]`` (`inv_freq`: `rope_inv_freq`'s,
+    None: unscaled)."""
+    if inv_freq is None:
+        inv_freq = rope_inv_freq(head_dim, theta)
     angles = np.arange(seq_len, dtype=np.float32)[:, None] * inv_freq[None, :]
     return jnp.asarray(np.cos(angles)), jnp.asarray(np.sin(angles))
 
 
-def rope_at(positions: jax.Array, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
+def rope_at(positions: jax.Array, head_dim: int, theta: float, *,
+            inv_freq: np.ndarray | None = None) -> tuple[jax.Array, jax.Array]:
     """cos/sin tables, float32 ``[len(positions), head_dim // 2]``, at the given (traced)
     int positions: `rope_tables` rows for tokens that are not in natural order (context
     parallelism: this rank's global positions)."""
-    inv_freq = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))
+    if inv_freq is None:
+        inv_freq = rope_inv_freq(head_dim, theta)
     angles = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]
     return jnp.cos(angles), jnp.sin(angles)
 
@@ -331,7 +446,9 @@ def _promote(x: jax.Array, w: jax.Array, dtype: Any) -> tuple[jax.Array, jax.Arr
 
 
 class Attention(nnx.Module):
-    """Causal multi-head self-attention with rotary embeddings (``nnx.LinearGeneral``).
+    """Causal self-attention with rotary embeddings (``nnx.LinearGeneral``): multi-head
+    (one fused ``qkv`` projection) or grouped-query (``cfg.kv_heads < cfg.n_heads``:
+    ``q [d, H, hd]`` and ``kv [d, 2, KV, hd]``).
 
     Tensor parallel (``tp`` in `current_axes`): ``qkv.kernel [d, 3, H, hd]`` is split on its
     heads (column-parallel, ``gtp_tp_dim=2``) and ``out.kernel [H, hd, d]`` on its heads
@@ -341,19 +458,72 @@ class Attention(nnx.Module):
     output is 0 and contributes nothing through the zero rows of ``out``; and its gradients
     are 0 (``d out_pad = attn_pad^T dy = 0``; ``d attn_pad = dy out_pad^T = 0`` makes
     ``dv``, ``dq``, ``dk`` and so the qkv gradient of the padded columns 0), so neither Adam
-    nor weight decay ever moves it.
+    nor weight decay ever moves it. Grouped-query: ``q`` splits (or pads) its heads like
+    ``qkv``; ``kv`` splits its heads when ``tp`` divides ``KV`` (rank ``r`` then holds the kv
+    heads of its query heads), else it is replicated over ``tp`` (`TP_UNEVEN` "replicate":
+    every rank projects all kv heads and keeps those of its query heads; a padded query
+    head reads the last kv head, harmlessly: its q and ``out`` rows are zero). The kv heads
+    are repeated to one per query head before attention (``jnp.repeat``, as Hugging Face's
+    ``repeat_kv``), so the attention kernels, the ring of context parallelism and its
+    flash block kernels see plain multi-head attention.
     """
 
     def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
         common = dict(use_bias=False, dtype=cfg.dtype, param_dtype=cfg.param_dtype, rngs=rngs)
-        self.qkv = nnx.LinearGeneral(cfg.d_model, (3, cfg.n_heads, cfg.head_dim),
-                                     kernel_init=_init(0.02), **common)
-        self.out = nnx.LinearGeneral((cfg.n_heads, cfg.head_dim), cfg.d_model, axis=(-2, -1),
+        hd = cfg.head_size
+        if cfg.grouped:
+            self.q = nnx.LinearGeneral(cfg.d_model, (cfg.n_heads, hd),
+                                       kernel_init=_init(0.02), **common)
+            self.kv = nnx.LinearGeneral(cfg.d_model, (2, cfg.kv_heads, hd),
+                                        kernel_init=_init(0.02), **common)
+            self.q.kernel.set_metadata(TP_DIM, 1)
+            self.kv.kernel.set_metadata(TP_DIM, 2)
+            self.kv.kernel.set_metadata(TP_UNEVEN, "replicate")
+        else:
+            self.qkv = nnx.LinearGeneral(cfg.d_model, (3, cfg.n_heads, hd),
+                                         kernel_init=_init(0.02), **common)
+            self.qkv.kernel.set_metadata(TP_DIM, 2)
+        self.out = nnx.LinearGeneral((cfg.n_heads, hd), cfg.d_model, axis=(-2, -1),
                                      kernel_init=_init(0.02 / np.sqrt(2 * cfg.n_layers)),
                                      **common)
-        self.qkv.kernel.set_metadata(TP_DIM, 2)
         self.out.kernel.set_metadata(TP_DIM, 0)
+
+    def _project(self, x: jax.Array, tp: str | None) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """q ``[b, s, H_local, hd]`` and k, v ``[b, s, KV_local, hd]`` (this rank's heads)."""
+        if not self.cfg.grouped:
+            if tp is None:
+                qkv = self.qkv(x)
+            else:
+                x, w = _promote(x, self.qkv.kernel[...], self.cfg.dtype)
+                qkv = column_parallel(x, w, tp, overlap=self.cfg.overlaps("qkv"))
+            return qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+        if tp is None:
+            kv = self.kv(x)
+            return self.q(x), kv[:, :, 0], kv[:, :, 1]
+        wq, wkv = self.q.kernel[...], self.kv.kernel[...]
+        d, hl, hd = wq.shape
+        kvl = wkv.shape[2]
+        # one column-parallel GEMM (one sequence all-gather) for q and kv together
+        w = jnp.concatenate([wq.reshape(d, hl * hd), wkv.reshape(d, 2 * kvl * hd)], axis=1)
+        x, w = _promote(x, w, self.cfg.dtype)
+        y = column_parallel(x, w, tp, overlap=self.cfg.overlaps("qkv"))
+        b, s = y.shape[:2]
+        q = y[..., :hl * hd].reshape(b, s, hl, hd)
+        kv = y[..., hl * hd:].reshape(b, s, 2, kvl, hd)
+        return q, kv[:, :, 0], kv[:, :, 1]
+
+    def _group(self, t: jax.Array, q_heads: int, axes: Any) -> jax.Array:
+        """k or v ``[b, s, KV_local, hd]`` -> one head per local query head."""
+        cfg, tp = self.cfg, axes.tp
+        if not cfg.grouped:
+            return t
+        if tp is not None and cfg.kv_heads % axes.tp_size:
+            # kv replicated over tp: pick the kv head of each of this rank's query heads
+            heads = jax.lax.axis_index(tp) * q_heads + jnp.arange(q_heads)
+            group = jnp.minimum(heads, cfg.n_heads - 1) // (cfg.n_heads // cfg.kv_heads)
+            return jnp.take(t, group, axis=2)
+        return jnp.repeat(t, q_heads // t.shape[2], axis=2)
 
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array,
                  valid_len: int | None = None) -> jax.Array:
@@ -363,16 +533,12 @@ class Attention(nnx.Module):
         is the global number of real (unpadded) tokens."""
         axes = current_axes()
         tp = axes.tp
-        if tp is None:
-            qkv = self.qkv(x)
-        else:
-            x, w = _promote(x, self.qkv.kernel[...], self.cfg.dtype)
-            qkv = column_parallel(x, w, tp, overlap=self.cfg.overlaps("qkv"))
-        q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+        q, k, v = self._project(x, tp)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         # named for `save_dots_and_attention`: saving the attention's inputs instead of the
         # qkv projection output (same bytes) spares the backward pass re-running rotary
         q, k, v = (checkpoint_name(t, n) for t, n in zip((q, k, v), ATTENTION_INPUTS))
+        k, v = self._group(k, q.shape[2], axes), self._group(v, q.shape[2], axes)
         if axes.cp is not None:
             fn = ring_attention if self.cfg.cp_attention == "ring" else allgather_attention
             extra = {"backend": self.cfg.cp_attention_backend} if fn is ring_attention else {}
@@ -558,7 +724,8 @@ class Transformer(nnx.Module):
         if axes.tp is not None:
             # Trailing pad to a multiple of tp: causal attention keeps real positions exact.
             tokens = seq_chunk(pad_seq(tokens, axes.tp_size), axes.tp)
-        cos, sin = rope_tables(round_up(seq_len, axes.tp_size), cfg.head_dim, cfg.rope_theta)
+        cos, sin = rope_tables(round_up(seq_len, axes.tp_size), cfg.head_size, cfg.rope_theta,
+                               inv_freq=rope_inv_freq(cfg.head_size, cfg.rope_theta, cfg))
         return self._forward(tokens, cos, sin, seq_len)
 
     def _call_cp(self, tokens: jax.Array, seq_len: int | None, axes: Any) -> LMOutput:
@@ -573,8 +740,9 @@ class Transformer(nnx.Module):
                 f"Sequence length {seq_len} exceeds TransformerConfig.max_seq_len="
                 f"{cfg.max_seq_len}; use shorter sequences or a larger max_seq_len.")
         # rotary rows of the whole cp piece: under tp, attention sees it gathered over tp
-        cos, sin = rope_at(position_ids(local, axes.cp, cfg.cp_layout), cfg.head_dim,
-                           cfg.rope_theta)
+        cos, sin = rope_at(position_ids(local, axes.cp, cfg.cp_layout), cfg.head_size,
+                           cfg.rope_theta,
+                           inv_freq=rope_inv_freq(cfg.head_size, cfg.rope_theta, cfg))
         if axes.tp is not None:  # the padded length is a multiple of cp * tp
             tokens = seq_chunk(tokens, axes.tp)
         out = self._forward(tokens, cos, sin, seq_len if seq_len < padded else None)

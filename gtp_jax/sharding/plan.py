@@ -31,7 +31,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from gtp_jax.base.config import GTPConfig
-from gtp_jax.base.metadata import EP_DIM, SHARD_DIM, SPLIT_AXES, TP_DIM, TP_PARTS
+from gtp_jax.base.metadata import EP_DIM, SHARD_DIM, SPLIT_AXES, TP_DIM, TP_PARTS, TP_UNEVEN
 from gtp_jax.base.shapes import round_up
 from gtp_jax.sharding.collectives import GatherSpec
 
@@ -221,6 +221,8 @@ def model_splits(path: str, per_layer: tuple[int, ...], metadata: dict, mesh: Me
             raise ValueError(
                 f"Parameter {path!r}: GTPConfig.axis={gtp_axis!r} is also its {key} axis; "
                 "use distinct mesh axes for GTP and tensor/expert parallelism.")
+        if key == TP_DIM and metadata.get(TP_UNEVEN) == "replicate" and per_layer[dim] % size:
+            continue  # replicated over tp: every rank holds (and uses) the whole dim
         parts = int(metadata.get(TP_PARTS, 1)) if key == TP_DIM else 1
         if parts < 1 or per_layer[dim] % parts:
             raise ValueError(

@@ -34,6 +34,7 @@ FLAGS = {
     "TrainConfig.remat": "--remat", "TrainConfig.weight_decay": "weight_decay (no flag)",
     "TrainConfig.attention": "--attention", "TrainConfig.unroll_layers": "--[no-]unroll-layers",
     "TrainConfig.schedule_steps": "schedule_steps (no flag; kept from the checkpoint)",
+    "TrainConfig.init_from_hf": "--init-from-hf", "TrainConfig.export_hf": "--export-hf",
     "CheckpointConfig.directory": "--checkpoint-dir",
     "CheckpointConfig.every": "--checkpoint-every",
     "CheckpointConfig.keep": "--keep-checkpoints", "CheckpointConfig.resume": "--resume",
@@ -88,7 +89,9 @@ def _parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     train.add_argument("--preset", default="tiny",
                        help="model size: tiny (0.87M parameters), small (19.4M), 100m (85M), "
-                            "1b (0.95B; vocabulary 32000 instead of 256 bytes)")
+                            "1b (0.95B; vocabulary 32000 instead of 256 bytes), "
+                            "llama3.2-1b, llama3.2-3b, llama3-8b (the Llama shapes; the "
+                            "vocabulary is the 256 bytes of the corpus)")
     train.add_argument("--steps", type=int, default=100, help="optimizer steps")
     train.add_argument("--batch", type=int, default=16,
                        help="global batch size in sequences (divisible by dp*ep*gtp)")
@@ -134,6 +137,12 @@ def _parser() -> argparse.ArgumentParser:
                        help="activation recompute inside each layer; auto: dots on GPUs "
                        "(save matmul outputs), none on CPUs")
 
+    hf = train.add_argument_group("Hugging Face checkpoints (Llama family; docs/models.md)")
+    hf.add_argument("--init-from-hf", default=None, metavar="DIR",
+                    help="start from this checkpoint's weights; its config.json sets the "
+                         "model shape (--preset is not used)")
+    hf.add_argument("--export-hf", default=None, metavar="DIR",
+                    help="write the trained model there as a Hugging Face checkpoint")
     ntp = train.add_argument_group(
         "fault tolerance (nonuniform tensor parallelism, docs/fault_tolerance.md)")
     ntp.add_argument("--simulate-failure", default=None, metavar="step=S,device=D",
@@ -323,10 +332,13 @@ def _run(args: argparse.Namespace, sizes: dict[str, int | None], cpu_sizes: dict
                           gather_format=args.gather_format, prefetch=args.prefetch,
                           overlap=args.overlap, moe_experts=args.moe_experts,
                           moe_top_k=args.moe_top_k,
-                          moe_capacity_factor=args.moe_capacity or None, **mesh)
+                          moe_capacity_factor=args.moe_capacity or None,
+                          init_from_hf=args.init_from_hf, export_hf=args.export_hf, **mesh)
         if primary:
             procs = f" in {jax.process_count()} processes" if jax.process_count() > 1 else ""
-            print(f"gtp_jax train: preset={cfg.preset} steps={cfg.steps} batch={cfg.batch_size} "
+            model = (f"init-from-hf={cfg.init_from_hf}" if cfg.init_from_hf
+                     else f"preset={cfg.preset}")
+            print(f"gtp_jax train: {model} steps={cfg.steps} batch={cfg.batch_size} "
                   f"seq={cfg.seq_len} mesh dp={cfg.dp} ep={cfg.ep} gtp={cfg.gtp} "
                   f"{f'cp={cfg.cp} ' if cfg.cp > 1 else ''}tp={cfg.tp} on "
                   f"{jax.device_count()} {jax.default_backend()} devices{procs}", flush=True)

@@ -20,6 +20,7 @@ from gtp_jax.base.errors import UsageError, UsageTypeError
 from gtp_jax.data import VOCAB_SIZE
 from gtp_jax.models import TransformerConfig, preset
 from gtp_jax.models.attention import cudnn_unsupported, resolve_attention_impl
+from gtp_jax.models.hf import read_config
 from gtp_jax.train.observe import (
     MEMORY_ADVICE,
     DeviceMemoryError,
@@ -33,7 +34,7 @@ from gtp_jax.train.observe import (
 #: `TrainConfig.schedule_steps`).
 RESUME_MAY_DIFFER = frozenset({"steps", "dp", "gtp", "tp", "ep", "cp", "pad_for_alignment",
                                "gather_dtype", "gather_format", "prefetch", "remat", "overlap",
-                               "attention", "unroll_layers"})
+                               "attention", "unroll_layers", "export_hf"})
 #: Fields whose default, "auto", is resolved for the backend (`resolve_auto`): the fast path
 #: on GPUs, exact float32 on CPUs. A resumed run keeps the saved run's values for those left
 #: on "auto" (`adopt_saved`).
@@ -86,6 +87,11 @@ class TrainConfig:
         extended (resumed with a larger `steps`) keeps the schedule_steps recorded in its
         checkpoint, so an extended run equals an uninterrupted run with
         ``steps=<new steps>, schedule_steps=<original steps>``.
+      init_from_hf: a Hugging Face Llama-family checkpoint directory
+        (`gtp_jax.models.from_hf`): the model's shape comes from its config.json (`preset`
+        is not used) and its weights replace the random init; None: a random `preset`.
+      export_hf: write the trained model there as a Hugging Face checkpoint
+        (`gtp_jax.models.to_hf`) at the end of the run; None: no export.
 
     Raises:
       UsageError / UsageTypeError: a field of the wrong type or out of range (non-positive
@@ -118,6 +124,8 @@ class TrainConfig:
     moe_top_k: int = 2
     moe_capacity_factor: float | None = 1.25
     schedule_steps: int | None = None
+    init_from_hf: str | None = None
+    export_hf: str | None = None
 
     def __post_init__(self) -> None:
         # Every field is checked for type and range, so nothing silently trains wrong.
@@ -154,6 +162,14 @@ class TrainConfig:
                 f"TrainConfig.moe_top_k={self.moe_top_k} must be <= TrainConfig.moe_experts="
                 f"{self.moe_experts} (each token is routed to top_k distinct experts)."
             )
+        for name in ("init_from_hf", "export_hf"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
+                raise UsageTypeError(f"TrainConfig.{name}={getattr(self, name)!r} must be a "
+                                     "directory path (str) or None.")
+        if self.init_from_hf is not None and self.moe_experts:
+            raise UsageError(
+                f"TrainConfig.init_from_hf with moe_experts={self.moe_experts}: a Hugging Face "
+                "Llama checkpoint has a dense MLP; drop moe_experts.")
         shards = self.dp * self.ep * self.gtp
         fit = max(shards, self.batch_size // shards * shards)
         if self.batch_size % shards:
@@ -249,10 +265,28 @@ def model_config(cfg: TrainConfig) -> TransformerConfig:
     JAX's default backend)."""
     cfg = resolve_auto(cfg)
     dtype = jnp.bfloat16 if cfg.dtype == "bfloat16" else jnp.float32
-    return preset(cfg.preset, vocab_size=VOCAB_SIZE, max_seq_len=cfg.seq_len, dtype=dtype,
-                  remat=cfg.remat, tp_overlap=cfg.overlap, moe_experts=cfg.moe_experts,
-                  moe_top_k=cfg.moe_top_k, moe_capacity_factor=cfg.moe_capacity_factor,
-                  attention_impl=cfg.attention, unroll_layers=cfg.unroll_layers)
+    options = dict(dtype=dtype, remat=cfg.remat, tp_overlap=cfg.overlap,
+                   attention_impl=cfg.attention, unroll_layers=cfg.unroll_layers)
+    if cfg.init_from_hf is not None:
+        return _hf_model_config(cfg, options)
+    return preset(cfg.preset, vocab_size=VOCAB_SIZE, max_seq_len=cfg.seq_len,
+                  moe_experts=cfg.moe_experts, moe_top_k=cfg.moe_top_k,
+                  moe_capacity_factor=cfg.moe_capacity_factor, **options)
+
+
+def _hf_model_config(cfg: TrainConfig, options: dict[str, Any]) -> TransformerConfig:
+    """The model of `TrainConfig.init_from_hf`: its config.json's shape, `cfg`'s options."""
+    model_cfg = read_config(cfg.init_from_hf, **options)
+    if cfg.seq_len > model_cfg.max_seq_len:
+        raise UsageError(
+            f"TrainConfig.seq_len={cfg.seq_len} exceeds the checkpoint's "
+            f"max_position_embeddings={model_cfg.max_seq_len} ({cfg.init_from_hf!r}); use "
+            "shorter sequences.")
+    if model_cfg.vocab_size < VOCAB_SIZE:
+        raise UsageError(
+            f"TrainConfig.init_from_hf={cfg.init_from_hf!r}: its vocabulary "
+            f"({model_cfg.vocab_size}) is smaller than the data's {VOCAB_SIZE} tokens.")
+    return model_cfg
 
 
 def gtp_config(cfg: TrainConfig) -> GTPConfig:
@@ -272,7 +306,7 @@ def describe_choices(cfg: TrainConfig, model_cfg: TransformerConfig) -> str:
         attention = f"ring over cp={cfg.cp}"
     else:
         attention = resolve_attention_impl(model_cfg.attention_impl, model_cfg.dtype,
-                                           model_cfg.head_dim)
+                                           model_cfg.head_size)
     if model_cfg.unrolled:
         loop = "layers unrolled (gathered one layer ahead)"
         if cfg.prefetch:
@@ -320,7 +354,7 @@ def check_devices(cfg: TrainConfig) -> None:
             "context parallelism does not support MoE layers yet (expert capacity is per "
             "sequence); use cp=1 or a dense model.")
     if cfg.cp == 1 and cfg.attention == "cudnn":
-        reason = cudnn_unsupported(model_cfg.dtype, model_cfg.head_dim)
+        reason = cudnn_unsupported(model_cfg.dtype, model_cfg.head_size)
         if reason is not None:
             raise UsageError(f"TrainConfig.attention='cudnn' does not apply here: {reason}; "
                              "use 'auto' (cuDNN where it applies) or 'xla'.")

@@ -24,7 +24,7 @@ from flax import nnx
 import gtp_jax
 from gtp_jax.base.metadata import LOGICAL_SHAPE
 from gtp_jax.data import ByteBatcher, load_corpus, split_train_eval
-from gtp_jax.models import Transformer, TransformerConfig, lm_loss
+from gtp_jax.models import Transformer, TransformerConfig, from_hf, lm_loss, to_hf
 from gtp_jax.train.checkpoint import CheckpointConfig, Checkpointer, DirectoryLock
 from gtp_jax.train.config import (
     TrainConfig,
@@ -138,8 +138,12 @@ def build_model_and_optimizer(cfg: TrainConfig) -> tuple[gtp_jax.ShardedModule, 
     what a checkpoint is restored into)."""
     cfg = resolve_auto(cfg)
     mesh = gtp_jax.make_mesh(dp=cfg.dp, gtp=cfg.gtp, tp=cfg.tp, ep=cfg.ep, cp=cfg.cp)
-    model = gtp_jax.shard(Transformer(model_config(cfg), rngs=nnx.Rngs(cfg.seed)), mesh,
-                          gtp_config(cfg))
+    if cfg.init_from_hf is not None:  # each device's shard read from the files
+        model = from_hf(cfg.init_from_hf, mesh=mesh, gtp_config=gtp_config(cfg),
+                        config=model_config(cfg))
+    else:
+        model = gtp_jax.shard(Transformer(model_config(cfg), rngs=nnx.Rngs(cfg.seed)), mesh,
+                              gtp_config(cfg))
     optimizer = nnx.Optimizer(model, make_optimizer(cfg), wrt=nnx.Param)
     replicate_stray_leaves(optimizer, mesh)
     return model, optimizer
@@ -203,6 +207,8 @@ def _train(cfg: TrainConfig, *, on_step: OnStep | None, progress: bool,
             profiler.stop()
     step_fn.sync()
     model, optimizer = step_fn.objects
+    if cfg.export_hf is not None:
+        to_hf(model, cfg.export_hf)
     if ckpt is not None:
         # Report only the checkpoints still on disk (CheckpointConfig.keep deletes older).
         ckpt.wait()

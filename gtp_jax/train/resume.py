@@ -145,6 +145,11 @@ def check_resume(cfg: TrainConfig, model_cfg: TransformerConfig, meta: dict[str,
     differ = [f"{k}: checkpoint {saved_cfg.get(k)!r} vs now {mine[k]!r}"
               for k in mine if k not in RESUME_MAY_DIFFER and saved_cfg.get(k) != mine[k]]
     model_now = model_json(model_cfg)
+    # a field the checkpoint lacks was added later: its default is what that run computed
+    defaults = model_json(dataclasses.replace(
+        model_cfg, **{f.name: f.default for f in dataclasses.fields(model_cfg)
+                      if f.name not in saved_model}))
+    saved_model = {**defaults, **saved_model}
     differ += [f"model {k}: checkpoint {saved_model.get(k)!r} vs now {model_now[k]!r}"
                for k in model_now
                if k not in MODEL_MAY_DIFFER and saved_model.get(k) != model_now[k]]

@@ -1,0 +1,253 @@
+"""Hugging Face Llama-family import and export (`gtp_jax.models.hf`), grouped-query attention.
+
+The fixtures in tests/data/hf (written by tools/make_hf_fixtures.py with transformers and
+torch, float32) hold tiny random Llama / Mistral checkpoints and the PyTorch model's logits
+for fixed tokens: grouped-query and multi-head attention, tied and untied embeddings, rotary
+scaling off / linear / llama3, an explicit head_dim, a checkpoint split over several files,
+and a vocabulary (67) that divides no mesh axis.
+
+Tolerances: imported logits agree with PyTorch's to `RTOL` = 1e-5 of max|logits| (float32:
+the same products, summed in another order by another library; observed ~3e-7). Exports
+and re-imports copy float32 values without arithmetic, so they are compared bit for bit.
+GQA under tensor parallelism is compared with the unsharded model over training steps by
+tests/test_tp.py's `run_case` (float32 tolerance justified there).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from helpers import get_mesh, path_str
+
+import gtp_jax
+from gtp_jax.base.errors import UsageError
+from gtp_jax.models import PRESETS, Transformer, from_hf, preset, to_hf
+from gtp_jax.models.hf import config_to_hf
+
+DATA = os.path.join(os.path.dirname(__file__), "data", "hf")
+FIXTURES = ("llama_gqa_llama3", "llama_mha_tied_linear", "mistral_gqa_sharded")
+RTOL = 1e-5
+
+
+def _fixture(name: str) -> tuple[str, np.ndarray, np.ndarray]:
+    path = os.path.join(DATA, name)
+    return path, np.load(os.path.join(path, "tokens.npy")), np.load(
+        os.path.join(path, "logits.npy"))
+
+
+def _rel(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
+
+
+def _params(model) -> dict[str, np.ndarray]:
+    if isinstance(model, gtp_jax.ShardedModule):
+        return {k: np.asarray(v) for k, v in gtp_jax.unshard_values(model, model).items()}
+    return {path_str(k): np.asarray(v) for k, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+
+
+def _tensors(directory: str) -> dict[str, np.ndarray]:
+    from safetensors.numpy import load_file
+
+    out = {}
+    for f in sorted(os.listdir(directory)):
+        if f.endswith(".safetensors"):
+            out.update(load_file(os.path.join(directory, f)))
+    return out
+
+
+@nnx.jit
+def _logits(model, tokens):
+    return model(tokens).logits
+
+
+@pytest.mark.parametrize("name", FIXTURES)
+def test_import_matches_pytorch_logits(name) -> None:
+    path, tokens, ref = _fixture(name)
+    model = from_hf(path)
+    assert _rel(_logits(model, jnp.asarray(tokens)), ref) < RTOL
+
+
+@pytest.mark.parametrize("name,mesh_name", [
+    ("llama_gqa_llama3", "dp2_gtp4"), ("llama_mha_tied_linear", "dp2_gtp2_tp2"),
+    ("mistral_gqa_sharded", "gtp2_tp4"), ("llama_gqa_llama3", "cp2_gtp2_tp2")])
+def test_sharded_import_matches_pytorch_logits(name, mesh_name) -> None:
+    """Each device's shard is read from the files (tp splits, kv heads replicated on tp=4
+    where 2 kv heads do not divide it, GTP padding of the 67-token vocabulary, ring
+    attention over cp)."""
+    path, tokens, ref = _fixture(name)
+    model = from_hf(path, mesh=get_mesh(mesh_name),
+                    gtp_config=gtp_jax.GTPConfig(min_elements=0))
+    logits = _logits(model, jax.device_put(jnp.asarray(tokens),
+                                           gtp_jax.data_sharding(model.mesh)))
+    assert _rel(logits, ref) < RTOL
+    # the stored arrays hold exactly the unsharded import's weights
+    full = _params(from_hf(path))
+    for k, v in _params(model).items():
+        np.testing.assert_array_equal(v, full[k], err_msg=k)
+
+
+@pytest.mark.parametrize("name,mesh_name", [*((n, None) for n in FIXTURES),
+                                             ("mistral_gqa_sharded", "dp2_gtp2_tp2")])
+def test_export_reimport_is_bit_exact(name, mesh_name, tmp_path) -> None:
+    path, _, _ = _fixture(name)
+    mesh = None if mesh_name is None else get_mesh(mesh_name)
+    model = from_hf(path, mesh=mesh)
+    to_hf(model, str(tmp_path), max_shard_bytes=20_000)
+    theirs, ours = _tensors(path), _tensors(str(tmp_path))
+    assert sorted(ours) == sorted(theirs)
+    for k in theirs:
+        assert ours[k].dtype == theirs[k].dtype and ours[k].shape == theirs[k].shape, k
+        np.testing.assert_array_equal(ours[k], theirs[k], err_msg=k)
+    index = json.load(open(tmp_path / "model.safetensors.index.json"))
+    assert set(index["weight_map"]) == set(theirs)
+    again = _params(from_hf(str(tmp_path), mesh=mesh))
+    for k, v in _params(model).items():
+        np.testing.assert_array_equal(again[k], v, err_msg=k)
+
+
+def test_train_export_import_is_bit_exact(tmp_path) -> None:
+    """Import -> 20 AdamW steps on dp2 x gtp2 x tp2 -> export -> import: the same weights."""
+    from test_tp import lm_step, make_optimizer
+
+    path, tokens, _ = _fixture("llama_gqa_llama3")
+    mesh = get_mesh("dp2_gtp2_tp2")
+    model = from_hf(path, mesh=mesh)
+    before = _params(model)
+    opt = make_optimizer(model, mesh)
+    batch = jax.device_put(jnp.asarray(tokens), gtp_jax.data_sharding(mesh))
+    losses = [float(lm_step(model, opt, batch)[0]) for _ in range(20)]
+    assert losses[-1] < losses[0]
+    trained = _params(model)
+    assert all(np.any(trained[k] != before[k]) for k in before)
+    to_hf(model, str(tmp_path))
+    again = _params(from_hf(str(tmp_path), mesh=mesh))
+    for k, v in trained.items():
+        np.testing.assert_array_equal(again[k], v, err_msg=k)
+
+
+def _copy(name: str, tmp_path) -> str:
+    dst = str(tmp_path / name)
+    shutil.copytree(os.path.join(DATA, name), dst)
+    return dst
+
+
+def _edit_config(directory: str, **changes) -> None:
+    cfg_path = os.path.join(directory, "config.json")
+    cfg = json.load(open(cfg_path))
+    cfg.update(changes)
+    json.dump(cfg, open(cfg_path, "w"))
+
+
+@pytest.mark.parametrize("case,needle", [
+    ("no_dir", "no such directory"),
+    ("missing_shard", "model-00003-of-00007.safetensors"),
+    ("shape", "'model.layers.0.mlp.gate_proj.weight' has shape [48, 32]"),
+    ("architecture", "model_type='gpt2'"),
+    ("sliding_window", "sliding_window=4096"),
+    ("bias", "attention_bias=true"),
+    ("act", "hidden_act='gelu'"),
+    ("rope", "rope_scaling type 'yarn'"),
+])
+def test_bad_checkpoints_give_one_clear_line(case, needle, tmp_path) -> None:
+    path = _copy("mistral_gqa_sharded", tmp_path)
+    if case == "no_dir":
+        path = str(tmp_path / "nowhere")
+    elif case == "missing_shard":
+        os.remove(os.path.join(path, "model-00003-of-00007.safetensors"))
+    elif case == "shape":
+        _edit_config(path, intermediate_size=64)
+    elif case == "architecture":
+        _edit_config(path, model_type="gpt2", architectures=["GPT2LMHeadModel"])
+    elif case == "sliding_window":
+        _edit_config(path, sliding_window=4096)
+    elif case == "bias":
+        _edit_config(path, attention_bias=True)
+    elif case == "act":
+        _edit_config(path, hidden_act="gelu")
+    elif case == "rope":
+        _edit_config(path, rope_scaling={"rope_type": "yarn", "factor": 4.0})
+    with pytest.raises(UsageError) as err:
+        from_hf(path)
+    msg = str(err.value)
+    assert "\n" not in msg and needle in msg, msg
+
+
+def test_llama_presets_copy_the_published_shapes() -> None:
+    """Parameter counts of Llama 3.2 1B / 3B and Llama 3 8B, and their config.json values."""
+    counts = {"llama3.2-1b": 1_235_814_400, "llama3.2-3b": 3_212_749_824,
+              "llama3-8b": 8_030_261_248}
+    for name, count in counts.items():
+        assert PRESETS[name].num_params() == count, name
+    hf = config_to_hf(PRESETS["llama3.2-1b"])
+    assert (hf["hidden_size"], hf["num_hidden_layers"], hf["num_attention_heads"],
+            hf["num_key_value_heads"], hf["head_dim"], hf["intermediate_size"],
+            hf["vocab_size"], hf["rope_theta"], hf["rms_norm_eps"],
+            hf["tie_word_embeddings"]) == (2048, 16, 32, 8, 64, 8192, 128256, 500000.0, 1e-5,
+                                           True)
+    assert hf["rope_scaling"]["factor"] == 32.0
+    assert config_to_hf(PRESETS["llama3-8b"])["rope_scaling"] is None
+
+
+GQA_CFG = preset("tiny", d_model=32, n_heads=4, n_kv_heads=2, head_dim=16, d_ff=64,
+                 vocab_size=67, n_layers=2, rope_scaling="llama3", rope_factor=8.0,
+                 rope_original_max_len=8)
+
+
+@pytest.mark.slow  # about a minute each on 2 cores, as tests/test_tp.py
+@pytest.mark.parametrize("mesh_sizes", [{"dp": 2, "gtp": 2, "tp": 2}, {"gtp": 2, "tp": 4}],
+                         ids=["kv_split_tp2", "kv_replicated_tp4"])
+def test_gqa_tp_trains_like_unsharded(mesh_sizes, seed) -> None:
+    """Grouped-query attention under tp: kv heads split (2 over tp=2) or replicated (2 on
+    tp=4); loss, logits, gradients and parameters match the unsharded model over steps."""
+    from test_tp import run_case
+
+    run_case(mesh_sizes, GQA_CFG, 13, seed % 1000, gtp_jax.GTPConfig(min_elements=0))
+
+
+def test_existing_presets_keep_their_layout() -> None:
+    """Multi-head presets keep the fused qkv projection (old checkpoints restore)."""
+    model = nnx.eval_shape(lambda: Transformer(preset("tiny"), rngs=nnx.Rngs(0)))
+    assert model.blocks.attn.qkv.kernel.shape == (4, 128, 3, 4, 32)
+    assert not hasattr(model.blocks.attn, "kv")
+
+
+def test_live_export_loads_in_transformers(tmp_path) -> None:
+    """Where torch and transformers are installed: a random built-in GQA model with llama3
+    rotary scaling, exported, gives transformers' AutoModelForCausalLM the same logits."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    model = Transformer(GQA_CFG, rngs=nnx.Rngs(3))
+    to_hf(model, str(tmp_path))
+    net = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path),
+                                                            dtype=torch.float32)
+    tokens = np.random.RandomState(1).randint(0, 67, (2, 16))
+    with torch.no_grad():
+        ref = net(torch.tensor(tokens)).logits.numpy()
+    assert _rel(_logits(model, jnp.asarray(tokens)), ref) < RTOL
+
+
+def test_checkpoint_without_new_model_fields_resumes() -> None:
+    """A checkpoint written before n_kv_heads, head_dim and the rotary scaling fields
+    existed resumes (missing fields compare as their defaults); a changed one is refused."""
+    from test_reliability import _check_resume, _meta
+
+    from gtp_jax.train import TrainConfig, model_config
+
+    cfg = TrainConfig(steps=6, schedule_steps=6)
+    meta = _meta(cfg)
+    new = ("n_kv_heads", "head_dim", "rope_scaling", "rope_factor", "rope_low_freq_factor",
+           "rope_high_freq_factor", "rope_original_max_len")
+    for name in new:
+        del meta["extra"]["model_config"][name]
+    assert _check_resume(cfg, model_config(cfg), meta, "/ck").steps == 6
+    meta["extra"]["model_config"]["rope_factor"] = 2.0
+    with pytest.raises(UsageError, match="model rope_factor: checkpoint"):
+        _check_resume(cfg, model_config(cfg), meta, "/ck")
