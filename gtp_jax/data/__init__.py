@@ -1,4 +1,7 @@
-"""The bundled training text and a reproducible, resumable byte-level batcher.
+"""Training data: the bundled byte corpus and its batcher (here), and a user's own text
+tokenized into a memory-mapped token file (`text`, `token_file`, `packed`).
+
+The bundled training text and a reproducible, resumable byte-level batcher.
 
 Tokens are raw bytes, so the vocabulary is fixed at `VOCAB_SIZE` = 256 and no tokenizer is
 needed. The corpus (`corpus.txt`, about 300 KB of generated English-like prose) ships as
@@ -215,3 +218,12 @@ def _validated_int(name: str, value: Any, *, minimum: int) -> int:
     if value < minimum:
         raise UsageError(f"{name}={value} must be >= {minimum}; pass {name}={minimum} or more.")
     return int(value)
+
+
+# Imported last: these modules import from this package's base (errors) only.
+from gtp_jax.data.packed import PackedBatcher, PackedRows, RowBatch, eval_batches  # noqa: E402
+from gtp_jax.data.text import TextData, Tokenizer, data_files, load_tokenizer  # noqa: E402
+from gtp_jax.data.token_file import TokenFile, fingerprint, token_file  # noqa: E402
+
+__all__ += ["PackedBatcher", "PackedRows", "RowBatch", "TextData", "TokenFile", "Tokenizer",
+            "data_files", "eval_batches", "fingerprint", "load_tokenizer", "token_file"]

@@ -33,7 +33,7 @@ from gtp_jax.train.observe import (
 #: `TrainConfig.schedule_steps`).
 RESUME_MAY_DIFFER = frozenset({"steps", "dp", "gtp", "tp", "ep", "cp", "pad_for_alignment",
                                "gather_dtype", "gather_format", "prefetch", "remat", "overlap",
-                               "attention", "unroll_layers"})
+                               "attention", "unroll_layers", "eval_every", "eval_batches"})
 #: Fields whose default, "auto", is resolved for the backend (`resolve_auto`): the fast path
 #: on GPUs, exact float32 on CPUs. A resumed run keeps the saved run's values for those left
 #: on "auto" (`adopt_saved`).
@@ -52,8 +52,8 @@ class TrainConfig:
     """One training run.
 
     Attributes:
-      preset: model preset name (`gtp_jax.models.PRESETS`); the vocabulary is set to 256
-        byte tokens for the bundled corpus.
+      preset: model preset name (`gtp_jax.models.PRESETS`); its vocabulary is replaced by
+        `vocab_size`.
       steps: optimizer steps (the whole run; a resumed run continues up to it).
       batch_size: global batch (sequences), split over the mesh's data axes; a multiple of
         ``dp * ep * gtp``.
@@ -86,6 +86,12 @@ class TrainConfig:
         extended (resumed with a larger `steps`) keeps the schedule_steps recorded in its
         checkpoint, so an extended run equals an uninterrupted run with
         ``steps=<new steps>, schedule_steps=<original steps>``.
+      vocab_size: the model's vocabulary; None: the data's (256 byte tokens for the bundled
+        corpus; `train` sets the tokenizer's for `gtp_jax.data.TextData`).
+      eval_every: report the loss on held-out data after every `eval_every` steps and after
+        the last one; 0: never.
+      eval_batches: held-out batches (of `batch_size` sequences) per evaluation, the same
+        ones every time.
 
     Raises:
       UsageError / UsageTypeError: a field of the wrong type or out of range (non-positive
@@ -118,16 +124,21 @@ class TrainConfig:
     moe_top_k: int = 2
     moe_capacity_factor: float | None = 1.25
     schedule_steps: int | None = None
+    vocab_size: int | None = None
+    eval_every: int = 0
+    eval_batches: int = 4
 
     def __post_init__(self) -> None:
         # Every field is checked for type and range, so nothing silently trains wrong.
         for name, minimum in (("steps", 1), ("batch_size", 1), ("seq_len", 1), ("dp", 1),
                               ("gtp", 1), ("tp", 1), ("ep", 1), ("cp", 1), ("warmup", 0),
                               ("seed", 0), ("pad_for_alignment", 0), ("moe_experts", 0),
-                              ("moe_top_k", 1)):
+                              ("moe_top_k", 1), ("eval_every", 0), ("eval_batches", 1)):
             _check_int(name, getattr(self, name), minimum)
         if self.schedule_steps is not None:
             _check_int("schedule_steps", self.schedule_steps, 1)
+        if self.vocab_size is not None:
+            _check_int("vocab_size", self.vocab_size, 1)
         _check_float("lr", self.lr, positive=True)
         _check_float("weight_decay", self.weight_decay, positive=False)
         if self.moe_capacity_factor is not None:
@@ -249,7 +260,8 @@ def model_config(cfg: TrainConfig) -> TransformerConfig:
     JAX's default backend)."""
     cfg = resolve_auto(cfg)
     dtype = jnp.bfloat16 if cfg.dtype == "bfloat16" else jnp.float32
-    return preset(cfg.preset, vocab_size=VOCAB_SIZE, max_seq_len=cfg.seq_len, dtype=dtype,
+    vocab_size = cfg.vocab_size if cfg.vocab_size is not None else VOCAB_SIZE
+    return preset(cfg.preset, vocab_size=vocab_size, max_seq_len=cfg.seq_len, dtype=dtype,
                   remat=cfg.remat, tp_overlap=cfg.overlap, moe_experts=cfg.moe_experts,
                   moe_top_k=cfg.moe_top_k, moe_capacity_factor=cfg.moe_capacity_factor,
                   attention_impl=cfg.attention, unroll_layers=cfg.unroll_layers)
