@@ -49,9 +49,14 @@ FLAGS = {
     "SimulatedFailure.step": "--simulate-failure step",
     "SimulatedFailure.devices": "--simulate-failure device",
     "SimulatedFailure.tp_spares": "--tp-spares", "SimulatedFailure.axis": "--ntp-axis",
+    "TextData.paths": "--data", "TextData.tokenizer": "--tokenizer",
+    "TextData.field": "--data-field", "TextData.val_paths": "--val-data",
+    "TextData.val_fraction": "--val-fraction", "TextData.cache_dir": "--data-cache",
+    "TrainConfig.eval_every": "--eval-every", "TrainConfig.eval_batches": "--eval-batches",
+    "TrainConfig.vocab_size": "vocab_size (no flag; the tokenizer's)",
 }
 _ARGUMENT = re.compile(r"\b(?:TrainConfig|CheckpointConfig|ObserveConfig|DistributedConfig"
-                       r"|SimulatedFailure)\.\w+")
+                       r"|SimulatedFailure|TextData)\.\w+")
 #: ``SimulatedFailure(step=30, devices=[5, 6])`` (the spec an error is about) -> its flag.
 _SPEC = re.compile(r"\bSimulatedFailure\(step=(\d+), devices=\[([\d, ]*)\]\)")
 #: Simulated CPU devices when a mesh size is left out (see `_cpu_mesh`).
@@ -78,9 +83,10 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser(
         "train",
-        help="train a preset transformer with GTP on the bundled byte corpus",
+        help="train a preset transformer with GTP on the bundled byte corpus or your text",
         description=(
-            "Train a preset decoder on the bundled ~300 KB text corpus (byte tokens) with "
+            "Train a preset decoder on the bundled ~300 KB text corpus (byte tokens; or on "
+            "your own text with --data and --tokenizer) with "
             "every weight, gradient and optimizer state sharded 1/gtp over the 'gtp' mesh "
             "axis. Without GPUs the mesh is simulated on CPU (default dp=2 x gtp=4 = 8 "
             "devices; without --gtp, gtp fills 8 devices: --tp 4 --dp 2 gives gtp=1); with GPUs "
@@ -143,6 +149,30 @@ def _parser() -> argparse.ArgumentParser:
                          "model shape (--preset is not used)")
     hf.add_argument("--export-hf", default=None, metavar="DIR",
                     help="write the trained model there as a Hugging Face checkpoint")
+    data = train.add_argument_group(
+        "data (default: the bundled byte corpus; docs/data.md)")
+    data.add_argument("--data", nargs="+", default=None, metavar="PATH",
+                      help="text or JSONL files, or folders of them (*.txt, *.md, *.jsonl), "
+                           "tokenized once into a token file beside them and reused")
+    data.add_argument("--tokenizer", default=None, metavar="DIR",
+                      help="Hugging Face tokenizer folder (tokenizer.json) for --data; the "
+                           "model's vocabulary is its size")
+    data.add_argument("--data-field", default="text", metavar="KEY",
+                      help="the JSONL key holding each document's text")
+    data.add_argument("--val-data", nargs="+", default=None, metavar="PATH",
+                      help="held-out files for the validation loss (instead of "
+                           "--val-fraction)")
+    data.add_argument("--val-fraction", type=float, default=None,
+                      help="share of --data's tokens held out for the validation loss "
+                           "(default 0.05)")
+    data.add_argument("--data-cache", default=None, metavar="DIR",
+                      help="where token files go when the data's folder is not writable "
+                           "(default ~/.cache/gtp_jax/tokens)")
+    data.add_argument("--eval-every", type=int, default=0, metavar="N",
+                      help="held-out loss after every N steps and the last (0: never)")
+    data.add_argument("--eval-batches", type=int, default=4, metavar="K",
+                      help="held-out batches per evaluation (the same ones each time)")
+
     ntp = train.add_argument_group(
         "fault tolerance (nonuniform tensor parallelism, docs/fault_tolerance.md)")
     ntp.add_argument("--simulate-failure", default=None, metavar="step=S,device=D",
@@ -222,6 +252,34 @@ def _failure(args: argparse.Namespace) -> object | None:
                          name="--simulate-failure")
 
 
+def _text_data(args: argparse.Namespace) -> object | None:
+    """The `TextData` of ``--data`` / ``--tokenizer`` / ..., or None (the bundled corpus)."""
+    from gtp_jax.data import TextData  # noqa: PLC0415
+
+    if args.data is None:
+        given = [flag for flag, value in (("--tokenizer", args.tokenizer),
+                                          ("--val-data", args.val_data),
+                                          ("--val-fraction", args.val_fraction),
+                                          ("--data-cache", args.data_cache)) if value is not None]
+        if args.data_field != "text":
+            given.append("--data-field")
+        if given:
+            raise UsageError(f"{', '.join(given)} need --data PATH (the text to train on); "
+                             "without --data the bundled byte corpus is used.")
+        return None
+    if args.tokenizer is None:
+        raise UsageError("--data needs --tokenizer DIR (a Hugging Face tokenizer folder with "
+                         "tokenizer.json).")
+    if args.val_data is not None and args.val_fraction is not None:
+        raise UsageError("--val-data and --val-fraction both choose the held-out text; pass "
+                         "one of them.")
+    fraction = args.val_fraction if args.val_fraction is not None else (
+        0.0 if args.val_data else 0.05)
+    return TextData(paths=tuple(args.data), tokenizer=args.tokenizer, field=args.data_field,
+                    val_paths=tuple(args.val_data or ()), val_fraction=fraction,
+                    cache_dir=args.data_cache)
+
+
 def _configs(args: argparse.Namespace) -> tuple[object, object | None, object]:
     """Distributed, checkpoint and observe configs from the flags, validated before JAX
     starts (so that bad flags fail fast, on every process, before joining a run)."""
@@ -262,6 +320,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         dist, checkpoint, observe = _configs(args)
         failure = _failure(args)
+        data = _text_data(args)
     except UsageError as err:  # other exceptions are bugs: they keep their traceback
         return _fail(err, 2)
     total = math.prod(cpu_sizes.values())
@@ -286,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
         return _processes_error(processes, total)
     simulate_cpu_devices(total // processes)
     # XLA_FLAGS are set: JAX may start a backend from here on.
-    code = _run(args, sizes, cpu_sizes, checkpoint, observe, failure)
+    code = _run(args, sizes, cpu_sizes, checkpoint, observe, failure, data)
     # Not in a `finally`: after an exception the shutdown barrier would wait for processes
     # that may never arrive; JAX's failure detection ends the others instead.
     shutdown()
@@ -313,7 +372,8 @@ def _cpu_mesh(sizes: dict[str, int | None]) -> dict[str, int]:
 
 
 def _run(args: argparse.Namespace, sizes: dict[str, int | None], cpu_sizes: dict[str, int],
-         checkpoint: object | None, observe: object, failure: object | None = None) -> int:
+         checkpoint: object | None, observe: object, failure: object | None = None,
+         data: object | None = None) -> int:
     import jax  # noqa: PLC0415
 
     from gtp_jax.train import TrainConfig, train  # noqa: PLC0415
@@ -333,7 +393,8 @@ def _run(args: argparse.Namespace, sizes: dict[str, int | None], cpu_sizes: dict
                           overlap=args.overlap, moe_experts=args.moe_experts,
                           moe_top_k=args.moe_top_k,
                           moe_capacity_factor=args.moe_capacity or None,
-                          init_from_hf=args.init_from_hf, export_hf=args.export_hf, **mesh)
+                          init_from_hf=args.init_from_hf, export_hf=args.export_hf,
+                          eval_every=args.eval_every, eval_batches=args.eval_batches, **mesh)
         if primary:
             procs = f" in {jax.process_count()} processes" if jax.process_count() > 1 else ""
             model = (f"init-from-hf={cfg.init_from_hf}" if cfg.init_from_hf
@@ -343,7 +404,7 @@ def _run(args: argparse.Namespace, sizes: dict[str, int | None], cpu_sizes: dict
                   f"{f'cp={cfg.cp} ' if cfg.cp > 1 else ''}tp={cfg.tp} on "
                   f"{jax.device_count()} {jax.default_backend()} devices{procs}", flush=True)
         result = train(cfg, checkpoint=checkpoint, observe=observe, failure=failure,
-                       on_start=_print_choices if primary else None)
+                       on_start=_print_choices if primary else None, data=data)
     except UsageError as err:  # other exceptions are bugs: they keep their traceback
         if jax.default_backend() == "cpu" and any(v is None for v in sizes.values()) and (
                 "TrainConfig.batch_size" in str(err) or "the mesh dp*ep*gtp*cp*tp" in str(err)):

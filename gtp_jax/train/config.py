@@ -34,7 +34,8 @@ from gtp_jax.train.observe import (
 #: `TrainConfig.schedule_steps`).
 RESUME_MAY_DIFFER = frozenset({"steps", "dp", "gtp", "tp", "ep", "cp", "pad_for_alignment",
                                "gather_dtype", "gather_format", "prefetch", "remat", "overlap",
-                               "attention", "unroll_layers", "export_hf"})
+                               "attention", "unroll_layers", "export_hf", "eval_every",
+                               "eval_batches"})
 #: Fields whose default, "auto", is resolved for the backend (`resolve_auto`): the fast path
 #: on GPUs, exact float32 on CPUs. A resumed run keeps the saved run's values for those left
 #: on "auto" (`adopt_saved`).
@@ -53,8 +54,8 @@ class TrainConfig:
     """One training run.
 
     Attributes:
-      preset: model preset name (`gtp_jax.models.PRESETS`); the vocabulary is set to 256
-        byte tokens for the bundled corpus.
+      preset: model preset name (`gtp_jax.models.PRESETS`); its vocabulary is replaced by
+        `vocab_size`.
       steps: optimizer steps (the whole run; a resumed run continues up to it).
       batch_size: global batch (sequences), split over the mesh's data axes; a multiple of
         ``dp * ep * gtp``.
@@ -92,6 +93,12 @@ class TrainConfig:
         is not used) and its weights replace the random init; None: a random `preset`.
       export_hf: write the trained model there as a Hugging Face checkpoint
         (`gtp_jax.models.to_hf`) at the end of the run; None: no export.
+      vocab_size: the model's vocabulary; None: the data's (256 byte tokens for the bundled
+        corpus; `train` sets the tokenizer's for `gtp_jax.data.TextData`).
+      eval_every: report the loss on held-out data after every `eval_every` steps and after
+        the last one; 0: never.
+      eval_batches: held-out batches (of `batch_size` sequences) per evaluation, the same
+        ones every time.
 
     Raises:
       UsageError / UsageTypeError: a field of the wrong type or out of range (non-positive
@@ -126,16 +133,21 @@ class TrainConfig:
     schedule_steps: int | None = None
     init_from_hf: str | None = None
     export_hf: str | None = None
+    vocab_size: int | None = None
+    eval_every: int = 0
+    eval_batches: int = 4
 
     def __post_init__(self) -> None:
         # Every field is checked for type and range, so nothing silently trains wrong.
         for name, minimum in (("steps", 1), ("batch_size", 1), ("seq_len", 1), ("dp", 1),
                               ("gtp", 1), ("tp", 1), ("ep", 1), ("cp", 1), ("warmup", 0),
                               ("seed", 0), ("pad_for_alignment", 0), ("moe_experts", 0),
-                              ("moe_top_k", 1)):
+                              ("moe_top_k", 1), ("eval_every", 0), ("eval_batches", 1)):
             _check_int(name, getattr(self, name), minimum)
         if self.schedule_steps is not None:
             _check_int("schedule_steps", self.schedule_steps, 1)
+        if self.vocab_size is not None:
+            _check_int("vocab_size", self.vocab_size, 1)
         _check_float("lr", self.lr, positive=True)
         _check_float("weight_decay", self.weight_decay, positive=False)
         if self.moe_capacity_factor is not None:
@@ -267,14 +279,16 @@ def model_config(cfg: TrainConfig) -> TransformerConfig:
     dtype = jnp.bfloat16 if cfg.dtype == "bfloat16" else jnp.float32
     options = dict(dtype=dtype, remat=cfg.remat, tp_overlap=cfg.overlap,
                    attention_impl=cfg.attention, unroll_layers=cfg.unroll_layers)
+    vocab_size = cfg.vocab_size if cfg.vocab_size is not None else VOCAB_SIZE
     if cfg.init_from_hf is not None:
-        return _hf_model_config(cfg, options)
-    return preset(cfg.preset, vocab_size=VOCAB_SIZE, max_seq_len=cfg.seq_len,
+        return _hf_model_config(cfg, options, vocab_size)
+    return preset(cfg.preset, vocab_size=vocab_size, max_seq_len=cfg.seq_len,
                   moe_experts=cfg.moe_experts, moe_top_k=cfg.moe_top_k,
                   moe_capacity_factor=cfg.moe_capacity_factor, **options)
 
 
-def _hf_model_config(cfg: TrainConfig, options: dict[str, Any]) -> TransformerConfig:
+def _hf_model_config(cfg: TrainConfig, options: dict[str, Any],
+                     data_vocab: int) -> TransformerConfig:
     """The model of `TrainConfig.init_from_hf`: its config.json's shape, `cfg`'s options."""
     model_cfg = read_config(cfg.init_from_hf, **options)
     if cfg.seq_len > model_cfg.max_seq_len:
@@ -282,10 +296,11 @@ def _hf_model_config(cfg: TrainConfig, options: dict[str, Any]) -> TransformerCo
             f"TrainConfig.seq_len={cfg.seq_len} exceeds the checkpoint's "
             f"max_position_embeddings={model_cfg.max_seq_len} ({cfg.init_from_hf!r}); use "
             "shorter sequences.")
-    if model_cfg.vocab_size < VOCAB_SIZE:
+    if model_cfg.vocab_size < data_vocab:
         raise UsageError(
             f"TrainConfig.init_from_hf={cfg.init_from_hf!r}: its vocabulary "
-            f"({model_cfg.vocab_size}) is smaller than the data's {VOCAB_SIZE} tokens.")
+            f"({model_cfg.vocab_size}) is smaller than the data's {data_vocab} tokens; use "
+            "the checkpoint's own tokenizer (--tokenizer).")
     return model_cfg
 
 

@@ -1,4 +1,5 @@
-"""The main job: train a preset transformer with GTP on the bundled byte corpus.
+"""The main job: train a preset transformer with GTP on the bundled byte corpus or a user's
+tokenized text (`gtp_jax.train.data_source`).
 
 `train` checks its input, then runs a short sequence of steps: pick the checkpoint to resume
 from, build the model and optimizer once (and restore into them), run the step loop
@@ -22,8 +23,9 @@ import numpy as np
 from flax import nnx
 
 import gtp_jax
+from gtp_jax.base.errors import UsageError
 from gtp_jax.base.metadata import LOGICAL_SHAPE
-from gtp_jax.data import ByteBatcher, load_corpus, split_train_eval
+from gtp_jax.data import ByteBatcher, PackedBatcher, RowBatch, TextData
 from gtp_jax.models import Transformer, TransformerConfig, from_hf, lm_loss, to_hf
 from gtp_jax.train.checkpoint import CheckpointConfig, Checkpointer, DirectoryLock
 from gtp_jax.train.config import (
@@ -38,6 +40,7 @@ from gtp_jax.train.config import (
     model_json,
     resolve_auto,
 )
+from gtp_jax.train.data_source import DataSource
 from gtp_jax.train.ntp import NonuniformStep, Recovery, SimulatedFailure, check_failure
 from gtp_jax.train.observe import (
     MEMORY_ADVICE,
@@ -63,7 +66,7 @@ def train(cfg: TrainConfig, *, on_step: OnStep | None = None,
           progress: bool = True, checkpoint: CheckpointConfig | None = None,
           observe: ObserveConfig | None = None,
           failure: SimulatedFailure | None = None,
-          on_start: OnStart | None = None) -> TrainResult:
+          on_start: OnStart | None = None, data: TextData | None = None) -> TrainResult:
     """Trains `cfg.preset` with GTP on the mesh ``(dp, ep, gtp, tp)`` over all devices.
 
     Everything that depends on the caller's input is checked before the model is built:
@@ -89,9 +92,14 @@ def train(cfg: TrainConfig, *, on_step: OnStep | None = None,
       observe: profiler trace window and JSON metrics file.
       failure: simulate losing devices after a step and keep training with nonuniform
         tensor parallelism (`gtp_jax.train.ntp`); validated before anything is built.
+      data: train on this text (tokenized once into a token file beside it, packed into
+        rows of ``seq_len + 1`` tokens, each process reading only its own rows); the model's
+        vocabulary is the tokenizer's (unless `cfg.vocab_size` is set, at least as large).
+        None: the bundled byte corpus. A resumed run must use the same data and tokenizer.
 
     Returns:
-      A `TrainResult` with per-step losses (float32 scalars) and timings.
+      A `TrainResult` with per-step losses (float32 scalars), timings and, with
+      ``cfg.eval_every``, held-out losses.
 
     Raises:
       UsageError: bad mesh, memory estimate over the device limit, unwritable paths, a
@@ -104,6 +112,16 @@ def train(cfg: TrainConfig, *, on_step: OnStep | None = None,
     primary = jax.process_index() == 0
     auto = cfg.auto_fields  # a resumed run keeps its saved values for these
     cfg = resolve_auto(cfg)
+    source = DataSource.check(data)
+    if cfg.vocab_size is None and data is not None:
+        cfg = dataclasses.replace(cfg, vocab_size=source.vocab_size)
+    elif cfg.vocab_size is not None and cfg.vocab_size < source.vocab_size:
+        raise UsageError(f"TrainConfig.vocab_size={cfg.vocab_size} is smaller than the data's "
+                         f"{source.vocab_size} token ids; leave it None (the data's) or raise "
+                         "it.")
+    if cfg.eval_every and failure is not None:
+        raise UsageError("TrainConfig.eval_every with a SimulatedFailure: the held-out loss is "
+                         "not computed on the nonuniform layout; drop one of them.")
     check_devices(cfg)
     check_failure(cfg, failure)
     check_memory_fits(cfg)
@@ -122,7 +140,7 @@ def train(cfg: TrainConfig, *, on_step: OnStep | None = None,
         ckpt = Checkpointer(checkpoint) if checkpoint is not None else None
         try:
             return _train(cfg, on_step=on_step, progress=progress, ckpt=ckpt, observe=observe,
-                          failure=failure, auto=auto, on_start=on_start)
+                          failure=failure, auto=auto, on_start=on_start, source=source)
         finally:
             if ckpt is not None:
                 # Finishes (finalizes) a pending asynchronous save, also when training failed.
@@ -168,10 +186,15 @@ def _train(cfg: TrainConfig, *, on_step: OnStep | None, progress: bool,
            ckpt: Checkpointer | None, observe: ObserveConfig,
            failure: SimulatedFailure | None = None,
            auto: frozenset[str] = frozenset(),
-           on_start: OnStart | None = None) -> TrainResult:
-    cfg, candidates = select_candidates(cfg, model_config(cfg), ckpt, auto=auto)
+           on_start: OnStart | None = None, source: DataSource | None = None) -> TrainResult:
+    source = DataSource.check(None) if source is None else source
+    cfg, candidates = select_candidates(cfg, model_config(cfg), ckpt, auto=auto,
+                                        source=source.fingerprint() if ckpt else None)
     model_cfg = model_config(cfg)
     failure_plan = check_failure(cfg, failure, start=candidates[0][0] if candidates else 0)
+    source.open(progress=progress)
+    held_out = (source.eval_batches(cfg.batch_size, cfg.seq_len, cfg.eval_batches)
+                if cfg.eval_every else None)
     # Validation: nothing below this line fails on user input before training starts.
     if cfg.schedule_steps is None:
         # Recorded explicitly in checkpoints, so extending the run keeps this schedule.
@@ -181,13 +204,10 @@ def _train(cfg: TrainConfig, *, on_step: OnStep | None, progress: bool,
         on_start(cfg, model_cfg)
 
     model, optimizer = build_model_and_optimizer(cfg)
-    meta, start = restore_newest(cfg, model_cfg, ckpt, candidates, model, optimizer)
-    train_data, _ = split_train_eval(load_corpus())
-    if meta is not None:
-        batcher = ByteBatcher.from_state(train_data, meta["extra"]["data"])
-    else:
-        batcher = ByteBatcher(train_data, batch_size=cfg.batch_size, seq_len=cfg.seq_len,
-                              seed=cfg.seed)
+    meta, start = restore_newest(cfg, model_cfg, ckpt, candidates, model, optimizer,
+                                 source=source.record)
+    batcher = source.batcher(cfg.batch_size, cfg.seq_len, cfg.seed,
+                             meta["extra"]["data"] if meta is not None else None)
     loss_fn = functools.partial(lm_loss, aux_weight=model_cfg.moe_aux_weight)
     step_fn = TrainStep(model, optimizer, loss_fn)
     profiler = StepProfiler(observe.profile_dir, window) if window is not None else None
@@ -198,10 +218,10 @@ def _train(cfg: TrainConfig, *, on_step: OnStep | None, progress: bool,
             return NonuniformStep.recover(cfg, failure_plan, state, loss_fn, failure=failure,
                                           original=original)
     try:
-        losses, times, saved, recovery, step_fn = _step_loop(
+        losses, times, saved, recovery, step_fn, val_losses = _step_loop(
             cfg, model_cfg, step_fn, batcher, start=start, ckpt=ckpt, profiler=profiler,
             on_step=on_step, progress=progress, failure_step=failure.step if switch else None,
-            switch=switch)
+            switch=switch, held_out=held_out, source=source.record)
     finally:
         if profiler is not None:
             profiler.stop()
@@ -217,20 +237,27 @@ def _train(cfg: TrainConfig, *, on_step: OnStep | None, progress: bool,
     result = _result(cfg, model_cfg, model, optimizer, losses=losses, times=times,
                      first_step=start + 1, saved=saved, ckpt=ckpt, window=window,
                      trace=profiler.trace_path if profiler is not None else None,
-                     recovery=recovery)
+                     recovery=recovery, val_losses=val_losses)
     if observe.metrics_json is not None and jax.process_index() == 0:
         _write_metrics(observe.metrics_json, cfg, model_cfg, result)
     return result
 
 
 def _step_loop(cfg: TrainConfig, model_cfg: TransformerConfig, step_fn: TrainStep,
-               batcher: ByteBatcher, *, start: int, ckpt: Checkpointer | None,
+               batcher: ByteBatcher | PackedBatcher, *, start: int, ckpt: Checkpointer | None,
                profiler: StepProfiler | None, on_step: OnStep | None,
                progress: bool, failure_step: int | None = None,
                switch: Callable[[Any], tuple[NonuniformStep, Recovery]] | None = None,
-               ) -> tuple[list[float], list[float], list[int], Recovery | None, Any]:
+               held_out: list[RowBatch] | None = None, source: dict[str, Any] | None = None,
+               ) -> tuple[list[float], list[float], list[int], Recovery | None, Any,
+                          dict[int, float]]:
     """Steps ``start + 1 .. cfg.steps``: (losses, step seconds, checkpointed steps, the
-    recovery from a simulated failure or None, the step function in use at the end).
+    recovery from a simulated failure or None, the step function in use at the end, the
+    held-out loss after each evaluated step).
+
+    With `held_out` batches and ``cfg.eval_every``, the model's mean cross-entropy over
+    them is computed after every ``cfg.eval_every``-th step and the last one (the host
+    waits for those steps, as for a checkpoint).
 
     The host stays one step ahead of the devices: it dispatches step ``s``, builds step
     ``s + 1``'s batch and copies it to the devices, and only then waits for step ``s - 1``'s
@@ -245,8 +272,11 @@ def _step_loop(cfg: TrainConfig, model_cfg: TransformerConfig, step_fn: TrainSte
     placement = gtp_jax.data_sharding(step_fn.objects[0].mesh)
     tokens_per_step = cfg.batch_size * cfg.seq_len
     bar = ProgressBar(cfg.steps) if progress and jax.process_index() == 0 else None
-    extra = {"train_config": dataclasses.asdict(cfg), "model_config": model_json(model_cfg)}
+    extra = {"train_config": dataclasses.asdict(cfg), "model_config": model_json(model_cfg),
+             "data_source": source}
     losses: list[float] = []
+    val_losses: dict[int, float] = {}
+    placed_held_out: list[jax.Array] = []
     times: list[float] = []
     saved: list[int] = []
     recovery: Recovery | None = None
@@ -256,8 +286,16 @@ def _step_loop(cfg: TrainConfig, model_cfg: TransformerConfig, step_fn: TrainSte
         """The next step's tokens on the devices, and the data position after them."""
         batch = batcher.next_batch()
         # The nonuniform step splits the host batch over its replicas itself.
-        tokens = batch if recovery is not None else _global_batch(batch, placement)
+        tokens = np.asarray(batch) if recovery is not None else _global_batch(batch, placement)
         return tokens, batcher.state_dict()
+
+    def evaluate() -> float:
+        """Mean held-out cross-entropy of the current state (the batches are equal-sized,
+        so this is the mean over all their tokens)."""
+        if not placed_held_out:
+            placed_held_out.extend(_global_batch(b, placement) for b in held_out)
+        values = [step_fn.evaluate(b, lm_loss) for b in placed_held_out]
+        return float(np.mean([float(v) for v in values]))
 
     def finish(step: int, metrics: dict[str, jax.Array], *, save: bool = False) -> None:
         """Waits for `step`'s loss; records it and its time, saves the checkpoint of `step`
@@ -281,8 +319,12 @@ def _step_loop(cfg: TrainConfig, model_cfg: TransformerConfig, step_fn: TrainSte
             model, optimizer = step_fn.objects
             ckpt.save(step, model, optimizer, extra={**extra, "data": data_state, "loss": loss})
             saved.append(step)
+        shown = {}
+        if held_out and (step % cfg.eval_every == 0 or step == cfg.steps):
+            val_losses[step] = shown["val_loss"] = evaluate()
         if bar is not None:
-            bar.update(step, loss=loss, tok_s=tokens_per_step / times[-1])
+            bar.update(step, keep=bool(shown), loss=loss, **shown,
+                       tok_s=tokens_per_step / times[-1])
         if on_step is not None:
             on_step(step, loss, times[-1])
 
@@ -301,7 +343,8 @@ def _step_loop(cfg: TrainConfig, model_cfg: TransformerConfig, step_fn: TrainSte
         checkpoint = ckpt is not None and (
             step == cfg.steps or (ckpt.config.every and step % ckpt.config.every == 0))
         wait = (checkpoint or step == cfg.steps or step == failure_step
-                or (profiler is not None and step == profiler.window[1]))
+                or (profiler is not None and step == profiler.window[1])
+                or (held_out is not None and step % cfg.eval_every == 0))
         if not wait:
             ahead = next_batch()  # copied while this step runs
         if pending is not None:
@@ -317,7 +360,7 @@ def _step_loop(cfg: TrainConfig, model_cfg: TransformerConfig, step_fn: TrainSte
             step_fn, recovery = switch(step_fn.state)
         if step < cfg.steps:
             ahead = next_batch()
-    return losses, times, saved, recovery, step_fn
+    return losses, times, saved, recovery, step_fn, val_losses
 
 
 @contextlib.contextmanager
@@ -340,7 +383,8 @@ def _result(cfg: TrainConfig, model_cfg: TransformerConfig, model: gtp_jax.Shard
             optimizer: nnx.Optimizer, *, losses: list[float], times: list[float],
             first_step: int, saved: list[int], ckpt: Checkpointer | None,
             window: tuple[int, int] | None, trace: str | None,
-            recovery: Recovery | None = None) -> TrainResult:
+            recovery: Recovery | None = None,
+            val_losses: dict[int, float] | None = None) -> TrainResult:
     """The `TrainResult` of a finished loop (`model` and `optimizer` synced)."""
     device = jax.devices()[0]
     replicated_params, replicated_state = replicated_bytes(model, cfg)
@@ -371,6 +415,7 @@ def _result(cfg: TrainConfig, model_cfg: TransformerConfig, model: gtp_jax.Shard
         profile_steps=window,
         profile_trace=trace,
         failure=dataclasses.asdict(recovery) if recovery is not None else None,
+        val_losses=dict(val_losses or {}),
     )
 
 
@@ -380,19 +425,22 @@ def _write_metrics(path: str, cfg: TrainConfig, model_cfg: TransformerConfig,
         "config": dataclasses.asdict(cfg),
         "model_config": model_json(model_cfg),
         "steps": [{"step": result.first_step + i, "loss": loss, "step_time_s": t,
-                   "tokens_per_s": result.tokens_per_step / t}
+                   "tokens_per_s": result.tokens_per_step / t,
+                   **({"val_loss": result.val_losses[result.first_step + i]}
+                      if result.first_step + i in result.val_losses else {})}
                   for i, (loss, t) in enumerate(zip(result.losses, result.step_times))],
         "summary": result.to_json(),
     })
 
 
-def _global_batch(batch: np.ndarray, sharding: jax.sharding.NamedSharding) -> jax.Array:
+def _global_batch(batch: np.ndarray | RowBatch, sharding: jax.sharding.NamedSharding) -> jax.Array:
     """The global batch ``int32[batch, seq + 1]`` as one array split over the data axes.
 
     Every process builds the same global batch (the batcher is deterministic in (seed,
     position)) and hands each of its devices the rows of that device's shard, so a
     multi-process run sees exactly the batches of a single-process run. Only the local rows
-    are copied to devices.
+    are copied to devices; from a token file (`gtp_jax.data.RowBatch`) only the local rows
+    are read.
     """
     return jax.make_array_from_callback(batch.shape, sharding, lambda index: batch[index])
 

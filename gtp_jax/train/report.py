@@ -35,6 +35,7 @@ class TrainResult:
       failure: a simulated device failure and the switch to nonuniform tensor parallelism
         (`gtp_jax.train.ntp.Recovery` as a dict: step, devices, layout_before/after,
         replan_s, relayout_s, rebuild_s), or None.
+      val_losses: held-out loss after each evaluated step (`TrainConfig.eval_every`).
     """
 
     losses: list[float]
@@ -60,6 +61,7 @@ class TrainResult:
     profile_steps: tuple[int, int] | None = None
     profile_trace: str | None = None
     failure: dict[str, Any] | None = None
+    val_losses: dict[int, float] = dataclasses.field(default_factory=dict)
 
     @property
     def median_step_time(self) -> float:
@@ -117,6 +119,9 @@ class TrainResult:
             f"(replicated: {self.replicated_state_bytes / mib:.2f} MiB, "
             f"{self.state_bytes_per_device / self.replicated_state_bytes:.3f}x)",
         ]
+        if self.val_losses:
+            lines.append("  held-out loss: " + ", ".join(
+                f"step {step} {loss:.4f}" for step, loss in sorted(self.val_losses.items())))
         if self.checkpoint_steps:
             lines.append(f"  checkpoints: steps {self.checkpoint_steps} in {self.checkpoint_dir}")
         if self.profile_steps is not None:
@@ -180,5 +185,6 @@ class TrainResult:
             "profile_steps": list(self.profile_steps) if self.profile_steps else None,
             "profile_trace": self.profile_trace,
             "failure": self.failure,
+            "val_losses": {str(step): loss for step, loss in sorted(self.val_losses.items())},
         }
 

@@ -22,6 +22,7 @@ from gtp_jax.train.config import (
     model_json,
     resolve_auto,
 )
+from gtp_jax.train.data_source import check_source
 
 #: (step, metadata) of a checkpoint that may be resumed from, newest first.
 Candidate = tuple[int, dict[str, Any]]
@@ -34,11 +35,14 @@ def note(line: str) -> None:
 
 
 def select_candidates(cfg: TrainConfig, model_cfg: TransformerConfig,
-                      ckpt: Checkpointer | None, *, auto: frozenset[str] = frozenset()
+                      ckpt: Checkpointer | None, *, auto: frozenset[str] = frozenset(),
+                      source: dict[str, Any] | None = None
                       ) -> tuple[TrainConfig, list[Candidate]]:
     """The checkpoints to try to resume from, newest first (none for a new run), and `cfg`
     with the saved run's ``schedule_steps`` (and, for the fields named in `auto`, left on
     "auto" by the user, the saved run's values); checked before anything is built.
+    `source` is the run's data-source record (`gtp_jax.train.data_source`; None: not
+    checked).
 
     Raises:
       UsageError: resume without an intact checkpoint, a checkpoint of another run or of a
@@ -64,7 +68,7 @@ def select_candidates(cfg: TrainConfig, model_cfg: TransformerConfig,
             "CheckpointConfig.resume to start a new run."
         )
     cfg = check_resume(cfg, model_cfg, candidates[0][1], directory, steps_left=False,
-                       auto=auto)
+                       auto=auto, source=source)
     model_cfg = model_config(cfg)
     while candidates and candidates[0][0] >= cfg.steps:
         # Nothing left to train from this one, unless it is damaged: verify it
@@ -75,7 +79,7 @@ def select_candidates(cfg: TrainConfig, model_cfg: TransformerConfig,
             note(f"skipping {err}")
             candidates.pop(0)
             continue
-        check_resume(cfg, model_cfg, candidates[0][1], directory)
+        check_resume(cfg, model_cfg, candidates[0][1], directory, source=source)
     if not candidates:
         raise UsageError(f"no intact checkpoint in {directory!r} to resume "
                          "from (each was skipped, see above).")
@@ -84,7 +88,8 @@ def select_candidates(cfg: TrainConfig, model_cfg: TransformerConfig,
 
 def restore_newest(cfg: TrainConfig, model_cfg: TransformerConfig, ckpt: Checkpointer | None,
                    candidates: list[Candidate], model: nnx.Module,
-                   optimizer: nnx.Optimizer) -> tuple[dict[str, Any] | None, int]:
+                   optimizer: nnx.Optimizer, *, source: dict[str, Any] | None = None
+                   ) -> tuple[dict[str, Any] | None, int]:
     """Restores the newest intact candidate into `model` and `optimizer`; returns its
     metadata and step, or ``(None, 0)`` for a new run.
 
@@ -99,7 +104,7 @@ def restore_newest(cfg: TrainConfig, model_cfg: TransformerConfig, ckpt: Checkpo
         return None, 0
     for step, candidate in candidates:
         try:
-            check_resume(cfg, model_cfg, candidate, ckpt.config.directory)
+            check_resume(cfg, model_cfg, candidate, ckpt.config.directory, source=source)
             ckpt.restore(model, optimizer, step=step)
         except CheckpointCorruptError as err:
             note(f"skipping {err}")
@@ -114,9 +119,11 @@ def restore_newest(cfg: TrainConfig, model_cfg: TransformerConfig, ckpt: Checkpo
 
 def check_resume(cfg: TrainConfig, model_cfg: TransformerConfig, meta: dict[str, Any],
                   directory: str, *, steps_left: bool = True,
-                  auto: frozenset[str] = frozenset()) -> TrainConfig:
+                  auto: frozenset[str] = frozenset(),
+                  source: dict[str, Any] | None = None) -> TrainConfig:
     """Raises UsageError unless checkpoint `meta` belongs to a run `cfg` can continue (and,
-    with `steps_left`, has steps left to train).
+    with `steps_left`, has steps left to train); with `source` (the run's data-source
+    record), unless the checkpoint was trained on the same data and tokenizer.
 
     Returns `cfg` with ``schedule_steps`` set to the saved run's schedule length, so that
     a run extended with a larger ``steps`` keeps its original LR schedule, and the fields
@@ -132,6 +139,8 @@ def check_resume(cfg: TrainConfig, model_cfg: TransformerConfig, meta: dict[str,
             "`python -m gtp_jax train`; point CheckpointConfig.directory at a training run's "
             "checkpoints."
         )
+    if source is not None:  # first: other data also changes the vocabulary
+        check_source(extra.get("data_source"), source, directory)
     auto = auto | cfg.auto_fields  # a config still on "auto" continues the saved choices
     if auto:
         adopted = resolve_auto(adopt_saved(cfg, saved_cfg, auto))

@@ -39,6 +39,7 @@ class _Program:
 
     fn: Callable[..., Any] | None = None
     traces: int = 0
+    evals: dict[Hashable, Callable[..., Any]] = dataclasses.field(default_factory=dict)
 
 
 _programs: collections.OrderedDict[Hashable, _Program] = collections.OrderedDict()
@@ -90,6 +91,23 @@ class TrainStep:
         before clipping. Does not wait for the device."""
         self.state, metrics = self._program.fn(self.state, batch)
         return metrics
+
+    def evaluate(self, batch: Any, loss_fn: Callable[[nnx.Module, Any], jax.Array]
+                 ) -> jax.Array:
+        """``loss_fn(model, batch)`` of the current state, without an update (e.g. a held-out
+        loss): a float32 device scalar. Does not wait for the device; compiled once per
+        (step program, loss function)."""
+        key = _loss_key(loss_fn)
+        fn = self._program.evals.get(key)
+        if fn is None:
+            graphdef = self.graphdef
+
+            def evaluate(state: nnx.State, batch: Any) -> jax.Array:
+                model, _ = nnx.merge(graphdef, state)
+                return loss_fn(model, batch).astype(jnp.float32)
+
+            fn = self._program.evals[key] = jax.jit(evaluate)
+        return fn(self.state, batch)
 
     @property
     def objects(self) -> tuple[nnx.Module, nnx.Optimizer]:

@@ -1,0 +1,189 @@
+"""Tokenize text once into a memory-mapped token file, reused while data and tokenizer stay
+the same.
+
+The file is keyed by `fingerprint`: a hash of the data files' contents (in order), the
+tokenizer and the JSONL field. It is written beside the data, in a ``.gtp_jax_tokens``
+folder of the first path's folder, or, where that is not writable, in the cache folder. A
+changed file, tokenizer or field gives another key, hence a fresh tokenization; a file is
+published (renamed into place) only once complete, so an interrupted run leaves no
+half-written token file behind.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+from gtp_jax.base.errors import UsageError
+from gtp_jax.data.text import Tokenizer, documents
+
+__all__ = ["TokenFile", "default_cache_dir", "fingerprint", "token_file"]
+
+#: Folder created beside the data for its token files.
+CACHE_NAME = ".gtp_jax_tokens"
+_FORMAT = "gtp_jax tokens 1"
+#: Characters of text handed to the tokenizer per batch (bounds memory on large JSONL).
+_BATCH_CHARS = 1 << 22
+
+Progress = Callable[[int, int], None]
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenFile:
+    """A token file: every document's ids followed by EOS, concatenated.
+
+    Attributes:
+      path: the ``<fingerprint>.tokens`` file (raw little-endian ``dtype``).
+      tokens: ``uint16[N]`` (vocabularies up to 65536) or ``uint32[N]``, a read-only
+        ``np.memmap`` of `path`.
+      fingerprint: the key (data contents, tokenizer and field).
+      vocab_size, eos_id: the tokenizer's.
+      documents: number of documents.
+      built: True when this call tokenized (False: an existing file was reused).
+    """
+
+    path: str
+    tokens: np.ndarray
+    fingerprint: str
+    vocab_size: int
+    eos_id: int
+    documents: int
+    built: bool
+
+
+def default_cache_dir() -> Path:
+    """``$XDG_CACHE_HOME/gtp_jax/tokens`` (``~/.cache`` when unset)."""
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(root) / "gtp_jax" / "tokens"
+
+
+def fingerprint(files: list[Path], tokenizer: Tokenizer, field: str) -> str:
+    """32 hex digits keying the tokens of `files` (their contents, in order) under
+    `tokenizer` and the JSONL `field`; reads every file once."""
+    h = hashlib.sha256()
+    h.update(f"{_FORMAT}\0{tokenizer.digest}\0{field}\0".encode())
+    for path in files:
+        h.update(f"{path.suffix.lower()}\0{path.stat().st_size}\0".encode())
+        with open(path, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                h.update(chunk)
+    return h.hexdigest()[:32]
+
+
+def token_file(files: list[Path], tokenizer: Tokenizer, *, field: str = "text",
+               home: Path | None = None, cache_dir: str | Path | None = None,
+               key: str | None = None, progress: Progress | None = None) -> TokenFile:
+    """The token file of `files`: reused when one with their fingerprint exists, else
+    tokenized now (``progress(bytes_done, bytes_total)`` is called as it goes).
+
+    Args:
+      files: text / JSONL files (`gtp_jax.data.text.data_files`), in token order.
+      tokenizer: `gtp_jax.data.text.load_tokenizer` output.
+      field: the JSONL key of the document text.
+      home: the folder beside which to keep the file (None: the first file's folder).
+      cache_dir: where to look and write when `home` is not writable (None:
+        `default_cache_dir`).
+      key: `fingerprint(files, tokenizer, field)` when the caller has it already.
+
+    Raises:
+      UsageError: the files hold no document, a document a JSONL line lacks, invalid UTF-8,
+        or neither folder is writable.
+    """
+    key = key or fingerprint(files, tokenizer, field)
+    home = Path(home) if home is not None else files[0].parent
+    folders = [home / CACHE_NAME, Path(cache_dir) if cache_dir else default_cache_dir()]
+    for folder in folders:
+        found = _load(folder, key)
+        if found is not None:
+            return found
+    dtype = np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.uint32
+    for folder in folders:
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            probe = folder / f".probe-{os.getpid()}"
+            probe.touch()
+            probe.unlink()
+        except OSError:
+            continue
+        count, docs = _write(folder, key, files, tokenizer, field, dtype, progress)
+        meta = {"format": _FORMAT, "fingerprint": key, "dtype": np.dtype(dtype).name,
+                "num_tokens": count, "documents": docs, "vocab_size": tokenizer.vocab_size,
+                "eos_id": tokenizer.eos_id, "files": [str(p) for p in files]}
+        _publish(folder / f"{key}.json", json.dumps(meta, indent=1).encode())
+        loaded = _load(folder, key)
+        return dataclasses.replace(loaded, built=True)
+    raise UsageError(f"TextData.cache_dir: neither {str(folders[0])!r} nor {str(folders[1])!r} "
+                     "can be written; pass a writable TextData.cache_dir for the token file.")
+
+
+def _load(folder: Path, key: str) -> TokenFile | None:
+    meta_path, path = folder / f"{key}.json", folder / f"{key}.tokens"
+    try:
+        meta = json.loads(meta_path.read_text())
+        size = path.stat().st_size
+    except (OSError, json.JSONDecodeError):
+        return None
+    dtype = np.dtype(meta.get("dtype", "uint32"))
+    if meta.get("format") != _FORMAT or size != meta["num_tokens"] * dtype.itemsize:
+        return None  # another version's or a truncated file: tokenize again
+    tokens = np.memmap(path, dtype=dtype, mode="r", shape=(meta["num_tokens"],))
+    return TokenFile(str(path), tokens, key, int(meta["vocab_size"]), int(meta["eos_id"]),
+                     int(meta["documents"]), built=False)
+
+
+def _write(folder: Path, key: str, files: list[Path], tokenizer: Tokenizer, field: str,
+           dtype: type, progress: Progress | None) -> tuple[int, int]:
+    """Tokenizes `files` into ``<key>.tokens`` in `folder`; returns (tokens, documents)."""
+    total = sum(p.stat().st_size for p in files)
+    done = count = docs = 0
+    tmp = folder / f"{key}.tokens.tmp-{os.getpid()}"
+    try:
+        with open(tmp, "wb") as out:
+            for path in files:
+                batch: list[str] = []
+                chars = 0
+
+                def flush() -> None:
+                    nonlocal count, docs, done, batch, chars
+                    for ids in tokenizer.encode(batch):
+                        out.write(np.asarray(ids, dtype=dtype).tobytes())
+                        count += len(ids)
+                    docs += len(batch)
+                    done = min(total, done + chars)
+                    batch, chars = [], 0
+                    if progress is not None:
+                        progress(done, total)
+
+                start = done
+                for text in documents(path, field):
+                    if not text:
+                        continue  # an empty document would add a lone EOS
+                    batch.append(text)
+                    chars += len(text)
+                    if chars >= _BATCH_CHARS:
+                        flush()
+                if batch:
+                    flush()
+                done = start + path.stat().st_size
+                if progress is not None:
+                    progress(done, total)
+        if docs == 0:
+            raise UsageError(f"TextData.paths: {[str(p) for p in files]} hold no text; pass "
+                             "files with at least one non-empty document.")
+        os.replace(tmp, folder / f"{key}.tokens")
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    return count, docs
+
+
+def _publish(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
