@@ -84,6 +84,13 @@ class GTPConfig:
         all-gather per weight and layer less) and re-casts nothing. The cost is memory: the
         whole stack, unsharded, in the compute dtype, from the forward pass to the backward
         pass. Off (the default), the backward loop gathers each layer again.
+      offload_optimizer: keep the optimizer state (AdamW's moments and step count) in host
+        memory (JAX memory kind ``"pinned_host"``), on the same mesh and sharding: the
+        training step (`gtp_jax.train.TrainStep`) copies each state leaf to the device for
+        the update and the new value back, and XLA schedules those copies around the
+        computation. The arithmetic is unchanged (bit-identical training); device memory
+        drops by the state's bytes on backends whose host memory is separate (GPUs; on
+        the CPU backend host and device memory are the same RAM).
     """
 
     axis: str = "gtp"
@@ -98,6 +105,7 @@ class GTPConfig:
     prefetch: bool = False
     quant_backend: str = "pallas"
     keep_gathered_layers: bool = False
+    offload_optimizer: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.axis, str) or not self.axis:
@@ -151,7 +159,8 @@ class GTPConfig:
                 f"GTPConfig.quant_backend={self.quant_backend!r} is unknown; "
                 f"choose one of {QUANT_BACKENDS}."
             )
-        for field in ("prefetch", "remat_gathered", "keep_gathered_layers"):
+        for field in ("prefetch", "remat_gathered", "keep_gathered_layers",
+                      "offload_optimizer"):
             if not isinstance(getattr(self, field), bool):
                 raise UsageTypeError(
                     f"GTPConfig.{field}={getattr(self, field)!r} must be True or False.")
