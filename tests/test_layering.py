@@ -25,6 +25,7 @@ LAYERS = {
     "train": 5,
     "nonuniform": 5,
     "bench": 6,
+    "plan": 6,  # the layout planner: compiles the training step (train) ahead of time
     "__main__": 6,
 }
 #: Top-level modules outside the packages: only the facade (``__init__``, not checked) and the

@@ -103,6 +103,13 @@ class GTPConfig:
         exactly the matching layers compute in FP8, whatever their size.
       fp8_exclude: regular expressions on layer paths kept out of FP8 compute (default:
         the output head, `DEFAULT_FP8_EXCLUDE`).
+      offload_optimizer: keep the optimizer state (AdamW's moments and step count) in host
+        memory (JAX memory kind ``"pinned_host"``), on the same mesh and sharding: the
+        training step (`gtp_jax.train.TrainStep`) copies each state leaf to the device for
+        the update and the new value back, and XLA schedules those copies around the
+        computation. The arithmetic is unchanged (bit-identical training); device memory
+        drops by the state's bytes on backends whose host memory is separate (GPUs; on
+        the CPU backend host and device memory are the same RAM).
     """
 
     axis: str = "gtp"
@@ -121,6 +128,7 @@ class GTPConfig:
     fp8_min_features: int = 2048
     fp8_include: tuple[str, ...] = ()
     fp8_exclude: tuple[str, ...] = DEFAULT_FP8_EXCLUDE
+    offload_optimizer: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.axis, str) or not self.axis:
@@ -188,7 +196,8 @@ class GTPConfig:
                 or self.fp8_min_features < 0):
             raise UsageError(
                 f"GTPConfig.fp8_min_features={self.fp8_min_features!r} must be an int >= 0.")
-        for field in ("prefetch", "remat_gathered", "keep_gathered_layers"):
+        for field in ("prefetch", "remat_gathered", "keep_gathered_layers",
+                      "offload_optimizer"):
             if not isinstance(getattr(self, field), bool):
                 raise UsageTypeError(
                     f"GTPConfig.{field}={getattr(self, field)!r} must be True or False.")

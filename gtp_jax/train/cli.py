@@ -12,9 +12,14 @@ import argparse
 import math
 import re
 import sys
+from collections.abc import Callable
+from typing import Any
 
 from gtp_jax.base.errors import UsageError
 from gtp_jax.base.xla_flags import simulate_cpu_devices
+
+#: ``planner(cfg, fixed layout fields, memory GiB or None) -> laid-out cfg`` (``--plan auto``).
+Planner = Callable[[Any, dict[str, Any], "float | None"], Any]
 
 DEFAULT_CPU_MESH = {"dp": 2, "gtp": 4, "tp": 1, "ep": 1, "cp": 1}
 
@@ -32,7 +37,9 @@ FLAGS = {
     "TrainConfig.moe_top_k": "--moe-top-k", "TrainConfig.moe_capacity_factor": "--moe-capacity",
     "TrainConfig.prefetch": "--prefetch", "TrainConfig.pad_for_alignment": "--pad-for-alignment",
     "TrainConfig.remat": "--remat", "TrainConfig.weight_decay": "weight_decay (no flag)",
-    "TrainConfig.attention": "--attention", "TrainConfig.unroll_layers": "--[no-]unroll-layers",
+    "TrainConfig.attention": "--attention",
+    "TrainConfig.offload_optimizer": "--[no-]offload-optimizer",
+    "TrainConfig.unroll_layers": "--[no-]unroll-layers",
     "TrainConfig.schedule_steps": "schedule_steps (no flag; kept from the checkpoint)",
     "TrainConfig.init_from_hf": "--init-from-hf", "TrainConfig.export_hf": "--export-hf",
     "CheckpointConfig.directory": "--checkpoint-dir",
@@ -81,6 +88,9 @@ def _parser() -> argparse.ArgumentParser:
         prog="python -m gtp_jax",
         description="gtp_jax: Generalized Tensor Parallelism for JAX.")
     sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("plan", add_help=False,
+                   help="rank the layouts of a run by predicted step time among those that "
+                   "fit (python -m gtp_jax plan --help)")
     train = sub.add_parser(
         "train",
         help="train a preset transformer with GTP on the bundled byte corpus or your text",
@@ -142,6 +152,18 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--remat", choices=("auto", "none", "dots", "full"), default="auto",
                        help="activation recompute inside each layer; auto: dots on GPUs "
                        "(save matmul outputs), none on CPUs")
+    train.add_argument("--offload-optimizer", action=argparse.BooleanOptionalAction,
+                       default=None,
+                       help="keep the optimizer state in host memory (pinned_host), copied "
+                       "to the devices for the update (default: off; with --plan auto the "
+                       "planner chooses)")
+    train.add_argument("--plan", choices=("off", "auto"), default="off",
+                       help="auto: plan the layout (mesh sizes, remat, layer loop, offload; "
+                       "the ones given as flags stay fixed), print it and train with the "
+                       "top one; a run that fits no layout is refused before compiling")
+    train.add_argument("--memory-gib", type=float, default=None,
+                       help="with --plan auto: the budget per device in GiB (default: the "
+                       "device's memory)")
 
     hf = train.add_argument_group("Hugging Face checkpoints (Llama family; docs/models.md)")
     hf.add_argument("--init-from-hf", default=None, metavar="DIR",
@@ -313,8 +335,17 @@ def _configs(args: argparse.Namespace) -> tuple[object, object | None, object]:
     return dist, checkpoint, observe
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, *, planner: Planner | None = None) -> int:
+    """``python -m gtp_jax train [options]``; `planner` is the ``--plan auto`` layout choice
+    (`gtp_jax.plan.cli.auto_layout`, a higher layer, passed in by ``python -m gtp_jax``)."""
     args = _parser().parse_args(argv)
+    if args.command == "plan":
+        print("error: run python -m gtp_jax plan (with the plan options).", file=sys.stderr)
+        return 2
+    if args.memory_gib is not None and args.plan != "auto":
+        print("error: --memory-gib needs --plan auto (the planner checks the budget).",
+              file=sys.stderr)
+        return 2
     sizes = _mesh_sizes(args)
     cpu_sizes = _cpu_mesh(sizes)
     try:
@@ -345,7 +376,7 @@ def main(argv: list[str] | None = None) -> int:
         return _processes_error(processes, total)
     simulate_cpu_devices(total // processes)
     # XLA_FLAGS are set: JAX may start a backend from here on.
-    code = _run(args, sizes, cpu_sizes, checkpoint, observe, failure, data)
+    code = _run(args, sizes, cpu_sizes, checkpoint, observe, failure, data, planner)
     # Not in a `finally`: after an exception the shutdown barrier would wait for processes
     # that may never arrive; JAX's failure detection ends the others instead.
     shutdown()
@@ -373,7 +404,7 @@ def _cpu_mesh(sizes: dict[str, int | None]) -> dict[str, int]:
 
 def _run(args: argparse.Namespace, sizes: dict[str, int | None], cpu_sizes: dict[str, int],
          checkpoint: object | None, observe: object, failure: object | None = None,
-         data: object | None = None) -> int:
+         data: object | None = None, planner: Planner | None = None) -> int:
     import jax  # noqa: PLC0415
 
     from gtp_jax.train import TrainConfig, train  # noqa: PLC0415
@@ -394,7 +425,11 @@ def _run(args: argparse.Namespace, sizes: dict[str, int | None], cpu_sizes: dict
                           moe_top_k=args.moe_top_k,
                           moe_capacity_factor=args.moe_capacity or None,
                           init_from_hf=args.init_from_hf, export_hf=args.export_hf,
-                          eval_every=args.eval_every, eval_batches=args.eval_batches, **mesh)
+                          eval_every=args.eval_every, eval_batches=args.eval_batches,
+                          offload_optimizer=bool(args.offload_optimizer),
+                          **(_PLANNED_MESH if args.plan == "auto" else mesh))
+        if args.plan == "auto":
+            cfg = _planned(args, sizes, cfg, planner)
         if primary:
             procs = f" in {jax.process_count()} processes" if jax.process_count() > 1 else ""
             model = (f"init-from-hf={cfg.init_from_hf}" if cfg.init_from_hf
@@ -417,6 +452,29 @@ def _run(args: argparse.Namespace, sizes: dict[str, int | None], cpu_sizes: dict
     if primary:
         print(result.summary(), flush=True)
     return 0
+
+
+#: The placeholder mesh of a run whose layout the planner chooses.
+_PLANNED_MESH = {"dp": 1, "gtp": 1, "tp": 1, "ep": 1, "cp": 1}
+
+
+def _planned(args: argparse.Namespace, sizes: dict[str, int | None], cfg: object,
+             planner: Planner | None) -> object:
+    """`cfg` laid out by `planner` (``--plan auto``), keeping the layout flags given."""
+    if planner is None:
+        raise UsageError("--plan auto needs the planner: run python -m gtp_jax train.")
+    fixed: dict[str, object] = {k: v for k, v in sizes.items() if v is not None}
+    if args.remat != "auto":
+        fixed["remat"] = args.remat
+    if args.unroll_layers is not None:
+        fixed["unroll_layers"] = args.unroll_layers
+    if args.prefetch:
+        fixed["prefetch"] = True
+    if args.gather_format is not None:
+        fixed["gather_format"] = args.gather_format
+    if args.offload_optimizer is not None:
+        fixed["offload_optimizer"] = args.offload_optimizer
+    return planner(cfg, fixed, args.memory_gib)
 
 
 def _print_choices(cfg: object, model_cfg: object) -> None:

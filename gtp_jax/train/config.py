@@ -35,7 +35,7 @@ from gtp_jax.train.observe import (
 RESUME_MAY_DIFFER = frozenset({"steps", "dp", "gtp", "tp", "ep", "cp", "pad_for_alignment",
                                "gather_dtype", "gather_format", "prefetch", "remat", "overlap",
                                "attention", "unroll_layers", "export_hf", "eval_every",
-                               "eval_batches"})
+                               "eval_batches", "offload_optimizer"})
 #: Fields whose default, "auto", is resolved for the backend (`resolve_auto`): the fast path
 #: on GPUs, exact float32 on CPUs. A resumed run keeps the saved run's values for those left
 #: on "auto" (`adopt_saved`).
@@ -80,6 +80,7 @@ class TrainConfig:
       gather_format: `GTPConfig.gather_format` (None, "fp8", "mxfp8" or "nvfp4").
       prefetch: `GTPConfig.prefetch` (the scanned loop's double buffering; the unrolled loop
         always gathers one layer ahead).
+      offload_optimizer: `GTPConfig.offload_optimizer` (optimizer state in host memory).
       overlap: ring collective matmuls for the tp GEMMs (`TransformerConfig.tp_overlap`).
       moe_experts: experts per MoE layer (0: dense MLP); `moe_top_k`, `moe_capacity_factor`
         (None: dropless) as in `TransformerConfig`.
@@ -126,6 +127,7 @@ class TrainConfig:
     unroll_layers: bool | None = None
     gather_format: str | None = None
     prefetch: bool = False
+    offload_optimizer: bool = False
     overlap: bool = False
     moe_experts: int = 0
     moe_top_k: int = 2
@@ -163,7 +165,7 @@ class TrainConfig:
             if getattr(self, name) not in allowed:
                 raise UsageError(f"TrainConfig.{name}={getattr(self, name)!r}: use one of "
                                  f"{list(allowed)}.")
-        for name in ("prefetch", "overlap"):
+        for name in ("prefetch", "overlap", "offload_optimizer"):
             if not isinstance(getattr(self, name), bool):
                 raise UsageTypeError(f"TrainConfig.{name}={getattr(self, name)!r} must be a bool.")
         if self.unroll_layers is not None and not isinstance(self.unroll_layers, bool):
@@ -309,7 +311,8 @@ def gtp_config(cfg: TrainConfig) -> GTPConfig:
     for JAX's default backend)."""
     cfg = resolve_auto(cfg)
     return GTPConfig(gather_dtype=cfg.gather_dtype, pad_for_alignment=cfg.pad_for_alignment,
-                     gather_format=cfg.gather_format, prefetch=cfg.prefetch)
+                     gather_format=cfg.gather_format, prefetch=cfg.prefetch,
+                     offload_optimizer=cfg.offload_optimizer)
 
 
 def describe_choices(cfg: TrainConfig, model_cfg: TransformerConfig) -> str:
@@ -329,8 +332,9 @@ def describe_choices(cfg: TrainConfig, model_cfg: TransformerConfig) -> str:
     else:
         loop = "layers scanned" + (" with prefetch (double-buffered gathers)" if cfg.prefetch
                                    else "")
+    offload = ", optimizer state in host memory" if cfg.offload_optimizer else ""
     return (f"compute {cfg.dtype}, gathers {gather}, remat {model_cfg.remat}, attention "
-            f"{attention}, {loop}")
+            f"{attention}, {loop}{offload}")
 
 
 def model_json(model_cfg: TransformerConfig) -> dict[str, Any]:
@@ -415,6 +419,10 @@ def memory_parts(estimate: dict[str, int]) -> str:
 
 def memory_estimate(cfg: TrainConfig) -> dict[str, int]:
     """`gtp_jax.train.observe.estimate_train_memory` of the run `cfg`."""
-    return estimate_train_memory(model_config(cfg), batch_size=cfg.batch_size,
-                                 seq_len=cfg.seq_len, dp=cfg.dp, gtp=cfg.gtp, tp=cfg.tp,
-                                 ep=cfg.ep)
+    parts = estimate_train_memory(model_config(cfg), batch_size=cfg.batch_size,
+                                  seq_len=cfg.seq_len, dp=cfg.dp, gtp=cfg.gtp, tp=cfg.tp,
+                                  ep=cfg.ep)
+    if cfg.offload_optimizer:  # the state lives in host memory
+        parts["total"] -= parts["optimizer"]
+        parts["optimizer"] = 0
+    return parts

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from gtp_jax.base.errors import UsageTypeError
+from gtp_jax.sharding.offload import place_on_host, to_device, to_host
 
 #: Programs kept (least recently used ones are dropped; a dropped one recompiles on reuse).
 CACHE_SIZE = 16
@@ -82,8 +83,10 @@ class TrainStep:
                                  "(loss_fn(model, batch) -> scalar).")
         self._objects = (model, optimizer)
         self.graphdef, state = nnx.split((model, optimizer))
-        self.state = _replicate_strays(state)
-        self._program = _program(self.graphdef, loss_fn, bool(grad_norm))
+        offload = offloads_optimizer(model)
+        state = _replicate_strays(state)
+        self.state = map_opt_state(state, place_on_host) if offload else state
+        self._program = _program(self.graphdef, loss_fn, bool(grad_norm), offload)
 
     def __call__(self, batch: Any) -> dict[str, jax.Array]:
         """Runs one step; returns ``{"loss"}`` (and ``"grad_norm"``) as float32 device
@@ -125,8 +128,33 @@ class TrainStep:
         nnx.update(self._objects, self.state)
 
 
-def _program(graphdef: Any, loss_fn: Callable[..., jax.Array], grad_norm: bool) -> _Program:
-    key = (graphdef, _loss_key(loss_fn), grad_norm)
+def offloads_optimizer(model: nnx.Module) -> bool:
+    """Whether `model` is sharded with ``GTPConfig(offload_optimizer=True)``: its training
+    step then keeps the optimizer state in host memory (`gtp_jax.sharding.offload`)."""
+    config = getattr(model, "config", None)
+    return bool(getattr(config, "offload_optimizer", False))
+
+
+def map_opt_state(state: nnx.State, fn: Callable[[Any], Any]) -> nnx.State:
+    """`state` (of ``(model, optimizer)`` or an optimizer) with ``fn(value)`` in place of
+    the value of every ``nnx.OptState`` variable (the optimizer's moments and step)."""
+    flat = [(path, var.replace(value=fn(var.get_value())) if isinstance(var, nnx.OptState)
+             else var) for path, var in nnx.to_flat_state(state)]
+    return nnx.from_flat_state(flat)
+
+
+def step_program(graphdef: Any, loss_fn: Callable[..., jax.Array], *, grad_norm: bool = True,
+                 offload: bool = False) -> Callable[..., Any]:
+    """The jitted ``step(state, batch) -> (state, metrics)`` that `TrainStep` runs for a
+    ``(model, optimizer)`` of `graphdef` (the same cached program): lower it with abstract
+    arguments (``jax.ShapeDtypeStruct`` with shardings) to compile a step ahead of time
+    without running it (`gtp_jax.plan` reads its memory analysis)."""
+    return _program(graphdef, loss_fn, grad_norm, offload).fn
+
+
+def _program(graphdef: Any, loss_fn: Callable[..., jax.Array], grad_norm: bool,
+             offload: bool = False) -> _Program:
+    key = (graphdef, _loss_key(loss_fn), grad_norm, offload)
     program = _programs.get(key)
     if program is not None:
         _programs.move_to_end(key)
@@ -137,7 +165,11 @@ def _program(graphdef: Any, loss_fn: Callable[..., jax.Array], grad_norm: bool) 
         program.traces += 1
         model, optimizer = nnx.merge(graphdef, state)
         loss, grads = nnx.value_and_grad(loss_fn)(model, batch)
+        if offload:  # the state comes from host memory and goes back there, leaf by leaf
+            nnx.update(optimizer, to_device(nnx.state(optimizer, nnx.OptState)))
         optimizer.update(model, grads)
+        if offload:
+            nnx.update(optimizer, to_host(nnx.state(optimizer, nnx.OptState)))
         metrics = {"loss": loss.astype(jnp.float32)}
         if grad_norm:
             metrics["grad_norm"] = _global_norm(grads)

@@ -1,0 +1,19 @@
+"""Will it fit, and which layout is fastest: the layout planner.
+
+`plan` enumerates the layouts of a training run on the present devices (mesh sizes over
+dp/gtp/tp/cp/ep, remat, layer loop, gather format, optimizer offload), rejects those whose
+closed-form memory bound exceeds the budget, compiles the others' training step ahead of
+time for their exact peak memory (`compiled_memory`), and ranks the ones that fit by a
+step time predicted from measured rates (`calibration`). ``python -m gtp_jax plan`` prints
+the table; ``python -m gtp_jax train --plan auto`` trains with the top layout.
+See docs/planning.md.
+"""
+
+from gtp_jax.plan.layout import Layout, PlanSpace, enumerate_layouts
+from gtp_jax.plan.memory import MemoryFigure, abstract_train_state, compiled_memory, memory_bound
+from gtp_jax.plan.planner import Candidate, Plan, format_table, plan
+from gtp_jax.plan.timing import Calibration, calibration, measure, step_seconds
+
+__all__ = ["Calibration", "Candidate", "Layout", "MemoryFigure", "Plan", "PlanSpace",
+           "abstract_train_state", "calibration", "compiled_memory", "enumerate_layouts",
+           "format_table", "measure", "memory_bound", "plan", "step_seconds"]

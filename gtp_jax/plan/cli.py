@@ -1,0 +1,170 @@
+"""``python -m gtp_jax plan``: the ranked layout table; and the layout choice behind
+``python -m gtp_jax train --plan auto`` (`auto_layout`).
+
+On a machine without accelerators the planner plans for ``--gpus`` simulated CPU devices
+(``--xla_force_host_platform_device_count``, set before JAX starts a backend), with the CPU
+compiler's memory figures; on a GPU host it compiles for the GPUs present.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from typing import Any
+
+from gtp_jax.base.errors import UsageError
+from gtp_jax.base.xla_flags import simulate_cpu_devices
+
+#: Flags of ``python -m gtp_jax train`` that fix a layout choice under ``--plan auto``.
+LAYOUT_FLAGS = {"dp": "--dp", "gtp": "--gtp", "tp": "--tp", "cp": "--cp", "ep": "--ep",
+                "remat": "--remat", "unroll_layers": "--[no-]unroll-layers",
+                "prefetch": "--prefetch", "gather_format": "--gather-format",
+                "offload_optimizer": "--[no-]offload-optimizer"}
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m gtp_jax plan",
+        description="Rank the layouts of a training run (mesh sizes, remat, layer loop, "
+        "gather format, optimizer offload): exact peak memory per device from the compiled "
+        "training step, step time predicted from measured rates. Without GPUs it plans for "
+        "--gpus simulated CPU devices (CPU compiler memory; docs/planning.md).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--preset", default="tiny", help="model preset (gtp_jax.models)")
+    parser.add_argument("--gpus", type=int, default=None,
+                        help="devices to plan for; default: the GPUs present, or 8 simulated "
+                        "CPU devices (on a GPU host it must equal the GPU count)")
+    parser.add_argument("--seq", type=int, default=128, help="tokens per sequence")
+    parser.add_argument("--batch", type=int, default=16, help="global batch in sequences")
+    parser.add_argument("--memory-gib", type=float, default=None,
+                        help="budget per device in GiB; default: the device's memory "
+                        "(none on CPU)")
+    parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
+                        help="compute dtype (auto: bfloat16 on GPUs, float32 on CPUs)")
+    parser.add_argument("--gather-formats", default="",
+                        help="also try these low-precision gather formats (comma-separated "
+                        "fp8,mxfp8,nvfp4; they change the numerics)")
+    parser.add_argument("--offload", choices=("both", "on", "off"), default="both",
+                        help="optimizer offload choices to try")
+    parser.add_argument("--top", type=int, default=5,
+                        help="compile until this many layouts fit (the rest stay uncompiled)")
+    parser.add_argument("--limit", type=int, default=20, help="rows to print (0: all)")
+    parser.add_argument("--calibrate", action="store_true",
+                        help="measure the rates again (GEMM, attention, collectives, host "
+                        "copies) instead of using the cached ones")
+    parser.add_argument("--json", default=None, metavar="PATH",
+                        help="also write the ranked candidates as JSON")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m gtp_jax plan [options]`` (`argv` without the ``plan`` word)."""
+    args = _parser().parse_args(argv)
+    for name in ("gpus", "seq", "batch", "top"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            print(f"error: --{name} {value} must be >= 1.", file=sys.stderr)
+            return 2
+    simulate_cpu_devices(args.gpus or 8)
+    # XLA_FLAGS are set: JAX may start a backend from here on.
+    try:
+        return _plan(args)
+    except UsageError as err:  # other exceptions are bugs: they keep their traceback
+        from gtp_jax.train.cli import cli_message  # noqa: PLC0415
+
+        print(f"error: {cli_message(err)}", file=sys.stderr)
+        return 2
+
+
+def _plan(args: argparse.Namespace) -> int:
+    import jax  # noqa: PLC0415
+
+    from gtp_jax.plan import PlanSpace, calibration, format_table, plan  # noqa: PLC0415
+    from gtp_jax.train import TrainConfig  # noqa: PLC0415
+    from gtp_jax.train.config import resolve_auto  # noqa: PLC0415
+
+    if args.gpus is not None and args.gpus != jax.device_count():
+        raise UsageError(
+            f"--gpus {args.gpus}: this host has {jax.device_count()} "
+            f"{jax.default_backend()} devices; plan on a host with {args.gpus} GPUs (the "
+            f"memory figures come from compiling for them) or pass --gpus "
+            f"{jax.device_count()}.")
+    formats = tuple(f for f in args.gather_formats.split(",") if f)
+    space = PlanSpace(gather_formats=(None, *formats),
+                      offload={"both": (False, True), "on": (True,), "off": (False,)}[
+                          args.offload])
+    base = TrainConfig(preset=args.preset, batch_size=args.batch, seq_len=args.seq,
+                       dtype=args.dtype, dp=1, gtp=1)
+    cal = calibration(resolve_auto(base).dtype, refresh=args.calibrate)
+    result = plan(base, memory_gib=args.memory_gib, space=space, top=args.top, cal=cal)
+    print(format_table(result, limit=args.limit or None), flush=True)
+    if result.best is not None:
+        print(f"best: python -m gtp_jax train --preset {args.preset} --batch {args.batch} "
+              f"--seq {args.seq} {result.best.layout.flags()}")
+    else:
+        print("no layout fits: lower --batch or --seq, or raise --memory-gib")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(plan_json(result), f, indent=1)
+    return 0 if result.best is not None else 1
+
+
+def plan_json(result: Any) -> dict[str, Any]:
+    """A `gtp_jax.plan.Plan` as JSON values."""
+    return {
+        "preset": result.base.preset, "batch": result.base.batch_size,
+        "seq": result.base.seq_len, "dtype": result.base.dtype, "devices": result.devices,
+        "budget_bytes": result.budget_bytes, "calibration": result.calibration.to_json(),
+        "candidates": [{"layout": dataclasses.asdict(c.layout), "flags": c.layout.flags(),
+                        "bound_bytes": c.bound_bytes, "peak_bytes": c.peak_bytes,
+                        "step_seconds": c.step_seconds, "status": c.status}
+                       for c in result.candidates],
+    }
+
+
+def auto_layout(base: Any, fixed: dict[str, Any], memory_gib: float | None) -> Any:
+    """The `TrainConfig` `base` laid out as the top-ranked layout (``--plan auto``).
+
+    Args:
+      base: the run (its mesh sizes and layout fields are replaced).
+      fixed: the layout fields the user set (`LAYOUT_FLAGS` keys -> values): only layouts
+        with these values are considered.
+      memory_gib: budget per device (None: the device's memory).
+
+    Raises:
+      UsageError: no layout fits (naming the flags to change), before anything is built.
+    """
+    from gtp_jax.plan import PlanSpace, plan  # noqa: PLC0415
+    from gtp_jax.plan.layout import LOOPS, REMATS  # noqa: PLC0415
+
+    loops: tuple[str, ...] = LOOPS
+    if fixed.get("unroll_layers") is True:
+        loops = ("unrolled",)
+    elif fixed.get("unroll_layers") is False or fixed.get("prefetch"):
+        loops = ("prefetch",) if fixed.get("prefetch") else ("scanned", "prefetch")
+    space = PlanSpace(
+        mesh={a: fixed[a] for a in ("dp", "gtp", "tp", "cp", "ep") if a in fixed},
+        remat=(fixed["remat"],) if "remat" in fixed else REMATS, loops=loops,
+        gather_formats=(fixed.get("gather_format"),),
+        offload=(fixed["offload_optimizer"],) if "offload_optimizer" in fixed
+        else (False, True))
+    result = plan(base, memory_gib=memory_gib, space=space, top=1)
+    best = result.best
+    if best is None:
+        smallest = min(result.candidates, key=lambda c: c.peak_bytes or c.bound_bytes,
+                       default=None)
+        given = " ".join(sorted(LAYOUT_FLAGS[k] for k in fixed))
+        need = (f"; the smallest layout ({smallest.layout.describe()}) needs "
+                f"{(smallest.peak_bytes or smallest.bound_bytes) / 2**30:.2f} GiB"
+                if smallest is not None else "")
+        budget = (f"{result.budget_bytes / 2**30:.2f} GiB per device"
+                  if result.budget_bytes else "the devices")
+        raise UsageError(
+            f"--plan auto: no layout fits in {budget}{need}; lower --batch or --seq, raise "
+            "--memory-gib" + (f", or fix fewer of {given}" if given else "") + ".")
+    print(f"gtp_jax train: --plan auto chose {best.layout.describe()} (predicted "
+          f"{best.peak_bytes / 2**30:.3f} GiB per device, {best.step_seconds * 1e3:.1f} ms per "
+          f"step; {best.layout.flags()})", flush=True)
+    return best.layout.apply(base)

@@ -1,0 +1,173 @@
+"""`plan`: the layouts of a run, ranked by predicted step time among those that fit."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+
+from gtp_jax.base.errors import UsageError
+from gtp_jax.plan.layout import Layout, PlanSpace, enumerate_layouts
+from gtp_jax.plan.memory import compiled_memory, memory_bound
+from gtp_jax.plan.timing import Calibration, calibration, step_seconds
+from gtp_jax.train.config import TrainConfig, resolve_auto
+from gtp_jax.train.observe import device_memory_limit
+
+GIB = 2**30
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """One layout and what the planner predicts for it.
+
+    Attributes:
+      layout: the `Layout`.
+      bound_bytes: the closed-form lower bound of the peak bytes per device
+        (`gtp_jax.plan.memory.memory_bound`).
+      peak_bytes: the compiled training step's peak bytes per device
+        (`gtp_jax.plan.memory.compiled_memory`); None where it was not compiled.
+      step_seconds: predicted seconds per step (`gtp_jax.plan.timing.step_seconds`).
+      rejected: why the layout cannot run (over the budget, by bound or compiled; or the
+        compiler refused it); None if it fits or was not compiled.
+    """
+
+    layout: Layout
+    bound_bytes: int
+    peak_bytes: int | None
+    step_seconds: float
+    rejected: str | None = None
+
+    @property
+    def fits(self) -> bool:
+        """Compiled and within the budget."""
+        return self.peak_bytes is not None and self.rejected is None
+
+    @property
+    def status(self) -> str:
+        if self.fits:
+            return "fits"
+        return f"rejected: {self.rejected}" if self.rejected else "not compiled"
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """The ranked candidates of one planning: those that fit by predicted step time, then
+    those not compiled, then the rejected ones (each group in a fixed order)."""
+
+    base: TrainConfig
+    devices: int
+    budget_bytes: int | None
+    calibration: Calibration
+    candidates: tuple[Candidate, ...]
+    skipped: int
+
+    @property
+    def best(self) -> Candidate | None:
+        """The top candidate that fits, or None."""
+        return self.candidates[0] if self.candidates and self.candidates[0].fits else None
+
+
+def budget_bytes(memory_gib: float | None) -> int | None:
+    """Bytes per device for `memory_gib` (None: the device's limit; None on CPU)."""
+    if memory_gib is None:
+        return device_memory_limit()
+    if isinstance(memory_gib, bool) or not isinstance(memory_gib, (int, float)) or \
+            not math.isfinite(memory_gib) or memory_gib <= 0:
+        raise UsageError(f"memory_gib={memory_gib!r} must be a positive number of GiB.")
+    return int(memory_gib * GIB)
+
+
+def plan(base: TrainConfig, *, memory_gib: float | None = None,
+         space: PlanSpace | None = None, top: int = 5,
+         cal: Calibration | None = None) -> Plan:
+    """Plans `base` (its preset, batch, sequence and dtypes) on the present devices.
+
+    Every layout of `space` valid for the model and devices is bounded in closed form;
+    those whose bound exceeds the budget are rejected without compiling. The rest are
+    compiled (`compiled_memory`, cached) in order of predicted step time until `top` of
+    them fit; the slower ones are left uncompiled.
+
+    Args:
+      base: the run to plan (its mesh and layout fields are replaced by each layout's).
+      memory_gib: budget per device in GiB; None: the device's memory (no budget on CPU).
+      space: the layouts to consider (default `PlanSpace()`).
+      top: how many fitting layouts to find (compile).
+      cal: the rates to predict with; None: `calibration` of the present devices.
+
+    Returns:
+      A `Plan` whose candidates are ranked (deterministic for the same calibration).
+
+    Raises:
+      UsageError: bad `memory_gib` or `top`.
+    """
+    if isinstance(top, bool) or not isinstance(top, int) or top < 1:
+        raise UsageError(f"top={top!r} must be an int >= 1.")
+    budget = budget_bytes(memory_gib)
+    space = PlanSpace() if space is None else space
+    base = resolve_auto(base)
+    cal = calibration(base.dtype) if cal is None else cal
+    devices = jax.device_count()
+    layouts, skipped = enumerate_layouts(base, devices, space)
+    pending, rejected = [], []
+    for layout in layouts:
+        cfg = layout.apply(base)
+        bound = memory_bound(cfg)["total"]
+        seconds = step_seconds(cfg, cal)["total"]
+        if budget is not None and bound > budget:
+            rejected.append(Candidate(layout, bound, None, seconds,
+                                      f"bound {bound / GIB:.2f} GiB > {budget / GIB:.2f} GiB"))
+        else:
+            pending.append(Candidate(layout, bound, None, seconds))
+    pending.sort(key=lambda c: (c.step_seconds, c.bound_bytes, c.layout.sort_key))
+    fitting, uncompiled = [], []
+    for cand in pending:
+        if len(fitting) >= top:
+            uncompiled.append(cand)
+            continue
+        try:
+            peak = compiled_memory(cand.layout.apply(base)).peak
+        except (UsageError, ValueError, TypeError) as err:
+            rejected.append(dataclasses.replace(cand, rejected=f"invalid: {err}"))
+            continue
+        cand = dataclasses.replace(cand, peak_bytes=peak)
+        if budget is not None and peak > budget:
+            rejected.append(dataclasses.replace(
+                cand, rejected=f"compiled {peak / GIB:.2f} GiB > {budget / GIB:.2f} GiB"))
+        else:
+            fitting.append(cand)
+    fitting.sort(key=lambda c: (c.step_seconds, c.peak_bytes, c.layout.sort_key))
+    rejected.sort(key=lambda c: (c.peak_bytes or c.bound_bytes, c.layout.sort_key))
+    return Plan(base=base, devices=devices, budget_bytes=budget, calibration=cal,
+                candidates=(*fitting, *uncompiled, *rejected), skipped=skipped)
+
+
+def format_table(result: Plan, limit: int | None = 20) -> str:
+    """The ranked table: rank, layout, bound and compiled peak GiB, predicted step ms,
+    status (fits / not compiled / rejected: why)."""
+    budget = (f"{result.budget_bytes / GIB:.2f} GiB per device" if result.budget_bytes
+              else "none (the backend reports no device memory; pass --memory-gib)")
+    cal = result.calibration
+    lines = [
+        f"plan: preset={result.base.preset} devices={result.devices} "
+        f"({jax.default_backend()}, {cal.device_kind}) batch={result.base.batch_size} "
+        f"seq={result.base.seq_len} dtype={result.base.dtype} budget {budget}",
+        f"rates: GEMM {cal.gemm_flops / 1e12:.3g} TFLOP/s, attention "
+        f"{cal.attention_flops / 1e12:.3g} TFLOP/s, all-gather {cal.all_gather_bandwidth / 1e9:.3g}"
+        f" GB/s + {cal.all_gather_latency * 1e6:.0f} us, reduce-scatter "
+        f"{cal.reduce_scatter_bandwidth / 1e9:.3g} GB/s + {cal.reduce_scatter_latency * 1e6:.0f}"
+        " us",
+        f"{'#':>3}  {'layout':<44} {'bound GiB':>9} {'peak GiB':>9} {'step ms':>9}  status",
+    ]
+    shown = result.candidates if limit is None else result.candidates[:limit]
+    for i, c in enumerate(shown, 1):
+        peak = f"{c.peak_bytes / GIB:9.3f}" if c.peak_bytes is not None else f"{'-':>9}"
+        lines.append(f"{i:>3}  {c.layout.describe():<44} {c.bound_bytes / GIB:9.3f} {peak} "
+                     f"{c.step_seconds * 1e3:9.2f}  {c.status}")
+    more = len(result.candidates) - len(shown)
+    if more > 0:
+        lines.append(f"     ... {more} more (--limit 0 shows all)")
+    if result.skipped:
+        lines.append(f"     {result.skipped} layouts skipped: invalid for this model, batch or "
+                     "sequence (batch not divisible by dp*gtp*ep, tp not dividing the heads...)")
+    return "\n".join(lines)

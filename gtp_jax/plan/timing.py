@@ -1,0 +1,238 @@
+"""A layout's step time: a roofline-style model whose rates are measured on the machine.
+
+    compute  = matmul FLOPs / GEMM rate + attention FLOPs / attention rate
+    gtp      = weight all-gathers (forward and backward) + gradient reduce-scatters
+    other    = dp gradient all-reduce + tp activation collectives + cp ring K/V passes
+    offload  = optimizer state to the device and back / host bandwidth
+    step     = max(compute, gtp) + other + offload     (unrolled / prefetching loops: the
+               gathers run a layer ahead, behind the compute)
+             = compute + gtp + other + offload         (plain scanned loop)
+
+Each collective costs ``latency + bytes moved per device / bandwidth``, with the bandwidth
+and latency of an all-gather / reduce-scatter over all devices (`Calibration`). Matmul
+FLOPs are ``6 * (block + head parameters)`` per token divided over ``tp``; remat "full"
+adds one more forward pass (8 instead of 6), "dots" recomputes no matmul. Attention FLOPs
+are ``6 * n_layers * d_model * seq`` per token (causal), again with a forward more under
+"full". Not modelled: elementwise work, the optimizer update, the embedding, kernel
+efficiency at other shapes than the calibration's. The model ranks layouts; its absolute
+accuracy is what `benchmarks/plan_accuracy.sh` measures.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from gtp_jax.sharding.offload import HOST_MEMORY_KIND, host_memory_supported
+from gtp_jax.train.config import TrainConfig, model_config, resolve_auto
+
+#: Environment variable naming the calibration cache directory (default
+#: ``~/.cache/gtp_jax``).
+CACHE_ENV = "GTP_JAX_CACHE_DIR"
+
+
+@dataclasses.dataclass(frozen=True)
+class Calibration:
+    """Measured rates of the present devices (per device).
+
+    Attributes:
+      device_kind, platform, devices: what was measured (``jax.devices()[0].device_kind``,
+        the backend, the device count).
+      dtype: the compute dtype of the GEMM / attention measurements.
+      gemm_flops: dense matmul FLOP/s.
+      attention_flops: causal attention (forward) FLOP/s.
+      all_gather_bandwidth, reduce_scatter_bandwidth: bytes moved per device per second.
+      all_gather_latency, reduce_scatter_latency: seconds per collective.
+      host_bandwidth: bytes per second between device and pinned host memory (0: none).
+    """
+
+    device_kind: str
+    platform: str
+    devices: int
+    dtype: str
+    gemm_flops: float
+    attention_flops: float
+    all_gather_bandwidth: float
+    all_gather_latency: float
+    reduce_scatter_bandwidth: float
+    reduce_scatter_latency: float
+    host_bandwidth: float
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def cache_path() -> str:
+    """The calibration cache file (``$GTP_JAX_CACHE_DIR/calibration.json``)."""
+    root = os.environ.get(CACHE_ENV) or os.path.join(os.path.expanduser("~"), ".cache",
+                                                     "gtp_jax")
+    return os.path.join(root, "calibration.json")
+
+
+def _cache_key(dtype: str) -> str:
+    device = jax.devices()[0]
+    return f"{jax.default_backend()}|{device.device_kind}|{jax.device_count()}|{dtype}"
+
+
+def calibration(dtype: str, *, refresh: bool = False) -> Calibration:
+    """The cached `Calibration` of the present devices for compute `dtype`, measured (and
+    cached) on first use or when `refresh` (a few seconds)."""
+    path = cache_path()
+    cached: dict[str, Any] = {}
+    if os.path.exists(path):
+        try:
+            with open(path) as f:
+                cached = json.load(f)
+        except (OSError, json.JSONDecodeError):
+            cached = {}  # a damaged cache is measured again
+    key = _cache_key(dtype)
+    if not refresh and key in cached:
+        try:
+            return Calibration(**cached[key])
+        except TypeError:
+            pass  # an older format: measure again
+    measured = measure(dtype)
+    cached[key] = measured.to_json()
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(cached, f, indent=1)
+    os.replace(tmp, path)
+    return measured
+
+
+def _seconds(fn: Callable[..., Any], *args: Any, repeats: int = 5) -> float:
+    """Median wall seconds of `fn(*args)` after one warm-up call (compiles)."""
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def measure(dtype: str) -> Calibration:
+    """Measures the rates with small timed programs on the present devices: a square GEMM,
+    causal attention, all-gather and reduce-scatter over all devices at two sizes (latency
+    and bandwidth from the two points), a host round trip."""
+    gpu = jax.default_backend() != "cpu"
+    dt = jnp.dtype(dtype)
+    n = 4096 if gpu else 512
+    a = jnp.ones((n, n), dt)
+    gemm = 2 * n**3 / _seconds(jax.jit(jnp.matmul), a, a)
+
+    s, h, d = (2048, 16, 128) if gpu else (256, 4, 64)
+    q = jnp.ones((1, s, h, d), dt)
+    attend = jax.jit(lambda q: jax.nn.dot_product_attention(q, q, q, is_causal=True))
+    attention = 2 * s * s * h * d / _seconds(attend, q)  # 4*S^2*H*D, half masked
+
+    devices = np.array(jax.devices())
+    mesh = jax.sharding.Mesh(devices, ("x",))
+    count = devices.size
+    sharded = NamedSharding(mesh, P("x"))
+
+    def collective(kind: str, elems: int) -> float:
+        x = jax.device_put(jnp.ones((count * elems,), jnp.float32), sharded)
+        if kind == "ag":
+            body = lambda x: jax.lax.all_gather(x, "x", tiled=True)  # noqa: E731
+        else:
+            body = lambda x: jax.lax.psum_scatter(x, "x", tiled=True)  # noqa: E731
+            x = jax.device_put(jnp.ones((count * count * elems,), jnp.float32), sharded)
+        fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P("x")))
+        return _seconds(fn, x)
+
+    small, large = 1024, (16 << 20 if gpu else 1 << 20)
+    rates = {}
+    for kind in ("ag", "rs"):
+        t_small, t_large = collective(kind, small), collective(kind, large)
+        moved = (large - small) * 4 * (count - 1)  # bytes received per device
+        rates[kind] = (moved / max(t_large - t_small, 1e-9) if count > 1 else float("inf"),
+                       t_small if count > 1 else 0.0)
+    host = 0.0
+    if host_memory_supported():
+        x = jax.device_put(jnp.ones((1 << 22,), jnp.float32), sharded)
+        to_host = sharded.with_memory_kind(HOST_MEMORY_KIND)
+        host = 2 * x.nbytes / count / _seconds(
+            lambda x: jax.device_put(jax.device_put(x, to_host), sharded), x)
+    return Calibration(
+        device_kind=jax.devices()[0].device_kind, platform=jax.default_backend(),
+        devices=count, dtype=str(dt), gemm_flops=gemm, attention_flops=attention,
+        all_gather_bandwidth=rates["ag"][0], all_gather_latency=rates["ag"][1],
+        reduce_scatter_bandwidth=rates["rs"][0], reduce_scatter_latency=rates["rs"][1],
+        host_bandwidth=host)
+
+
+#: Bytes per gathered element of each low-precision format (payload + scales).
+_FORMAT_BYTES = {"fp8": 1 + 4 / 4096, "mxfp8": 1 + 1 / 32, "nvfp4": 0.5 + 1 / 16}
+#: Weight matrices gathered per layer (qkv, out, gate_up, down): one collective each.
+_WEIGHTS_PER_LAYER = 4
+
+
+def step_seconds(cfg: TrainConfig, cal: Calibration) -> dict[str, float]:
+    """Predicted seconds of one training step of `cfg` (see the module docstring).
+
+    Returns:
+      ``{"compute", "gtp", "other", "offload", "total"}``.
+    """
+    cfg = resolve_auto(cfg)
+    mc = model_config(cfg)
+    d, f, layers = mc.d_model, mc.d_ff, mc.n_layers
+    a_item = np.dtype(mc.dtype).itemsize
+    p_item = np.dtype(mc.param_dtype).itemsize
+    tokens = cfg.batch_size * cfg.seq_len / (cfg.dp * cfg.ep * cfg.gtp * cfg.cp)
+    mlp = 3 * d * f
+    if mc.moe_experts:
+        mlp = mc.moe_top_k * 3 * d * mc.expert_d_ff + d * mc.moe_experts
+    dense = layers * (4 * d * d + mlp) + mc.vocab_size * d
+    passes = 8.0 if mc.remat == "full" else 6.0
+    matmul = passes * dense * tokens / cfg.tp
+    attention = passes * layers * d * cfg.seq_len * tokens / cfg.tp
+    compute = matmul / cal.gemm_flops + attention / cal.attention_flops
+
+    def ag(nbytes: float, size: int, count: int = 1) -> float:
+        if size == 1:
+            return 0.0
+        return count * cal.all_gather_latency + nbytes * (size - 1) / size / \
+            cal.all_gather_bandwidth
+
+    def rs(nbytes: float, size: int, count: int = 1) -> float:
+        if size == 1:
+            return 0.0
+        return count * cal.reduce_scatter_latency + nbytes * (size - 1) / size / \
+            cal.reduce_scatter_bandwidth
+
+    weights = mc.num_params() / (cfg.tp * cfg.ep)  # what one gtp group gathers
+    gather_item = _FORMAT_BYTES.get(cfg.gather_format) or np.dtype(
+        cfg.gather_dtype or mc.param_dtype).itemsize
+    collectives = layers * _WEIGHTS_PER_LAYER + 2
+    gtp = (ag(2 * weights * gather_item, cfg.gtp, 2 * collectives)
+           + rs(weights * 4, cfg.gtp, collectives))
+    grads = mc.num_params() * p_item / (cfg.gtp * cfg.tp * cfg.ep)
+    other = ag(grads, cfg.dp, collectives) + rs(grads, cfg.dp, collectives)  # all-reduce
+    act = tokens * d * a_item
+    other += ag(act * 4 * layers, cfg.tp, 4 * layers) + rs(act * 4 * layers, cfg.tp,
+                                                           4 * layers)
+    if cfg.cp > 1:  # K and V around the ring: forward, and K, V, dK, dV backward
+        kv = 2 * tokens * d * a_item / cfg.tp
+        other += 3 * layers * (cfg.cp - 1) * (cal.all_gather_latency
+                                              + kv / cal.all_gather_bandwidth)
+    offload = 0.0
+    if cfg.offload_optimizer:
+        state = 2 * grads + 4
+        offload = 2 * state / cal.host_bandwidth if cal.host_bandwidth else float("inf")
+    overlapped = mc.unrolled or cfg.prefetch
+    total = (max(compute, gtp) if overlapped else compute + gtp) + other + offload
+    return {"compute": compute, "gtp": gtp, "other": other, "offload": offload,
+            "total": total}

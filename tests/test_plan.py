@@ -1,0 +1,150 @@
+"""The layout planner (`gtp_jax.plan`): exact memory, the pruning bound, refusal before
+compiling, deterministic ranking, ``train --plan auto``.
+
+Memory figures here are the CPU compiler's for the simulated 8-device mesh: the claim
+checked is that the planner compiles the very program the trainer runs (same bytes), not
+a GPU figure.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+
+import numpy as np
+import pytest
+
+import gtp_jax.plan.memory as plan_memory
+import gtp_jax.train.loop as train_loop
+from gtp_jax.__main__ import main
+from gtp_jax.models import lm_loss
+from gtp_jax.plan import (
+    Calibration,
+    Layout,
+    MemoryFigure,
+    PlanSpace,
+    compiled_memory,
+    memory_bound,
+    plan,
+    timing,
+)
+from gtp_jax.train import TrainConfig
+from gtp_jax.train.config import model_config
+from gtp_jax.train.loop import build_model_and_optimizer
+from gtp_jax.train.step import TrainStep, step_program
+
+BASE = TrainConfig(preset="tiny", batch_size=8, seq_len=32, steps=2, warmup=1, dp=1, gtp=1)
+#: The layout most tests share (its compiled figure is cached after the first test).
+L1 = Layout(dp=2, gtp=4, remat="none", loop="unrolled")
+#: Fixed rates, so rankings do not depend on this machine's timings.
+FIXED = Calibration(device_kind="cpu", platform="cpu", devices=8, dtype="float32",
+                    gemm_flops=5e10, attention_flops=1e10, all_gather_bandwidth=1e9,
+                    all_gather_latency=1e-4, reduce_scatter_bandwidth=1e9,
+                    reduce_scatter_latency=1e-4, host_bandwidth=1e9)
+TRAIN_FLAGS = ["--steps", "2", "--batch", "8", "--seq", "32", "--warmup", "1"]
+
+
+@pytest.fixture
+def fixed_rates(tmp_path, monkeypatch):
+    """A calibration cache holding `FIXED` for this machine (nothing is measured)."""
+    monkeypatch.setenv(timing.CACHE_ENV, str(tmp_path))
+    with open(timing.cache_path(), "w") as f:
+        json.dump({timing._cache_key("float32"): FIXED.to_json()}, f)
+
+
+def test_predicted_memory_equals_the_compiled_memory_of_the_trained_program():
+    cfg = L1.apply(BASE)
+    predicted = compiled_memory(cfg)
+    model, optimizer = build_model_and_optimizer(cfg)
+    loss_fn = functools.partial(lm_loss, aux_weight=model_config(cfg).moe_aux_weight)
+    step = TrainStep(model, optimizer, loss_fn)
+    traced = step.traces  # the planner's lowering traced this very program
+    tokens = np.random.default_rng(0).integers(0, 256, (8, 33), dtype=np.int32)
+    for _ in range(2):
+        loss = float(step(tokens)["loss"])
+    assert np.isfinite(loss)
+    assert step.traces <= traced + 1  # both steps ran one program
+    trained = MemoryFigure.of(step_program(step.graphdef, loss_fn).lower(
+        step.state, tokens).compile())
+    assert predicted == trained  # every field, in bytes
+    assert predicted.peak == (trained.argument + trained.output - trained.alias
+                              + trained.temp + trained.generated_code)
+
+
+@pytest.mark.parametrize("layout", [L1, Layout(gtp=8, remat="full", loop="scanned")],
+                         ids=lambda layout: layout.describe())
+def test_bound_never_exceeds_the_compiled_peak(layout):
+    cfg = layout.apply(BASE)
+    bound = memory_bound(cfg)
+    peak = compiled_memory(cfg).peak
+    assert 0 < bound["total"] <= peak, (bound, peak)
+    # Not vacuous: within 4x of the peak even for this tiny model, whose float32
+    # temporaries (CPU compile) outweigh its 0.87M parameters' state.
+    assert bound["total"] >= peak / 4, (bound, peak)
+
+
+def test_ranking_is_deterministic_and_by_predicted_time():
+    space = PlanSpace(mesh={"dp": 2, "gtp": 4}, remat=("none",),
+                      loops=("unrolled", "scanned"), offload=(False, True))
+    first = plan(BASE, space=space, top=1, cal=FIXED)
+    second = plan(BASE, space=space, top=1, cal=FIXED)
+    assert first.candidates == second.candidates
+    assert first.best.layout == L1  # overlapped gathers, state on the device
+    times = [c.step_seconds for c in first.candidates]
+    assert times == sorted(times)
+    assert [c.status for c in first.candidates] == ["fits"] + ["not compiled"] * 3
+
+
+def _refuse_training(monkeypatch):
+    def no_step(*args, **kwargs):
+        raise AssertionError("the training step was built")
+
+    monkeypatch.setattr(train_loop, "TrainStep", no_step)
+    monkeypatch.setattr(train_loop, "build_model_and_optimizer", no_step)
+
+
+def test_layout_over_the_bound_is_refused_without_compiling(monkeypatch, capsys, fixed_rates):
+    _refuse_training(monkeypatch)
+    compiles = []
+    monkeypatch.setattr(plan_memory, "step_program",
+                        lambda *a, **k: compiles.append(a) or pytest.fail("compiled"))
+    flags = ["--dp", "2", "--gtp", "4", "--remat", "none", "--unroll-layers",
+             "--no-offload-optimizer", "--memory-gib", "0.0001"]
+    assert main(["train", "--plan", "auto", *TRAIN_FLAGS, *flags]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("error: --plan auto: no layout fits")
+    for flag in ("--batch", "--seq", "--memory-gib", "--dp", "--remat"):
+        assert flag in err
+    assert not compiles
+
+
+def test_layout_over_the_compiled_peak_is_refused_before_training(monkeypatch, capsys,
+                                                                  fixed_rates):
+    cfg = L1.apply(BASE)
+    bound, peak = memory_bound(cfg)["total"], compiled_memory(cfg).peak
+    _refuse_training(monkeypatch)
+    budget = (bound + peak) / 2 / 2**30  # passes the bound, not the compiled figure
+    flags = ["--dp", "2", "--gtp", "4", "--remat", "none", "--unroll-layers",
+             "--no-offload-optimizer", "--memory-gib", repr(budget)]
+    assert main(["train", "--plan", "auto", *TRAIN_FLAGS, *flags]) == 2
+    assert "no layout fits" in capsys.readouterr().err
+
+
+def test_plan_auto_trains_with_the_top_layout(capsys, fixed_rates):
+    flags = ["--dp", "2", "--gtp", "4", "--remat", "none", "--unroll-layers"]
+    assert main(["train", "--plan", "auto", *TRAIN_FLAGS, *flags]) == 0
+    out = capsys.readouterr().out
+    assert f"--plan auto chose {L1.describe()} (" in out
+    assert "mesh dp=2 ep=1 gtp=4 tp=1 on 8" in out
+
+
+def test_memory_gib_needs_plan_auto(capsys):
+    assert main(["train", *TRAIN_FLAGS, "--memory-gib", "1"]) == 2
+    assert "--memory-gib needs --plan auto" in capsys.readouterr().err
+
+
+def test_offload_lowers_the_bound_by_the_optimizer_state():
+    on = memory_bound(dataclasses.replace(L1, offload=True).apply(BASE))
+    off = memory_bound(L1.apply(BASE))
+    assert on["optimizer"] == 0 and off["total"] - on["total"] == off["optimizer"] > 0
