@@ -26,6 +26,8 @@ COMMANDS = {
     "matrix": ("matrix", "the 1b step on every path a user takes (scanned/unrolled loop, "
                "prefetch, remat, gather format, the CLI, a user's own model), flagged "
                "against the best cell of its group"),
+    "fp8": ("fp8", "FP8 compute against bf16: Llama-3-8B-shaped blocks and a GEMM size sweep, "
+            "with the count of cuBLASLt FP8 GEMMs in each compiled program"),
     "context": ("context", "context parallelism: cp = 1 vs cp = N at long sequences (step time, "
                 "memory, the ring's hidden communication, the longest trainable sequence)"),
 }

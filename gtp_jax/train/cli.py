@@ -33,6 +33,14 @@ FLAGS = {
     "TrainConfig.warmup": "--warmup",
     "TrainConfig.seed": "--seed", "TrainConfig.dtype": "--dtype",
     "TrainConfig.gather_dtype": "--gather-dtype", "TrainConfig.gather_format": "--gather-format",
+    "TrainConfig.fp8_compute": "--fp8-compute", "GTPConfig.fp8_compute": "--fp8-compute",
+    "GTPConfig.fp8_min_features": "--fp8-min-features",
+    "GTPConfig.gather_format": "--gather-format", "GTPConfig.prefetch": "--prefetch",
+    "GTPConfig.pad_for_alignment": "--pad-for-alignment",
+    "GTPConfig.offload_optimizer": "--[no-]offload-optimizer",
+    "GTPConfig.fp8_include": "fp8_include (no flag)",
+    "GTPConfig.fp8_exclude": "fp8_exclude (no flag)",
+    "TrainConfig.fp8_min_features": "--fp8-min-features",
     "TrainConfig.overlap": "--overlap", "TrainConfig.moe_experts": "--moe-experts",
     "TrainConfig.moe_top_k": "--moe-top-k", "TrainConfig.moe_capacity_factor": "--moe-capacity",
     "TrainConfig.prefetch": "--prefetch", "TrainConfig.pad_for_alignment": "--pad-for-alignment",
@@ -63,7 +71,7 @@ FLAGS = {
     "TrainConfig.vocab_size": "vocab_size (no flag; the tokenizer's)",
 }
 _ARGUMENT = re.compile(r"\b(?:TrainConfig|CheckpointConfig|ObserveConfig|DistributedConfig"
-                       r"|SimulatedFailure|TextData)\.\w+")
+                       r"|SimulatedFailure|TextData|GTPConfig)\.\w+")
 #: ``SimulatedFailure(step=30, devices=[5, 6])`` (the spec an error is about) -> its flag.
 _SPEC = re.compile(r"\bSimulatedFailure\(step=(\d+), devices=\[([\d, ]*)\]\)")
 #: Simulated CPU devices when a mesh size is left out (see `_cpu_mesh`).
@@ -131,6 +139,14 @@ def _parser() -> argparse.ArgumentParser:
                        "compute (the same values in half the bytes), else the parameter dtype")
     train.add_argument("--gather-format", choices=("fp8", "mxfp8", "nvfp4"), default=None,
                        help="low-precision weight all-gather (Pallas quantize kernels)")
+    train.add_argument("--fp8-compute", choices=("tensorwise",), default=None,
+                       help="the projections' matmuls on FP8 operands (e4m3, e5m2 "
+                       "gradients, per-tensor scales; FP8 GEMMs on Hopper, emulated on "
+                       "CPUs); the output head stays in the compute dtype")
+    train.add_argument("--fp8-min-features", type=int, default=None, metavar="N",
+                       help="with --fp8-compute: projections with fewer input or output "
+                       "features stay in the compute dtype (default 2048: smaller GEMMs "
+                       "gain less than their quantize passes cost)")
     train.add_argument("--overlap", action="store_true",
                        help="ring-overlapped collective matmuls for the tp GEMMs")
     train.add_argument("--moe-experts", type=int, default=0, help="experts per layer (0: dense)")
@@ -421,6 +437,8 @@ def _run(args: argparse.Namespace, sizes: dict[str, int | None], cpu_sizes: dict
                           pad_for_alignment=args.pad_for_alignment, remat=args.remat,
                           attention=args.attention, unroll_layers=args.unroll_layers,
                           gather_format=args.gather_format, prefetch=args.prefetch,
+                          fp8_compute=args.fp8_compute,
+                          fp8_min_features=args.fp8_min_features,
                           overlap=args.overlap, moe_experts=args.moe_experts,
                           moe_top_k=args.moe_top_k,
                           moe_capacity_factor=args.moe_capacity or None,

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from gtp_jax.base.config import GTPConfig
+from gtp_jax.base.config import FP8_COMPUTE_RECIPES, GTPConfig
 from gtp_jax.base.errors import UsageError, UsageTypeError
 from gtp_jax.data import VOCAB_SIZE
 from gtp_jax.models import TransformerConfig, preset
@@ -35,7 +35,8 @@ from gtp_jax.train.observe import (
 RESUME_MAY_DIFFER = frozenset({"steps", "dp", "gtp", "tp", "ep", "cp", "pad_for_alignment",
                                "gather_dtype", "gather_format", "prefetch", "remat", "overlap",
                                "attention", "unroll_layers", "export_hf", "eval_every",
-                               "eval_batches", "offload_optimizer"})
+                               "eval_batches", "offload_optimizer", "fp8_compute",
+                               "fp8_min_features"})
 #: Fields whose default, "auto", is resolved for the backend (`resolve_auto`): the fast path
 #: on GPUs, exact float32 on CPUs. A resumed run keeps the saved run's values for those left
 #: on "auto" (`adopt_saved`).
@@ -78,6 +79,9 @@ class TrainConfig:
         GPU where it applies, else XLA's; "cudnn"; "xla").
       unroll_layers: `TransformerConfig.unroll_layers` (None: unrolled unless remat "full").
       gather_format: `GTPConfig.gather_format` (None, "fp8", "mxfp8" or "nvfp4").
+      fp8_compute: `GTPConfig.fp8_compute` (None or "tensorwise": the decoder's projections
+        compute in FP8; emulated exactly on CPUs).
+      fp8_min_features: `GTPConfig.fp8_min_features` (None: its default).
       prefetch: `GTPConfig.prefetch` (the scanned loop's double buffering; the unrolled loop
         always gathers one layer ahead).
       offload_optimizer: `GTPConfig.offload_optimizer` (optimizer state in host memory).
@@ -126,6 +130,8 @@ class TrainConfig:
     attention: str = "auto"
     unroll_layers: bool | None = None
     gather_format: str | None = None
+    fp8_compute: str | None = None
+    fp8_min_features: int | None = None
     prefetch: bool = False
     offload_optimizer: bool = False
     overlap: bool = False
@@ -161,6 +167,7 @@ class TrainConfig:
         for name, allowed in (("dtype", ("auto", "float32", "bfloat16")),
                               ("gather_dtype", ("auto", None, "float32", "bfloat16")),
                               ("gather_format", _GATHER_FORMATS), ("remat", _REMAT),
+                              ("fp8_compute", FP8_COMPUTE_RECIPES),
                               ("attention", _ATTENTION)):
             if getattr(self, name) not in allowed:
                 raise UsageError(f"TrainConfig.{name}={getattr(self, name)!r}: use one of "
@@ -312,7 +319,9 @@ def gtp_config(cfg: TrainConfig) -> GTPConfig:
     cfg = resolve_auto(cfg)
     return GTPConfig(gather_dtype=cfg.gather_dtype, pad_for_alignment=cfg.pad_for_alignment,
                      gather_format=cfg.gather_format, prefetch=cfg.prefetch,
-                     offload_optimizer=cfg.offload_optimizer)
+                     offload_optimizer=cfg.offload_optimizer, fp8_compute=cfg.fp8_compute,
+                     **({} if cfg.fp8_min_features is None
+                        else {"fp8_min_features": cfg.fp8_min_features}))
 
 
 def describe_choices(cfg: TrainConfig, model_cfg: TransformerConfig) -> str:
@@ -333,8 +342,12 @@ def describe_choices(cfg: TrainConfig, model_cfg: TransformerConfig) -> str:
         loop = "layers scanned" + (" with prefetch (double-buffered gathers)" if cfg.prefetch
                                    else "")
     offload = ", optimizer state in host memory" if cfg.offload_optimizer else ""
+    fp8 = ""
+    if cfg.fp8_compute is not None:
+        emulated = "" if jax.default_backend() == "gpu" else ", emulated on this backend"
+        fp8 = f", projections in fp8 ({cfg.fp8_compute}{emulated})"
     return (f"compute {cfg.dtype}, gathers {gather}, remat {model_cfg.remat}, attention "
-            f"{attention}, {loop}{offload}")
+            f"{attention}, {loop}{offload}{fp8}")
 
 
 def model_json(model_cfg: TransformerConfig) -> dict[str, Any]:
