@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# One-GPU checks of this release, in one call (each part under its own timeout):
+#   1. the FP8 GEMM size sweep (python -m gtp_jax.bench fp8 --rows gemm);
+#   2. the main job on the 1b preset (seq 2048, 4 sequences), bf16 and with --fp8-compute;
+#   3. the main job on the llama3.2-1b preset (grouped-query attention);
+#   4. the layout planner's predictions against runs of its top layouts
+#      (benchmarks/plan_accuracy.sh, 1b preset, seq 2048).
+# Writes $OUT/gemm.json, $OUT/cli_*.json (--metrics-json), $OUT/campaign.log and
+# $OUT/plan_accuracy/.
+# Usage: OUT=dir [STEPS=15] [PARTS="gemm cli llama plan"] bash benchmarks/gpu1_campaign.sh
+set -u
+export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1 PYTHONPATH="$PWD"
+OUT=${OUT:-runs/gpu1}; mkdir -p "$OUT"
+STEPS=${STEPS:-15}
+T0=$(date +%s)
+log() { echo "== t=$(( $(date +%s) - T0 ))s $*"; }
+cli() {  # name, extra flags
+  local name=$1; shift
+  log "python -m gtp_jax train $*"
+  timeout 240 python3 -m gtp_jax train --seq 2048 --batch 4 --steps "$STEPS" --gtp 1 --dp 1 \
+    "$@" --metrics-json "$OUT/cli_$name.json" 2>&1 | grep -v -i deprecat | tail -8
+}
+{
+nvidia-smi -L
+for part in ${PARTS:-gemm cli llama plan}; do
+  case $part in
+    gemm) log "FP8 GEMM sweep"
+          timeout 200 python3 -m gtp_jax.bench fp8 --rows gemm --json "$OUT/gemm.json" 2>&1 \
+            | grep -E '^\|' ;;
+    cli) cli 1b_bf16 --preset 1b
+         cli 1b_fp8 --preset 1b --fp8-compute tensorwise ;;
+    llama) cli llama32_1b --preset llama3.2-1b ;;
+    plan) log "planner accuracy"
+          OUT="$OUT" SEQS=2048 PRESETS=1b TOP=${TOP:-3} BATCH=4 STEPS=10 \
+            timeout 420 bash benchmarks/plan_accuracy.sh 2>&1 | tail -25 ;;
+  esac
+done
+log done
+} 2>&1 | tee "$OUT/campaign.log"
