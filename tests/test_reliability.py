@@ -30,6 +30,7 @@ from gtp_jax.base.errors import UsageError, UsageTypeError
 from gtp_jax.train import (
     MODEL_MAY_DIFFER,
     RESUME_MAY_DIFFER,
+    RunFinished,
     TrainConfig,
     TrainResult,
     check_memory_fits,
@@ -392,9 +393,10 @@ def test_resume_rejects_changed_moe_fields() -> None:
 def test_extending_a_finished_run_equals_an_uninterrupted_run(tmp_path: Path) -> None:
     short = dataclasses.replace(RUN, steps=4)
     first = train(short, progress=False, checkpoint=CheckpointConfig(tmp_path / "ck"))
-    with pytest.raises(UsageError, match=r"finished .*step 4.*nothing is left to train.*"
-                                         r"larger TrainConfig\.steps"):
+    with pytest.raises(RunFinished, match=r"finished .*step 4.*nothing to train.*"
+                                          r"larger TrainConfig\.steps") as done:
         train(short, progress=False, checkpoint=CheckpointConfig(tmp_path / "ck", resume=True))
+    assert done.value.step == 4 and not isinstance(done.value, UsageError)
     extended = train(RUN, progress=False,
                      checkpoint=CheckpointConfig(tmp_path / "ck", resume=True))
     assert extended.first_step == 5 and len(extended.losses) == 2
@@ -410,6 +412,26 @@ def test_extending_a_finished_run_equals_an_uninterrupted_run(tmp_path: Path) ->
     schedule = train_module.make_optimizer(dataclasses.replace(RUN, schedule_steps=4))
     assert schedule is train_module.make_optimizer(
         _check_resume(again, model_config(again), meta, "/ck"))
+
+
+def test_cli_relaunch_of_a_finished_run_is_one_line_and_status_0(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    flags = ["train", "--steps", "2", "--batch", "8", "--seq", "32", "--warmup", "1",
+             "--checkpoint-dir", str(tmp_path / "ck")]
+    assert cli_main(flags) == 0
+    capsys.readouterr()
+    # What a scheduler re-queueing the completed job runs (also on another mesh).
+    for mesh in ([], ["--gtp", "8", "--dp", "1"]):
+        assert cli_main([*flags, "--resume", *mesh]) == 0
+        out, err = capsys.readouterr()
+        lines = out.splitlines()
+        assert len(lines) == 1 and "finished" in lines[0] and "step 2" in lines[0]
+        assert str(tmp_path / "ck") in lines[0] and "--steps=3" in lines[0]
+        assert not err.strip()
+    # Fewer steps than the run already trained is a real conflict.
+    assert cli_main([*flags[:2], "1", *flags[3:], "--resume"]) == 2
+    assert "past --steps=1" in capsys.readouterr().err
+    assert Checkpointer(CheckpointConfig(tmp_path / "ck")).all_steps() == [2]
 
 
 # ---------------------------------------------------------------------- paths and lock

@@ -30,6 +30,7 @@ from gtp_jax.sharding.contract import (
     has_user_remat,
     is_replicated,
     key_name,
+    per_example_rows,
     reduce_side_state,
     replicated,
     side_rules,
@@ -93,12 +94,13 @@ class ShardedModule(nnx.Module):
       and is concatenated over the data shards; with no batch argument, outputs are
       replicated.
     * state other than parameters written in ``__call__`` is combined over the data shards,
-      never taken from one shard: by the variable's ``gtp_reduce`` metadata (`REDUCE`):
-      ``"mean"`` (default for floating state: right for batch means and EMAs of them, and
-      for values identical on every shard), ``"sum"`` (the old value plus every shard's
-      change: counts), ``"same"`` (declared identical on every shard; the default for
-      ``nnx.RngCount``). Written integer state without the metadata is refused. New values
-      (``sow``) must be per-example and are concatenated like outputs.
+      never taken from one shard and never by a guess: by the rule its type implies
+      (`gtp_jax.BatchMean`: mean over the shards; `gtp_jax.BatchSum`: the old value plus
+      every shard's change, for counts and sums; `gtp_jax.SameOnEveryShard`: identical on
+      every shard, as ``nnx.RngCount``; `gtp_jax.PerExample`: rows concatenated) or by its
+      ``gtp_reduce`` metadata (`REDUCE`: ``"mean"``, ``"sum"``, ``"same"``, ``"concat"``).
+      Written state with neither is refused, naming the variable. New values (``sow``) must
+      be per-example and are concatenated like outputs.
     * memory policy: gathered weights are not saved for the backward pass
       (``GTPConfig.remat_gathered``) and the module's own ``nnx.remat`` /
       ``jax.checkpoint`` policies are kept: when the module has remat regions, each weight
@@ -156,6 +158,12 @@ class ShardedModule(nnx.Module):
             # Without batch arguments every shard computes the same outputs: replicated.
             layout = OutputLayout(P(axes) if batch is not None else P())
         rules = side_rules(paths, variables)
+        split_rows = per_example_rows(paths, values, rules, batch)
+        if split_rows and not seq_split:
+            value_specs = [P(axes) if p in split_rows else s
+                           for p, s in zip(paths, value_specs)]
+        else:
+            split_rows = frozenset()
         # On one device there is nothing to split or reduce: the body runs as is, without
         # shard_map (whose transpose would add an all-reduce, and a buffer, per gradient).
         single = mesh.devices.size == 1
@@ -181,7 +189,7 @@ class ShardedModule(nnx.Module):
             if default_layout:
                 check_outputs(out, local_batch)
             side = reduce_side_state(module, before, rules, local_batch, reduce_axes,
-                                      bool(seq_split))
+                                      bool(seq_split), split_rows)
             side_keys[:] = [(k, v) for k, v, _ in side]
             return out, [x for _, _, x in side]
 

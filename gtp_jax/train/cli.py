@@ -308,6 +308,7 @@ def _run(args: argparse.Namespace, sizes: dict[str, int | None], cpu_sizes: dict
     import jax  # noqa: PLC0415
 
     from gtp_jax.train import TrainConfig, train  # noqa: PLC0415
+    from gtp_jax.train.resume import RunFinished  # noqa: PLC0415
 
     primary = jax.process_index() == 0
     if jax.default_backend() == "cpu":
@@ -324,14 +325,10 @@ def _run(args: argparse.Namespace, sizes: dict[str, int | None], cpu_sizes: dict
                           overlap=args.overlap, moe_experts=args.moe_experts,
                           moe_top_k=args.moe_top_k,
                           moe_capacity_factor=args.moe_capacity or None, **mesh)
-        if primary:
-            procs = f" in {jax.process_count()} processes" if jax.process_count() > 1 else ""
-            print(f"gtp_jax train: preset={cfg.preset} steps={cfg.steps} batch={cfg.batch_size} "
-                  f"seq={cfg.seq_len} mesh dp={cfg.dp} ep={cfg.ep} gtp={cfg.gtp} "
-                  f"{f'cp={cfg.cp} ' if cfg.cp > 1 else ''}tp={cfg.tp} on "
-                  f"{jax.device_count()} {jax.default_backend()} devices{procs}", flush=True)
+        # Printed once the run is validated and will train (a finished run's re-launch
+        # prints only that it is finished).
         result = train(cfg, checkpoint=checkpoint, observe=observe, failure=failure,
-                       on_start=_print_choices if primary else None)
+                       on_start=_print_header if primary else None)
     except UsageError as err:  # other exceptions are bugs: they keep their traceback
         if jax.default_backend() == "cpu" and any(v is None for v in sizes.values()) and (
                 "TrainConfig.batch_size" in str(err) or "the mesh dp*ep*gtp*cp*tp" in str(err)):
@@ -341,14 +338,25 @@ def _run(args: argparse.Namespace, sizes: dict[str, int | None], cpu_sizes: dict
         return _fail(err, 2)
     except FloatingPointError as err:  # NaN/inf loss or state: not a bug, not a usage error
         return _fail(err, 1)
+    except RunFinished as done:  # a re-launch of a completed run: nothing to do, no error
+        if primary:
+            print(f"gtp_jax train: {cli_message(done)}", flush=True)
+        return 0
     if primary:
         print(result.summary(), flush=True)
     return 0
 
 
-def _print_choices(cfg: object, model_cfg: object) -> None:
+def _print_header(cfg: object, model_cfg: object) -> None:
+    import jax  # noqa: PLC0415
+
     from gtp_jax.train.config import describe_choices  # noqa: PLC0415
 
+    procs = f" in {jax.process_count()} processes" if jax.process_count() > 1 else ""
+    print(f"gtp_jax train: preset={cfg.preset} steps={cfg.steps} batch={cfg.batch_size} "
+          f"seq={cfg.seq_len} mesh dp={cfg.dp} ep={cfg.ep} gtp={cfg.gtp} "
+          f"{f'cp={cfg.cp} ' if cfg.cp > 1 else ''}tp={cfg.tp} on "
+          f"{jax.device_count()} {jax.default_backend()} devices{procs}", flush=True)
     print(f"gtp_jax train: {describe_choices(cfg, model_cfg)}", flush=True)
 
 
