@@ -261,6 +261,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from gtp_jax.train.distributed import (  # noqa: PLC0415
         DistributedJoinError,
+        DistributedPeerError,
         initialize,
         joined_process_count,
         shutdown,
@@ -280,7 +281,10 @@ def main(argv: list[str] | None = None) -> int:
     code = _run(args, sizes, cpu_sizes, checkpoint, observe, failure)
     # Not in a `finally`: after an exception the shutdown barrier would wait for processes
     # that may never arrive; JAX's failure detection ends the others instead.
-    shutdown()
+    try:
+        shutdown(dist.timeout)
+    except DistributedPeerError as err:
+        return _fail(err, 1)
     return code
 
 
