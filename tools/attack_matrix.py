@@ -250,7 +250,8 @@ add("ntp", "step=2,device=1+6 (one per replica)",
 add("ntp", "step=2,device=5 --tp-spares 2",
     lambda: _ntp_ok(["--simulate-failure", "step=2,device=5", "--tp-spares", "2"]))
 add("ntp", "failure at the last step (step=4)",
-    lambda: _ntp_ok(["--simulate-failure", "step=4,device=5"]))
+    lambda: expect_error(cli(*NTP, "--simulate-failure", "step=4,device=5"),
+                         "--simulate-failure step=4"))
 
 
 def _ntp_with_checkpoint() -> tuple[str, str]:

@@ -175,6 +175,11 @@ def check_failure(cfg: TrainConfig, failure: SimulatedFailure | None, *,
         raise UsageError("SimulatedFailure runs in one process only: its re-layout moves "
                          "arrays between devices with jax.device_put (see "
                          "docs/fault_tolerance.md, multi-process).")
+    if cfg.cp > 1:
+        raise UsageError(
+            f"SimulatedFailure.devices: a simulated failure does not run with context "
+            f"parallelism (TrainConfig.cp={cfg.cp}); the nonuniform replicas are laid out over "
+            "dp, ep, gtp and tp only. Use TrainConfig.cp=1 (docs/fault_tolerance.md).")
     mesh = _mesh(cfg)
     axis = failure.axis
     base = mesh.shape[axis]
