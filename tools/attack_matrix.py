@@ -270,6 +270,8 @@ add("ntp", "failure with --moe-experts 4 --ep 2", lambda: expect_error(
     cli("--tp", "2", "--ep", "2", "--dp", "2", "--gtp", "1", "--moe-experts", "4", "--steps",
         "4", *SMALL, "--simulate-failure", "step=2,device=5"), "--simulate-failure", "--ep",
         "--moe"))
+add("ntp", "failure with --moe-experts 4 (ep=1)",
+    lambda: _ntp_ok(["--simulate-failure", "step=2,device=5", "--moe-experts", "4"]))
 add("ntp", "failure with --gather-format fp8",
     lambda: _ntp_ok(["--simulate-failure", "step=2,device=5", "--gather-format", "fp8"]))
 
