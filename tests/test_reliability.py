@@ -582,6 +582,17 @@ def test_cli_mesh_that_does_not_fit_names_the_cause(capsys: pytest.CaptureFixtur
     assert "dp*ep*gtp*cp*tp = 2*1*3*1*1 = 6 must equal the 8 devices" in err, err
 
 
+@pytest.mark.parametrize("flag,value", [("--cp", "0"), ("--cp", "-2"), ("--dp", "0"),
+                                        ("--tp", "-1"), ("--ep", "0"), ("--gtp", "0")])
+def test_cli_mesh_size_below_one_names_its_flag(flag: str, value: str,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    # --cp 0 divided by zero deriving gtp's default; --cp -2 blamed --gtp.
+    assert cli_main(["train", "--steps", "1", flag, value]) == 2
+    err = capsys.readouterr().err
+    assert err == f"error: {flag}={value} must be >= 1 (the size of the '{flag[2:]}' mesh axis; " \
+        "1 turns it off).\n", err
+
+
 def test_distributed_join_timeout_is_one_line(tmp_path: Path) -> None:
     with socket.socket() as s:
         s.bind(("localhost", 0))

@@ -189,6 +189,8 @@ for flags, names in [
         (["--resume"], ("--checkpoint-dir",)),
         (["--local-device-ids", "a,b"], ("--local-device-ids",)),
         (["--seed", "-1"], ("--seed",)),
+        (["--dp", "0"], ("--dp",)), (["--tp", "-1"], ("--tp",)), (["--ep", "0"], ("--ep",)),
+        (["--gtp", "0"], ("--gtp",)),
 ]:
     def _run(flags=flags, names=names):
         d = WORK / f"k{time.monotonic_ns()}"
@@ -281,7 +283,6 @@ for flags, names in [
         (["--cp", "3", "--seq", "96"], ("--cp", "mesh")),
         (["--cp", "0", "--seq", "64"], ("--cp",)),
         (["--cp", "-2", "--seq", "64"], ("--cp",)),
-        (["--cp", "2", "--seq", "33"], ("--seq", "--cp")),
         (["--cp", "16", "--seq", "64"], ("--cp", "mesh")),
         (["--cp", "2", "--seq", "64", "--batch", "6"], ("--batch",)),
 ]:
@@ -308,6 +309,8 @@ add("cp", "--cp 4 --dp 2 --gtp 1 --seq 64 vs no cp", lambda: _cp_matches(
     ["--cp", "4", "--dp", "2", "--gtp", "1", "--seq", "64"]))
 add("cp", "--cp 2 --tp 2 --dp 2 --gtp 1 --seq 64 vs no cp", lambda: _cp_matches(
     ["--cp", "2", "--tp", "2", "--dp", "2", "--gtp", "1", "--seq", "64"]))
+add("cp", "--cp 2 --seq 33 (padded to the split) vs no cp", lambda: _cp_matches(
+    ["--cp", "2", "--dp", "2", "--gtp", "2", "--seq", "33"]))
 add("cp", "--cp 2 --seq 48 (padded blocks) vs no cp", lambda: _cp_matches(
     ["--cp", "2", "--dp", "2", "--gtp", "2", "--seq", "48"]))
 add("cp", "--cp 2 --no-unroll-layers vs no cp", lambda: _cp_matches(

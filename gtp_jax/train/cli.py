@@ -249,6 +249,10 @@ def _configs(args: argparse.Namespace) -> tuple[object, object | None, object]:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     sizes = _mesh_sizes(args)
+    for name, size in sizes.items():  # before any default is derived from them
+        if size is not None and size < 1:
+            return _fail(UsageError(f"--{name}={size} must be >= 1 (the size of the "
+                                    f"'{name}' mesh axis; 1 turns it off)."), 2)
     cpu_sizes = _cpu_mesh(sizes)
     try:
         dist, checkpoint, observe = _configs(args)
