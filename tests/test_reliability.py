@@ -593,6 +593,15 @@ def test_cli_mesh_size_below_one_names_its_flag(flag: str, value: str,
         "1 turns it off).\n", err
 
 
+def test_cli_cudnn_attention_with_cp_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    # Ring attention computes its blocks itself; --attention cudnn was silently unused.
+    assert cli_main(["train", "--steps", "1", "--cp", "2", "--seq", "64", "--attention",
+                     "cudnn"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --attention='cudnn' does not apply with --cp=2") \
+        and err.count("\n") == 1, err
+
+
 def test_distributed_join_timeout_is_one_line(tmp_path: Path) -> None:
     with socket.socket() as s:
         s.bind(("localhost", 0))

@@ -165,39 +165,39 @@ class TransformerConfig:
         for name in ("vocab_size", "d_model", "n_heads", "n_layers", "d_ff", "max_seq_len"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
-                raise ValueError(f"TransformerConfig.{name}={value!r} must be a positive int.")
+                raise UsageError(f"TransformerConfig.{name}={value!r} must be a positive int.")
         if self.d_model % self.n_heads:
-            raise ValueError(
+            raise UsageError(
                 f"TransformerConfig.d_model={self.d_model} must be divisible by "
                 f"n_heads={self.n_heads}."
             )
         if (self.d_model // self.n_heads) % 2:
-            raise ValueError(
+            raise UsageError(
                 f"TransformerConfig: head dim {self.d_model // self.n_heads} must be even "
                 "for rotary embeddings; change d_model or n_heads."
             )
         if self.remat not in REMAT_POLICIES:
-            raise ValueError(
+            raise UsageError(
                 f"TransformerConfig.remat={self.remat!r}; choose one of {REMAT_POLICIES}."
             )
         if self.attention_impl is not None and self.attention_impl not in ATTENTION_IMPLS:
-            raise ValueError(
+            raise UsageError(
                 f"TransformerConfig.attention_impl={self.attention_impl!r}; choose one of "
                 f"{ATTENTION_IMPLS} or None (auto).")
         if self.cp_attention not in CP_ATTENTION:
-            raise ValueError(
+            raise UsageError(
                 f"TransformerConfig.cp_attention={self.cp_attention!r}; choose one of "
                 f"{CP_ATTENTION}.")
         if self.cp_attention_backend not in (None, *ATTENTION_BLOCK_BACKENDS):
-            raise ValueError(
+            raise UsageError(
                 f"TransformerConfig.cp_attention_backend={self.cp_attention_backend!r}; "
                 f"choose one of {ATTENTION_BLOCK_BACKENDS} or None (the Pallas kernels on a "
                 "GPU where the block shapes tile, else the reference).")
         if self.cp_layout not in LAYOUTS:
-            raise ValueError(
+            raise UsageError(
                 f"TransformerConfig.cp_layout={self.cp_layout!r}; choose one of {LAYOUTS}.")
         if self.swiglu_backend not in (None, *SWIGLU_BACKENDS):
-            raise ValueError(
+            raise UsageError(
                 f"TransformerConfig.swiglu_backend={self.swiglu_backend!r}; choose one of "
                 f"{SWIGLU_BACKENDS} or None (the Pallas kernel on a GPU, else the reference).")
         if self.unroll_layers is not None and not isinstance(self.unroll_layers, bool):
@@ -208,30 +208,30 @@ class TransformerConfig:
             names = tuple(self.tp_overlap) if isinstance(self.tp_overlap, (tuple, list)) \
                 else None
             if names is None or not set(names) <= set(TP_PROJECTIONS):
-                raise ValueError(
+                raise UsageError(
                     f"TransformerConfig.tp_overlap={self.tp_overlap!r}: use True, False or a "
                     f"tuple of projection names from {TP_PROJECTIONS}.")
             object.__setattr__(self, "tp_overlap", names)
         if not isinstance(self.moe_experts, int) or self.moe_experts < 0:
-            raise ValueError(
+            raise UsageError(
                 f"TransformerConfig.moe_experts={self.moe_experts!r} must be an int >= 0 "
                 "(0: dense MLP).")
         if self.moe_experts:
             if not isinstance(self.moe_top_k, int) or not 1 <= self.moe_top_k <= self.moe_experts:
-                raise ValueError(
+                raise UsageError(
                     f"TransformerConfig.moe_top_k={self.moe_top_k!r} must be an int in "
                     f"[1, moe_experts={self.moe_experts}].")
             if self.moe_capacity_factor is not None and not self.moe_capacity_factor > 0:
-                raise ValueError(
+                raise UsageError(
                     f"TransformerConfig.moe_capacity_factor={self.moe_capacity_factor!r} "
                     "must be > 0, or None for dropless routing.")
             if self.moe_d_ff is not None and (not isinstance(self.moe_d_ff, int)
                                               or self.moe_d_ff < 1):
-                raise ValueError(
+                raise UsageError(
                     f"TransformerConfig.moe_d_ff={self.moe_d_ff!r} must be a positive int or "
                     "None (use d_ff).")
             if not self.moe_aux_weight >= 0:
-                raise ValueError(
+                raise UsageError(
                     f"TransformerConfig.moe_aux_weight={self.moe_aux_weight!r} must be >= 0.")
 
     @property
@@ -300,7 +300,7 @@ PRESETS: dict[str, TransformerConfig] = {
 def preset(name: str, **overrides: Any) -> TransformerConfig:
     """A named preset (``tiny``, ``small``, ``100m``, ``1b``) with optional field overrides."""
     if name not in PRESETS:
-        raise ValueError(f"Unknown preset {name!r}; choose one of {sorted(PRESETS)}.")
+        raise UsageError(f"Unknown preset {name!r}; choose one of {sorted(PRESETS)}.")
     return dataclasses.replace(PRESETS[name], **overrides)
 
 
@@ -551,7 +551,7 @@ class Transformer(nnx.Module):
             return self._call_cp(tokens, seq_len, axes)
         seq_len = tokens.shape[1]
         if seq_len > cfg.max_seq_len:
-            raise ValueError(
+            raise UsageError(
                 f"Sequence length {seq_len} exceeds TransformerConfig.max_seq_len="
                 f"{cfg.max_seq_len}; use shorter sequences or a larger max_seq_len."
             )
@@ -569,7 +569,7 @@ class Transformer(nnx.Module):
         padded = local * axes.cp_size
         seq_len = padded if seq_len is None else int(seq_len)
         if seq_len > cfg.max_seq_len:
-            raise ValueError(
+            raise UsageError(
                 f"Sequence length {seq_len} exceeds TransformerConfig.max_seq_len="
                 f"{cfg.max_seq_len}; use shorter sequences or a larger max_seq_len.")
         # rotary rows of the whole cp piece: under tp, attention sees it gathered over tp

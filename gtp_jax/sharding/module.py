@@ -390,7 +390,7 @@ def shard(module: nnx.Module, mesh: Mesh, config: GTPConfig | None = None) -> Sh
     graphdef, state = nnx.split(module)
     paths, variables, var_tree = _flat_variables(state)
     if any(isinstance(v, nnx.BatchStat) for v in variables):
-        raise ValueError(
+        raise UsageError(
             "gtp_jax.shard: the module keeps batch statistics (nnx.BatchStat, e.g. BatchNorm), "
             "which would be computed per data shard; use a normalization without batch "
             "statistics (LayerNorm, RMSNorm)."
@@ -428,7 +428,7 @@ def shard(module: nnx.Module, mesh: Mesh, config: GTPConfig | None = None) -> Sh
             )
         plans.append(plan)
     if not any(isinstance(p, (ParamPlan, SplitPlan)) for p in plans):
-        raise ValueError(
+        raise UsageError(
             "gtp_jax.shard: no parameter of this module is eligible to shard (floating "
             f"nnx.Param of rank >= 2 with >= GTPConfig.min_elements={config.min_elements} "
             f"elements, include={config.include}, exclude={config.exclude}). Lower "
@@ -536,7 +536,7 @@ def _validate_shard_args(module: Any, mesh: Any, config: Any) -> None:
             f"gtp_jax.shard: module must be a flax.nnx.Module, got {type(module).__name__}."
         )
     if isinstance(module, ShardedModule):
-        raise ValueError("gtp_jax.shard: this module is already sharded; pass the original "
+        raise UsageError("gtp_jax.shard: this module is already sharded; pass the original "
                          "module, or gtp_jax.unshard(module) first.")
     for keys, node in nnx.graph.iter_graph(module):
         if isinstance(node, ShardedModule) and node is not module:
