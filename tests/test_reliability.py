@@ -13,6 +13,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import jax
@@ -492,6 +493,31 @@ def test_directory_lock(tmp_path: Path) -> None:
     assert json.loads((directory / LOCK_FILE).read_text())["pid"] == os.getpid()
     lock.release()
     assert not (directory / LOCK_FILE).exists()
+
+
+@pytest.mark.parametrize("content", ["", "not json", "[1, 2]"])
+def test_unreadable_lock_is_never_taken_over(tmp_path: Path, content: str) -> None:
+    # An empty lock is what another run holds between creating and writing it.
+    directory = tmp_path / "ck"
+    directory.mkdir()
+    (directory / LOCK_FILE).write_text(content)
+    with pytest.raises(CheckpointLockedError, match="unreadable .*delete the lock file"):
+        DirectoryLock(str(directory)).acquire()
+    assert (directory / LOCK_FILE).read_text() == content
+
+
+def test_lock_written_while_waiting_is_honoured(tmp_path: Path) -> None:
+    directory = tmp_path / "ck"
+    directory.mkdir()
+    (directory / LOCK_FILE).write_text("")
+    holder = {"pid": os.getppid(), "host": socket.gethostname()}  # alive: pytest's parent
+    timer = threading.Timer(0.1, lambda: (directory / LOCK_FILE).write_text(json.dumps(holder)))
+    timer.start()
+    try:
+        with pytest.raises(CheckpointLockedError, match=rf"in use by pid {holder['pid']}"):
+            DirectoryLock(str(directory)).acquire()
+    finally:
+        timer.join()
 
 
 # ---------------------------------------------------------------------- memory
