@@ -13,7 +13,7 @@ Outcomes:
   wrong      a silent wrong answer (accepted input that should be refused, a result that
              differs from the reference) or a traceback reaching a command-line user.
 
-Runs on CPU with 8 simulated devices (set below, before JAX starts); about 15 minutes on 2
+Runs on CPU with 8 simulated devices (set below, before JAX starts); about 20 minutes on 2
 cores. Not part of the test suite: each defect it found is a regular test.
 """
 
