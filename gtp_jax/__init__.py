@@ -27,6 +27,7 @@ from gtp_jax.base.mesh import (  # noqa: E402
     seq_sharding,
     shard_key,
 )
+from gtp_jax.base.state import BatchMean, BatchSum, PerExample, SameOnEveryShard  # noqa: E402
 from gtp_jax.sharding import (  # noqa: E402
     GTPShard,
     InputLayout,
@@ -43,11 +44,14 @@ from gtp_jax.sharding import (  # noqa: E402
 __version__ = "0.1.0"
 
 __all__ = [
+    "BatchMean",
+    "BatchSum",
     "GTPConfig",
     "GTPShard",
     "InputLayout",
     "OutputLayout",
     "ParallelAxes",
+    "PerExample",
     "ShardedModule",
     "bytes_per_device",
     "current_axes",
@@ -57,6 +61,7 @@ __all__ = [
     "make_mesh",
     "parallel",
     "replicated",
+    "SameOnEveryShard",
     "seq_axes",
     "seq_sharding",
     "scan_layers",

@@ -25,6 +25,7 @@ from gtp_jax.base.errors import UsageError
 from gtp_jax.base.metadata import LOGICAL_SHAPE
 from gtp_jax.models import lm_loss
 from gtp_jax.train import (
+    RunFinished,
     TrainConfig,
     TrainStep,
     build_model_and_optimizer,
@@ -290,8 +291,11 @@ def test_train_resume_errors_before_building_anything(tmp_path: Path, mesh_dp2_g
     with pytest.raises(UsageError, match="already holds checkpoints.*CheckpointConfig.resume"):
         train(SOURCE, progress=False, checkpoint=CheckpointConfig(other_seed))
     _fake_run(done, mesh_dp2_gtp4, steps=2)
-    with pytest.raises(ValueError, match="nothing is left to train"):
+    with pytest.raises(RunFinished, match="finished .checkpoint at step 2.; nothing to train"):
         train(dataclasses.replace(SOURCE, steps=2), progress=False,
+              checkpoint=CheckpointConfig(done, resume=True))
+    with pytest.raises(UsageError, match="past TrainConfig.steps=1.*nothing is left to train"):
+        train(dataclasses.replace(SOURCE, steps=1), progress=False,
               checkpoint=CheckpointConfig(done, resume=True))
     foreign = tmp_path / "foreign"
     with Checkpointer(CheckpointConfig(foreign)) as ckpt:

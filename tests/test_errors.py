@@ -19,6 +19,7 @@ from helpers import (
 )
 
 import gtp_jax
+from gtp_jax.base.errors import UsageError
 
 
 class Counter(nnx.Variable):
@@ -130,7 +131,7 @@ def test_include_scalar_param(mesh_gtp8) -> None:
 
 
 def test_batch_norm_rejected(mesh_gtp8) -> None:
-    _shard_fails(WithBatchNorm(nnx.Rngs(0)), ValueError, "BatchNorm", mesh_gtp8,
+    _shard_fails(WithBatchNorm(nnx.Rngs(0)), UsageError, "BatchNorm", mesh_gtp8,
                  gtp_jax.GTPConfig(min_elements=0))
 
 

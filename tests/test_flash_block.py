@@ -248,3 +248,22 @@ def test_decoder_kernel_choice_is_explicit_on_unsupported_shapes():
                           gtp_jax.GTPConfig(min_elements=0))
     with pytest.raises(UsageError, match="block lengths"):
         model(jnp.zeros((1, 64), jnp.int32))
+
+
+@pytest.mark.parametrize("q_shape,k_shape,v_shape,message", [
+    ((128, 2, 64), (128, 2, 64), (128, 2, 64), r"q has shape \(128, 2, 64\).*rank 4"),
+    ((1, 128, 2, 64), (1, 128, 2, 32), (1, 128, 2, 32), "do not fit"),
+    ((1, 128, 3, 64), (1, 128, 2, 64), (1, 128, 2, 64), "must divide q's heads"),
+    ((1, 128, 2, 64), (1, 128, 2, 64), (1, 64, 2, 64), "do not fit"),
+])
+def test_block_shapes_that_do_not_fit_are_refused(q_shape, k_shape, v_shape, message) -> None:
+    q, k, v = (jnp.ones(s, jnp.bfloat16) for s in (q_shape, k_shape, v_shape))
+    with pytest.raises(UsageError, match=f"attention_block: .*{message}"):
+        attention_block(q, k, v, causal=True, kv_len=None, scale=0.125)
+
+
+def test_config_errors_are_usage_errors() -> None:
+    with pytest.raises(UsageError, match="BlockTiles.fwd_q=48 must be a power of two"):
+        BlockTiles(fwd_q=48)
+    with pytest.raises(UsageError, match="TransformerConfig.cp_attention_backend='x'"):
+        TransformerConfig(cp_attention_backend="x")

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import numpy as np
@@ -15,7 +17,7 @@ import pytest
 from helpers import max_rel_err
 
 from gtp_jax.base.errors import UsageError, UsageTypeError
-from gtp_jax.train import TrainConfig, train
+from gtp_jax.train import TrainConfig, distributed, train
 from gtp_jax.train.checkpoint import CheckpointConfig, Checkpointer
 from gtp_jax.train.cli import main as cli_main
 from gtp_jax.train.distributed import DistributedConfig, initialize, parse_address
@@ -37,6 +39,8 @@ RUN_FLAGS = ["--steps", "6", "--batch", "8", "--seq", "32", "--warmup", "2", "--
 #: reduction or a lost process would change the loss in the 3rd or 2nd decimal). Both
 #: reduction orders are fixed, so the difference is deterministic, not flaky.
 LOSS_RTOL = 1e-6
+#: What the coordination service prints when a process leaves under a pending call.
+ERROR_TEXT = re.compile(r"CANCELLED|UNAVAILABLE|Connection refused|Traceback|DEADLINE_EXCEEDED")
 #: The saved parameters and AdamW moments after 6 steps, per array: max |diff| / max |ref|.
 #: Measured at most 2.4e-6 (the embedding: Adam divides by sqrt(nu) of rows whose gradients
 #: are tiny, which amplifies rounding differences); 1e-5 bounds that.
@@ -92,6 +96,10 @@ def test_two_processes_match_one_process(tmp_path: Path) -> None:
                 p.wait()
     for i, (p, (out, err)) in enumerate(zip(procs, outputs)):
         assert p.returncode == 0, f"process {i}\nstdout:\n{out}\nstderr:\n{err}"
+        # A successful run ends cleanly: the distributed runtime is shut down in order
+        # (barrier, clients, coordinator last), so no gRPC error text reaches the user.
+        found = ERROR_TEXT.findall(out + err)
+        assert not found, f"process {i} printed {found}:\n{err[-2000:]}"
     # Process 0 alone prints the summary, shows progress and writes metrics.
     assert "on 8 cpu devices in 2 processes" in outputs[0][0]
     assert "summary (cpu, mesh dp=2 ep=1 gtp=4 tp=1, 2 processes" in outputs[0][0]
@@ -173,3 +181,56 @@ def test_cli_rejects_bad_process_flags(capsys: pytest.CaptureFixture[str]) -> No
         assert cli_main(["train", *flags]) == 2, flags
         err = capsys.readouterr().err
         assert message in err, (flags, err)
+
+
+class _FakeClient:
+    def __init__(self, calls: list[str], fail: str | None = None):
+        self.calls, self.fail = calls, fail
+
+    def wait_at_barrier(self, name: str, timeout_ms: int) -> None:
+        self.calls.append("barrier")
+        if self.fail:
+            raise RuntimeError(self.fail)
+
+    def shutdown(self) -> None:
+        self.calls.append("client")
+
+
+class _FakeService:
+    def __init__(self, calls: list[str]):
+        self.calls = calls
+
+    def shutdown(self) -> None:
+        self.calls.append("service")
+
+
+def _fake_run(monkeypatch: pytest.MonkeyPatch, state: object) -> None:
+    monkeypatch.setattr(distributed.jax.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(distributed, "_global_state", lambda: state)
+    monkeypatch.setattr(distributed, "_SERVICE_GRACE_S", 0.0)
+
+
+def test_shutdown_is_ordered_coordinator_last(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[str] = []
+    state = types.SimpleNamespace(client=_FakeClient(calls), service=_FakeService(calls),
+                                  preemption_sync_manager=None)
+    _fake_run(monkeypatch, state)
+    distributed.shutdown(timeout=5)
+    assert calls == ["barrier", "client", "service"]
+    assert state.client is None and state.service is None
+
+
+def test_shutdown_names_the_peer_that_never_reached_the_end(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[str] = []
+    state = types.SimpleNamespace(
+        client=_FakeClient(calls, "DEADLINE_EXCEEDED: Barrier timed out. Tasks that did not "
+                                  "arrive: /job:jax_worker/replica:0/task:1"),
+        service=_FakeService(calls), preemption_sync_manager=None)
+    _fake_run(monkeypatch, state)
+    with pytest.raises(distributed.DistributedPeerError) as err:
+        distributed.shutdown(timeout=5)
+    msg = str(err.value)
+    assert msg.startswith("process 0 finished the run, but process 1 did not reach its end")
+    assert "\n" not in msg
+    assert calls == ["barrier"]  # nothing shut down under a failed peer: JAX ends the run

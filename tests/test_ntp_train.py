@@ -204,6 +204,12 @@ BASE = ["train", "--tp", "4", "--dp", "2", "--steps", "8", "--batch", "8", "--se
     (["--simulate-failure", "step=4,device=5", "--ntp-axis", "gtp"],
      "--ntp-axis='gtp': the mesh's gtp=1 cannot be reduced"),
     (["--tp-spares", "2"], "--tp-spares and --ntp-axis need --simulate-failure"),
+    (["--tp", "2", "--cp", "2", "--simulate-failure", "step=4,device=5"],
+     "--simulate-failure device: a simulated failure does not run with context parallelism "
+     "(--cp=2)"),
+    (["--tp", "2", "--ep", "2", "--moe-experts", "4", "--simulate-failure", "step=4,device=5"],
+     "--simulate-failure device: a simulated failure does not run with expert parallelism "
+     "(--ep=2)"),
 ])
 def test_cli_failure_spec_errors(flags, message, tmp_path, capsys):
     directory = tmp_path / "ck"

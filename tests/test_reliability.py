@@ -13,6 +13,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import jax
@@ -30,6 +31,7 @@ from gtp_jax.base.errors import UsageError, UsageTypeError
 from gtp_jax.train import (
     MODEL_MAY_DIFFER,
     RESUME_MAY_DIFFER,
+    RunFinished,
     TrainConfig,
     TrainResult,
     check_memory_fits,
@@ -392,9 +394,10 @@ def test_resume_rejects_changed_moe_fields() -> None:
 def test_extending_a_finished_run_equals_an_uninterrupted_run(tmp_path: Path) -> None:
     short = dataclasses.replace(RUN, steps=4)
     first = train(short, progress=False, checkpoint=CheckpointConfig(tmp_path / "ck"))
-    with pytest.raises(UsageError, match=r"finished .*step 4.*nothing is left to train.*"
-                                         r"larger TrainConfig\.steps"):
+    with pytest.raises(RunFinished, match=r"finished .*step 4.*nothing to train.*"
+                                          r"larger TrainConfig\.steps") as done:
         train(short, progress=False, checkpoint=CheckpointConfig(tmp_path / "ck", resume=True))
+    assert done.value.step == 4 and not isinstance(done.value, UsageError)
     extended = train(RUN, progress=False,
                      checkpoint=CheckpointConfig(tmp_path / "ck", resume=True))
     assert extended.first_step == 5 and len(extended.losses) == 2
@@ -410,6 +413,26 @@ def test_extending_a_finished_run_equals_an_uninterrupted_run(tmp_path: Path) ->
     schedule = train_module.make_optimizer(dataclasses.replace(RUN, schedule_steps=4))
     assert schedule is train_module.make_optimizer(
         _check_resume(again, model_config(again), meta, "/ck"))
+
+
+def test_cli_relaunch_of_a_finished_run_is_one_line_and_status_0(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    flags = ["train", "--steps", "2", "--batch", "8", "--seq", "32", "--warmup", "1",
+             "--checkpoint-dir", str(tmp_path / "ck")]
+    assert cli_main(flags) == 0
+    capsys.readouterr()
+    # What a scheduler re-queueing the completed job runs (also on another mesh).
+    for mesh in ([], ["--gtp", "8", "--dp", "1"]):
+        assert cli_main([*flags, "--resume", *mesh]) == 0
+        out, err = capsys.readouterr()
+        lines = out.splitlines()
+        assert len(lines) == 1 and "finished" in lines[0] and "step 2" in lines[0]
+        assert str(tmp_path / "ck") in lines[0] and "--steps=3" in lines[0]
+        assert not err.strip()
+    # Fewer steps than the run already trained is a real conflict.
+    assert cli_main([*flags[:2], "1", *flags[3:], "--resume"]) == 2
+    assert "past --steps=1" in capsys.readouterr().err
+    assert Checkpointer(CheckpointConfig(tmp_path / "ck")).all_steps() == [2]
 
 
 # ---------------------------------------------------------------------- paths and lock
@@ -470,6 +493,31 @@ def test_directory_lock(tmp_path: Path) -> None:
     assert json.loads((directory / LOCK_FILE).read_text())["pid"] == os.getpid()
     lock.release()
     assert not (directory / LOCK_FILE).exists()
+
+
+@pytest.mark.parametrize("content", ["", "not json", "[1, 2]"])
+def test_unreadable_lock_is_never_taken_over(tmp_path: Path, content: str) -> None:
+    # An empty lock is what another run holds between creating and writing it.
+    directory = tmp_path / "ck"
+    directory.mkdir()
+    (directory / LOCK_FILE).write_text(content)
+    with pytest.raises(CheckpointLockedError, match="unreadable .*delete the lock file"):
+        DirectoryLock(str(directory)).acquire()
+    assert (directory / LOCK_FILE).read_text() == content
+
+
+def test_lock_written_while_waiting_is_honoured(tmp_path: Path) -> None:
+    directory = tmp_path / "ck"
+    directory.mkdir()
+    (directory / LOCK_FILE).write_text("")
+    holder = {"pid": os.getppid(), "host": socket.gethostname()}  # alive: pytest's parent
+    timer = threading.Timer(0.1, lambda: (directory / LOCK_FILE).write_text(json.dumps(holder)))
+    timer.start()
+    try:
+        with pytest.raises(CheckpointLockedError, match=rf"in use by pid {holder['pid']}"):
+            DirectoryLock(str(directory)).acquire()
+    finally:
+        timer.join()
 
 
 # ---------------------------------------------------------------------- memory
@@ -558,6 +606,26 @@ def test_cli_mesh_that_does_not_fit_names_the_cause(capsys: pytest.CaptureFixtur
     assert cli_main(["train", "--steps", "1", "--gtp", "3", "--batch", "12"]) == 2
     err = capsys.readouterr().err
     assert "dp*ep*gtp*cp*tp = 2*1*3*1*1 = 6 must equal the 8 devices" in err, err
+
+
+@pytest.mark.parametrize("flag,value", [("--cp", "0"), ("--cp", "-2"), ("--dp", "0"),
+                                        ("--tp", "-1"), ("--ep", "0"), ("--gtp", "0")])
+def test_cli_mesh_size_below_one_names_its_flag(flag: str, value: str,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    # --cp 0 divided by zero deriving gtp's default; --cp -2 blamed --gtp.
+    assert cli_main(["train", "--steps", "1", flag, value]) == 2
+    err = capsys.readouterr().err
+    assert err == f"error: {flag}={value} must be >= 1 (the size of the '{flag[2:]}' mesh axis; " \
+        "1 turns it off).\n", err
+
+
+def test_cli_cudnn_attention_with_cp_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    # Ring attention computes its blocks itself; --attention cudnn was silently unused.
+    assert cli_main(["train", "--steps", "1", "--cp", "2", "--seq", "64", "--attention",
+                     "cudnn"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --attention='cudnn' does not apply with --cp=2") \
+        and err.count("\n") == 1, err
 
 
 def test_distributed_join_timeout_is_one_line(tmp_path: Path) -> None:

@@ -41,8 +41,8 @@ def _copy(module):
 # --------------------------------------------------------------------------- written state
 
 
-class RunningMean(nnx.Variable):
-    pass
+class RunningMean(gtp_jax.BatchMean):
+    """An EMA of batch means: combined by the mean over the data shards."""
 
 
 class Count(nnx.Variable):
@@ -72,7 +72,7 @@ def _xs(key, n=8):
     return 10.0 + jax.random.normal(key, (n, 16))
 
 
-def test_float_state_is_mean_over_data_shards_and_int_state_sums(key) -> None:
+def test_batch_mean_state_is_mean_over_data_shards_and_int_state_sums(key) -> None:
     mesh = get_mesh("dp2_gtp4")
     ref = Stateful(nnx.Rngs(0), count_rule="sum")
     sm = gtp_jax.shard(_copy(ref), mesh, gtp_jax.GTPConfig(min_elements=0))

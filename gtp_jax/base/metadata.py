@@ -14,7 +14,9 @@ Set by model code (``nnx.Param(..., gtp_tp_dim=1)`` or ``var.set_metadata(KEY, v
 - `EP_DIM`: per-layer dim split over the ``ep`` mesh axis (the expert dim).
 - `SHARD_DIM`: per-layer dim to GTP-shard (default: chosen by `gtp_jax.shard`).
 - `REDUCE`: how non-parameter state written in ``__call__`` is combined over the data
-  shards: ``"mean"``, ``"sum"`` (of the changes) or ``"same"`` (see `gtp_jax.ShardedModule`).
+  shards: ``"mean"``, ``"sum"`` (of the changes), ``"same"`` or ``"concat"`` (per-example
+  rows); the variable types of `gtp_jax.base.state` imply these (see
+  `gtp_jax.ShardedModule`). Written state with no rule is refused.
 
 Written by `gtp_jax.shard` on the parameters it places:
 

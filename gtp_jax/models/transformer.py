@@ -188,67 +188,67 @@ class TransformerConfig:
         for name in ("vocab_size", "d_model", "n_heads", "n_layers", "d_ff", "max_seq_len"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
-                raise ValueError(f"TransformerConfig.{name}={value!r} must be a positive int.")
+                raise UsageError(f"TransformerConfig.{name}={value!r} must be a positive int.")
         for name in ("n_kv_heads", "head_dim"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
-                raise ValueError(f"TransformerConfig.{name}={value!r} must be a positive int "
+                raise UsageError(f"TransformerConfig.{name}={value!r} must be a positive int "
                                  "or None.")
         if self.head_dim is None and self.d_model % self.n_heads:
-            raise ValueError(
+            raise UsageError(
                 f"TransformerConfig.d_model={self.d_model} must be divisible by "
                 f"n_heads={self.n_heads} (or set head_dim)."
             )
         if self.head_size % 2:
-            raise ValueError(
+            raise UsageError(
                 f"TransformerConfig: head dim {self.head_size} must be even "
                 "for rotary embeddings; change d_model, n_heads or head_dim."
             )
         if self.n_heads % self.kv_heads:
-            raise ValueError(
+            raise UsageError(
                 f"TransformerConfig.n_kv_heads={self.n_kv_heads} must divide "
                 f"n_heads={self.n_heads} (each kv head serves a group of query heads).")
         if self.rope_scaling not in ROPE_SCALINGS:
-            raise ValueError(
+            raise UsageError(
                 f"TransformerConfig.rope_scaling={self.rope_scaling!r}; choose one of "
                 f"{ROPE_SCALINGS}.")
         if not (isinstance(self.rope_factor, (int, float)) and self.rope_factor > 0):
-            raise ValueError(
+            raise UsageError(
                 f"TransformerConfig.rope_factor={self.rope_factor!r} must be a number > 0.")
         if self.rope_scaling == "llama3" and not (
                 0 < self.rope_low_freq_factor < self.rope_high_freq_factor
                 and isinstance(self.rope_original_max_len, int)
                 and self.rope_original_max_len > 0):
-            raise ValueError(
+            raise UsageError(
                 "TransformerConfig: llama3 rotary scaling needs 0 < rope_low_freq_factor "
                 f"({self.rope_low_freq_factor}) < rope_high_freq_factor "
                 f"({self.rope_high_freq_factor}) and a positive int rope_original_max_len "
                 f"({self.rope_original_max_len!r}).")
         if not (isinstance(self.norm_eps, (int, float)) and self.norm_eps >= 0):
-            raise ValueError(
+            raise UsageError(
                 f"TransformerConfig.norm_eps={self.norm_eps!r} must be a number >= 0.")
         if self.remat not in REMAT_POLICIES:
-            raise ValueError(
+            raise UsageError(
                 f"TransformerConfig.remat={self.remat!r}; choose one of {REMAT_POLICIES}."
             )
         if self.attention_impl is not None and self.attention_impl not in ATTENTION_IMPLS:
-            raise ValueError(
+            raise UsageError(
                 f"TransformerConfig.attention_impl={self.attention_impl!r}; choose one of "
                 f"{ATTENTION_IMPLS} or None (auto).")
         if self.cp_attention not in CP_ATTENTION:
-            raise ValueError(
+            raise UsageError(
                 f"TransformerConfig.cp_attention={self.cp_attention!r}; choose one of "
                 f"{CP_ATTENTION}.")
         if self.cp_attention_backend not in (None, *ATTENTION_BLOCK_BACKENDS):
-            raise ValueError(
+            raise UsageError(
                 f"TransformerConfig.cp_attention_backend={self.cp_attention_backend!r}; "
                 f"choose one of {ATTENTION_BLOCK_BACKENDS} or None (the Pallas kernels on a "
                 "GPU where the block shapes tile, else the reference).")
         if self.cp_layout not in LAYOUTS:
-            raise ValueError(
+            raise UsageError(
                 f"TransformerConfig.cp_layout={self.cp_layout!r}; choose one of {LAYOUTS}.")
         if self.swiglu_backend not in (None, *SWIGLU_BACKENDS):
-            raise ValueError(
+            raise UsageError(
                 f"TransformerConfig.swiglu_backend={self.swiglu_backend!r}; choose one of "
                 f"{SWIGLU_BACKENDS} or None (the Pallas kernel on a GPU, else the reference).")
         if self.unroll_layers is not None and not isinstance(self.unroll_layers, bool):
@@ -259,30 +259,30 @@ class TransformerConfig:
             names = tuple(self.tp_overlap) if isinstance(self.tp_overlap, (tuple, list)) \
                 else None
             if names is None or not set(names) <= set(TP_PROJECTIONS):
-                raise ValueError(
+                raise UsageError(
                     f"TransformerConfig.tp_overlap={self.tp_overlap!r}: use True, False or a "
                     f"tuple of projection names from {TP_PROJECTIONS}.")
             object.__setattr__(self, "tp_overlap", names)
         if not isinstance(self.moe_experts, int) or self.moe_experts < 0:
-            raise ValueError(
+            raise UsageError(
                 f"TransformerConfig.moe_experts={self.moe_experts!r} must be an int >= 0 "
                 "(0: dense MLP).")
         if self.moe_experts:
             if not isinstance(self.moe_top_k, int) or not 1 <= self.moe_top_k <= self.moe_experts:
-                raise ValueError(
+                raise UsageError(
                     f"TransformerConfig.moe_top_k={self.moe_top_k!r} must be an int in "
                     f"[1, moe_experts={self.moe_experts}].")
             if self.moe_capacity_factor is not None and not self.moe_capacity_factor > 0:
-                raise ValueError(
+                raise UsageError(
                     f"TransformerConfig.moe_capacity_factor={self.moe_capacity_factor!r} "
                     "must be > 0, or None for dropless routing.")
             if self.moe_d_ff is not None and (not isinstance(self.moe_d_ff, int)
                                               or self.moe_d_ff < 1):
-                raise ValueError(
+                raise UsageError(
                     f"TransformerConfig.moe_d_ff={self.moe_d_ff!r} must be a positive int or "
                     "None (use d_ff).")
             if not self.moe_aux_weight >= 0:
-                raise ValueError(
+                raise UsageError(
                     f"TransformerConfig.moe_aux_weight={self.moe_aux_weight!r} must be >= 0.")
 
     @property
@@ -382,7 +382,7 @@ def preset(name: str, **overrides: Any) -> TransformerConfig:
     """A named preset (``tiny``, ``small``, ``100m``, ``1b``, ``llama3.2-1b``,
     ``llama3.2-3b``, ``llama3-8b``) with optional field overrides."""
     if name not in PRESETS:
-        raise ValueError(f"Unknown preset {name!r}; choose one of {sorted(PRESETS)}.")
+        raise UsageError(f"Unknown preset {name!r}; choose one of {sorted(PRESETS)}.")
     return dataclasses.replace(PRESETS[name], **overrides)
 
 
@@ -717,7 +717,7 @@ class Transformer(nnx.Module):
             return self._call_cp(tokens, seq_len, axes)
         seq_len = tokens.shape[1]
         if seq_len > cfg.max_seq_len:
-            raise ValueError(
+            raise UsageError(
                 f"Sequence length {seq_len} exceeds TransformerConfig.max_seq_len="
                 f"{cfg.max_seq_len}; use shorter sequences or a larger max_seq_len."
             )
@@ -736,7 +736,7 @@ class Transformer(nnx.Module):
         padded = local * axes.cp_size
         seq_len = padded if seq_len is None else int(seq_len)
         if seq_len > cfg.max_seq_len:
-            raise ValueError(
+            raise UsageError(
                 f"Sequence length {seq_len} exceeds TransformerConfig.max_seq_len="
                 f"{cfg.max_seq_len}; use shorter sequences or a larger max_seq_len.")
         # rotary rows of the whole cp piece: under tp, attention sees it gathered over tp

@@ -34,13 +34,13 @@ def compiler_params(num_warps: int) -> Any:
 
 def check_pow2(value: int, name: str) -> None:
     if not isinstance(value, int) or value < 1 or value & (value - 1):
-        raise ValueError(f"{name}={value!r} must be a power of two >= 1 (Triton block dims "
+        raise UsageError(f"{name}={value!r} must be a power of two >= 1 (Triton block dims "
                          "are powers of two).")
 
 
 def check_size(n: int, what: str) -> None:
     if n > MAX_ELEMENTS:
-        raise ValueError(f"{what} has {n} elements; the kernels index with int32, so at "
+        raise UsageError(f"{what} has {n} elements; the kernels index with int32, so at "
                          f"most {MAX_ELEMENTS}. Split the tensor (e.g. per layer/expert).")
 
 

@@ -408,6 +408,22 @@ def check_backend(backend: object, caller: str) -> None:
     _util.check_backend_choice(backend, ATTENTION_BLOCK_BACKENDS, caller)
 
 
+def check_shapes(q: jax.Array, k: jax.Array, v: jax.Array, caller: str) -> None:
+    """A `UsageError` naming `caller` unless ``q [b, sq, h, d]``, ``k, v [b, sk, h_kv, d]``
+    with ``h_kv`` dividing ``h`` (the block contract of ring attention)."""
+    shapes = {"q": tuple(q.shape), "k": tuple(k.shape), "v": tuple(v.shape)}
+    bad = [n for n, s in shapes.items() if len(s) != 4]
+    if bad:
+        raise UsageError(f"{caller}: {bad[0]} has shape {shapes[bad[0]]}; q, k and v are "
+                         "[batch, length, heads, head_dim] (rank 4).")
+    (b, _, h, d), (bk, _, hk, dk) = shapes["q"], shapes["k"]
+    if shapes["v"] != shapes["k"] or (bk, dk) != (b, d) or h % hk:
+        raise UsageError(
+            f"{caller}: q {shapes['q']}, k {shapes['k']}, v {shapes['v']} do not fit: k and v "
+            "must have one shape [b, sk, h_kv, d] with q's batch and head_dim, and h_kv must "
+            "divide q's heads.")
+
+
 def _pick(backend, q, k, tiles, caller: str) -> bool:
     """True to run the kernels (after checking an explicit ``backend='pallas'``)."""
     check_backend(backend, caller)
@@ -449,6 +465,7 @@ def attention_block(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool,
         out, lse = attention_block(q, q, q, causal=True, kv_len=None, scale=0.125,
                                    backend="pallas")
     """
+    check_shapes(q, k, v, "attention_block")
     if _pick(backend, q, k, tiles, "attention_block"):
         return _fwd_pallas(q, k, v, causal, kv_len, float(scale), tiles,
                            _util.resolve_interpret(interpret))
@@ -468,6 +485,7 @@ def attention_block_bwd(q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Array,
     `tiles` and `interpret` as in `attention_block`. The kernels run two launches: dK/dV
     per key tile, dQ per query tile (no atomics).
     """
+    check_shapes(q, k, v, "attention_block_bwd")
     if _pick(backend, q, k, tiles, "attention_block_bwd"):
         return _bwd_pallas(q, k, v, do, lse, delta, causal, kv_len, float(scale), tiles,
                            _util.resolve_interpret(interpret))
@@ -483,6 +501,7 @@ __all__ = [
     "attention_block_bwd_reference",
     "attention_block_reference",
     "check_backend",
+    "check_shapes",
     "softmax_attend",
     "supported",
 ]

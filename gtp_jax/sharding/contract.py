@@ -7,7 +7,8 @@ outputs and written state must look like, and how they leave.
 - `replicated`: an argument every shard receives whole.
 - `check_outputs`: default-layout outputs must be per-example.
 - `side_rules` / `reduce_side_state`: state written in ``__call__`` is combined over the data
-  shards by its ``gtp_reduce`` rule (`gtp_jax.base.metadata.REDUCE`), never taken from one.
+  shards by the rule its type implies (`gtp_jax.base.state`) or its ``gtp_reduce`` metadata
+  (`gtp_jax.base.metadata.REDUCE`), never taken from one shard and never guessed.
 - `has_user_remat`: whether the module's own code has remat regions (then weights are
   gathered where they are read, so the module's policy applies to them).
 """
@@ -27,6 +28,7 @@ from jax.sharding import PartitionSpec as P
 
 from gtp_jax.base.errors import UsageError, UsageTypeError
 from gtp_jax.base.metadata import REDUCE
+from gtp_jax.base.state import RULES, type_rule
 from gtp_jax.sharding.collectives import regather_policy
 from gtp_jax.sharding.plan import path_str
 
@@ -96,7 +98,7 @@ class InputLayout:
         return self.split_seq if isinstance(self.split_seq, bool) else name in self.split_seq
 
 
-_REDUCE_RULES = ("mean", "sum", "same")
+_REDUCE_RULES = tuple(RULES)
 
 
 @jax.tree_util.register_pytree_node_class
@@ -173,7 +175,11 @@ def check_outputs(out: Any, local_batch: int | None) -> None:
 
 
 def side_rules(paths: list[str], variables: list[nnx.Variable]) -> dict[str, str | None]:
-    """The reduction rule of each non-parameter variable (None: refused if written)."""
+    """The reduction rule of each non-parameter variable (None: refused if written).
+
+    The rule is the ``gtp_reduce`` metadata or the one the variable's type implies
+    (`gtp_jax.base.state.type_rule`); nothing is guessed from the dtype.
+    """
     rules = {}
     for path, var in zip(paths, variables):
         if isinstance(var, (nnx.Param, nnx.RngKey)):
@@ -182,25 +188,38 @@ def side_rules(paths: list[str], variables: list[nnx.Variable]) -> dict[str, str
         if rule is not None and rule not in _REDUCE_RULES:
             raise UsageError(
                 f"{path!r}: metadata {REDUCE}={rule!r} is not one of {_REDUCE_RULES}.")
-        if rule is None:
-            value = var.get_value()
-            if isinstance(var, nnx.RngCount):
-                rule = "same"  # every shard draws the same number of times
-            elif all(jnp.issubdtype(jnp.result_type(x), jnp.floating)
-                     for x in jax.tree.leaves(value)):
-                rule = "mean"
-        rules[path] = rule
+        implied = type_rule(var)
+        if rule is not None and implied is not None and rule != implied \
+                and not isinstance(var, nnx.RngCount):
+            raise UsageError(
+                f"{path!r}: a {type(var).__name__} is combined by {implied!r}, but its metadata "
+                f"says {REDUCE}={rule!r}; drop the metadata or use a variable type that "
+                "matches it.")
+        rules[path] = rule if rule is not None else implied
     return rules
+
+
+def rule_choices(kind: str) -> str:
+    """The ways to declare how state is combined, for an error about a `kind` variable."""
+    return ("declare what it holds with a gtp_jax variable type: BatchMean (mean over the "
+            "data shards), BatchSum (counts, sums: old value + every shard's change), "
+            "SameOnEveryShard (identical on every shard), PerExample (rows concatenated); "
+            f"or metadata, e.g. {kind}(value, {REDUCE}='sum') with one of {_REDUCE_RULES}")
 
 
 def reduce_side_state(module: nnx.Module, before: dict[str, Any], rules: dict[str, str | None],
                        local_batch: int | None, axes: tuple[str, ...],
-                       seq_split: bool = False) -> list:
+                       seq_split: bool = False, split_rows: frozenset[str] = frozenset()
+                       ) -> list:
     """``[(keys, variable, combined value)]`` of the state the call wrote (inside the body).
 
     Rules (one value for the whole mesh, never one shard's): existing variables follow
     `side_rules` (``mean``: mean over the data shards; ``sum``: the old value plus the sum
-    of every shard's change; ``same``: identical on every shard, kept as is). New variables
+    of every shard's change; ``same``: identical on every shard, kept as is; ``concat``:
+    per-example rows concatenated over the shards); written variables without a rule are
+    refused (raised while tracing, before any state changes). ``concat`` variables named in
+    `split_rows` entered the call split on dim 0 like a batch (`per_example_specs`). New
+    variables
     (``sow``) must be per-example (leading dim = local batch) and are concatenated over the
     data shards like outputs.
     """
@@ -239,23 +258,65 @@ def reduce_side_state(module: nnx.Module, before: dict[str, Any], rules: dict[st
         if rule is None:
             dtypes = sorted({str(jnp.result_type(x)) for x in jax.tree.leaves(value)})
             raise UsageError(
-                f"{path!r}: {kind} state of dtype {'/'.join(dtypes)} is written in __call__, "
-                "and each data shard computes its own value; declare how to combine them "
-                f"with metadata {REDUCE}='sum' (e.g. counts), 'mean' or 'same' (identical on "
-                f"every shard), e.g. {kind}(value, {REDUCE}='sum').")
-        if not axes:
-            pass  # one data shard: its value is the value
-        elif rule == "mean":
+                f"{path!r}: {kind} state of dtype {'/'.join(dtypes)} is written in __call__ "
+                "and each data shard computes its own value, which gtp_jax does not guess how "
+                f"to combine; {rule_choices(kind)}.")
+        if rule == "mean":  # checked on one device too: the same code must run on many
             for x in jax.tree.leaves(value):
                 if not jnp.issubdtype(jnp.result_type(x), jnp.floating):
                     raise UsageError(
-                        f"{path!r}: {REDUCE}='mean' needs floating state, got "
-                        f"{jnp.result_type(x)}; use 'sum' or 'same'.")
+                        f"{path!r}: {REDUCE}='mean' (BatchMean) needs floating state, got "
+                        f"{jnp.result_type(x)}; use 'sum' (BatchSum) or 'same' "
+                        "(SameOnEveryShard).")
+        if rule == "concat":
+            value = _concat_rows(path, kind, value, None if path in split_rows else old,
+                                 local_batch, axes, seq_split)
+        elif not axes:
+            pass  # one data shard: its value is the value
+        elif rule == "mean":
             value = jax.tree.map(lambda x: jax.lax.pmean(x, axes), value)
         elif rule == "sum":
             value = jax.tree.map(lambda x, o: o + jax.lax.psum(x - o, axes), value, old)
         out.append((keys, var, value))
     return out
+
+
+def _concat_rows(path: str, kind: str, value: Any, old: Any, local_batch: int | None,
+                 axes: tuple[str, ...], seq_split: bool) -> Any:
+    """A ``concat`` (`PerExample`) variable's rows from every data shard, in batch order."""
+    def concat(x, o):
+        if x is o:
+            return x
+        if seq_split:
+            raise UsageError(
+                f"{path!r}: a per-example {kind} was written in __call__ while the inputs are "
+                "split over the sequence (cp); each cp rank holds a different piece of each "
+                "example. Return it as an output (with gtp_output_layout) instead.")
+        if local_batch is None or jnp.ndim(x) < 1 or jnp.shape(x)[0] != local_batch:
+            raise UsageError(
+                f"{path!r}: a per-example {kind} ({REDUCE}='concat') was written with shape "
+                f"{jnp.shape(x)}, but each data shard holds {local_batch} examples; write "
+                "one row per example of the call (leading dim = the shard's batch).")
+        return jax.lax.all_gather(x, axes, axis=0, tiled=True) if axes else x
+
+    leaves, tree = jax.tree.flatten(value)
+    olds = jax.tree.leaves(old) if old is not None else []
+    if len(olds) != len(leaves):  # entered split (or restructured): every leaf is rows
+        olds = [None] * len(leaves)
+    return jax.tree.unflatten(tree, [concat(x, o) for x, o in zip(leaves, olds)])
+
+
+def per_example_rows(paths: list[str], values: list, rules: dict[str, str | None],
+                     batch: int | None) -> frozenset[str]:
+    """The ``concat`` (`PerExample`) variables whose leading dim is the call's batch: they
+    enter the call split on dim 0 over the data axes, like the batch arguments, so the
+    module reads and writes its own examples' rows."""
+    if batch is None:
+        return frozenset()
+    return frozenset(
+        p for p, x in zip(paths, values)
+        if rules.get(p) == "concat" and all(
+            jnp.ndim(leaf) >= 1 and jnp.shape(leaf)[0] == batch for leaf in jax.tree.leaves(x)))
 
 
 # Name of the ``jax.checkpoint`` primitive across JAX versions.

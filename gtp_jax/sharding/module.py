@@ -31,6 +31,7 @@ from gtp_jax.sharding.contract import (
     has_user_remat,
     is_replicated,
     key_name,
+    per_example_rows,
     reduce_side_state,
     replicated,
     side_rules,
@@ -94,12 +95,13 @@ class ShardedModule(nnx.Module):
       and is concatenated over the data shards; with no batch argument, outputs are
       replicated.
     * state other than parameters written in ``__call__`` is combined over the data shards,
-      never taken from one shard: by the variable's ``gtp_reduce`` metadata (`REDUCE`):
-      ``"mean"`` (default for floating state: right for batch means and EMAs of them, and
-      for values identical on every shard), ``"sum"`` (the old value plus every shard's
-      change: counts), ``"same"`` (declared identical on every shard; the default for
-      ``nnx.RngCount``). Written integer state without the metadata is refused. New values
-      (``sow``) must be per-example and are concatenated like outputs.
+      never taken from one shard and never by a guess: by the rule its type implies
+      (`gtp_jax.BatchMean`: mean over the shards; `gtp_jax.BatchSum`: the old value plus
+      every shard's change, for counts and sums; `gtp_jax.SameOnEveryShard`: identical on
+      every shard, as ``nnx.RngCount``; `gtp_jax.PerExample`: rows concatenated) or by its
+      ``gtp_reduce`` metadata (`REDUCE`: ``"mean"``, ``"sum"``, ``"same"``, ``"concat"``).
+      Written state with neither is refused, naming the variable. New values (``sow``) must
+      be per-example and are concatenated like outputs.
     * memory policy: gathered weights are not saved for the backward pass
       (``GTPConfig.remat_gathered``) and the module's own ``nnx.remat`` /
       ``jax.checkpoint`` policies are kept: when the module has remat regions, each weight
@@ -161,6 +163,12 @@ class ShardedModule(nnx.Module):
             # Without batch arguments every shard computes the same outputs: replicated.
             layout = OutputLayout(P(axes) if batch is not None else P())
         rules = side_rules(paths, variables)
+        split_rows = per_example_rows(paths, values, rules, batch)
+        if split_rows and not seq_split:
+            value_specs = [P(axes) if p in split_rows else s
+                           for p, s in zip(paths, value_specs)]
+        else:
+            split_rows = frozenset()
         # On one device there is nothing to split or reduce: the body runs as is, without
         # shard_map (whose transpose would add an all-reduce, and a buffer, per gradient).
         single = mesh.devices.size == 1
@@ -186,7 +194,7 @@ class ShardedModule(nnx.Module):
             if default_layout:
                 check_outputs(out, local_batch)
             side = reduce_side_state(module, before, rules, local_batch, reduce_axes,
-                                      bool(seq_split))
+                                      bool(seq_split), split_rows)
             side_keys[:] = [(k, v) for k, v, _ in side]
             return out, [x for _, _, x in side]
 
@@ -389,7 +397,7 @@ def shard(module: nnx.Module, mesh: Mesh, config: GTPConfig | None = None) -> Sh
     graphdef, state = nnx.split(module)
     paths, variables, var_tree = _flat_variables(state)
     if any(isinstance(v, nnx.BatchStat) for v in variables):
-        raise ValueError(
+        raise UsageError(
             "gtp_jax.shard: the module keeps batch statistics (nnx.BatchStat, e.g. BatchNorm), "
             "which would be computed per data shard; use a normalization without batch "
             "statistics (LayerNorm, RMSNorm)."
@@ -427,7 +435,7 @@ def shard(module: nnx.Module, mesh: Mesh, config: GTPConfig | None = None) -> Sh
             )
         plans.append(plan)
     if not any(isinstance(p, (ParamPlan, SplitPlan)) for p in plans):
-        raise ValueError(
+        raise UsageError(
             "gtp_jax.shard: no parameter of this module is eligible to shard (floating "
             f"nnx.Param of rank >= 2 with >= GTPConfig.min_elements={config.min_elements} "
             f"elements, include={config.include}, exclude={config.exclude}). Lower "
@@ -549,7 +557,7 @@ def _validate_shard_args(module: Any, mesh: Any, config: Any) -> None:
             f"gtp_jax.shard: module must be a flax.nnx.Module, got {type(module).__name__}."
         )
     if isinstance(module, ShardedModule):
-        raise ValueError("gtp_jax.shard: this module is already sharded; pass the original "
+        raise UsageError("gtp_jax.shard: this module is already sharded; pass the original "
                          "module, or gtp_jax.unshard(module) first.")
     for keys, node in nnx.graph.iter_graph(module):
         if isinstance(node, ShardedModule) and node is not module:

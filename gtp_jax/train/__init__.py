@@ -24,6 +24,7 @@ from gtp_jax.train.distributed import DistributedConfig
 from gtp_jax.train.loop import build_model_and_optimizer, replicated_bytes, train
 from gtp_jax.train.observe import DeviceMemoryError, ObserveConfig
 from gtp_jax.train.report import TrainResult
+from gtp_jax.train.resume import RunFinished
 from gtp_jax.train.step import TrainStep, replicate_stray_leaves
 
 __all__ = [
@@ -36,6 +37,7 @@ __all__ = [
     "DistributedConfig",
     "NonFiniteStateError",
     "ObserveConfig",
+    "RunFinished",
     "TrainConfig",
     "TrainResult",
     "TrainStep",

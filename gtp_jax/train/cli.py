@@ -363,6 +363,10 @@ def main(argv: list[str] | None = None, *, planner: Planner | None = None) -> in
               file=sys.stderr)
         return 2
     sizes = _mesh_sizes(args)
+    for name, size in sizes.items():  # before any default is derived from them
+        if size is not None and size < 1:
+            return _fail(UsageError(f"--{name}={size} must be >= 1 (the size of the "
+                                    f"'{name}' mesh axis; 1 turns it off)."), 2)
     cpu_sizes = _cpu_mesh(sizes)
     try:
         dist, checkpoint, observe = _configs(args)
@@ -376,6 +380,7 @@ def main(argv: list[str] | None = None, *, planner: Planner | None = None) -> in
 
     from gtp_jax.train.distributed import (  # noqa: PLC0415
         DistributedJoinError,
+        DistributedPeerError,
         initialize,
         joined_process_count,
         shutdown,
@@ -395,7 +400,10 @@ def main(argv: list[str] | None = None, *, planner: Planner | None = None) -> in
     code = _run(args, sizes, cpu_sizes, checkpoint, observe, failure, data, planner)
     # Not in a `finally`: after an exception the shutdown barrier would wait for processes
     # that may never arrive; JAX's failure detection ends the others instead.
-    shutdown()
+    try:
+        shutdown(dist.timeout)
+    except DistributedPeerError as err:
+        return _fail(err, 1)
     return code
 
 
@@ -424,6 +432,7 @@ def _run(args: argparse.Namespace, sizes: dict[str, int | None], cpu_sizes: dict
     import jax  # noqa: PLC0415
 
     from gtp_jax.train import TrainConfig, train  # noqa: PLC0415
+    from gtp_jax.train.resume import RunFinished  # noqa: PLC0415
 
     primary = jax.process_index() == 0
     if jax.default_backend() == "cpu":
@@ -448,16 +457,10 @@ def _run(args: argparse.Namespace, sizes: dict[str, int | None], cpu_sizes: dict
                           **(_PLANNED_MESH if args.plan == "auto" else mesh))
         if args.plan == "auto":
             cfg = _planned(args, sizes, cfg, planner)
-        if primary:
-            procs = f" in {jax.process_count()} processes" if jax.process_count() > 1 else ""
-            model = (f"init-from-hf={cfg.init_from_hf}" if cfg.init_from_hf
-                     else f"preset={cfg.preset}")
-            print(f"gtp_jax train: {model} steps={cfg.steps} batch={cfg.batch_size} "
-                  f"seq={cfg.seq_len} mesh dp={cfg.dp} ep={cfg.ep} gtp={cfg.gtp} "
-                  f"{f'cp={cfg.cp} ' if cfg.cp > 1 else ''}tp={cfg.tp} on "
-                  f"{jax.device_count()} {jax.default_backend()} devices{procs}", flush=True)
+        # Printed once the run is validated and will train (a finished run's re-launch
+        # prints only that it is finished).
         result = train(cfg, checkpoint=checkpoint, observe=observe, failure=failure,
-                       on_start=_print_choices if primary else None, data=data)
+                       on_start=_print_header if primary else None, data=data)
     except UsageError as err:  # other exceptions are bugs: they keep their traceback
         if jax.default_backend() == "cpu" and any(v is None for v in sizes.values()) and (
                 "TrainConfig.batch_size" in str(err) or "the mesh dp*ep*gtp*cp*tp" in str(err)):
@@ -467,6 +470,10 @@ def _run(args: argparse.Namespace, sizes: dict[str, int | None], cpu_sizes: dict
         return _fail(err, 2)
     except FloatingPointError as err:  # NaN/inf loss or state: not a bug, not a usage error
         return _fail(err, 1)
+    except RunFinished as done:  # a re-launch of a completed run: nothing to do, no error
+        if primary:
+            print(f"gtp_jax train: {cli_message(done)}", flush=True)
+        return 0
     if primary:
         print(result.summary(), flush=True)
     return 0
@@ -495,9 +502,18 @@ def _planned(args: argparse.Namespace, sizes: dict[str, int | None], cfg: object
     return planner(cfg, fixed, args.memory_gib)
 
 
-def _print_choices(cfg: object, model_cfg: object) -> None:
+def _print_header(cfg: object, model_cfg: object) -> None:
+    import jax  # noqa: PLC0415
+
     from gtp_jax.train.config import describe_choices  # noqa: PLC0415
 
+    procs = f" in {jax.process_count()} processes" if jax.process_count() > 1 else ""
+    model = (f"init-from-hf={cfg.init_from_hf}" if cfg.init_from_hf
+             else f"preset={cfg.preset}")
+    print(f"gtp_jax train: {model} steps={cfg.steps} batch={cfg.batch_size} "
+          f"seq={cfg.seq_len} mesh dp={cfg.dp} ep={cfg.ep} gtp={cfg.gtp} "
+          f"{f'cp={cfg.cp} ' if cfg.cp > 1 else ''}tp={cfg.tp} on "
+          f"{jax.device_count()} {jax.default_backend()} devices{procs}", flush=True)
     print(f"gtp_jax train: {describe_choices(cfg, model_cfg)}", flush=True)
 
 

@@ -385,6 +385,12 @@ def check_devices(cfg: TrainConfig) -> None:
             f"TrainConfig.cp={cfg.cp} with TrainConfig.moe_experts={model_cfg.moe_experts}: "
             "context parallelism does not support MoE layers yet (expert capacity is per "
             "sequence); use cp=1 or a dense model.")
+    if cfg.cp > 1 and cfg.attention == "cudnn":
+        # Ring attention computes each block itself: cuDNN would be silently unused.
+        raise UsageError(
+            f"TrainConfig.attention='cudnn' does not apply with TrainConfig.cp={cfg.cp}: "
+            "attention runs as ring attention over cp (with its own block kernels); use "
+            "'auto' or 'xla'.")
     if cfg.cp == 1 and cfg.attention == "cudnn":
         reason = cudnn_unsupported(model_cfg.dtype, model_cfg.head_size)
         if reason is not None:

@@ -30,6 +30,7 @@ import dataclasses
 import os
 import sys
 import threading
+import time
 from collections.abc import Mapping, Sequence
 
 import jax
@@ -250,10 +251,15 @@ def _join_watchdog(config: DistributedConfig, done: threading.Event) -> None:
 
 def _missing_peers(detail: str) -> str:
     """``"missing process ids [..]; "`` when JAX's error lists the tasks that never joined."""
+    ids = _task_ids(detail)
+    return f"processes {ids} did not join; " if ids else ""
+
+
+def _task_ids(detail: str) -> list[int]:
+    """The process ids of the ``/task:N`` names in a coordination-service error."""
     import re  # noqa: PLC0415
 
-    ids = sorted({int(m) for m in re.findall(r"/task:(\d+)", detail)})
-    return f"processes {ids} did not join; " if ids else ""
+    return sorted({int(m) for m in re.findall(r"/task:(\d+)", detail)})
 
 
 #: Environment variables that hold the process count, by launcher: JAX's own, Open MPI,
@@ -281,14 +287,71 @@ def joined_process_count(config: DistributedConfig) -> int:
     return 1
 
 
-def shutdown() -> None:
-    """Leaves the run (all processes call it at the end); no-op for a single process.
+class DistributedPeerError(RuntimeError):
+    """A peer process did not reach the end of the run (it failed or was killed); the
+    message names this process and the ones that did not arrive."""
 
-    An explicit shutdown lets the processes disconnect from the coordination service
-    together instead of each one's exit looking like a failure to the others.
+
+#: Seconds the coordinator keeps its coordination service up after every process has
+#: disconnected its client: their last calls (the shutdown barrier's answer, the error
+#: poll) finish against a live service instead of seeing it vanish.
+_SERVICE_GRACE_S = 0.5
+
+
+def shutdown(timeout: int = DEFAULT_TIMEOUT) -> None:
+    """Leaves the run in order (all processes call it at the end); no-op for one process.
+
+    1. A barrier: every process has reached the end of the run (at most `timeout` s).
+    2. Every process disconnects its client from the coordination service (JAX's own
+       shutdown barrier).
+    3. The coordinator (process 0) stops the service last, after a short grace, so no
+       process sees the service vanish under a pending call (gRPC ``CANCELLED`` /
+       ``UNAVAILABLE ... Connection refused`` lines at the end of a successful run).
+
+    Raises:
+      DistributedPeerError: a process did not reach the end (one line naming this process
+        and, when JAX says, the missing ones).
     """
-    if jax.distributed.is_initialized():
+    if not jax.distributed.is_initialized():
+        return
+    state = _global_state()
+    me = jax.process_index()
+    client = getattr(state, "client", None)
+    if client is not None and hasattr(client, "wait_at_barrier"):
+        try:
+            client.wait_at_barrier("gtp_jax_run_end", int(timeout * 1000))
+        except Exception as err:  # XlaRuntimeError: DEADLINE_EXCEEDED, a task failed, ...
+            detail = " ".join(str(err).split())[:200]
+            ids = _task_ids(detail)
+            who = f"process {ids[0]}" if len(ids) == 1 else (
+                f"processes {ids}" if ids else "another process")
+            raise DistributedPeerError(
+                f"process {me} finished the run, but {who} did not reach its end within "
+                f"{timeout} s (failed or stopped; see its output): {detail}") from err
+    service = getattr(state, "service", None)
+    if service is None or client is None:
         jax.distributed.shutdown()
+        return
+    # The coordinator: disconnect the client (waits for every process's), then the service.
+    if getattr(state, "preemption_sync_manager", None) is not None:
+        state.preemption_sync_manager.shutdown()
+        state.preemption_sync_manager = None
+    client.shutdown()
+    state.client = None
+    time.sleep(_SERVICE_GRACE_S)
+    service.shutdown()
+    state.service = None
+
+
+def _global_state() -> object:
+    """JAX's distributed state (client and, on process 0, the coordination service); an
+    empty object where a JAX version keeps it elsewhere (then `jax.distributed.shutdown`
+    alone ends the run)."""
+    try:
+        from jax._src import distributed as jax_distributed  # noqa: PLC0415
+    except ImportError:  # pragma: no cover - moved in a later JAX
+        return object()
+    return getattr(jax_distributed, "global_state", object())
 
 
 def is_primary() -> bool:
@@ -302,4 +365,5 @@ def _check_int(name: str, value: object, minimum: int) -> None:
 
 
 __all__: Sequence[str] = ("DEFAULT_TIMEOUT", "DistributedConfig", "DistributedJoinError",
+                          "DistributedPeerError",
                           "initialize", "is_primary", "parse_address", "shutdown")

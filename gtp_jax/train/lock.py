@@ -43,6 +43,18 @@ class DirectoryLock:
                 fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
             except FileExistsError:
                 holder = self._holder()
+                if holder is None and os.path.exists(self.path):
+                    # Empty or garbled: a run may be between creating and writing it. Taking
+                    # it over would let two runs share the directory; a moment later it is
+                    # complete, or it was left by a crash and the user says so.
+                    time.sleep(_UNREADABLE_WAIT_S)
+                    holder = self._holder()
+                    if holder is None and os.path.exists(self.path):
+                        raise CheckpointLockedError(
+                            f"checkpoint directory {os.path.dirname(self.path)!r}: its lock file "
+                            f"{self.path} is unreadable (empty or not JSON), so another run may "
+                            "be starting in it; if no run uses this directory, delete the lock "
+                            "file.") from None
                 if holder is not None and not lock_is_stale(holder):
                     raise CheckpointLockedError(
                         f"checkpoint directory {os.path.dirname(self.path)!r} is in use by pid "
@@ -50,7 +62,7 @@ class DirectoryLock:
                         f"{self.path}); wait for that run to end, or delete the lock file if "
                         "that process is gone."
                     ) from None
-                # Stale (dead pid on this host) or unreadable: remove and retry atomically.
+                # Stale (dead pid on this host) or just removed: remove and retry atomically.
                 try:
                     os.remove(self.path)
                 except FileNotFoundError:
@@ -78,6 +90,11 @@ class DirectoryLock:
             return holder if isinstance(holder, dict) else None
         except (OSError, ValueError):
             return None
+
+
+#: Seconds an unreadable lock file is given to become readable (a run writes it right after
+#: creating it) before it is reported.
+_UNREADABLE_WAIT_S = 0.5
 
 
 def lock_is_stale(holder: Mapping[str, Any]) -> bool:

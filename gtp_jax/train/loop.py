@@ -102,6 +102,8 @@ def train(cfg: TrainConfig, *, on_step: OnStep | None = None,
       ``cfg.eval_every``, held-out losses.
 
     Raises:
+      RunFinished: on resume, the run already trained ``cfg.steps`` steps (nothing was
+        built or changed; not an error).
       UsageError: bad mesh, memory estimate over the device limit, unwritable paths, a
         locked directory, no intact checkpoint or a checkpoint of another run (all raised
         before any model is built), a profile window outside the run; out of device memory.

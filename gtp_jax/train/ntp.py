@@ -175,6 +175,15 @@ def check_failure(cfg: TrainConfig, failure: SimulatedFailure | None, *,
         raise UsageError("SimulatedFailure runs in one process only: its re-layout moves "
                          "arrays between devices with jax.device_put (see "
                          "docs/fault_tolerance.md, multi-process).")
+    # Checked before anything trains: the re-layout after the failure step handles neither
+    # (it would stop the run there, after training the steps before it).
+    for name, size, what in (("cp", cfg.cp, "context parallelism"),
+                             ("ep", cfg.ep, "expert parallelism")):
+        if size > 1:
+            raise UsageError(
+                f"SimulatedFailure.devices: a simulated failure does not run with {what} "
+                f"(TrainConfig.{name}={size}); the nonuniform replicas are re-laid out over "
+                f"dp, gtp and tp only. Use TrainConfig.{name}=1 (docs/fault_tolerance.md).")
     mesh = _mesh(cfg)
     axis = failure.axis
     base = mesh.shape[axis]

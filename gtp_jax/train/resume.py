@@ -28,6 +28,28 @@ from gtp_jax.train.data_source import check_source
 Candidate = tuple[int, dict[str, Any]]
 
 
+class RunFinished(Exception):  # noqa: N818 - not an error: the run is complete
+    """Resuming a run that already trained every step asked for (same ``steps``): nothing
+    is left to do. Not an error (a scheduler that re-queues a completed job does this);
+    the command line prints `message` and exits with status 0.
+
+    Attributes:
+      directory: the checkpoint directory.
+      step: the step of the run's final (verified) checkpoint, equal to ``steps``.
+    """
+
+    def __init__(self, directory: str, step: int):
+        self.directory, self.step = directory, step
+        super().__init__(self.message)
+
+    @property
+    def message(self) -> str:
+        """One line: finished at which step, where its checkpoint is, how to extend it."""
+        return (f"the run in {self.directory!r} is finished (checkpoint at step {self.step}); "
+                f"nothing to train. To extend it, pass a larger TrainConfig.steps (e.g. "
+                f"TrainConfig.steps={self.step + max(1, self.step // 5)}).")
+
+
 def note(line: str) -> None:
     """One line on stderr from process 0 (skipped checkpoints and the like)."""
     if jax.process_index() == 0:
@@ -45,8 +67,9 @@ def select_candidates(cfg: TrainConfig, model_cfg: TransformerConfig,
     checked).
 
     Raises:
-      UsageError: resume without an intact checkpoint, a checkpoint of another run or of a
-        finished run; a new run in a directory that holds checkpoints.
+      RunFinished: the newest intact checkpoint is of this run, at step ``cfg.steps``.
+      UsageError: resume without an intact checkpoint, a checkpoint of another run or one
+        past ``cfg.steps``; a new run in a directory that holds checkpoints.
     """
     candidates: list[Candidate] = []
     if ckpt is None:
@@ -79,6 +102,11 @@ def select_candidates(cfg: TrainConfig, model_cfg: TransformerConfig,
             note(f"skipping {err}")
             candidates.pop(0)
             continue
+        check_resume(cfg, model_cfg, candidates[0][1], directory, steps_left=False,
+                     source=source)
+        if candidates[0][0] == cfg.steps:
+            raise RunFinished(directory, cfg.steps)
+        # past cfg.steps: refused
         check_resume(cfg, model_cfg, candidates[0][1], directory, source=source)
     if not candidates:
         raise UsageError(f"no intact checkpoint in {directory!r} to resume "

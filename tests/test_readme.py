@@ -1,0 +1,67 @@
+"""Every shell block of README.md runs as written, in order, in a fresh folder, as a new user
+(and CI) would: CPU, the command line simulating 8 devices.
+
+Two kinds of lines are not run, because the test run itself already is them: installing the
+package (``pip install ...``: CI installs it before the suite; here the command is replaced
+by a check that ``gtp_jax`` imports from this checkout) and running the test suite
+(``python -m pytest tests``: this test is part of it). Everything else runs verbatim with
+``bash -e``; a block's background jobs (``&``) must end with status 0 as well.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow  # minutes on 2 cores: `pytest -m "not slow"` skips it
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+FENCE = re.compile(r"^```(?:bash|sh|shell)\n(.*?)^```", re.M | re.S)
+#: What the fixed README lines become (see the module docstring).
+INSTALL = re.compile(r"^pip install [^&#]*")
+SUITE = re.compile(r"python -m pytest tests\b[^#\n]*")
+#: What a successful run must not print (tracebacks, the coordination service's gRPC errors).
+ERROR_TEXT = re.compile(r"Traceback|CANCELLED|UNAVAILABLE|Connection refused|^error:", re.M)
+
+
+def readme_blocks() -> list[str]:
+    """The shell blocks of README.md, in order."""
+    return FENCE.findall((REPO_ROOT / "README.md").read_text())
+
+
+def as_run(block: str) -> str:
+    """`block` as this test runs it: install and test-suite lines replaced, and every
+    background job waited for (its status counts)."""
+    lines = []
+    for line in block.splitlines():
+        line = INSTALL.sub('python -c "import gtp_jax" ', line)
+        line = SUITE.sub("true  # the suite running this test", line)
+        lines.append(line)
+    return "\n".join(["set -e", *lines, "for job in $(jobs -p); do wait $job; done", ""])
+
+
+def test_readme_has_the_blocks_this_test_expects() -> None:
+    blocks = readme_blocks()
+    assert len(blocks) >= 4
+    text = "\n".join(blocks)
+    for needle in ("--checkpoint-dir ck --resume", "--simulate-failure", "--process-id 1",
+                   "--cp 2"):
+        assert needle in text, needle
+
+
+def test_every_readme_shell_block_runs_as_written(tmp_path: Path) -> None:
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO_ROOT))
+    env.pop("XLA_FLAGS", None)  # the command line sets up its simulated devices itself
+    for i, block in enumerate(readme_blocks(), 1):
+        proc = subprocess.run(["bash", "-c", as_run(block)], cwd=tmp_path, env=env,
+                              capture_output=True, text=True, timeout=900)
+        output = proc.stdout + proc.stderr
+        assert proc.returncode == 0, f"README block {i} failed:\n{block}\n---\n{output[-4000:]}"
+        assert not ERROR_TEXT.search(output), f"README block {i} printed error text:\n{output}"
+        if "--checkpoint-dir ck --resume" in block:
+            assert "is finished (checkpoint at step 20)" in output  # the re-launch
+            assert "steps 21-30" in output  # the extension trained

@@ -1,0 +1,793 @@
+"""Attack matrix: tries the command line and the library the way users (and mistakes) do, and
+classifies each outcome.
+
+    python tools/attack_matrix.py [--only AREA] [--markdown]
+
+Outcomes:
+  OK         the documented result: a run that trains right (compared with a reference run
+             where one exists), or one line ``error: ...`` naming the flag/argument (exit 2),
+             or the documented non-error line (exit 0).
+  confusing  right in substance, but the user is left guessing: an error that does not name
+             what to change, several lines, an unexpected exit status, error text on success,
+             a library error that is not a `gtp_jax.UsageError`.
+  wrong      a silent wrong answer (accepted input that should be refused, a result that
+             differs from the reference) or a traceback reaching a command-line user.
+
+Runs on CPU with 8 simulated devices (set below, before JAX starts); about 20 minutes on 2
+cores. Not part of the test suite: each defect it found is a regular test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+os.environ["XLA_FLAGS"] = re.sub(r"--xla_force_host_platform_device_count=\S+", "",
+                                 os.environ.get("XLA_FLAGS", "")) + \
+    " --xla_force_host_platform_device_count=8"
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", tempfile.mkdtemp(prefix="attack_xla_"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
+
+import gtp_jax  # noqa: E402
+from gtp_jax.train.cli import main as cli_main  # noqa: E402
+
+OK, CONFUSING, WRONG = "OK", "confusing", "wrong"
+SMALL = ["--batch", "8", "--seq", "32", "--warmup", "1"]
+WORK = Path(tempfile.mkdtemp(prefix="attack_"))
+BAD_TEXT = re.compile(r"CANCELLED|UNAVAILABLE|Connection refused|Traceback")
+
+
+class Run:
+    """One in-process CLI call: exit code, stdout, stderr, and an escaped exception."""
+
+    def __init__(self, argv: list[str]):
+        out, err = io.StringIO(), io.StringIO()
+        self.exc = None
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                self.code = cli_main(argv)
+            except SystemExit as e:  # argparse
+                self.code = e.code if isinstance(e.code, int) else 2
+            except BaseException as e:  # noqa: BLE001 - a traceback reaching the user
+                self.code = None
+                self.exc = f"{type(e).__name__}: {' '.join(str(e).split())[:160]}"
+        self.out, self.err = out.getvalue(), err.getvalue()
+
+    def error_lines(self) -> list[str]:
+        return [line for line in self.err.splitlines() if line.startswith("error:")]
+
+
+def cli(*argv: str) -> Run:
+    return Run(["train", *argv])
+
+
+def losses(path: Path) -> dict[int, float]:
+    return {s["step"]: s["loss"] for s in json.loads(path.read_text())["steps"]}
+
+
+def expect_error(run: Run, *names: str, code: int = 2) -> tuple[str, str]:
+    """A refusal: one ``error:`` line naming one of `names`, exit `code`."""
+    if run.exc:
+        return WRONG, f"traceback {run.exc}"
+    if run.code == 0:
+        return WRONG, "accepted (exit 0)"
+    lines = run.error_lines()
+    if len(lines) != 1:
+        return CONFUSING, f"exit {run.code}, {len(lines)} error lines: {run.err.strip()[-160:]}"
+    if names and not any(n in lines[0] for n in names):
+        return CONFUSING, f"does not name {names}: {lines[0][:160]}"
+    if run.code != code:
+        return CONFUSING, f"exit {run.code} (expected {code}): {lines[0][:120]}"
+    return OK, lines[0][:140]
+
+
+def expect_ok(run: Run, check: Callable[[], str | None] | None = None) -> tuple[str, str]:
+    """A run that should succeed; `check` returns None or what differs."""
+    if run.exc:
+        return WRONG, f"traceback {run.exc}"
+    if run.code != 0:
+        lines = run.error_lines()
+        return CONFUSING, f"refused (exit {run.code}): {(lines or [run.err[-160:]])[0][:160]}"
+    if check is not None:
+        why = check()
+        if why:
+            return WRONG, why
+    return OK, (run.out.strip().splitlines() or [""])[-1][:100]
+
+
+def same_losses(got: dict[int, float], want: dict[int, float], rtol: float) -> str | None:
+    common = sorted(set(got) & set(want))
+    if not common:
+        return f"no common steps (got {sorted(got)}, reference {sorted(want)})"
+    for s in common:
+        if abs(got[s] - want[s]) > rtol * abs(want[s]):
+            return f"step {s}: loss {got[s]:.6f} vs reference {want[s]:.6f}"
+    return None
+
+
+# --------------------------------------------------------------------------- base runs
+
+BASE = WORK / "base"           # 4 steps, checkpoints at 2 and 4, dp2 x gtp4
+REF6: dict[int, float] = {}    # the same run extended to 6 steps (steps 1-6)
+
+
+def make_base() -> None:
+    run = cli("--steps", "4", *SMALL, "--checkpoint-dir", str(BASE), "--checkpoint-every", "2",
+              "--metrics-json", str(WORK / "base.json"))
+    assert run.code == 0, run.err
+    ext = WORK / "ext"
+    shutil.copytree(BASE, ext)
+    run = cli("--steps", "6", *SMALL, "--checkpoint-dir", str(ext), "--resume",
+              "--metrics-json", str(WORK / "ext.json"))
+    assert run.code == 0, run.err
+    REF6.update(losses(WORK / "base.json"))
+    REF6.update(losses(WORK / "ext.json"))
+
+
+def fresh_copy(name: str) -> Path:
+    dst = WORK / name
+    shutil.rmtree(dst, ignore_errors=True)
+    shutil.copytree(BASE, dst)
+    return dst
+
+
+# --------------------------------------------------------------------------- the cases
+
+CASES: list[tuple[str, str, Callable[[], tuple[str, str]]]] = []
+
+
+def case(area: str, name: str):
+    def deco(fn):
+        CASES.append((area, name, fn))
+        return fn
+    return deco
+
+
+def add(area: str, name: str, fn: Callable[[], tuple[str, str]]) -> None:
+    CASES.append((area, name, fn))
+
+
+# ---- general flags
+for flags, names in [
+        (["--steps", "0"], ("--steps",)), (["--steps", "-3"], ("--steps",)),
+        (["--batch", "0"], ("--batch",)), (["--batch", "12"], ("--batch",)),
+        (["--seq", "0"], ("--seq",)), (["--seq", "100000"], ("--seq",)),
+        (["--lr", "nan"], ("--lr",)), (["--lr", "-1"], ("--lr",)), (["--lr", "inf"], ("--lr",)),
+        (["--warmup", "-1"], ("--warmup",)), (["--preset", "huge"], ("--preset",)),
+        (["--gtp", "3"], ("--gtp", "mesh")), (["--tp", "3", "--dp", "1", "--gtp", "1"],
+                                              ("--tp", "mesh")),
+        (["--tp", "8", "--dp", "1", "--gtp", "1"], ("--tp",)),
+        (["--ep", "2", "--gtp", "4"], ("--ep", "--moe-experts")),
+        (["--moe-experts", "4", "--moe-top-k", "5"], ("--moe-top-k",)),
+        (["--moe-experts", "4", "--moe-capacity", "-1"], ("--moe-capacity",)),
+        (["--keep-checkpoints", "0", "--checkpoint-dir", "KDIR"], ("--keep-checkpoints",)),
+        (["--checkpoint-every", "-2", "--checkpoint-dir", "KDIR"], ("--checkpoint-every",)),
+        (["--profile-steps", "9:3"], ("--profile-steps",)),
+        (["--profile-steps", "x"], ("--profile-steps",)),
+        (["--metrics-json", "/proc/x.json"], ("--metrics-json",)),
+        (["--checkpoint-dir", "/proc/ck"], ("--checkpoint-dir",)),
+        (["--pad-for-alignment", "-8"], ("--pad-for-alignment",)),
+        (["--resume"], ("--checkpoint-dir",)),
+        (["--local-device-ids", "a,b"], ("--local-device-ids",)),
+        (["--seed", "-1"], ("--seed",)),
+        (["--dp", "0"], ("--dp",)), (["--tp", "-1"], ("--tp",)), (["--ep", "0"], ("--ep",)),
+        (["--gtp", "0"], ("--gtp",)),
+]:
+    def _run(flags=flags, names=names):
+        d = WORK / f"k{time.monotonic_ns()}"
+        argv = [str(d) if f == "KDIR" else f for f in flags]
+        return expect_error(cli("--steps", "2", *SMALL, *argv) if "--steps" not in flags
+                            else cli(*[a for a in SMALL], *argv), *names)
+    add("flags", " ".join(flags).replace("KDIR", "DIR"), _run)
+
+# ---- nonuniform TP / --simulate-failure
+NTP = ["--tp", "4", "--dp", "2", "--steps", "4", *SMALL]
+for spec, extra, names in [
+        ("step=x,device=5", [], ("--simulate-failure",)),
+        ("device=5", [], ("--simulate-failure",)),
+        ("step=2", [], ("--simulate-failure",)),
+        ("", [], ("--simulate-failure",)),
+        ("step=2,device=5,foo=1", [], ("--simulate-failure",)),
+        ("step=2,step=3,device=5", [], ("--simulate-failure",)),
+        ("step=9,device=5", [], ("--simulate-failure", "--steps")),
+        ("step=0,device=5", [], ("--simulate-failure",)),
+        ("step=-1,device=5", [], ("--simulate-failure",)),
+        ("step=2,device=8", [], ("--simulate-failure", "device")),
+        ("step=2,device=-1", [], ("--simulate-failure", "device")),
+        ("step=2,device=5,device=5", [], ("--simulate-failure", "device")),
+        ("step=2,device=4+5+6+7", [], ("--simulate-failure", "device")),
+        ("step=2,device=0+1+2+3+4+5+6+7", [], ("--simulate-failure", "device")),
+        ("step=2,device=5", ["--tp-spares", "4"], ("--tp-spares",)),
+        ("step=2,device=5", ["--tp-spares", "-1"], ("--tp-spares",)),
+]:
+    add("ntp", f"--simulate-failure {spec!r} {' '.join(extra)}".strip(),
+        lambda spec=spec, extra=extra, names=names:
+        expect_error(cli(*NTP, "--simulate-failure", spec, *extra), *names))
+add("ntp", "--tp-spares without --simulate-failure",
+    lambda: expect_error(cli(*NTP, "--tp-spares", "1"), "--simulate-failure"))
+add("ntp", "--ntp-axis gtp without --simulate-failure",
+    lambda: expect_error(cli(*NTP, "--ntp-axis", "gtp"), "--simulate-failure"))
+add("ntp", "failure with tp=1 (dp2 gtp4), axis tp",
+    lambda: expect_error(cli("--steps", "4", *SMALL, "--simulate-failure", "step=2,device=5"),
+                         "--simulate-failure", "--tp", "--ntp-axis"))
+
+
+def _ntp_ok(extra: list[str]) -> tuple[str, str]:
+    m = WORK / f"ntp{time.monotonic_ns()}.json"
+    run = cli(*NTP, "--metrics-json", str(m), *extra)
+
+    def check():
+        got = losses(m)
+        if sorted(got) != [1, 2, 3, 4]:
+            return f"steps {sorted(got)}"
+        if not all(np.isfinite(list(got.values()))):
+            return "non-finite loss"
+        return None
+    return expect_ok(run, check)
+
+
+add("ntp", "step=2,device=5 (tp4 dp2) trains through",
+    lambda: _ntp_ok(["--simulate-failure", "step=2,device=5"]))
+add("ntp", "step=2,device=1+6 (one per replica)",
+    lambda: _ntp_ok(["--simulate-failure", "step=2,device=1,device=6"]))
+add("ntp", "step=2,device=5 --tp-spares 2",
+    lambda: _ntp_ok(["--simulate-failure", "step=2,device=5", "--tp-spares", "2"]))
+add("ntp", "failure at the last step (step=4)",
+    lambda: expect_error(cli(*NTP, "--simulate-failure", "step=4,device=5"),
+                         "--simulate-failure step=4"))
+
+
+def _ntp_with_checkpoint() -> tuple[str, str]:
+    d = WORK / "ntp_ck"
+    shutil.rmtree(d, ignore_errors=True)
+    run = cli(*NTP, "--simulate-failure", "step=2,device=5", "--checkpoint-dir", str(d),
+              "--checkpoint-every", "1")
+    return expect_ok(run) if run.code == 0 or run.exc else expect_error(run, "--checkpoint")
+
+
+add("ntp", "failure with --checkpoint-every 1", _ntp_with_checkpoint)
+add("ntp", "failure with --cp 2", lambda: expect_error(
+    cli("--tp", "2", "--cp", "2", "--dp", "2", "--gtp", "1", "--steps", "4", *SMALL,
+        "--simulate-failure", "step=2,device=5"), "--simulate-failure", "--cp"))
+add("ntp", "failure with --moe-experts 4 --ep 2", lambda: expect_error(
+    cli("--tp", "2", "--ep", "2", "--dp", "2", "--gtp", "1", "--moe-experts", "4", "--steps",
+        "4", *SMALL, "--simulate-failure", "step=2,device=5"), "--simulate-failure", "--ep",
+        "--moe"))
+add("ntp", "failure with --moe-experts 4 (ep=1)",
+    lambda: _ntp_ok(["--simulate-failure", "step=2,device=5", "--moe-experts", "4"]))
+add("ntp", "failure with --gather-format fp8",
+    lambda: _ntp_ok(["--simulate-failure", "step=2,device=5", "--gather-format", "fp8"]))
+
+# ---- context parallelism
+CP = ["--steps", "3", "--batch", "8", "--warmup", "1"]
+for flags, names in [
+        (["--cp", "3", "--seq", "96"], ("--cp", "mesh")),
+        (["--cp", "0", "--seq", "64"], ("--cp",)),
+        (["--cp", "-2", "--seq", "64"], ("--cp",)),
+        (["--cp", "16", "--seq", "64"], ("--cp", "mesh")),
+        (["--cp", "2", "--seq", "64", "--batch", "6"], ("--batch",)),
+]:
+    add("cp", " ".join(flags), lambda flags=flags, names=names: expect_error(
+        cli(*CP, *[f for f in flags]), *names))
+
+
+def _cp_matches(flags: list[str], rtol: float = 2e-4) -> tuple[str, str]:
+    """A cp run's losses against the same run without cp (same data, same math)."""
+    seq = flags[flags.index("--seq") + 1] if "--seq" in flags else "64"
+    ref_m, m = WORK / f"cpref{seq}.json", WORK / f"cp{time.monotonic_ns()}.json"
+    if not ref_m.exists():
+        r = cli(*CP, "--seq", seq, "--dp", "2", "--gtp", "4", "--metrics-json", str(ref_m))
+        if r.code != 0:
+            return CONFUSING, f"reference failed: {r.err[-120:]}"
+    rest = [f for i, f in enumerate(flags) if f != "--seq" and (i == 0 or flags[i - 1] != "--seq")]
+    run = cli(*CP, "--seq", seq, *rest, "--metrics-json", str(m))
+    return expect_ok(run, lambda: same_losses(losses(m), losses(ref_m), rtol))
+
+
+add("cp", "--cp 2 --dp 2 --gtp 2 --seq 64 vs no cp", lambda: _cp_matches(
+    ["--cp", "2", "--dp", "2", "--gtp", "2", "--seq", "64"]))
+add("cp", "--cp 4 --dp 2 --gtp 1 --seq 64 vs no cp", lambda: _cp_matches(
+    ["--cp", "4", "--dp", "2", "--gtp", "1", "--seq", "64"]))
+add("cp", "--cp 2 --tp 2 --dp 2 --gtp 1 --seq 64 vs no cp", lambda: _cp_matches(
+    ["--cp", "2", "--tp", "2", "--dp", "2", "--gtp", "1", "--seq", "64"]))
+add("cp", "--cp 2 --seq 33 (padded to the split) vs no cp", lambda: _cp_matches(
+    ["--cp", "2", "--dp", "2", "--gtp", "2", "--seq", "33"]))
+add("cp", "--cp 2 --seq 48 (padded blocks) vs no cp", lambda: _cp_matches(
+    ["--cp", "2", "--dp", "2", "--gtp", "2", "--seq", "48"]))
+add("cp", "--cp 2 --no-unroll-layers vs no cp", lambda: _cp_matches(
+    ["--cp", "2", "--dp", "2", "--gtp", "2", "--seq", "64", "--no-unroll-layers"]))
+add("cp", "--cp 2 --attention cudnn on CPU", lambda: expect_error(
+    cli(*CP, "--cp", "2", "--seq", "64", "--attention", "cudnn"), "--attention"))
+add("cp", "--cp 2 --moe-experts 4 (documented: not supported)", lambda: expect_error(
+    cli(*CP, "--cp", "2", "--dp", "2", "--gtp", "2", "--seq", "64", "--moe-experts", "4"),
+    "--cp", "--moe-experts"))
+
+
+# ---- flash block kernel guards (library)
+def _lib(fn: Callable[[], object], *names: str, should_fail: bool = True) -> tuple[str, str]:
+    try:
+        fn()
+    except gtp_jax.UsageError as e:
+        if not should_fail:
+            return CONFUSING, f"refused: {e}"
+        msg = " ".join(str(e).split())
+        if names and not any(n in msg for n in names):
+            return CONFUSING, f"UsageError not naming {names}: {msg[:120]}"
+        return OK, msg[:120]
+    except Exception as e:  # noqa: BLE001
+        return CONFUSING, f"{type(e).__name__}: {' '.join(str(e).split())[:120]}"
+    return (WRONG, "accepted") if should_fail else (OK, "ran")
+
+
+def _fb():
+    from gtp_jax.pallas import flash_block as fb  # noqa: PLC0415
+    return fb
+
+
+def _q(shape, dtype=jnp.bfloat16):
+    return jnp.ones(shape, dtype)
+
+
+for name, fn, names in [
+        ("backend='triton'", lambda: _fb().attention_block(
+            _q((1, 128, 2, 64)), _q((1, 128, 2, 64)), _q((1, 128, 2, 64)), causal=True,
+            kv_len=None, scale=0.125, backend="triton"), ("backend",)),
+        ("pallas with float32", lambda: _fb().attention_block(
+            _q((1, 128, 2, 64), jnp.float32), _q((1, 128, 2, 64), jnp.float32),
+            _q((1, 128, 2, 64), jnp.float32), causal=True, kv_len=None, scale=0.125,
+            backend="pallas"), ("dtype",)),
+        ("pallas head_dim 48", lambda: _fb().attention_block(
+            _q((1, 128, 2, 48)), _q((1, 128, 2, 48)), _q((1, 128, 2, 48)), causal=True,
+            kv_len=None, scale=0.125, backend="pallas"), ("head_dim",)),
+        ("pallas sq=100", lambda: _fb().attention_block(
+            _q((1, 100, 2, 64)), _q((1, 128, 2, 64)), _q((1, 128, 2, 64)), causal=True,
+            kv_len=None, scale=0.125, backend="pallas"), ("sq",)),
+        ("tiles not a BlockTiles", lambda: _fb().attention_block(
+            _q((1, 128, 2, 64)), _q((1, 128, 2, 64)), _q((1, 128, 2, 64)), causal=True,
+            kv_len=None, scale=0.125, tiles=(64, 64)), ("tiles",)),
+        ("BlockTiles(fwd_q=48)", lambda: _fb().BlockTiles(fwd_q=48), ("fwd_q",)),
+        ("BlockTiles(num_stages=0)", lambda: _fb().BlockTiles(num_stages=0), ("num_stages",)),
+        ("q of rank 3", lambda: _fb().attention_block(
+            _q((128, 2, 64)), _q((128, 2, 64)), _q((128, 2, 64)), causal=True, kv_len=None,
+            scale=0.125), ("q",)),
+        ("k head_dim != q head_dim", lambda: _fb().attention_block(
+            _q((1, 128, 2, 64)), _q((1, 128, 2, 32)), _q((1, 128, 2, 32)), causal=True,
+            kv_len=None, scale=0.125), ("head", "k")),
+        ("kv heads not dividing q heads", lambda: _fb().attention_block(
+            _q((1, 128, 3, 64)), _q((1, 128, 2, 64)), _q((1, 128, 2, 64)), causal=True,
+            kv_len=None, scale=0.125), ("head",)),
+        ("v length != k length", lambda: _fb().attention_block(
+            _q((1, 128, 2, 64)), _q((1, 128, 2, 64)), _q((1, 64, 2, 64)), causal=True,
+            kv_len=None, scale=0.125), ("v",)),
+        ("TransformerConfig(cp_attention_backend='x')", lambda: gtp_jax.models.TransformerConfig(
+            cp_attention_backend="x"), ("cp_attention_backend",)),
+]:
+    add("flash", name, lambda fn=fn, names=names: _lib(fn, *names))
+add("flash", "pallas interpret on CPU equals reference", lambda: _flash_equal())
+
+
+def _flash_equal() -> tuple[str, str]:
+    fb = _fb()
+    k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
+    q = jax.random.normal(k1, (1, 128, 2, 64), jnp.bfloat16)
+    k = jax.random.normal(k2, (1, 128, 2, 64), jnp.bfloat16)
+    v = jax.random.normal(k3, (1, 128, 2, 64), jnp.bfloat16)
+    out, lse = fb.attention_block(q, k, v, causal=True, kv_len=None, scale=0.125,
+                                  backend="pallas", interpret=True)
+    ref, ref_lse = fb.attention_block_reference(q, k, v, causal=True, kv_len=None, scale=0.125)
+    err = float(jnp.max(jnp.abs(out - ref)))
+    return (OK, f"max |diff| {err:.2e}") if err < 2e-2 else (WRONG, f"max |diff| {err:.2e}")
+
+
+# ---- extended runs and resume
+def _resume(steps: str, *extra: str, name: str = "res") -> tuple[Run, Path]:
+    d = fresh_copy(name)
+    m = WORK / f"{name}.json"
+    m.unlink(missing_ok=True)
+    return cli("--steps", steps, *SMALL, "--checkpoint-dir", str(d), "--resume",
+               "--metrics-json", str(m), *extra), m
+
+
+def _finished_relaunch(*extra: str) -> tuple[str, str]:
+    run, _ = _resume("4", *extra)
+    if run.exc:
+        return WRONG, f"traceback {run.exc}"
+    lines = [x for x in (run.out + run.err).splitlines() if x.strip()]
+    if run.code != 0:
+        return CONFUSING, f"exit {run.code}: {(run.error_lines() or lines)[0][:140]}"
+    if len(lines) != 1 or "finished" not in lines[0]:
+        return CONFUSING, f"{len(lines)} lines: {lines[:2]}"
+    return OK, lines[0][:140]
+
+
+add("extend", "re-launch finished run, same --steps", lambda: _finished_relaunch())
+add("extend", "re-launch finished run, same --steps, other mesh",
+    lambda: _finished_relaunch("--gtp", "8", "--dp", "1"))
+add("extend", "resume with fewer --steps than trained",
+    lambda: expect_error(_resume("3")[0], "--steps"))
+
+
+def _extend(steps: str, *extra: str, rtol: float = 0.0) -> tuple[str, str]:
+    run, m = _resume(steps, *extra)
+    return expect_ok(run, lambda: same_losses(losses(m), REF6, rtol) if m.exists()
+                     else "no metrics")
+
+
+add("extend", "extend 4 -> 6 equals reference", lambda: _extend("6"))
+add("extend", "extend 4 -> 6 then 6 -> 8", lambda: _extend_twice())
+
+
+def _extend_twice() -> tuple[str, str]:
+    run, m = _resume("6", name="twice")
+    if run.code != 0:
+        return expect_ok(run)
+    run2 = cli("--steps", "8", *SMALL, "--checkpoint-dir", str(WORK / "twice"), "--resume")
+    return expect_ok(run2)
+
+
+for flag, value in [("--lr", "1e-3"), ("--seed", "1"), ("--batch", "16"), ("--seq", "64"),
+                    ("--preset", "small"), ("--moe-experts", "4"), ("--warmup", "2"),
+                    ("--dtype", "bfloat16")]:
+    def _conflict(flag=flag, value=value):
+        argv = ["--steps", "6", *SMALL]
+        if flag in argv:
+            argv[argv.index(flag) + 1] = value
+        else:
+            argv += [flag, value]
+        d = fresh_copy("conflict")
+        return expect_error(cli(*argv, "--checkpoint-dir", str(d), "--resume"),
+                            flag.lstrip("-").replace("-", "_"), flag)
+    add("extend", f"resume with changed {flag} {value}", _conflict)
+add("extend", "resume from an empty directory", lambda: expect_error(
+    cli("--steps", "6", *SMALL, "--checkpoint-dir", str(WORK / "empty_dir"), "--resume"),
+    "--checkpoint-dir", "--resume"))
+add("extend", "new run into a directory with checkpoints", lambda: expect_error(
+    cli("--steps", "6", *SMALL, "--checkpoint-dir", str(fresh_copy("nonempty"))), "--resume"))
+add("extend", "resume from a file path", lambda: expect_error(
+    cli("--steps", "6", *SMALL, "--checkpoint-dir", str(WORK / "base.json"), "--resume"),
+    "--checkpoint-dir"))
+
+
+# ---- stored layouts: resume onto other meshes / padding / gather settings, vs reference
+for extra, rtol in [(["--gtp", "8", "--dp", "1"], 1e-4), (["--dp", "8", "--gtp", "1"], 1e-4),
+                    (["--tp", "2", "--dp", "2", "--gtp", "2"], 1e-4),
+                    (["--pad-for-alignment", "8"], 1e-4),
+                    (["--gather-dtype", "bfloat16"], 2e-2),
+                    (["--no-unroll-layers"], 1e-4), (["--remat", "full"], 1e-4),
+                    (["--prefetch", "--no-unroll-layers"], 1e-4),
+                    (["--tp", "4", "--dp", "2", "--gtp", "1"], 1e-4)]:
+    add("layout", "resume onto " + " ".join(extra),
+        lambda extra=extra, rtol=rtol: _extend("6", *extra, rtol=rtol))
+add("layout", "resume onto --cp 2 --seq 32", lambda: _extend("6", "--cp", "2", "--dp", "2",
+                                                           "--gtp", "2", rtol=2e-4))
+
+
+# ---- checkpoint integrity: damage each file kind of the newest checkpoint (step 4)
+def _damage(path: Path, how: str) -> None:
+    if how == "delete":
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
+    elif how == "truncate":
+        data = path.read_bytes()
+        path.write_bytes(data[: len(data) // 2])
+    elif how == "garble":
+        data = bytearray(path.read_bytes())
+        if not data:
+            data = bytearray(b"x")
+        mid = len(data) // 2
+        for i in range(mid, min(len(data), mid + 16)):
+            data[i] ^= 0xA5
+        path.write_bytes(bytes(data))
+    elif how == "empty":
+        path.write_bytes(b"")
+
+
+def _integrity(rel: str, how: str) -> tuple[str, str]:
+    d = fresh_copy("dmg")
+    matches = sorted((d / "4").glob(rel))
+    if not matches:
+        return CONFUSING, f"no file {rel}"
+    _damage(matches[0], how)
+    m = WORK / "dmg.json"
+    m.unlink(missing_ok=True)
+    run = cli("--steps", "6", *SMALL, "--checkpoint-dir", str(d), "--resume",
+              "--metrics-json", str(m))
+    if run.code == 2 and not run.exc:
+        return expect_error(run, "--checkpoint-dir", "checkpoint")
+    return expect_ok(run, lambda: same_losses(losses(m), REF6, 0.0))
+
+
+FILES = ["model/ocdbt.process_0/d/*", "model/ocdbt.process_0/manifest.ocdbt",
+         "model/manifest.ocdbt", "model/_METADATA", "model/_sharding",
+         "model/array_metadatas/process_0", "model/d/*", "optimizer/ocdbt.process_0/d/*",
+         "optimizer/_METADATA", "meta/metadata", "_CHECKPOINT_METADATA"]
+for rel in FILES:
+    for how in ("garble", "truncate", "delete"):
+        add("integrity", f"{how} {rel}", lambda rel=rel, how=how: _integrity(rel, how))
+for rel in ("commit_success.txt", "model/commit_success.txt", "model", "meta"):
+    add("integrity", f"delete {rel}", lambda rel=rel: _integrity(rel, "delete"))
+add("integrity", "empty model/_METADATA", lambda: _integrity("model/_METADATA", "empty"))
+
+
+def _both_damaged() -> tuple[str, str]:
+    d = fresh_copy("dmg2")
+    for step in ("2", "4"):
+        _damage(sorted((d / step).glob("model/ocdbt.process_0/d/*"))[0], "garble")
+    return expect_error(cli("--steps", "6", *SMALL, "--checkpoint-dir", str(d), "--resume"),
+                        "intact", "--checkpoint-dir")
+
+
+add("integrity", "garble data of every checkpoint", _both_damaged)
+
+
+# ---- the lock
+def _lock_case(content: str | None, expect: str) -> tuple[str, str]:
+    d = fresh_copy("lock")
+    if content is not None:
+        (d / ".gtp_jax.lock").write_text(content)
+    run = cli("--steps", "6", *SMALL, "--checkpoint-dir", str(d), "--resume")
+    if expect == "error":
+        return expect_error(run, "lock", ".gtp_jax.lock")
+    return expect_ok(run, lambda: None if not (d / ".gtp_jax.lock").exists()
+                     else "lock left behind")
+
+
+host = socket.gethostname()
+add("lock", "held by a live process on this host", lambda: _lock_case(
+    json.dumps({"pid": os.getpid(), "host": host, "time": time.time()}), "error"))
+add("lock", "held by a dead pid on this host (stale)", lambda: _lock_case(
+    json.dumps({"pid": 2**22 + 12345, "host": host, "time": time.time()}), "ok"))
+add("lock", "held by a process on another host", lambda: _lock_case(
+    json.dumps({"pid": 1, "host": "elsewhere", "time": time.time()}), "error"))
+add("lock", "lock file with garbage", lambda: _lock_case("not json", "error"))
+add("lock", "empty lock file", lambda: _lock_case("", "error"))
+add("lock", "released after a run", lambda: _lock_case(None, "ok"))
+
+
+# ---- multi-process
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def _procs(flags_per_proc: list[list[str]], timeout: float = 240) -> list[tuple[int, str]]:
+    env = dict(os.environ)
+    env.pop("XLA_FLAGS", None)
+    ps = [subprocess.Popen([sys.executable, "-m", "gtp_jax", "train", *f], env=env,
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+          for f in flags_per_proc]
+    out = []
+    for p in ps:
+        try:
+            text, _ = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            text, _ = p.communicate()
+            text += "\n<timed out>"
+        out.append((p.returncode, text))
+    return out
+
+
+def _mp_clean() -> tuple[str, str]:
+    port = _free_port()
+    res = _procs([["--steps", "3", *SMALL, "--coordinator", f"localhost:{port}",
+                   "--num-processes", "2", "--process-id", str(i)] for i in range(2)])
+    if any(code != 0 for code, _ in res):
+        return WRONG, f"exit codes {[c for c, _ in res]}: {res[0][1][-200:]}"
+    bad = [BAD_TEXT.search(text) for _, text in res]
+    if any(bad):
+        return CONFUSING, "error text on success: " + ", ".join(b.group(0) for b in bad if b)
+    return OK, "both exit 0, no error text"
+
+
+def _mp_missing_peer() -> tuple[str, str]:
+    port = _free_port()
+    (code, text), = _procs([["--steps", "2", *SMALL, "--coordinator", f"localhost:{port}",
+                             "--num-processes", "2", "--process-id", "0",
+                             "--distributed-timeout", "5"]], timeout=90)
+    lines = [x for x in text.splitlines() if x.startswith("error:")]
+    if code == 0:
+        return WRONG, "exit 0 without its peer"
+    if len(lines) == 1 and "1" in lines[0] and "Traceback" not in text:
+        return OK, lines[0][:140]
+    return CONFUSING, f"exit {code}: {text.strip()[-160:]}"
+
+
+def _mp_peer_dies() -> tuple[str, str]:
+    port = _free_port()
+    env = dict(os.environ)
+    env.pop("XLA_FLAGS", None)
+    base = ["--steps", "40", *SMALL, "--coordinator", f"localhost:{port}", "--num-processes",
+            "2"]
+    p0 = subprocess.Popen([sys.executable, "-m", "gtp_jax", "train", *base, "--process-id", "0"],
+                          env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    p1 = subprocess.Popen([sys.executable, "-m", "gtp_jax", "train", *base, "--process-id", "1"],
+                          env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 120
+    while time.time() < deadline and p1.poll() is None:
+        time.sleep(1)
+        if time.time() > deadline - 100:  # ~20 s in: past the join, mid-training
+            p1.kill()
+            break
+    try:
+        text, _ = p0.communicate(timeout=200)
+    except subprocess.TimeoutExpired:
+        p0.kill()
+        text, _ = p0.communicate()
+        return CONFUSING, "process 0 hung after its peer died"
+    p1.communicate()
+    if p0.returncode == 0:
+        return CONFUSING, "process 0 finished although its peer died"
+    lines = [x for x in text.splitlines() if x.startswith("error:")]
+    if len(lines) == 1 and "process 1" in lines[0]:
+        return OK, lines[0][:140]
+    return CONFUSING, f"exit {p0.returncode}: {text.strip()[-200:]}"
+
+
+add("multiprocess", "two processes, clean exit", _mp_clean)
+add("multiprocess", "process 0 alone (peer never joins)", _mp_missing_peer)
+add("multiprocess", "peer killed mid-run", _mp_peer_dies)
+for flags, names in [
+        (["--coordinator", "localhost:1", "--num-processes", "2", "--process-id", "2"],
+         ("--process-id",)),
+        (["--coordinator", "localhost", "--num-processes", "2", "--process-id", "0"],
+         ("--coordinator",)),
+        (["--coordinator", "localhost:12", "--num-processes", "2"], ("--process-id",)),
+        (["--coordinator", "localhost:12", "--num-processes", "3", "--process-id", "0"],
+         ("--num-processes",)),
+        (["--num-processes", "0", "--coordinator", "localhost:12", "--process-id", "0"],
+         ("--num-processes",)),
+        (["--distributed-timeout", "0", "--coordinator", "localhost:12", "--num-processes", "2",
+          "--process-id", "0"], ("--distributed-timeout",)),
+]:
+    add("multiprocess", " ".join(flags), lambda flags=flags, names=names: expect_error(
+        cli("--steps", "2", *SMALL, *flags), *names))
+
+
+# ---- the README's guarantees about shard()
+class _Lin(nnx.Module):
+    def __init__(self, state=None):
+        self.lin = nnx.Linear(4, 8, rngs=nnx.Rngs(0))
+        if state is not None:
+            self.st = state
+
+    def __call__(self, x, *rest):
+        y = self.lin(x)
+        if hasattr(self, "st"):
+            self.st[...] += x.shape[0]
+        return y
+
+
+class _Stat(nnx.Variable):
+    pass
+
+
+def _shard_state(var_factory, want: float) -> tuple[str, str]:
+    mesh = gtp_jax.make_mesh(dp=2, gtp=4)
+    ref = _Lin(var_factory())
+    sm = gtp_jax.shard(_Lin(var_factory()), mesh, gtp_jax.GTPConfig(min_elements=0))
+    x = jnp.ones((16, 4))
+    ref(x)
+    try:
+        sm(jax.device_put(x, gtp_jax.data_sharding(mesh, 2)))
+    except gtp_jax.UsageError as e:
+        msg = " ".join(str(e).split())
+        return (OK, msg[:120]) if "'st'" in msg else (CONFUSING, msg[:120])
+    got = float(sm.module.st[...])
+    if got != float(ref.st[...]):
+        return WRONG, f"sharded {got} vs unsharded {float(ref.st[...])}"
+    return OK, f"{got} == unsharded"
+
+
+add("readme", "float counter of a user type (issue example)",
+    lambda: _shard_state(lambda: _Stat(jnp.zeros(())), 16.0))
+add("readme", "int counter without rule", lambda: _shard_state(
+    lambda: _Stat(jnp.zeros((), jnp.int32)), 16.0))
+add("readme", "counter with gtp_reduce='sum'", lambda: _shard_state(
+    lambda: _Stat(jnp.zeros(()), gtp_reduce="sum"), 16.0))
+add("readme", "BatchSum counter (if the type exists)", lambda: _shard_state(
+    lambda: getattr(gtp_jax, "BatchSum", _Stat)(jnp.zeros(())), 16.0))
+
+
+def _shard_call(fn) -> tuple[str, str]:
+    mesh = gtp_jax.make_mesh(dp=2, gtp=4)
+    return _lib(lambda: fn(mesh, gtp_jax.shard(_Lin(), mesh, gtp_jax.GTPConfig(min_elements=0))))
+
+
+add("readme", "batch args with different leading dims", lambda: _shard_call(
+    lambda mesh, sm: sm(jnp.ones((16, 4)), jnp.ones((8, 4)))))
+add("readme", "batch not divisible by data shards", lambda: _shard_call(
+    lambda mesh, sm: sm(jnp.ones((12, 4)))))
+add("readme", "replicated() of a non-array", lambda: _lib(lambda: gtp_jax.replicated([1, 2])))
+add("readme", "nested sharded module", lambda: _lib(lambda: gtp_jax.shard(
+    _Nest(gtp_jax.make_mesh(gtp=8)), gtp_jax.make_mesh(gtp=8))))
+add("readme", "BatchNorm statistics", lambda: _lib(lambda: gtp_jax.shard(
+    _BN(), gtp_jax.make_mesh(gtp=8), gtp_jax.GTPConfig(min_elements=0))))
+add("readme", "scalar output", lambda: _lib(lambda: gtp_jax.shard(
+    _Scalar(), gtp_jax.make_mesh(gtp=8), gtp_jax.GTPConfig(min_elements=0))(jnp.ones((8, 4)))))
+add("readme", "make_mesh with too many devices", lambda: _lib(
+    lambda: gtp_jax.make_mesh(dp=4, gtp=4)))
+add("readme", "GTPConfig(min_elements=-1)", lambda: _lib(
+    lambda: gtp_jax.GTPConfig(min_elements=-1)))
+
+
+class _Nest(nnx.Module):
+    def __init__(self, mesh):
+        self.inner = gtp_jax.shard(_Lin(), mesh, gtp_jax.GTPConfig(min_elements=0))
+
+
+class _BN(nnx.Module):
+    def __init__(self):
+        self.lin = nnx.Linear(4, 8, rngs=nnx.Rngs(0))
+        self.bn = nnx.BatchNorm(8, rngs=nnx.Rngs(0))
+
+    def __call__(self, x):
+        return self.bn(self.lin(x))
+
+
+class _Scalar(nnx.Module):
+    def __init__(self):
+        self.lin = nnx.Linear(4, 8, rngs=nnx.Rngs(0))
+
+    def __call__(self, x):
+        return jnp.mean(self.lin(x))
+
+
+# --------------------------------------------------------------------------- main
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--only", default=None, help="run only this area")
+    parser.add_argument("--markdown", action="store_true", help="print a Markdown table")
+    args = parser.parse_args()
+    started = time.time()
+    make_base()
+    rows = []
+    for area, name, fn in CASES:
+        if args.only and area != args.only:
+            continue
+        t0 = time.time()
+        try:
+            outcome, detail = fn()
+        except Exception:  # noqa: BLE001 - a harness failure is reported, not hidden
+            outcome, detail = CONFUSING, "harness: " + traceback.format_exc(limit=1)[-160:]
+        detail = " ".join(detail.split()).replace("|", "/")
+        rows.append((area, name, outcome, detail))
+        print(f"{outcome:9s} {area:12s} {name}  [{time.time() - t0:.0f}s] {detail[:110]}",
+              file=sys.stderr, flush=True)
+    counts = {k: sum(r[2] == k for r in rows) for k in (OK, CONFUSING, WRONG)}
+    if args.markdown:
+        print("| # | area | case | outcome | detail |\n|---|---|---|---|---|")
+        for i, (area, name, outcome, detail) in enumerate(rows, 1):
+            print(f"| {i} | {area} | `{name}` | {outcome} | {detail[:140]} |")
+    else:
+        for i, (area, name, outcome, detail) in enumerate(rows, 1):
+            print(f"{i:3d} {area:12s} {outcome:9s} {name} :: {detail[:140]}")
+    print(f"\n{len(rows)} cases: {counts[OK]} OK, {counts[CONFUSING]} confusing, "
+          f"{counts[WRONG]} wrong ({time.time() - started:.0f} s)")
+    shutil.rmtree(WORK, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
