@@ -3,7 +3,7 @@
 # bf16 and with fp8_compute="tensorwise" plus the GEMM size sweep (python -m gtp_jax.bench
 # fp8), then the torchao float8 peer on the same blocks (benchmarks/torch_fp8_blocks.py,
 # torch.compile; needs torchao: carry its wheel in .carry/whl).
-# Writes $OUT/fp8.json, $OUT/fp8.log, $OUT/torch_fp8.log.
+# Writes $OUT/fp8.json, $OUT/fp8_min2048.json, $OUT/fp8.log, $OUT/torch_fp8.log.
 # Usage: OUT=dir [LAYERS=4] [RECIPES=bf16,tensorwise] bash benchmarks/fp8.sh
 set -u
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1 PYTHONPATH="$PWD"
@@ -11,6 +11,9 @@ OUT=${OUT:-runs/fp8}; mkdir -p "$OUT"
 nvidia-smi -L > "$OUT/gpus.txt" 2>&1
 python3 -m gtp_jax.bench fp8 --layers "${LAYERS:-4}" --json "$OUT/fp8.json" 2>&1 \
   | grep -v -i deprecat | tee "$OUT/fp8.log"
+# every projection in FP8, the kv projection (4096 -> 2048) too
+python3 -m gtp_jax.bench fp8 --layers "${LAYERS:-4}" --rows blocks_fp8 --fp8-min-features 2048 \
+  --json "$OUT/fp8_min2048.json" 2>&1 | grep -E '^\|' | tee -a "$OUT/fp8.log"
 if ls .carry/whl/torchao-*.whl > /dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/torchao_site \
     .carry/whl/torchao-*.whl
