@@ -106,7 +106,7 @@ class PlanSpace:
     remat: tuple[str, ...] = REMATS
     loops: tuple[str, ...] = LOOPS
     gather_formats: tuple[str | None, ...] = (None,)
-    offload: tuple[bool, ...] = (False, True)
+    offload: tuple[bool, ...] = (False,)
 
     def __post_init__(self) -> None:
         mesh = self.mesh.items() if isinstance(self.mesh, dict) else self.mesh
