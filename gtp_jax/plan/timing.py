@@ -14,8 +14,10 @@ FLOPs are ``6 * (block + head parameters)`` per token divided over ``tp``; remat
 adds one more forward pass (8 instead of 6), "dots" recomputes no matmul. Attention FLOPs
 are ``6 * n_layers * d_model * seq`` per token (causal), again with a forward more under
 "full". Not modelled: elementwise work, the optimizer update, the embedding, kernel
-efficiency at other shapes than the calibration's. The model ranks layouts; its absolute
-accuracy is what `benchmarks/plan_accuracy.sh` measures.
+efficiency at other shapes than the calibration's; the elementwise work of the activations.
+The optimizer update is memory-bound: ``bytes of the state read and written / memory
+bandwidth`` (AdamW: 28 bytes per float32 parameter and step). The model ranks layouts; its
+absolute accuracy is what `benchmarks/plan_accuracy.sh` measures.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from gtp_jax.models.attention import resolve_attention_impl
 from gtp_jax.sharding.offload import HOST_MEMORY_KIND, host_memory_supported
 from gtp_jax.train.config import TrainConfig, model_config, resolve_auto
 
@@ -51,7 +54,8 @@ class Calibration:
         the backend, the device count).
       dtype: the compute dtype of the GEMM / attention measurements.
       gemm_flops: dense matmul FLOP/s.
-      attention_flops: causal attention (forward) FLOP/s.
+      attention_flops: causal attention FLOP/s of a forward + backward pass, counted as
+        ``6 * seq * tokens * heads * head_dim`` (what `step_seconds` charges).
       all_gather_bandwidth, reduce_scatter_bandwidth: bytes moved per device per second.
       all_gather_latency, reduce_scatter_latency: seconds per collective.
       host_bandwidth: bytes per second between device and pinned host memory (0: none).
@@ -68,6 +72,7 @@ class Calibration:
     reduce_scatter_bandwidth: float
     reduce_scatter_latency: float
     host_bandwidth: float
+    memory_bandwidth: float = 0.0
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -80,9 +85,14 @@ def cache_path() -> str:
     return os.path.join(root, "calibration.json")
 
 
+#: Bumped when what `measure` measures changes, so older cached rates are measured again.
+CALIBRATION_VERSION = 2
+
+
 def _cache_key(dtype: str) -> str:
     device = jax.devices()[0]
-    return f"{jax.default_backend()}|{device.device_kind}|{jax.device_count()}|{dtype}"
+    return (f"{jax.default_backend()}|{device.device_kind}|{jax.device_count()}|{dtype}"
+            f"|v{CALIBRATION_VERSION}")
 
 
 def calibration(dtype: str, *, refresh: bool = False) -> Calibration:
@@ -129,14 +139,32 @@ def measure(dtype: str) -> Calibration:
     and bandwidth from the two points), a host round trip."""
     gpu = jax.default_backend() != "cpu"
     dt = jnp.dtype(dtype)
-    n = 4096 if gpu else 512
-    a = jnp.ones((n, n), dt)
-    gemm = 2 * n**3 / _seconds(jax.jit(jnp.matmul), a, a)
+    # Shapes of a real layer and random data (zeros and ones run faster than data), several
+    # products per call so that dispatch is not timed.
+    n, chain = (8192, 4) if gpu else (512, 2)
+    a = jax.random.normal(jax.random.key(0), (n, n), dt)
 
-    s, h, d = (2048, 16, 128) if gpu else (256, 4, 64)
-    q = jnp.ones((1, s, h, d), dt)
-    attend = jax.jit(lambda q: jax.nn.dot_product_attention(q, q, q, is_causal=True))
-    attention = 2 * s * s * h * d / _seconds(attend, q)  # 4*S^2*H*D, half masked
+    def chained(x: jax.Array) -> jax.Array:
+        for _ in range(chain):
+            x = jnp.matmul(x, a) * 0.01
+        return x
+
+    gemm = chain * 2 * n**3 / _seconds(jax.jit(chained), a)
+
+    b, s, h, d = (4, 2048, 16, 128) if gpu else (1, 256, 4, 64)
+    q = jax.random.normal(jax.random.key(1), (b, s, h, d), dt)
+    impl = resolve_attention_impl("auto", dt, d)
+
+    def attend(q: jax.Array) -> jax.Array:
+        def loss(q):
+            out = jax.nn.dot_product_attention(q, q, q, is_causal=True, implementation=impl)
+            return jnp.sum(out.astype(jnp.float32))
+        return jax.grad(loss)(q)
+
+    attention = 6 * s * (b * s) * h * d / _seconds(jax.jit(attend), q)
+
+    x = jax.random.normal(jax.random.key(2), ((64 << 20) if gpu else (4 << 20),), jnp.float32)
+    memory = 2 * x.nbytes / _seconds(jax.jit(lambda x: x * 1.5 + 1.0), x)  # read + write
 
     devices = np.array(jax.devices())
     mesh = jax.sharding.Mesh(devices, ("x",))
@@ -171,7 +199,7 @@ def measure(dtype: str) -> Calibration:
         devices=count, dtype=str(dt), gemm_flops=gemm, attention_flops=attention,
         all_gather_bandwidth=rates["ag"][0], all_gather_latency=rates["ag"][1],
         reduce_scatter_bandwidth=rates["rs"][0], reduce_scatter_latency=rates["rs"][1],
-        host_bandwidth=host)
+        host_bandwidth=host, memory_bandwidth=memory)
 
 
 #: Bytes per gathered element of each low-precision format (payload + scales).
@@ -228,6 +256,10 @@ def step_seconds(cfg: TrainConfig, cal: Calibration) -> dict[str, float]:
         kv = 2 * tokens * d * a_item / cfg.tp
         other += 3 * layers * (cfg.cp - 1) * (cal.all_gather_latency
                                               + kv / cal.all_gather_bandwidth)
+    # AdamW on this device's shards: read param, grad, 2 moments; write param, 2 moments
+    # (float32), once per step.
+    if cal.memory_bandwidth > 0:
+        other += 28 * mc.num_params() / (cfg.gtp * cfg.tp * cfg.ep) / cal.memory_bandwidth
     offload = 0.0
     if cfg.offload_optimizer:
         state = 2 * grads + 4
