@@ -21,6 +21,7 @@ from gtp_jax.data import VOCAB_SIZE
 from gtp_jax.models import TransformerConfig, preset
 from gtp_jax.models.attention import cudnn_unsupported, resolve_attention_impl
 from gtp_jax.models.hf import read_config
+from gtp_jax.sharding.offload import streamable_chain
 from gtp_jax.train.observe import (
     MEMORY_ADVICE,
     DeviceMemoryError,
@@ -245,8 +246,10 @@ def _make_optimizer(lr: float, warmup: int, steps: int,
     schedule = optax.warmup_cosine_decay_schedule(
         0.0, lr, warmup_steps=max(1, warmup), decay_steps=max(steps, warmup + 1),
         end_value=lr * 0.1)
-    return optax.chain(optax.clip_by_global_norm(1.0),
-                       optax.adamw(schedule, b2=0.95, weight_decay=weight_decay))
+    # The same chain as optax.chain(clip, adamw), its two parts named so that an offloaded
+    # step can stream AdamW (leaf-wise) per layer group after clipping (whole-tree).
+    return streamable_chain(optax.clip_by_global_norm(1.0),
+                            optax.adamw(schedule, b2=0.95, weight_decay=weight_decay))
 
 
 def resolve_auto(cfg: TrainConfig, backend: str | None = None) -> TrainConfig:

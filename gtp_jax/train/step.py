@@ -28,10 +28,22 @@ import jax.numpy as jnp
 from flax import nnx
 
 from gtp_jax.base.errors import UsageTypeError
-from gtp_jax.sharding.offload import place_on_host, to_device, to_host
+from gtp_jax.base.metadata import STACKED
+from gtp_jax.sharding.offload import (
+    StreamableChain,
+    place_on_host,
+    stream_units,
+    streamed_update,
+    to_device,
+    to_host,
+)
 
 #: Programs kept (least recently used ones are dropped; a dropped one recompiles on reuse).
 CACHE_SIZE = 16
+
+#: Layers per unit when an offloaded step streams the optimizer state (see
+#: `gtp_jax.sharding.offload.streamed_update`): one layer's moments at a time.
+OFFLOAD_GROUP_LAYERS = 1
 
 
 @dataclasses.dataclass
@@ -67,6 +79,8 @@ class TrainStep:
         compiled program.
       grad_norm: also return the gradients' global norm (one more pass over the
         gradients, unless the optimizer computes it anyway, e.g. to clip).
+      offload_group_layers: with ``GTPConfig(offload_optimizer=True)``, layers whose
+        optimizer state is brought to the device together (`OFFLOAD_GROUP_LAYERS`).
 
     Attributes:
       graphdef: the static structure of ``(model, optimizer)``.
@@ -74,19 +88,23 @@ class TrainStep:
     """
 
     def __init__(self, model: nnx.Module, optimizer: nnx.Optimizer,
-                 loss_fn: Callable[[nnx.Module, Any], jax.Array], *, grad_norm: bool = True):
+                 loss_fn: Callable[[nnx.Module, Any], jax.Array], *, grad_norm: bool = True,
+                 offload_group_layers: int = OFFLOAD_GROUP_LAYERS):
         if not isinstance(optimizer, nnx.Optimizer):
             raise UsageTypeError(f"TrainStep: optimizer={type(optimizer).__name__} must be an "
                                  "nnx.Optimizer of the model.")
         if not callable(loss_fn):
             raise UsageTypeError(f"TrainStep: loss_fn={loss_fn!r} must be callable "
                                  "(loss_fn(model, batch) -> scalar).")
+        offload = offloads_optimizer(model)
+        if offload:  # validates the group size before anything is placed
+            stream_units({}, {}, offload_group_layers)
         self._objects = (model, optimizer)
         self.graphdef, state = nnx.split((model, optimizer))
-        offload = offloads_optimizer(model)
         state = _replicate_strays(state)
         self.state = map_opt_state(state, place_on_host) if offload else state
-        self._program = _program(self.graphdef, loss_fn, bool(grad_norm), offload)
+        self._program = _program(self.graphdef, loss_fn, bool(grad_norm),
+                                 offload_group_layers if offload else 0)
 
     def __call__(self, batch: Any) -> dict[str, jax.Array]:
         """Runs one step; returns ``{"loss"}`` (and ``"grad_norm"``) as float32 device
@@ -144,16 +162,20 @@ def map_opt_state(state: nnx.State, fn: Callable[[Any], Any]) -> nnx.State:
 
 
 def step_program(graphdef: Any, loss_fn: Callable[..., jax.Array], *, grad_norm: bool = True,
-                 offload: bool = False) -> Callable[..., Any]:
+                 offload: bool = False,
+                 offload_group_layers: int = OFFLOAD_GROUP_LAYERS) -> Callable[..., Any]:
     """The jitted ``step(state, batch) -> (state, metrics)`` that `TrainStep` runs for a
     ``(model, optimizer)`` of `graphdef` (the same cached program): lower it with abstract
     arguments (``jax.ShapeDtypeStruct`` with shardings) to compile a step ahead of time
     without running it (`gtp_jax.plan` reads its memory analysis)."""
-    return _program(graphdef, loss_fn, grad_norm, offload).fn
+    if offload:
+        stream_units({}, {}, offload_group_layers)
+    return _program(graphdef, loss_fn, grad_norm, offload_group_layers if offload else 0).fn
 
 
 def _program(graphdef: Any, loss_fn: Callable[..., jax.Array], grad_norm: bool,
-             offload: bool = False) -> _Program:
+             offload: int = 0) -> _Program:
+    """`offload`: 0 for on-device optimizer state, else the layers per streamed unit."""
     key = (graphdef, _loss_key(loss_fn), grad_norm, offload)
     program = _programs.get(key)
     if program is not None:
@@ -165,11 +187,14 @@ def _program(graphdef: Any, loss_fn: Callable[..., jax.Array], grad_norm: bool,
         program.traces += 1
         model, optimizer = nnx.merge(graphdef, state)
         loss, grads = nnx.value_and_grad(loss_fn)(model, batch)
-        if offload:  # the state comes from host memory and goes back there, leaf by leaf
+        if offload and isinstance(optimizer.tx, StreamableChain):
+            _streamed_optimizer_update(model, optimizer, grads, offload)
+        elif offload:  # not streamable: the whole state to the device and back, leaf by leaf
             nnx.update(optimizer, to_device(nnx.state(optimizer, nnx.OptState)))
-        optimizer.update(model, grads)
-        if offload:
+            optimizer.update(model, grads)
             nnx.update(optimizer, to_host(nnx.state(optimizer, nnx.OptState)))
+        else:
+            optimizer.update(model, grads)
         metrics = {"loss": loss.astype(jnp.float32)}
         if grad_norm:
             metrics["grad_norm"] = _global_norm(grads)
@@ -180,6 +205,25 @@ def _program(graphdef: Any, loss_fn: Callable[..., jax.Array], grad_norm: bool,
     while len(_programs) > CACHE_SIZE:
         _programs.popitem(last=False)
     return program
+
+
+def _streamed_optimizer_update(model: nnx.Module, optimizer: nnx.Optimizer, grads: Any,
+                               group_layers: int) -> None:
+    """``optimizer.update(model, grads)`` with the state in host memory, streamed per layer
+    group (`gtp_jax.sharding.offload.streamed_update`): the same arithmetic as
+    ``nnx.Optimizer.update``."""
+    graph = {"graph": optimizer.graph} if hasattr(optimizer, "graph") else {}
+    param_state = nnx.state(model, optimizer.wrt, **graph)
+    params = nnx.as_pure(param_state)
+    stacked = jax.tree.map(lambda v: bool(v.get_metadata().get(STACKED, False)), param_state,
+                           is_leaf=lambda x: isinstance(x, nnx.Variable))
+    new_params, new_opt_state = streamed_update(
+        optimizer.tx, nnx.as_pure(nnx.state(grads, optimizer.wrt, **graph)),
+        nnx.as_pure(optimizer.opt_state), params, nnx.as_pure(stacked),
+        group_layers=group_layers)
+    nnx.update(model, new_params)
+    nnx.update(optimizer.opt_state, nnx.state(new_opt_state, **graph))
+    optimizer.step[...] = to_host(to_device(optimizer.step[...]) + 1)
 
 
 def _global_norm(tree: Any) -> jax.Array:
