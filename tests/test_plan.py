@@ -147,4 +147,6 @@ def test_memory_gib_needs_plan_auto(capsys):
 def test_offload_lowers_the_bound_by_the_optimizer_state():
     on = memory_bound(dataclasses.replace(L1, offload=True).apply(BASE))
     off = memory_bound(L1.apply(BASE))
-    assert on["optimizer"] == 0 and off["total"] - on["total"] == off["optimizer"] > 0
+    # Offloaded, two streamed layer groups' moments stay: less than all layers' moments.
+    assert 0 < on["optimizer"] < off["optimizer"]
+    assert off["total"] - on["total"] == off["optimizer"] - on["optimizer"] > 0

@@ -37,7 +37,7 @@ from gtp_jax.train.config import (
     model_config,
     resolve_auto,
 )
-from gtp_jax.train.step import map_opt_state, step_program
+from gtp_jax.train.step import OFFLOAD_GROUP_LAYERS, map_opt_state, step_program
 
 #: Compiled figures by resolved `TrainConfig` (and backend): planning again (another
 #: budget, the `--plan auto` of a planned run) compiles nothing twice.
@@ -78,7 +78,8 @@ def memory_bound(cfg: TrainConfig) -> dict[str, int]:
 
         state + max(grads, activations + logits)
 
-    with state = parameters (and AdamW's two moments unless offloaded) divided over
+    with state = parameters (and AdamW's two moments; offloaded, the moments of the two
+    layer groups being streamed, `OFFLOAD_GROUP_LAYERS` layers each) divided over
     ``gtp * tp * ep`` (replicated small weights and padding only add), activations =
     ``n_layers * tokens * d_model`` and logits = ``tokens * vocab`` in the compute dtype,
     tokens = the device's ``batch * seq / (dp * ep * gtp * cp)``, split over tp as well.
@@ -92,7 +93,9 @@ def memory_bound(cfg: TrainConfig) -> dict[str, int]:
     a_item = np.dtype(mc.dtype).itemsize
     shards = cfg.gtp * cfg.tp * cfg.ep
     params = mc.num_params() * p_item // shards
-    optimizer = 0 if cfg.offload_optimizer else 2 * params
+    optimizer = 2 * params
+    if cfg.offload_optimizer:  # two units' moments in device memory at a time
+        optimizer = optimizer * min(mc.n_layers, 2 * OFFLOAD_GROUP_LAYERS) // max(mc.n_layers, 1)
     tokens = cfg.batch_size * cfg.seq_len // (cfg.dp * cfg.ep * cfg.gtp * cfg.cp)
     activations = tokens * (mc.n_layers * mc.d_model + mc.vocab_size) * a_item // cfg.tp
     total = params + optimizer + max(params, activations)
