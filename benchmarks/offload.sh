@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Optimizer state in host memory (--offload-optimizer) against on the device, on ONE GPU,
+# in one call (about 6 minutes on an H200):
+#   1. the 1b preset at seq 2048 (4 sequences): step time, peak device memory and the loss
+#      of both runs (the same seed: the losses must be equal, offload is bit-identical);
+#   2. the largest preset that trains at seq 4096 (1 sequence, remat full) with and without
+#      offload: the presets are tried largest first, the first that completes its steps wins.
+# Usage: OUT=dir bash benchmarks/offload.sh
+# Reduced run on a CPU (checks the script, no memory figures):
+#   SMALL=tiny SEQ1=32 BIG="tiny" SEQ2=64 STEPS=2 bash benchmarks/offload.sh
+set -u
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD"
+OUT=${OUT:-runs/offload}; mkdir -p "$OUT"
+SMALL=${SMALL:-1b}; SEQ1=${SEQ1:-2048}; BATCH1=${BATCH1:-4}; STEPS=${STEPS:-15}
+BIG=${BIG:-"llama3-8b llama3.2-3b 1b"}; SEQ2=${SEQ2:-4096}; BIG_STEPS=${BIG_STEPS:-4}
+LIMIT=${LIMIT:-100}  # seconds per run (compile included; out-of-memory runs end sooner)
+T0=$(date +%s)
+log() { echo "== t=$(( $(date +%s) - T0 ))s $*"; }
+report() { grep -E "loss: first|step time|memory per device|out of memory|RESOURCE_EXHAUSTED|Error" \
+             "$1" | head -6; }
+
+for flag in --no-offload-optimizer --offload-optimizer; do
+  log "$SMALL seq $SEQ1 batch $BATCH1 $flag"
+  timeout "$LIMIT" python3 -m gtp_jax train --preset "$SMALL" --seq "$SEQ1" \
+    --batch "$BATCH1" --steps "$STEPS" --gtp 1 --dp 1 $flag \
+    > "$OUT/small$flag.log" 2>&1
+  echo "exit $?"; report "$OUT/small$flag.log"
+done
+a=$(grep "loss: first" "$OUT/small--no-offload-optimizer.log")
+b=$(grep "loss: first" "$OUT/small--offload-optimizer.log")
+if [ -n "$a" ] && [ "$a" = "$b" ]; then echo "losses equal: yes"; else echo "losses equal: NO"; fi
+
+for flag in --no-offload-optimizer --offload-optimizer; do
+  fits=none
+  for p in $BIG; do
+    log "$p seq $SEQ2 batch 1 remat full $flag"
+    timeout "$LIMIT" python3 -m gtp_jax train --preset "$p" --seq "$SEQ2" \
+      --batch 1 --steps "$BIG_STEPS" --remat full --gtp 1 --dp 1 $flag \
+      > "$OUT/big_$p$flag.log" 2>&1
+    rc=$?; echo "exit $rc"; report "$OUT/big_$p$flag.log"
+    if [ "$rc" = 0 ]; then fits=$p; break; fi
+  done
+  echo "largest preset at seq $SEQ2 $flag: $fits"
+done
+log done
