@@ -21,7 +21,7 @@ from gtp_jax.data import VOCAB_SIZE
 from gtp_jax.models import TransformerConfig, preset
 from gtp_jax.models.attention import cudnn_unsupported, resolve_attention_impl
 from gtp_jax.models.hf import read_config
-from gtp_jax.sharding.offload import streamable_chain
+from gtp_jax.sharding.offload import StreamableChain, streamable_chain
 from gtp_jax.train.observe import (
     MEMORY_ADVICE,
     DeviceMemoryError,
@@ -227,7 +227,7 @@ def _check_float(name: str, value: Any, *, positive: bool) -> None:
         raise UsageError(f"TrainConfig.{name}={value} must be finite and {bound}.")
 
 
-def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
+def make_optimizer(cfg: TrainConfig) -> StreamableChain:
     """AdamW with warm-up + cosine decay and global-norm clipping at 1.0.
 
     The schedule spans `TrainConfig.lr_schedule_steps`; optax's cosine decay holds its end
@@ -242,7 +242,7 @@ def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
 
 @functools.cache
 def _make_optimizer(lr: float, warmup: int, steps: int,
-                    weight_decay: float) -> optax.GradientTransformation:
+                    weight_decay: float) -> StreamableChain:
     schedule = optax.warmup_cosine_decay_schedule(
         0.0, lr, warmup_steps=max(1, warmup), decay_steps=max(steps, warmup + 1),
         end_value=lr * 0.1)
