@@ -198,12 +198,13 @@ class Checkpointer:
         options = ocp.CheckpointManagerOptions(
             max_to_keep=config.keep,
             create=not read_only,
-            read_only=read_only,
             enable_async_checkpointing=config.async_save,
             # Leftovers of a save that died before finalization are deleted on open.
             cleanup_tmp_directories=not read_only,
         )
         self._closed = False
+        # (orbax's own read_only option logs three warnings per open; never saving
+        # through this manager and leaving its leftovers alone is what read-only needs.)
         self._manager = ocp.CheckpointManager(
             config.directory, options=options, item_names=(*_ARRAY_ITEMS, _META_ITEM))
 
