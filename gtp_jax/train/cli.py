@@ -512,7 +512,8 @@ def _stopped(result: object, primary: bool) -> int:
                  "no --checkpoint-dir, nothing was saved")
         print(f"gtp_jax train: stopped by {result.stopped_by} after step {step}: {where}.",
               flush=True)
-    return 0 if saved else 128 + int(getattr(signal, result.stopped_by, 0) or 0)
+    number = getattr(signal, result.stopped_by.split()[0], 0)  # "SIGTERM on process 1"
+    return 0 if saved else 128 + int(number)
 
 
 #: The placeholder mesh of a run whose layout the planner chooses.

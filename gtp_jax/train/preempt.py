@@ -44,6 +44,7 @@ class StopRequest:
 
     def __init__(self) -> None:
         self.signum: int | None = None
+        self.elsewhere: str | None = None  # what stopped another process, e.g. "SIGTERM"
 
     @property
     def requested(self) -> bool:
@@ -52,10 +53,11 @@ class StopRequest:
 
     @property
     def name(self) -> str:
-        """The signal's name (``SIGTERM``), or ``"a stop request"``."""
-        if self.signum is None or self.signum <= 0:
-            return "a stop request"
-        return signal.Signals(self.signum).name
+        """The signal's name (``SIGTERM``; ``SIGTERM on process 1`` when another process
+        got it), or ``"a stop request"``."""
+        if self.signum is None:
+            return self.elsewhere or "a stop request"
+        return signal.Signals(self.signum).name if self.signum > 0 else "a stop request"
 
     def request(self, signum: int = 0) -> None:
         """Asks the run to stop after the step in flight (`signum`: the cause, 0 if none)."""
@@ -68,19 +70,24 @@ class StopRequest:
         this for every step, in order)."""
         if jax.process_count() == 1:
             return self.requested
-        return _vote(step, self.requested)
+        votes = _vote(step, self.name if self.requested else None)
+        if votes and not self.requested:
+            key, cause = sorted(votes)[0]
+            self.elsewhere = f"{cause} on process {key.rsplit('/', 1)[-1]}"
+        return bool(votes)
 
 
-def _vote(step: int, mine: bool) -> bool:
-    """True on every process if any process passes ``mine=True`` for `step`."""
+def _vote(step: int, mine: str | None) -> list[tuple[str, str]]:
+    """Every process's ``(key, cause)`` for `step` (the same list on all processes): this
+    process adds one when `mine` (its stop cause) is set."""
     from gtp_jax.train.distributed import coordination_client  # noqa: PLC0415
 
     client = coordination_client()
     prefix = f"gtp_jax_stop/{step}/"
-    if mine:
-        client.key_value_set(f"{prefix}{jax.process_index()}", "1")
+    if mine is not None:
+        client.key_value_set(f"{prefix}{jax.process_index()}", mine)
     client.wait_at_barrier(f"gtp_jax_stop_{step}", VOTE_TIMEOUT_MS)
-    return bool(client.key_value_dir_get(prefix))
+    return list(client.key_value_dir_get(prefix))
 
 
 @contextlib.contextmanager
