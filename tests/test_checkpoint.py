@@ -286,7 +286,8 @@ def _fake_run(directory: Path, mesh, **train_config) -> None:
 def test_train_resume_errors_before_building_anything(tmp_path: Path, mesh_dp2_gtp4) -> None:
     other_seed, done = tmp_path / "seed", tmp_path / "done"
     _fake_run(other_seed, mesh_dp2_gtp4, seed=7)
-    with pytest.raises(ValueError, match=r"different run \(seed: checkpoint 7 vs now 0\)"):
+    with pytest.raises(ValueError,
+                       match=r"different run \(TrainConfig.seed: checkpoint 7 vs now 0\)"):
         train(SOURCE, progress=False, checkpoint=CheckpointConfig(other_seed, resume=True))
     with pytest.raises(UsageError, match="already holds checkpoints.*CheckpointConfig.resume"):
         train(SOURCE, progress=False, checkpoint=CheckpointConfig(other_seed))

@@ -128,8 +128,10 @@ class CheckpointConfig:
       every: save every `every` optimizer steps; 0 saves only at the end of the run (the last
         step is always saved).
       keep: how many of the newest checkpoints to keep (older ones are deleted).
-      resume: continue from the newest checkpoint in `directory` (which must exist and hold
-        one); without it, `directory` must not hold checkpoints yet.
+      resume: True: continue from the newest intact checkpoint in `directory` (which must
+        exist and hold one); ``"auto"``: continue from it if there is one, else start a new
+        run (the same command starts a job and resumes it after a requeue); False:
+        `directory` must not hold checkpoints yet.
       async_save: write in a background thread after copying the arrays to host memory, so
         training continues during the write (orbax async checkpointing).
     """
@@ -137,7 +139,7 @@ class CheckpointConfig:
     directory: str
     every: int = 0
     keep: int = 3
-    resume: bool = False
+    resume: bool | str = False
     async_save: bool = True
 
     def __post_init__(self) -> None:
@@ -153,11 +155,15 @@ class CheckpointConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
                 raise UsageError(f"CheckpointConfig.{name}={value!r} must be an int >= {minimum}.")
-        if self.resume and "://" not in directory and not os.path.isdir(directory):
+        if not (isinstance(self.resume, bool) or self.resume == "auto"):
+            raise UsageError(f"CheckpointConfig.resume={self.resume!r} must be True, False or "
+                             "'auto'.")
+        if self.resume is True and "://" not in directory and not os.path.isdir(directory):
             raise UsageError(
                 f"CheckpointConfig.resume: checkpoint directory {directory!r} does not exist; "
-                "pass the CheckpointConfig.directory of an earlier run, or set "
-                "CheckpointConfig.resume=False to start a new run."
+                "pass the CheckpointConfig.directory of an earlier run, drop "
+                "CheckpointConfig.resume to start a new run, or use CheckpointConfig.resume="
+                "'auto' to do either."
             )
 
 
@@ -169,12 +175,14 @@ class Checkpointer:
 
     Args:
       config: a `CheckpointConfig`.
+      read_only: only read (`restore`, `read_meta`, ...): the directory is not created and
+        leftovers of unfinished saves are not removed (another run may be writing them).
 
     Raises:
       ImportError: orbax-checkpoint is not installed (``pip install orbax-checkpoint``).
     """
 
-    def __init__(self, config: CheckpointConfig):
+    def __init__(self, config: CheckpointConfig, *, read_only: bool = False):
         if not isinstance(config, CheckpointConfig):
             raise UsageTypeError(
                 f"Checkpointer expects a CheckpointConfig, got {type(config).__name__}.")
@@ -189,11 +197,14 @@ class Checkpointer:
         self.config = config
         options = ocp.CheckpointManagerOptions(
             max_to_keep=config.keep,
-            create=True,
+            create=not read_only,
             enable_async_checkpointing=config.async_save,
             # Leftovers of a save that died before finalization are deleted on open.
-            cleanup_tmp_directories=True,
+            cleanup_tmp_directories=not read_only,
         )
+        self._closed = False
+        # (orbax's own read_only option logs three warnings per open; never saving
+        # through this manager and leaving its leftovers alone is what read-only needs.)
         self._manager = ocp.CheckpointManager(
             config.directory, options=options, item_names=(*_ARRAY_ITEMS, _META_ITEM))
 
@@ -211,6 +222,11 @@ class Checkpointer:
         """The newest finalized, complete step, or None if the directory holds none."""
         steps = self.all_steps()
         return steps[-1] if steps else None
+
+    def holds_saves(self) -> bool:
+        """Whether any save was finalized here (intact or not); a save that never finished
+        does not count."""
+        return bool(self._raw_steps())
 
     def read_meta(self, step: int | None = None) -> dict[str, Any]:
         """The JSON metadata of `step` (default: the newest), without reading any array.
@@ -442,9 +458,22 @@ class Checkpointer:
         self._manager.wait_until_finished()
 
     def close(self) -> None:
-        """Waits for pending saves and releases orbax's resources."""
-        self._manager.wait_until_finished()
-        self._manager.close()
+        """Waits for pending saves and for the clean-up of unfinished saves' leftovers, then
+        releases orbax's resources. Safe to call more than once."""
+        if self._closed:
+            return
+        self._closed = True
+        # orbax removes leftovers of unfinished saves in a background thread started when
+        # the directory is opened, and its `close` does not wait for it: a process exiting
+        # right after (a refused resume) raced the interpreter's executor shutdown and
+        # printed a "cannot schedule new futures after shutdown" traceback.
+        await_cleanup = getattr(self._manager, "_maybe_await_cleanup_tmp_directory", None)
+        try:
+            if await_cleanup is not None:
+                await_cleanup()
+        finally:
+            self._manager.wait_until_finished()
+            self._manager.close()
 
     def __enter__(self) -> Checkpointer:
         return self
@@ -514,8 +543,7 @@ class Checkpointer:
             if not steps:
                 raise UsageError(
                     f"checkpoint directory {self.config.directory!r} holds no finalized "
-                    "checkpoint; pass the CheckpointConfig.directory of an earlier run, or set "
-                    "CheckpointConfig.resume=False."
+                    "checkpoint; pass the CheckpointConfig.directory of an earlier run."
                 )
             return steps[-1]
         if step not in steps:

@@ -50,6 +50,7 @@ FLAGS = {
     "TrainConfig.unroll_layers": "--[no-]unroll-layers",
     "TrainConfig.schedule_steps": "schedule_steps (no flag; kept from the checkpoint)",
     "TrainConfig.init_from_hf": "--init-from-hf", "TrainConfig.export_hf": "--export-hf",
+    "TrainConfig.init_from": "--init-from",
     "CheckpointConfig.directory": "--checkpoint-dir",
     "CheckpointConfig.every": "--checkpoint-every",
     "CheckpointConfig.keep": "--keep-checkpoints", "CheckpointConfig.resume": "--resume",
@@ -80,7 +81,8 @@ CPU_DEVICES = 8
 
 def cli_message(err: BaseException) -> str:
     """`err`'s message on one line, with library argument names replaced by their flags."""
-    text = " ".join(str(err).split())
+    text = " ".join(str(err).split()).replace("CheckpointConfig.resume='auto'",
+                                              "--resume auto")
     text = _SPEC.sub(lambda m: "--simulate-failure step=" + m.group(1) + "".join(
         f",device={d.strip()}" for d in m.group(2).split(",")), text)
     return _ARGUMENT.sub(lambda m: FLAGS.get(m.group(0), m.group(0)), text)
@@ -232,9 +234,16 @@ def _parser() -> argparse.ArgumentParser:
                       help="save every K steps (0: only after the last step)")
     ckpt.add_argument("--keep-checkpoints", type=int, default=3,
                       help="keep the N newest checkpoints")
-    ckpt.add_argument("--resume", action="store_true",
-                      help="continue from the newest checkpoint in --checkpoint-dir (the mesh "
-                           "may differ from the saving run's)")
+    ckpt.add_argument("--resume", nargs="?", const=True, default=False, type=_resume_mode,
+                      metavar="auto",
+                      help="continue from the newest intact checkpoint in --checkpoint-dir "
+                           "(the mesh may differ from the saving run's); --resume auto: the "
+                           "same, or start a new run if nothing was saved there yet (one "
+                           "command to start a job and to requeue it)")
+    ckpt.add_argument("--init-from", default=None, metavar="DIR",
+                      help="start a new run from the weights of the newest intact checkpoint "
+                           "in DIR (any mesh; same model shape), with a fresh optimizer and "
+                           "this run's hyperparameters")
 
     dist = train.add_argument_group(
         "multi-process (one process per host or per GPU; same command on every process)")
@@ -261,6 +270,12 @@ def _parser() -> argparse.ArgumentParser:
     obs.add_argument("--metrics-json", default=None, metavar="PATH",
                      help="write per-step metrics and the summary as JSON")
     return parser
+
+
+def _resume_mode(text: str) -> str:
+    if text != "auto":
+        raise argparse.ArgumentTypeError(f"{text!r}: --resume takes no value, or 'auto'")
+    return text
 
 
 def _mesh_sizes(args: argparse.Namespace) -> dict[str, int | None]:
@@ -432,6 +447,7 @@ def _run(args: argparse.Namespace, sizes: dict[str, int | None], cpu_sizes: dict
     import jax  # noqa: PLC0415
 
     from gtp_jax.train import TrainConfig, train  # noqa: PLC0415
+    from gtp_jax.train.preempt import stop_on_signals  # noqa: PLC0415
     from gtp_jax.train.resume import RunFinished  # noqa: PLC0415
 
     primary = jax.process_index() == 0
@@ -452,6 +468,7 @@ def _run(args: argparse.Namespace, sizes: dict[str, int | None], cpu_sizes: dict
                           moe_top_k=args.moe_top_k,
                           moe_capacity_factor=args.moe_capacity or None,
                           init_from_hf=args.init_from_hf, export_hf=args.export_hf,
+                          init_from=args.init_from,
                           eval_every=args.eval_every, eval_batches=args.eval_batches,
                           offload_optimizer=bool(args.offload_optimizer),
                           **(_PLANNED_MESH if args.plan == "auto" else mesh))
@@ -459,8 +476,9 @@ def _run(args: argparse.Namespace, sizes: dict[str, int | None], cpu_sizes: dict
             cfg = _planned(args, sizes, cfg, planner)
         # Printed once the run is validated and will train (a finished run's re-launch
         # prints only that it is finished).
-        result = train(cfg, checkpoint=checkpoint, observe=observe, failure=failure,
-                       on_start=_print_header if primary else None, data=data)
+        with stop_on_signals() as stop:
+            result = train(cfg, checkpoint=checkpoint, observe=observe, failure=failure,
+                           on_start=_print_header if primary else None, data=data, stop=stop)
     except UsageError as err:  # other exceptions are bugs: they keep their traceback
         if jax.default_backend() == "cpu" and any(v is None for v in sizes.values()) and (
                 "TrainConfig.batch_size" in str(err) or "the mesh dp*ep*gtp*cp*tp" in str(err)):
@@ -474,9 +492,28 @@ def _run(args: argparse.Namespace, sizes: dict[str, int | None], cpu_sizes: dict
         if primary:
             print(f"gtp_jax train: {cli_message(done)}", flush=True)
         return 0
+    if result.stopped_by is not None:
+        return _stopped(result, primary)
     if primary:
         print(result.summary(), flush=True)
     return 0
+
+
+def _stopped(result: object, primary: bool) -> int:
+    """One line for a run stopped by a signal; status 0 when its checkpoint was saved (a
+    requeued job continues from it), else 128 + the signal's number."""
+    import signal  # noqa: PLC0415
+
+    step = result.first_step + len(result.losses) - 1
+    saved = result.checkpoint_dir is not None and step in result.checkpoint_steps
+    if primary:
+        where = (f"checkpoint saved in {result.checkpoint_dir!r}; run the same command with "
+                 "--resume auto to continue" if saved else
+                 "no --checkpoint-dir, nothing was saved")
+        print(f"gtp_jax train: stopped by {result.stopped_by} after step {step}: {where}.",
+              flush=True)
+    number = getattr(signal, result.stopped_by.split()[0], 0)  # "SIGTERM on process 1"
+    return 0 if saved else 128 + int(number)
 
 
 #: The placeholder mesh of a run whose layout the planner chooses.

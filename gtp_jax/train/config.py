@@ -97,6 +97,10 @@ class TrainConfig:
       init_from_hf: a Hugging Face Llama-family checkpoint directory
         (`gtp_jax.models.from_hf`): the model's shape comes from its config.json (`preset`
         is not used) and its weights replace the random init; None: a random `preset`.
+      init_from: a `train` checkpoint directory whose newest intact checkpoint's weights
+        replace the random init of a new run (a warm start, `gtp_jax.train.warm_start`):
+        any mesh, the model shape must match, the optimizer starts fresh and every other
+        field is this run's. Ignored when the run resumes from its own checkpoint.
       export_hf: write the trained model there as a Hugging Face checkpoint
         (`gtp_jax.models.to_hf`) at the end of the run; None: no export.
       vocab_size: the model's vocabulary; None: the data's (256 byte tokens for the bundled
@@ -141,6 +145,7 @@ class TrainConfig:
     moe_capacity_factor: float | None = 1.25
     schedule_steps: int | None = None
     init_from_hf: str | None = None
+    init_from: str | None = None
     export_hf: str | None = None
     vocab_size: int | None = None
     eval_every: int = 0
@@ -184,10 +189,13 @@ class TrainConfig:
                 f"TrainConfig.moe_top_k={self.moe_top_k} must be <= TrainConfig.moe_experts="
                 f"{self.moe_experts} (each token is routed to top_k distinct experts)."
             )
-        for name in ("init_from_hf", "export_hf"):
+        for name in ("init_from_hf", "init_from", "export_hf"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
                 raise UsageTypeError(f"TrainConfig.{name}={getattr(self, name)!r} must be a "
                                      "directory path (str) or None.")
+        if self.init_from_hf is not None and self.init_from is not None:
+            raise UsageError("TrainConfig.init_from and TrainConfig.init_from_hf both set the "
+                             "initial weights; pass one of them.")
         if self.init_from_hf is not None and self.moe_experts:
             raise UsageError(
                 f"TrainConfig.init_from_hf with moe_experts={self.moe_experts}: a Hugging Face "

@@ -343,6 +343,21 @@ def shutdown(timeout: int = DEFAULT_TIMEOUT) -> None:
     state.service = None
 
 
+def coordination_client() -> object:
+    """The coordination service's client of this process (``key_value_set``,
+    ``key_value_dir_get``, ``wait_at_barrier``); for host-side agreement between processes
+    that must not wait for the devices.
+
+    Raises:
+      RuntimeError: this process did not join a multi-process run.
+    """
+    client = getattr(_global_state(), "client", None)
+    if client is None:
+        raise RuntimeError("no coordination service client: jax.distributed is not "
+                           "initialized in this process.")
+    return client
+
+
 def _global_state() -> object:
     """JAX's distributed state (client and, on process 0, the coordination service); an
     empty object where a JAX version keeps it elsewhere (then `jax.distributed.shutdown`

@@ -53,10 +53,12 @@ from gtp_jax.train.observe import (
     peak_flops,
     write_json,
 )
+from gtp_jax.train.preempt import StopRequest
 from gtp_jax.train.progress import ProgressBar
 from gtp_jax.train.report import TrainResult
 from gtp_jax.train.resume import restore_newest, select_candidates
 from gtp_jax.train.step import TrainStep, replicate_stray_leaves
+from gtp_jax.train.warm_start import check_init_from, load_weights
 
 OnStep = Callable[[int, float, float], None]
 OnStart = Callable[[TrainConfig, TransformerConfig], None]
@@ -66,7 +68,8 @@ def train(cfg: TrainConfig, *, on_step: OnStep | None = None,
           progress: bool = True, checkpoint: CheckpointConfig | None = None,
           observe: ObserveConfig | None = None,
           failure: SimulatedFailure | None = None,
-          on_start: OnStart | None = None, data: TextData | None = None) -> TrainResult:
+          on_start: OnStart | None = None, data: TextData | None = None,
+          stop: StopRequest | None = None) -> TrainResult:
     """Trains `cfg.preset` with GTP on the mesh ``(dp, ep, gtp, tp)`` over all devices.
 
     Everything that depends on the caller's input is checked before the model is built:
@@ -96,6 +99,10 @@ def train(cfg: TrainConfig, *, on_step: OnStep | None = None,
         rows of ``seq_len + 1`` tokens, each process reading only its own rows); the model's
         vocabulary is the tokenizer's (unless `cfg.vocab_size` is set, at least as large).
         None: the bundled byte corpus. A resumed run must use the same data and tokenizer.
+      stop: checked after each step is dispatched (`gtp_jax.train.preempt`; the command
+        line sets it on SIGTERM / SIGINT): once requested (on any process), the run finishes
+        the step in flight, checkpoints it (with `checkpoint`) and returns a result whose
+        ``stopped_by`` names the cause.
 
     Returns:
       A `TrainResult` with per-step losses (float32 scalars), timings and, with
@@ -142,7 +149,8 @@ def train(cfg: TrainConfig, *, on_step: OnStep | None = None,
         ckpt = Checkpointer(checkpoint) if checkpoint is not None else None
         try:
             return _train(cfg, on_step=on_step, progress=progress, ckpt=ckpt, observe=observe,
-                          failure=failure, auto=auto, on_start=on_start, source=source)
+                          failure=failure, auto=auto, on_start=on_start, source=source,
+                          stop=stop)
         finally:
             if ckpt is not None:
                 # Finishes (finalizes) a pending asynchronous save, also when training failed.
@@ -188,11 +196,14 @@ def _train(cfg: TrainConfig, *, on_step: OnStep | None, progress: bool,
            ckpt: Checkpointer | None, observe: ObserveConfig,
            failure: SimulatedFailure | None = None,
            auto: frozenset[str] = frozenset(),
-           on_start: OnStart | None = None, source: DataSource | None = None) -> TrainResult:
+           on_start: OnStart | None = None, source: DataSource | None = None,
+           stop: StopRequest | None = None) -> TrainResult:
     source = DataSource.check(None) if source is None else source
     cfg, candidates = select_candidates(cfg, model_config(cfg), ckpt, auto=auto,
                                         source=source.fingerprint() if ckpt else None)
     model_cfg = model_config(cfg)
+    # A warm start applies to a new run only; a resumed one continues its own weights.
+    warm = check_init_from(cfg, model_cfg) if cfg.init_from and not candidates else None
     failure_plan = check_failure(cfg, failure, start=candidates[0][0] if candidates else 0)
     source.open(progress=progress)
     held_out = (source.eval_batches(cfg.batch_size, cfg.seq_len, cfg.eval_batches)
@@ -208,6 +219,8 @@ def _train(cfg: TrainConfig, *, on_step: OnStep | None, progress: bool,
     model, optimizer = build_model_and_optimizer(cfg)
     meta, start = restore_newest(cfg, model_cfg, ckpt, candidates, model, optimizer,
                                  source=source.record)
+    if warm is not None:
+        load_weights(cfg, warm, model)
     batcher = source.batcher(cfg.batch_size, cfg.seq_len, cfg.seed,
                              meta["extra"]["data"] if meta is not None else None)
     loss_fn = functools.partial(lm_loss, aux_weight=model_cfg.moe_aux_weight)
@@ -223,7 +236,7 @@ def _train(cfg: TrainConfig, *, on_step: OnStep | None, progress: bool,
         losses, times, saved, recovery, step_fn, val_losses = _step_loop(
             cfg, model_cfg, step_fn, batcher, start=start, ckpt=ckpt, profiler=profiler,
             on_step=on_step, progress=progress, failure_step=failure.step if switch else None,
-            switch=switch, held_out=held_out, source=source.record)
+            switch=switch, held_out=held_out, source=source.record, stop=stop)
     finally:
         if profiler is not None:
             profiler.stop()
@@ -240,6 +253,8 @@ def _train(cfg: TrainConfig, *, on_step: OnStep | None, progress: bool,
                      first_step=start + 1, saved=saved, ckpt=ckpt, window=window,
                      trace=profiler.trace_path if profiler is not None else None,
                      recovery=recovery, val_losses=val_losses)
+    if start + len(losses) < cfg.steps:  # the loop returned early: a stop request
+        result.stopped_by = stop.name
     if observe.metrics_json is not None and jax.process_index() == 0:
         _write_metrics(observe.metrics_json, cfg, model_cfg, result)
     return result
@@ -251,6 +266,7 @@ def _step_loop(cfg: TrainConfig, model_cfg: TransformerConfig, step_fn: TrainSte
                progress: bool, failure_step: int | None = None,
                switch: Callable[[Any], tuple[NonuniformStep, Recovery]] | None = None,
                held_out: list[RowBatch] | None = None, source: dict[str, Any] | None = None,
+               stop: StopRequest | None = None,
                ) -> tuple[list[float], list[float], list[int], Recovery | None, Any,
                           dict[int, float]]:
     """Steps ``start + 1 .. cfg.steps``: (losses, step seconds, checkpointed steps, the
@@ -270,7 +286,11 @@ def _step_loop(cfg: TrainConfig, model_cfg: TransformerConfig, step_fn: TrainSte
     between the completions of consecutive steps (the first one's includes compiling).
 
     After step `failure_step`, ``switch(step_fn.state)`` re-plans and re-lays out the state
-    (see `gtp_jax.train.ntp`) and the loop continues with the nonuniform step it returns."""
+    (see `gtp_jax.train.ntp`) and the loop continues with the nonuniform step it returns.
+
+    Once ``stop.agreed(step)`` (asked after step ``step`` is dispatched, on every process),
+    the loop finishes that step like a checkpoint step (waits, saves with `ckpt`) and
+    returns early."""
     placement = gtp_jax.data_sharding(step_fn.objects[0].mesh)
     tokens_per_step = cfg.batch_size * cfg.seq_len
     bar = ProgressBar(cfg.steps) if progress and jax.process_index() == 0 else None
@@ -342,9 +362,12 @@ def _step_loop(cfg: TrainConfig, model_cfg: TransformerConfig, step_fn: TrainSte
         with jax.profiler.StepTraceAnnotation("train", step_num=step), \
                 _device_memory_errors(cfg, step):
             metrics = step_fn(tokens)
+        # The host is one step ahead: a stop requested now ends the run after this step.
+        stopping = stop is not None and step < cfg.steps and stop.agreed(step)
         checkpoint = ckpt is not None and (
-            step == cfg.steps or (ckpt.config.every and step % ckpt.config.every == 0))
-        wait = (checkpoint or step == cfg.steps or step == failure_step
+            step == cfg.steps or stopping
+            or (ckpt.config.every and step % ckpt.config.every == 0))
+        wait = (checkpoint or stopping or step == cfg.steps or step == failure_step
                 or (profiler is not None and step == profiler.window[1])
                 or (held_out is not None and step % cfg.eval_every == 0))
         if not wait:
@@ -358,6 +381,8 @@ def _step_loop(cfg: TrainConfig, model_cfg: TransformerConfig, step_fn: TrainSte
         pending = None
         if profiler is not None:
             profiler.after(step)
+        if stopping:
+            break
         if step == failure_step:
             step_fn, recovery = switch(step_fn.state)
         if step < cfg.steps:

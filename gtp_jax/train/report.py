@@ -36,6 +36,8 @@ class TrainResult:
         (`gtp_jax.train.ntp.Recovery` as a dict: step, devices, layout_before/after,
         replan_s, relayout_s, rebuild_s), or None.
       val_losses: held-out loss after each evaluated step (`TrainConfig.eval_every`).
+      stopped_by: the signal that stopped the run early (``"SIGTERM"``), or None (the run
+        trained every step; see `gtp_jax.train.preempt`).
     """
 
     losses: list[float]
@@ -62,6 +64,7 @@ class TrainResult:
     profile_trace: str | None = None
     failure: dict[str, Any] | None = None
     val_losses: dict[int, float] = dataclasses.field(default_factory=dict)
+    stopped_by: str | None = None
 
     @property
     def median_step_time(self) -> float:
@@ -166,6 +169,7 @@ class TrainResult:
             "num_params": self.num_params,
             "first_step": self.first_step,
             "last_step": self.first_step + len(self.losses) - 1,
+            "stopped_by": self.stopped_by,
             "first_loss": self.losses[0],
             "last_loss_mean5": float(np.mean(self.losses[-5:])),
             "median_step_time_s": self.median_step_time,

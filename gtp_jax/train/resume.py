@@ -66,6 +66,11 @@ def select_candidates(cfg: TrainConfig, model_cfg: TransformerConfig,
     `source` is the run's data-source record (`gtp_jax.train.data_source`; None: not
     checked).
 
+    With ``CheckpointConfig.resume="auto"`` a directory without checkpoints (missing,
+    empty, or holding only a save that never finished) starts a new run; one whose
+    checkpoints are all damaged is refused as with ``resume=True`` (starting over would
+    silently drop that run's progress).
+
     Raises:
       RunFinished: the newest intact checkpoint is of this run, at step ``cfg.steps``.
       UsageError: resume without an intact checkpoint, a checkpoint of another run or one
@@ -80,15 +85,19 @@ def select_candidates(cfg: TrainConfig, model_cfg: TransformerConfig,
             raise UsageError(
                 f"CheckpointConfig.directory {directory!r} already holds "
                 f"checkpoints (steps {ckpt.all_steps()}); set CheckpointConfig.resume to "
-                "continue that run, or use an empty directory for a new run."
+                "continue that run (CheckpointConfig.resume='auto': continue if there are "
+                "checkpoints, else start), or use an empty directory for a new run."
             )
         return cfg, candidates
+    if ckpt.config.resume == "auto" and not ckpt.holds_saves():
+        return cfg, candidates  # nothing was ever saved here: a new run
     candidates = ckpt.resume_candidates(report=note)
     if not candidates:
         raise UsageError(
             f"no intact checkpoint in {directory!r} to resume from; pass "
             "the CheckpointConfig.directory of an earlier run, or drop "
-            "CheckpointConfig.resume to start a new run."
+            "CheckpointConfig.resume to start a new run (CheckpointConfig.resume='auto' "
+            "starts one where nothing was saved yet)."
         )
     cfg = check_resume(cfg, model_cfg, candidates[0][1], directory, steps_left=False,
                        auto=auto, source=source)
@@ -179,7 +188,7 @@ def check_resume(cfg: TrainConfig, model_cfg: TransformerConfig, meta: dict[str,
         cfg = dataclasses.replace(cfg, schedule_steps=saved_schedule)
     saved_cfg = {**saved_cfg, "schedule_steps": saved_schedule}
     mine = dataclasses.asdict(cfg)
-    differ = [f"{k}: checkpoint {saved_cfg.get(k)!r} vs now {mine[k]!r}"
+    differ = [f"TrainConfig.{k}: checkpoint {saved_cfg.get(k)!r} vs now {mine[k]!r}"
               for k in mine if k not in RESUME_MAY_DIFFER and saved_cfg.get(k) != mine[k]]
     model_now = model_json(model_cfg)
     # a field the checkpoint lacks was added later: its default is what that run computed
@@ -193,9 +202,11 @@ def check_resume(cfg: TrainConfig, model_cfg: TransformerConfig, meta: dict[str,
     if differ:
         raise UsageError(
             f"CheckpointConfig.resume: the checkpoint in {directory!r} belongs to a different "
-            "run (" + "; ".join(differ) + "). Pass the same TrainConfig as the saved run (only "
-            f"{sorted(RESUME_MAY_DIFFER)} may change), or start a new run in another "
-            "CheckpointConfig.directory."
+            "run (" + "; ".join(differ) + "). Pass the saved run's values (only "
+            + ", ".join(f"TrainConfig.{k}" for k in sorted(RESUME_MAY_DIFFER))
+            + " may change), or start a new run in another CheckpointConfig.directory "
+            "(with TrainConfig.init_from set to this one to start from its weights with "
+            "new hyperparameters)."
         )
     step = int(meta["step"])
     if extra["data"].get("position") != step:

@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from gtp_jax.base.errors import UsageTypeError
+from gtp_jax.base.errors import UsageError, UsageTypeError
 from gtp_jax.base.metadata import STACKED
 from gtp_jax.sharding.offload import (
     StreamableChain,
@@ -96,6 +96,7 @@ class TrainStep:
         if not callable(loss_fn):
             raise UsageTypeError(f"TrainStep: loss_fn={loss_fn!r} must be callable "
                                  "(loss_fn(model, batch) -> scalar).")
+        check_optimizer_of(model, optimizer)
         offload = offloads_optimizer(model)
         if offload:  # validates the group size before anything is placed
             stream_units({}, {}, offload_group_layers)
@@ -281,3 +282,26 @@ def replicate_stray_leaves(obj: nnx.Module | nnx.Optimizer, mesh: jax.sharding.M
             var = var.replace(value=jax.device_put(value, replicated))
         placed.append((path, var))
     nnx.update(obj, nnx.from_flat_state(placed))
+
+
+def check_optimizer_of(model: nnx.Module, optimizer: nnx.Optimizer) -> None:
+    """Raises `UsageError` unless `optimizer`'s state fits `model`'s parameters: the same
+    tree (paths) and shapes as ``optimizer.tx.init`` of them (``jax.eval_shape``: nothing is
+    computed). An ``nnx.Optimizer`` built before `gtp_jax.shard` holds state for the
+    unsharded module (other paths, unpadded shapes), and JAX would only fail later, inside
+    the step, with a pytree structure error."""
+    graph = getattr(optimizer, "graph", None)
+    params = nnx.state(model, optimizer.wrt, **({} if graph is None else {"graph": graph}))
+    expected = jax.eval_shape(optimizer.tx.init, nnx.as_pure(params))
+    actual = jax.tree.map(lambda v: v.get_value() if isinstance(v, nnx.Variable) else v,
+                          optimizer.opt_state, is_leaf=lambda v: isinstance(v, nnx.Variable))
+    same = jax.tree.structure(expected) == jax.tree.structure(actual) and all(
+        getattr(a, "shape", None) == getattr(b, "shape", None)
+        for a, b in zip(jax.tree.leaves(expected), jax.tree.leaves(actual)))
+    if not same:
+        raise UsageError(
+            f"TrainStep: the optimizer's state does not fit the parameters of the "
+            f"{type(model).__name__} it is to train (other paths or shapes): it was built for "
+            "another module, e.g. before gtp_jax.shard. Build it from the module you train: "
+            "sharded = gtp_jax.shard(model, mesh); optimizer = nnx.Optimizer(sharded, tx, "
+            "wrt=nnx.Param).")
