@@ -7,7 +7,7 @@ between steps on GPUs.
 
     step = TrainStep(model, optimizer, functools.partial(lm_loss, aux_weight=cfg.moe_aux_weight))
     for batch in batches:
-        metrics = step(batch)          # {"loss", "grad_norm"}: float32 device scalars
+        metrics = step(batch)          # {"loss", "grad_norm", "lr"}: float32 device scalars
     step.sync()                        # before reading or saving the model / optimizer
 
 Compiled programs are cached per (graph definition, loss function): a second `TrainStep`
@@ -29,6 +29,7 @@ from flax import nnx
 
 from gtp_jax.base.errors import UsageTypeError
 from gtp_jax.sharding.offload import place_on_host, to_device, to_host
+from gtp_jax.train.optim import current_lr
 
 #: Programs kept (least recently used ones are dropped; a dropped one recompiles on reuse).
 CACHE_SIZE = 16
@@ -67,6 +68,9 @@ class TrainStep:
         compiled program.
       grad_norm: also return the gradients' global norm (one more pass over the
         gradients, unless the optimizer computes it anyway, e.g. to clip).
+      grad_accum: microbatches per step (`accumulate_grads`): the batch's leading axis is
+        cut into `grad_accum` equal microbatches whose gradients are summed in a
+        ``lax.scan`` before the one update; the loss is their mean.
 
     Attributes:
       graphdef: the static structure of ``(model, optimizer)``.
@@ -74,7 +78,8 @@ class TrainStep:
     """
 
     def __init__(self, model: nnx.Module, optimizer: nnx.Optimizer,
-                 loss_fn: Callable[[nnx.Module, Any], jax.Array], *, grad_norm: bool = True):
+                 loss_fn: Callable[[nnx.Module, Any], jax.Array], *, grad_norm: bool = True,
+                 grad_accum: int = 1):
         if not isinstance(optimizer, nnx.Optimizer):
             raise UsageTypeError(f"TrainStep: optimizer={type(optimizer).__name__} must be an "
                                  "nnx.Optimizer of the model.")
@@ -86,12 +91,15 @@ class TrainStep:
         offload = offloads_optimizer(model)
         state = _replicate_strays(state)
         self.state = map_opt_state(state, place_on_host) if offload else state
-        self._program = _program(self.graphdef, loss_fn, bool(grad_norm), offload)
+        self._program = _program(self.graphdef, loss_fn, bool(grad_norm), offload,
+                                 int(grad_accum))
 
     def __call__(self, batch: Any) -> dict[str, jax.Array]:
-        """Runs one step; returns ``{"loss"}`` (and ``"grad_norm"``) as float32 device
-        scalars: the loss before this step's update, the global norm of its gradients
-        before clipping. Does not wait for the device."""
+        """Runs one step; returns ``{"loss"}`` (and ``"grad_norm"``, and ``"lr"`` where the
+        optimizer injects its learning rate, as `gtp_jax.train.optim` does) as float32
+        device scalars: the loss before this step's update, the global norm of its
+        gradients before clipping, the learning rate of the update. Does not wait for the
+        device."""
         self.state, metrics = self._program.fn(self.state, batch)
         return metrics
 
@@ -144,17 +152,17 @@ def map_opt_state(state: nnx.State, fn: Callable[[Any], Any]) -> nnx.State:
 
 
 def step_program(graphdef: Any, loss_fn: Callable[..., jax.Array], *, grad_norm: bool = True,
-                 offload: bool = False) -> Callable[..., Any]:
+                 offload: bool = False, grad_accum: int = 1) -> Callable[..., Any]:
     """The jitted ``step(state, batch) -> (state, metrics)`` that `TrainStep` runs for a
     ``(model, optimizer)`` of `graphdef` (the same cached program): lower it with abstract
     arguments (``jax.ShapeDtypeStruct`` with shardings) to compile a step ahead of time
     without running it (`gtp_jax.plan` reads its memory analysis)."""
-    return _program(graphdef, loss_fn, grad_norm, offload).fn
+    return _program(graphdef, loss_fn, grad_norm, offload, grad_accum).fn
 
 
 def _program(graphdef: Any, loss_fn: Callable[..., jax.Array], grad_norm: bool,
-             offload: bool = False) -> _Program:
-    key = (graphdef, _loss_key(loss_fn), grad_norm, offload)
+             offload: bool = False, grad_accum: int = 1) -> _Program:
+    key = (graphdef, _loss_key(loss_fn), grad_norm, offload, grad_accum)
     program = _programs.get(key)
     if program is not None:
         _programs.move_to_end(key)
@@ -164,13 +172,19 @@ def _program(graphdef: Any, loss_fn: Callable[..., jax.Array], grad_norm: bool,
     def step(state: nnx.State, batch: Any) -> tuple[nnx.State, dict[str, jax.Array]]:
         program.traces += 1
         model, optimizer = nnx.merge(graphdef, state)
-        loss, grads = nnx.value_and_grad(loss_fn)(model, batch)
+        if grad_accum == 1:
+            loss, grads = nnx.value_and_grad(loss_fn)(model, batch)
+        else:
+            loss, grads = accumulate_grads(model, loss_fn, batch, grad_accum)
         if offload:  # the state comes from host memory and goes back there, leaf by leaf
             nnx.update(optimizer, to_device(nnx.state(optimizer, nnx.OptState)))
         optimizer.update(model, grads)
+        metrics = {"loss": loss.astype(jnp.float32)}
+        lr = current_lr(optimizer.opt_state)
+        if lr is not None:
+            metrics["lr"] = jnp.asarray(lr, jnp.float32)
         if offload:
             nnx.update(optimizer, to_host(nnx.state(optimizer, nnx.OptState)))
-        metrics = {"loss": loss.astype(jnp.float32)}
         if grad_norm:
             metrics["grad_norm"] = _global_norm(grads)
         return nnx.state((model, optimizer)), metrics
@@ -180,6 +194,46 @@ def _program(graphdef: Any, loss_fn: Callable[..., jax.Array], grad_norm: bool,
     while len(_programs) > CACHE_SIZE:
         _programs.popitem(last=False)
     return program
+
+
+def accumulate_grads(model: nnx.Module, loss_fn: Callable[[nnx.Module, Any], jax.Array],
+                     batch: Any, microbatches: int) -> tuple[jax.Array, nnx.State]:
+    """(mean loss, mean gradient) of ``loss_fn(model, .)`` over `microbatches` equal slices of
+    `batch` (every leaf's leading axis, e.g. ``int32[batch, seq + 1]`` tokens), computed one
+    slice at a time in a ``lax.scan``: activations of one microbatch are live at a time, the
+    gradient sum is carried in the parameters' own (GTP-sharded) layout.
+
+    Microbatch ``i`` takes rows ``i, i + microbatches, ...``: with the batch split over the
+    data axes in contiguous blocks, each device then holds ``1/microbatches`` of its own
+    rows of every microbatch (no data moves between devices). For a loss that is a mean
+    over rows (`gtp_jax.models.lm_loss` of a dense model) the result is the whole batch's
+    loss and gradient, up to float rounding of the sums.
+
+    Returns the gradients as ``nnx.value_and_grad`` does (an ``nnx.State`` of the
+    ``nnx.Param`` variables), float32 loss.
+    """
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+    def slices(x: jax.Array) -> jax.Array:
+        rows = x.shape[0]
+        if rows % microbatches:
+            raise UsageTypeError(f"accumulate_grads: the batch's {rows} rows do not split into "
+                                 f"{microbatches} equal microbatches.")
+        x = x.reshape(rows // microbatches, microbatches, *x.shape[1:])
+        return jnp.swapaxes(x, 0, 1)
+
+    def loss_of(params: nnx.State, micro: Any) -> jax.Array:
+        return loss_fn(nnx.merge(graphdef, params, rest), micro).astype(jnp.float32)
+
+    def body(carry: tuple[jax.Array, nnx.State], micro: Any
+             ) -> tuple[tuple[jax.Array, nnx.State], None]:
+        loss, grads = jax.value_and_grad(loss_of)(params, micro)
+        return jax.tree.map(jnp.add, carry, (loss, grads)), None
+
+    zero = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
+    (loss, grads), _ = jax.lax.scan(body, zero, jax.tree.map(slices, batch))
+    scale = 1.0 / microbatches
+    return loss * scale, jax.tree.map(lambda g: (g * scale).astype(g.dtype), grads)
 
 
 def _global_norm(tree: Any) -> jax.Array:
