@@ -56,7 +56,7 @@ def test_matches_nnx_jit_step_compiles_once_and_syncs(reference) -> None:
     losses, norms = [], []
     for batch in _batches(CFG, model.mesh):
         metrics = step(batch)
-        assert set(metrics) == {"loss", "grad_norm"}
+        assert set(metrics) == {"loss", "grad_norm", "lr"}
         assert all(m.dtype == np.float32 and m.shape == () for m in metrics.values())
         losses.append(float(metrics["loss"]))
         norms.append(float(metrics["grad_norm"]))

@@ -166,7 +166,8 @@ def compiled_memory(cfg: TrainConfig) -> MemoryFigure:
     check_devices(cfg)
     graphdef, state, batch = abstract_train_state(cfg)
     loss_fn = functools.partial(lm_loss, aux_weight=model_config(cfg).moe_aux_weight)
-    program = step_program(graphdef, loss_fn, offload=cfg.offload_optimizer)
+    program = step_program(graphdef, loss_fn, offload=cfg.offload_optimizer,
+                           grad_accum=cfg.grad_accum)
     figure = MemoryFigure.of(program.lower(state, batch).compile())
     _CACHE[key] = figure
     return figure

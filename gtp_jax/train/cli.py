@@ -17,6 +17,8 @@ from typing import Any
 
 from gtp_jax.base.errors import UsageError
 from gtp_jax.base.xla_flags import simulate_cpu_devices
+from gtp_jax.train.job_file import expand_job_file
+from gtp_jax.train.optim import LR_SCHEDULES
 
 #: ``planner(cfg, fixed layout fields, memory GiB or None) -> laid-out cfg`` (``--plan auto``).
 Planner = Callable[[Any, dict[str, Any], "float | None"], Any]
@@ -44,7 +46,12 @@ FLAGS = {
     "TrainConfig.overlap": "--overlap", "TrainConfig.moe_experts": "--moe-experts",
     "TrainConfig.moe_top_k": "--moe-top-k", "TrainConfig.moe_capacity_factor": "--moe-capacity",
     "TrainConfig.prefetch": "--prefetch", "TrainConfig.pad_for_alignment": "--pad-for-alignment",
-    "TrainConfig.remat": "--remat", "TrainConfig.weight_decay": "weight_decay (no flag)",
+    "TrainConfig.remat": "--remat", "TrainConfig.weight_decay": "--weight-decay",
+    "TrainConfig.lr_schedule": "--lr-schedule", "TrainConfig.decay_steps": "--decay-steps",
+    "TrainConfig.clip_grad_norm": "--clip-grad-norm", "TrainConfig.adam_b1": "--adam-b1",
+    "TrainConfig.adam_b2": "--adam-b2", "TrainConfig.adam_eps": "--adam-eps",
+    "TrainConfig.grad_accum": "--grad-accum",
+    "ObserveConfig.log_dir": "--log-dir", "ObserveConfig.log_every": "--log-every",
     "TrainConfig.attention": "--attention",
     "TrainConfig.offload_optimizer": "--[no-]offload-optimizer",
     "TrainConfig.unroll_layers": "--[no-]unroll-layers",
@@ -93,6 +100,15 @@ def _fail(err: BaseException, code: int) -> int:
     return code
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows defaults, except None ones (their help says what an unset flag means)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None:
+            return action.help
+        return super()._get_help_string(action)
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m gtp_jax",
@@ -112,12 +128,16 @@ def _parser() -> argparse.ArgumentParser:
             "devices; without --gtp, gtp fills 8 devices: --tp 4 --dp 2 gives gtp=1); with GPUs "
             "the default is gtp = number of GPUs (of all processes), "
             "and with only --dp given, gtp takes the remaining GPUs."),
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=_HelpFormatter)
+    train.add_argument("--config", default=None, metavar="JOB.toml",
+                       help="read flags from a TOML file: one key per flag, named as the "
+                       "flag without its dashes (grad-accum = 4); flags on the command line "
+                       "override the file (docs/training_options.md)")
     train.add_argument("--preset", default="tiny",
-                       help="model size: tiny (0.87M parameters), small (19.4M), 100m (85M), "
-                            "1b (0.95B; vocabulary 32000 instead of 256 bytes), "
-                            "llama3.2-1b, llama3.2-3b, llama3-8b (the Llama shapes; the "
-                            "vocabulary is the 256 bytes of the corpus)")
+                       help="model size (parameters with the corpus's 256-byte vocabulary; "
+                            "--data's tokenizer sets a larger one): tiny (0.87M), small "
+                            "(19.4M), 100m (85M), 1b (823M), and the Llama shapes "
+                            "llama3.2-1b (974M), llama3.2-3b (2.8B), llama3-8b (7.0B)")
     train.add_argument("--steps", type=int, default=100, help="optimizer steps")
     train.add_argument("--batch", type=int, default=16,
                        help="global batch size in sequences (divisible by dp*ep*gtp)")
@@ -131,6 +151,25 @@ def _parser() -> argparse.ArgumentParser:
                        "attention (default 1)")
     train.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
     train.add_argument("--warmup", type=int, default=10, help="warm-up steps")
+    opt = train.add_argument_group("optimizer (AdamW; docs/training_options.md)")
+    opt.add_argument("--lr-schedule", choices=LR_SCHEDULES, default="cosine",
+                     help="after the linear warm-up: cosine or linear decay to 10%% of --lr, "
+                     "wsd (stable, then linear decay to 10%% over the last --decay-steps), or "
+                     "constant")
+    opt.add_argument("--decay-steps", type=int, default=None, metavar="N",
+                     help="steps of the decay (default: the steps after the warm-up; wsd: "
+                     "the last 20%% of them)")
+    opt.add_argument("--weight-decay", type=float, default=0.1,
+                     help="AdamW decoupled weight decay")
+    opt.add_argument("--clip-grad-norm", type=float, default=1.0, metavar="NORM",
+                     help="clip gradients to this global L2 norm (0: off)")
+    opt.add_argument("--adam-b1", type=float, default=0.9, help="AdamW first-moment decay")
+    opt.add_argument("--adam-b2", type=float, default=0.95, help="AdamW second-moment decay")
+    opt.add_argument("--adam-eps", type=float, default=1e-8, help="AdamW epsilon")
+    opt.add_argument("--grad-accum", type=int, default=1, metavar="N",
+                     help="microbatches per optimizer step: --batch is split into N, their "
+                     "gradients summed before one update (activation memory of one "
+                     "microbatch; --batch must be a multiple of N*dp*ep*gtp)")
     train.add_argument("--seed", type=int, default=0, help="init and data-order seed")
     train.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
                        help="compute dtype (master weights stay float32); auto: bfloat16 on "
@@ -268,7 +307,14 @@ def _parser() -> argparse.ArgumentParser:
     obs.add_argument("--profile-steps", default=None, metavar="A:B",
                      help="steps to trace, inclusive; unset: the 3 steps after the first")
     obs.add_argument("--metrics-json", default=None, metavar="PATH",
-                     help="write per-step metrics and the summary as JSON")
+                     help="write per-step metrics and the summary as JSON at the end")
+    obs.add_argument("--log-dir", default=None, metavar="DIR",
+                     help="stream metrics while training: DIR/metrics.jsonl (flushed per "
+                     "logged step) and TensorBoard event files (pip install "
+                     "'gtp-jax[tensorboard]')")
+    obs.add_argument("--log-every", type=int, default=5, metavar="K",
+                     help="log every K steps (the progress line off a terminal, --log-dir) "
+                     "and the last step")
     return parser
 
 
@@ -362,13 +408,17 @@ def _configs(args: argparse.Namespace) -> tuple[object, object | None, object]:
     observe = ObserveConfig(
         profile_dir=args.profile_dir,
         profile_steps=parse_steps(args.profile_steps) if args.profile_steps else None,
-        metrics_json=args.metrics_json)
+        metrics_json=args.metrics_json, log_dir=args.log_dir, log_every=args.log_every)
     return dist, checkpoint, observe
 
 
 def main(argv: list[str] | None = None, *, planner: Planner | None = None) -> int:
     """``python -m gtp_jax train [options]``; `planner` is the ``--plan auto`` layout choice
     (`gtp_jax.plan.cli.auto_layout`, a higher layer, passed in by ``python -m gtp_jax``)."""
+    try:
+        argv = expand_job_file(_parser(), sys.argv[1:] if argv is None else list(argv))
+    except UsageError as err:
+        return _fail(err, 2)
     args = _parser().parse_args(argv)
     if args.command == "plan":
         print("error: run python -m gtp_jax plan (with the plan options).", file=sys.stderr)
@@ -471,6 +521,10 @@ def _run(args: argparse.Namespace, sizes: dict[str, int | None], cpu_sizes: dict
                           init_from=args.init_from,
                           eval_every=args.eval_every, eval_batches=args.eval_batches,
                           offload_optimizer=bool(args.offload_optimizer),
+                          weight_decay=args.weight_decay, lr_schedule=args.lr_schedule,
+                          decay_steps=args.decay_steps, clip_grad_norm=args.clip_grad_norm,
+                          adam_b1=args.adam_b1, adam_b2=args.adam_b2, adam_eps=args.adam_eps,
+                          grad_accum=args.grad_accum,
                           **(_PLANNED_MESH if args.plan == "auto" else mesh))
         if args.plan == "auto":
             cfg = _planned(args, sizes, cfg, planner)
@@ -481,6 +535,7 @@ def _run(args: argparse.Namespace, sizes: dict[str, int | None], cpu_sizes: dict
                            on_start=_print_header if primary else None, data=data, stop=stop)
     except UsageError as err:  # other exceptions are bugs: they keep their traceback
         if jax.default_backend() == "cpu" and any(v is None for v in sizes.values()) and (
+                type(err).__name__ != "DeviceMemoryError") and (
                 "TrainConfig.batch_size" in str(err) or "the mesh dp*ep*gtp*cp*tp" in str(err)):
             given = {k: v for k, v in cpu_sizes.items() if sizes[k] is None}
             err = UsageError(f"{err} (with defaults {given} for the mesh sizes not given; "

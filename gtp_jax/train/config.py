@@ -6,14 +6,12 @@ anything is built."""
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
 from gtp_jax.base.config import FP8_COMPUTE_RECIPES, GTPConfig
 from gtp_jax.base.errors import UsageError, UsageTypeError
@@ -21,13 +19,15 @@ from gtp_jax.data import VOCAB_SIZE
 from gtp_jax.models import TransformerConfig, preset
 from gtp_jax.models.attention import cudnn_unsupported, resolve_attention_impl
 from gtp_jax.models.hf import read_config
-from gtp_jax.sharding.offload import StreamableChain, streamable_chain
+from gtp_jax.sharding.offload import StreamableChain
+from gtp_jax.train import host_memory, optim
 from gtp_jax.train.observe import (
     MEMORY_ADVICE,
     DeviceMemoryError,
     device_memory_limit,
     estimate_train_memory,
 )
+from gtp_jax.train.optim import check_optimizer_settings
 
 #: TrainConfig fields that only change the layout or the schedule of the computation, not
 #: its math: a resumed run may change them. Every other field (including fields added
@@ -37,7 +37,7 @@ RESUME_MAY_DIFFER = frozenset({"steps", "dp", "gtp", "tp", "ep", "cp", "pad_for_
                                "gather_dtype", "gather_format", "prefetch", "remat", "overlap",
                                "attention", "unroll_layers", "export_hf", "eval_every",
                                "eval_batches", "offload_optimizer", "fp8_compute",
-                               "fp8_min_features"})
+                               "fp8_min_features", "grad_accum"})
 #: Fields whose default, "auto", is resolved for the backend (`resolve_auto`): the fast path
 #: on GPUs, exact float32 on CPUs. A resumed run keeps the saved run's values for those left
 #: on "auto" (`adopt_saved`).
@@ -65,9 +65,21 @@ class TrainConfig:
       dp, gtp, tp, ep: mesh sizes (their product, times `cp`, must equal the device count).
       cp: context-parallel size: each sequence is split over ``cp`` devices and attention
         runs as ring attention (`gtp_jax.parallel.context`); 1: off.
-      lr: peak AdamW learning rate (linear warm-up, cosine decay to 10%).
-      warmup: warm-up steps.
+      lr: peak AdamW learning rate (of the `lr_schedule`).
+      warmup: warm-up steps (linear from 0).
       weight_decay: AdamW decoupled weight decay.
+      lr_schedule: "cosine" (warm-up, cosine decay to 10% of `lr`), "linear" (warm-up,
+        linear decay to 10%), "wsd" (warm-up, stable, linear decay to 10% over the last
+        `decay_steps`) or "constant" (warm-up, then `lr`); `gtp_jax.train.optim`.
+      decay_steps: steps of the decay; None: the steps after the warm-up (cosine, linear),
+        the last 20% of them (wsd).
+      clip_grad_norm: clip the gradients to this global L2 norm before the update; 0: off.
+      adam_b1, adam_b2, adam_eps: AdamW's moment decay rates and epsilon.
+      grad_accum: microbatches per optimizer step: the step scans over `grad_accum` slices
+        of the batch, sums their gradients and updates once (activations of one microbatch
+        live at a time; the same losses as one step on the whole batch, to float
+        rounding, for dense models; MoE capacity and load-balancing loss are per
+        microbatch). `batch_size` must be a multiple of ``grad_accum * dp * ep * gtp``.
       seed: parameter init and data-order seed.
       dtype: compute dtype ("float32", "bfloat16", or "auto": bfloat16 on GPUs, float32
         elsewhere); master weights stay float32.
@@ -150,13 +162,21 @@ class TrainConfig:
     vocab_size: int | None = None
     eval_every: int = 0
     eval_batches: int = 4
+    lr_schedule: str = "cosine"
+    decay_steps: int | None = None
+    clip_grad_norm: float = 1.0
+    adam_b1: float = 0.9
+    adam_b2: float = 0.95
+    adam_eps: float = 1e-8
+    grad_accum: int = 1
 
     def __post_init__(self) -> None:
         # Every field is checked for type and range, so nothing silently trains wrong.
         for name, minimum in (("steps", 1), ("batch_size", 1), ("seq_len", 1), ("dp", 1),
                               ("gtp", 1), ("tp", 1), ("ep", 1), ("cp", 1), ("warmup", 0),
                               ("seed", 0), ("pad_for_alignment", 0), ("moe_experts", 0),
-                              ("moe_top_k", 1), ("eval_every", 0), ("eval_batches", 1)):
+                              ("moe_top_k", 1), ("eval_every", 0), ("eval_batches", 1),
+                              ("grad_accum", 1)):
             _check_int(name, getattr(self, name), minimum)
         if self.schedule_steps is not None:
             _check_int("schedule_steps", self.schedule_steps, 1)
@@ -200,6 +220,11 @@ class TrainConfig:
             raise UsageError(
                 f"TrainConfig.init_from_hf with moe_experts={self.moe_experts}: a Hugging Face "
                 "Llama checkpoint has a dense MLP; drop moe_experts.")
+        check_optimizer_settings(lr_schedule=self.lr_schedule, warmup=self.warmup,
+                                 schedule_steps=self.lr_schedule_steps,
+                                 decay_steps=self.decay_steps,
+                                 clip_grad_norm=self.clip_grad_norm, adam_b1=self.adam_b1,
+                                 adam_b2=self.adam_b2, adam_eps=self.adam_eps)
         shards = self.dp * self.ep * self.gtp
         fit = max(shards, self.batch_size // shards * shards)
         if self.batch_size % shards:
@@ -207,6 +232,16 @@ class TrainConfig:
                 f"TrainConfig.batch_size={self.batch_size} must be a multiple of dp*ep*gtp = "
                 f"{self.dp}*{self.ep}*{self.gtp} = {shards} (the batch is split over those "
                 f"axes); e.g. TrainConfig.batch_size={fit}."
+            )
+        if self.batch_size % (shards * self.grad_accum):
+            fit = max(shards * self.grad_accum,
+                      self.batch_size // (shards * self.grad_accum) * shards * self.grad_accum)
+            raise UsageError(
+                f"TrainConfig.batch_size={self.batch_size} with TrainConfig.grad_accum="
+                f"{self.grad_accum} must be a multiple of grad_accum*dp*ep*gtp = "
+                f"{self.grad_accum}*{shards} (each microbatch is split over the data axes); "
+                f"e.g. TrainConfig.batch_size={fit}, or a grad_accum that divides "
+                f"{self.batch_size // shards}."
             )
 
     @property
@@ -236,28 +271,20 @@ def _check_float(name: str, value: Any, *, positive: bool) -> None:
 
 
 def make_optimizer(cfg: TrainConfig) -> StreamableChain:
-    """AdamW with warm-up + cosine decay and global-norm clipping at 1.0.
+    """AdamW with the run's LR schedule and global-norm clipping
+    (`gtp_jax.train.optim.make_optimizer`).
 
-    The schedule spans `TrainConfig.lr_schedule_steps`; optax's cosine decay holds its end
-    value (10% of the peak) after that, which is what extended steps train at.
+    The schedule spans `TrainConfig.lr_schedule_steps`; it holds its end value after that,
+    which is what extended steps train at.
 
     The same settings return the same transformation object: it is static data of the
     ``nnx.Optimizer``, so an equal object lets a `TrainStep` reuse its compiled program.
     """
-    return _make_optimizer(float(cfg.lr), int(cfg.warmup), int(cfg.lr_schedule_steps),
-                           float(cfg.weight_decay))
-
-
-@functools.cache
-def _make_optimizer(lr: float, warmup: int, steps: int,
-                    weight_decay: float) -> StreamableChain:
-    schedule = optax.warmup_cosine_decay_schedule(
-        0.0, lr, warmup_steps=max(1, warmup), decay_steps=max(steps, warmup + 1),
-        end_value=lr * 0.1)
-    # The same chain as optax.chain(clip, adamw), its two parts named so that an offloaded
-    # step can stream AdamW (leaf-wise) per layer group after clipping (whole-tree).
-    return streamable_chain(optax.clip_by_global_norm(1.0),
-                            optax.adamw(schedule, b2=0.95, weight_decay=weight_decay))
+    return optim.make_optimizer(
+        float(cfg.lr), int(cfg.warmup), int(cfg.lr_schedule_steps), float(cfg.weight_decay),
+        schedule=cfg.lr_schedule, decay_steps=cfg.decay_steps,
+        clip_grad_norm=float(cfg.clip_grad_norm), b1=float(cfg.adam_b1),
+        b2=float(cfg.adam_b2), eps=float(cfg.adam_eps))
 
 
 def resolve_auto(cfg: TrainConfig, backend: str | None = None) -> TrainConfig:
@@ -439,7 +466,64 @@ def check_memory_fits(cfg: TrainConfig, bytes_limit: int | None = None) -> dict[
             f"({memory_parts(estimate)}) but a device has {bytes_limit / 2**30:.2f} GiB; "
             + MEMORY_ADVICE
         )
+    if jax.default_backend() == "cpu":
+        check_host_memory(cfg, estimate)
     return estimate
+
+
+def check_host_memory(cfg: TrainConfig, estimate: dict[str, int] | None = None,
+                      available: int | None = None) -> None:
+    """Refuses a run on simulated CPU devices whose estimate times the device count exceeds
+    the host's available memory (every simulated device lives in this process; such a run
+    would grow until the kernel kills it, without a message).
+
+    Args:
+      cfg: the run.
+      estimate: `memory_estimate` of `cfg` (None: computed).
+      available: the host's available bytes; None: `host_memory.available_host_bytes`
+        (no check where it is unknown).
+
+    Raises:
+      DeviceMemoryError: over the available memory; names a smaller preset that fits (if
+        one does), and the batch and sequence flags.
+    """
+    available = host_memory.available_host_bytes() if available is None else available
+    if available is None:
+        return
+    estimate = memory_estimate(cfg) if estimate is None else estimate
+    devices = jax.local_device_count()  # this process's share of the mesh
+    need = estimate["total"] * devices
+    if need <= available:
+        return
+    advice = "lower TrainConfig.batch_size or TrainConfig.seq_len"
+    smaller = _fitting_preset(cfg, available)
+    if smaller is not None:
+        advice = f"use a smaller TrainConfig.preset such as {smaller!r}, or " + advice
+    raise DeviceMemoryError(
+        f"the run needs an estimated {estimate['total'] / 2**30:.2f} GiB per device x "
+        f"{devices} simulated CPU devices in this process = {need / 2**30:.2f} GiB of host "
+        f"memory, but {available / 2**30:.2f} GiB are available; {advice}.")
+
+
+def _fitting_preset(cfg: TrainConfig, available: int) -> str | None:
+    """The largest preset smaller than `cfg`'s whose run fits in `available` host bytes."""
+    from gtp_jax.models import PRESETS  # noqa: PLC0415
+
+    if cfg.init_from_hf is not None:
+        return None
+    devices = jax.local_device_count()
+    sizes = []
+    for name in PRESETS:
+        try:
+            other = dataclasses.replace(cfg, preset=name)
+            sizes.append((model_config(other).num_params(),
+                          memory_estimate(other)["total"] * devices, name))
+        except (UsageError, UsageTypeError):
+            continue
+    mine = model_config(cfg).num_params()
+    fits = [(params, name) for params, need, name in sizes if params < mine
+            and need <= available]
+    return max(fits)[1] if fits else None
 
 
 def memory_parts(estimate: dict[str, int]) -> str:
@@ -449,9 +533,14 @@ def memory_parts(estimate: dict[str, int]) -> str:
 
 def memory_estimate(cfg: TrainConfig) -> dict[str, int]:
     """`gtp_jax.train.observe.estimate_train_memory` of the run `cfg`."""
-    parts = estimate_train_memory(model_config(cfg), batch_size=cfg.batch_size,
+    # Activations are those of one microbatch; accumulation holds a second gradient.
+    parts = estimate_train_memory(model_config(cfg),
+                                  batch_size=cfg.batch_size // cfg.grad_accum,
                                   seq_len=cfg.seq_len, dp=cfg.dp, gtp=cfg.gtp, tp=cfg.tp,
                                   ep=cfg.ep)
+    if cfg.grad_accum > 1:
+        parts["grads"] *= 2
+        parts["total"] += parts["grads"] // 2
     if cfg.offload_optimizer:  # the state lives in host memory
         parts["total"] -= parts["optimizer"]
         parts["optimizer"] = 0

@@ -41,6 +41,7 @@ from gtp_jax.train.config import (
     resolve_auto,
 )
 from gtp_jax.train.data_source import DataSource
+from gtp_jax.train.metrics_log import MetricsLog, open_metrics_log, step_extras
 from gtp_jax.train.ntp import NonuniformStep, Recovery, SimulatedFailure, check_failure
 from gtp_jax.train.observe import (
     MEMORY_ADVICE,
@@ -128,6 +129,9 @@ def train(cfg: TrainConfig, *, on_step: OnStep | None = None,
         raise UsageError(f"TrainConfig.vocab_size={cfg.vocab_size} is smaller than the data's "
                          f"{source.vocab_size} token ids; leave it None (the data's) or raise "
                          "it.")
+    if cfg.grad_accum > 1 and failure is not None:
+        raise UsageError("TrainConfig.grad_accum with a SimulatedFailure: the nonuniform step "
+                         "does not accumulate microbatches; use grad_accum=1.")
     if cfg.eval_every and failure is not None:
         raise UsageError("TrainConfig.eval_every with a SimulatedFailure: the held-out loss is "
                          "not computed on the nonuniform layout; drop one of them.")
@@ -141,6 +145,8 @@ def train(cfg: TrainConfig, *, on_step: OnStep | None = None,
             check_writable_dir(observe.profile_dir, "ObserveConfig.profile_dir")
         if observe.metrics_json is not None:
             check_writable_file(observe.metrics_json, "ObserveConfig.metrics_json")
+        if observe.log_dir is not None:
+            check_writable_dir(observe.log_dir, "ObserveConfig.log_dir")
     lock = None
     if checkpoint is not None and primary and "://" not in checkpoint.directory:
         lock = DirectoryLock(checkpoint.directory)
@@ -224,8 +230,9 @@ def _train(cfg: TrainConfig, *, on_step: OnStep | None, progress: bool,
     batcher = source.batcher(cfg.batch_size, cfg.seq_len, cfg.seed,
                              meta["extra"]["data"] if meta is not None else None)
     loss_fn = functools.partial(lm_loss, aux_weight=model_cfg.moe_aux_weight)
-    step_fn = TrainStep(model, optimizer, loss_fn)
+    step_fn = TrainStep(model, optimizer, loss_fn, grad_accum=cfg.grad_accum)
     profiler = StepProfiler(observe.profile_dir, window) if window is not None else None
+    log = open_metrics_log(observe, cfg, model_cfg) if jax.process_index() == 0 else None
     switch = None
     if failure_plan is not None:
         def switch(state: Any, original: gtp_jax.ShardedModule = model
@@ -236,10 +243,13 @@ def _train(cfg: TrainConfig, *, on_step: OnStep | None, progress: bool,
         losses, times, saved, recovery, step_fn, val_losses = _step_loop(
             cfg, model_cfg, step_fn, batcher, start=start, ckpt=ckpt, profiler=profiler,
             on_step=on_step, progress=progress, failure_step=failure.step if switch else None,
-            switch=switch, held_out=held_out, source=source.record, stop=stop)
+            switch=switch, held_out=held_out, source=source.record, stop=stop,
+            log=log, log_every=observe.log_every)
     finally:
         if profiler is not None:
             profiler.stop()
+        if log is not None:
+            log.close()
     step_fn.sync()
     model, optimizer = step_fn.objects
     if cfg.export_hf is not None:
@@ -267,6 +277,7 @@ def _step_loop(cfg: TrainConfig, model_cfg: TransformerConfig, step_fn: TrainSte
                switch: Callable[[Any], tuple[NonuniformStep, Recovery]] | None = None,
                held_out: list[RowBatch] | None = None, source: dict[str, Any] | None = None,
                stop: StopRequest | None = None,
+               log: MetricsLog | None = None, log_every: int = 5,
                ) -> tuple[list[float], list[float], list[int], Recovery | None, Any,
                           dict[int, float]]:
     """Steps ``start + 1 .. cfg.steps``: (losses, step seconds, checkpointed steps, the
@@ -285,6 +296,9 @@ def _step_loop(cfg: TrainConfig, model_cfg: TransformerConfig, step_fn: TrainSte
     ends of the profiler window and after the last step. A step's time is the interval
     between the completions of consecutive steps (the first one's includes compiling).
 
+    Every `log_every`-th step, the last one and evaluated ones are logged: the progress line
+    on a non-terminal (with grad norm and LR) and a record in `log`, flushed at once.
+
     After step `failure_step`, ``switch(step_fn.state)`` re-plans and re-lays out the state
     (see `gtp_jax.train.ntp`) and the loop continues with the nonuniform step it returns.
 
@@ -293,7 +307,8 @@ def _step_loop(cfg: TrainConfig, model_cfg: TransformerConfig, step_fn: TrainSte
     returns early."""
     placement = gtp_jax.data_sharding(step_fn.objects[0].mesh)
     tokens_per_step = cfg.batch_size * cfg.seq_len
-    bar = ProgressBar(cfg.steps) if progress and jax.process_index() == 0 else None
+    bar = (ProgressBar(cfg.steps, every=log_every) if progress and jax.process_index() == 0
+           else None)
     extra = {"train_config": dataclasses.asdict(cfg), "model_config": model_json(model_cfg),
              "data_source": source}
     losses: list[float] = []
@@ -344,8 +359,16 @@ def _step_loop(cfg: TrainConfig, model_cfg: TransformerConfig, step_fn: TrainSte
         shown = {}
         if held_out and (step % cfg.eval_every == 0 or step == cfg.steps):
             val_losses[step] = shown["val_loss"] = evaluate()
+        logged = bool(shown) or step % log_every == 0 or step == cfg.steps
+        if logged or (bar is not None and bar.tty):
+            # Computed by the step that produced the loss: no further wait.
+            shown.update(step_extras(metrics))
+        if log is not None and logged:
+            log.write(step, loss=loss, step_s=times[-1], tokens=tokens_per_step,
+                      lr=shown.get("lr"), grad_norm=shown.get("grad_norm"),
+                      val_loss=shown.get("val_loss"))
         if bar is not None:
-            bar.update(step, keep=bool(shown), loss=loss, **shown,
+            bar.update(step, keep="val_loss" in shown, loss=loss, **shown,
                        tok_s=tokens_per_step / times[-1])
         if on_step is not None:
             on_step(step, loss, times[-1])

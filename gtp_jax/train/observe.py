@@ -77,12 +77,19 @@ class ObserveConfig:
         multi-process run each process writes under ``process_<i>/``). None: no trace.
       profile_steps: (first, last) optimizer steps to trace, 1-based and inclusive; None:
         the default window, steps 2..4 of the run (step 1 compiles), clipped to the run.
-      metrics_json: write per-step metrics and the summary to this JSON file (process 0).
+      metrics_json: write per-step metrics and the summary to this JSON file (process 0)
+        at the end of the run.
+      log_dir: stream per-step metrics while training (process 0): ``metrics.jsonl`` and
+        TensorBoard event files (`gtp_jax.train.metrics_log`). None: none.
+      log_every: log (the progress line on a non-terminal, `log_dir`'s records) every
+        `log_every` steps, and the last step.
     """
 
     profile_dir: str | None = None
     profile_steps: tuple[int, int] | None = None
     metrics_json: str | None = None
+    log_dir: str | None = None
+    log_every: int = 5
 
     def __post_init__(self) -> None:
         if self.profile_steps is not None:
@@ -97,7 +104,10 @@ class ObserveConfig:
                     "with 1 <= first <= last, e.g. (3, 5)."
                 )
             object.__setattr__(self, "profile_steps", steps)
-        for name in ("profile_dir", "metrics_json"):
+        if (isinstance(self.log_every, bool) or not isinstance(self.log_every, int)
+                or self.log_every < 1):
+            raise UsageError(f"ObserveConfig.log_every={self.log_every!r} must be an int >= 1.")
+        for name in ("profile_dir", "metrics_json", "log_dir"):
             value = getattr(self, name)
             if value is not None:
                 value = os.fspath(value)

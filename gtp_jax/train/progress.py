@@ -43,6 +43,10 @@ class ProgressBar:
 def _fmt(name: str, value: float) -> str:
     if name.endswith("tok_s"):
         return f"{value / 1e3:.1f}k tok/s"
+    if name == "lr":
+        return f"lr {value:.3g}"
+    if name == "grad_norm":
+        return f"grad_norm {value:.3f}"
     if name == "MiB":
         return f"{value:.1f} MiB"
     return f"{name} {value:.4f}"

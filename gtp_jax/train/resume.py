@@ -186,7 +186,9 @@ def check_resume(cfg: TrainConfig, model_cfg: TransformerConfig, meta: dict[str,
     saved_schedule = saved_cfg.get("schedule_steps") or saved_cfg.get("steps")
     if cfg.schedule_steps is None:
         cfg = dataclasses.replace(cfg, schedule_steps=saved_schedule)
-    saved_cfg = {**saved_cfg, "schedule_steps": saved_schedule}
+    # A field the checkpoint lacks was added later: its default is what that run used.
+    saved_cfg = {**{f.name: f.default for f in dataclasses.fields(TrainConfig)}, **saved_cfg,
+                 "schedule_steps": saved_schedule}
     mine = dataclasses.asdict(cfg)
     differ = [f"TrainConfig.{k}: checkpoint {saved_cfg.get(k)!r} vs now {mine[k]!r}"
               for k in mine if k not in RESUME_MAY_DIFFER and saved_cfg.get(k) != mine[k]]

@@ -7,7 +7,7 @@ between steps on GPUs.
 
     step = TrainStep(model, optimizer, functools.partial(lm_loss, aux_weight=cfg.moe_aux_weight))
     for batch in batches:
-        metrics = step(batch)          # {"loss", "grad_norm"}: float32 device scalars
+        metrics = step(batch)          # {"loss", "grad_norm", "lr"}: float32 device scalars
     step.sync()                        # before reading or saving the model / optimizer
 
 Compiled programs are cached per (graph definition, loss function): a second `TrainStep`
@@ -37,6 +37,7 @@ from gtp_jax.sharding.offload import (
     to_device,
     to_host,
 )
+from gtp_jax.train.optim import current_lr
 
 #: Programs kept (least recently used ones are dropped; a dropped one recompiles on reuse).
 CACHE_SIZE = 16
@@ -81,6 +82,9 @@ class TrainStep:
         gradients, unless the optimizer computes it anyway, e.g. to clip).
       offload_group_layers: with ``GTPConfig(offload_optimizer=True)``, layers whose
         optimizer state is brought to the device together (`OFFLOAD_GROUP_LAYERS`).
+      grad_accum: microbatches per step (`accumulate_grads`): the batch's leading axis is
+        cut into `grad_accum` equal microbatches whose gradients are summed in a
+        ``lax.scan`` before the one update; the loss is their mean.
 
     Attributes:
       graphdef: the static structure of ``(model, optimizer)``.
@@ -89,7 +93,7 @@ class TrainStep:
 
     def __init__(self, model: nnx.Module, optimizer: nnx.Optimizer,
                  loss_fn: Callable[[nnx.Module, Any], jax.Array], *, grad_norm: bool = True,
-                 offload_group_layers: int = OFFLOAD_GROUP_LAYERS):
+                 offload_group_layers: int = OFFLOAD_GROUP_LAYERS, grad_accum: int = 1):
         if not isinstance(optimizer, nnx.Optimizer):
             raise UsageTypeError(f"TrainStep: optimizer={type(optimizer).__name__} must be an "
                                  "nnx.Optimizer of the model.")
@@ -105,12 +109,15 @@ class TrainStep:
         state = _replicate_strays(state)
         self.state = map_opt_state(state, place_on_host) if offload else state
         self._program = _program(self.graphdef, loss_fn, bool(grad_norm),
-                                 offload_group_layers if offload else 0)
+                                 offload_group_layers if offload else 0,
+                                 int(grad_accum))
 
     def __call__(self, batch: Any) -> dict[str, jax.Array]:
-        """Runs one step; returns ``{"loss"}`` (and ``"grad_norm"``) as float32 device
-        scalars: the loss before this step's update, the global norm of its gradients
-        before clipping. Does not wait for the device."""
+        """Runs one step; returns ``{"loss"}`` (and ``"grad_norm"``, and ``"lr"`` where the
+        optimizer injects its learning rate, as `gtp_jax.train.optim` does) as float32
+        device scalars: the loss before this step's update, the global norm of its
+        gradients before clipping, the learning rate of the update. Does not wait for the
+        device."""
         self.state, metrics = self._program.fn(self.state, batch)
         return metrics
 
@@ -164,20 +171,22 @@ def map_opt_state(state: nnx.State, fn: Callable[[Any], Any]) -> nnx.State:
 
 def step_program(graphdef: Any, loss_fn: Callable[..., jax.Array], *, grad_norm: bool = True,
                  offload: bool = False,
-                 offload_group_layers: int = OFFLOAD_GROUP_LAYERS) -> Callable[..., Any]:
+                 offload_group_layers: int = OFFLOAD_GROUP_LAYERS,
+                 grad_accum: int = 1) -> Callable[..., Any]:
     """The jitted ``step(state, batch) -> (state, metrics)`` that `TrainStep` runs for a
     ``(model, optimizer)`` of `graphdef` (the same cached program): lower it with abstract
     arguments (``jax.ShapeDtypeStruct`` with shardings) to compile a step ahead of time
     without running it (`gtp_jax.plan` reads its memory analysis)."""
     if offload:
         stream_units({}, {}, offload_group_layers)
-    return _program(graphdef, loss_fn, grad_norm, offload_group_layers if offload else 0).fn
+    return _program(graphdef, loss_fn, grad_norm, offload_group_layers if offload else 0,
+                    grad_accum).fn
 
 
 def _program(graphdef: Any, loss_fn: Callable[..., jax.Array], grad_norm: bool,
-             offload: int = 0) -> _Program:
+             offload: int = 0, grad_accum: int = 1) -> _Program:
     """`offload`: 0 for on-device optimizer state, else the layers per streamed unit."""
-    key = (graphdef, _loss_key(loss_fn), grad_norm, offload)
+    key = (graphdef, _loss_key(loss_fn), grad_norm, offload, grad_accum)
     program = _programs.get(key)
     if program is not None:
         _programs.move_to_end(key)
@@ -187,7 +196,10 @@ def _program(graphdef: Any, loss_fn: Callable[..., jax.Array], grad_norm: bool,
     def step(state: nnx.State, batch: Any) -> tuple[nnx.State, dict[str, jax.Array]]:
         program.traces += 1
         model, optimizer = nnx.merge(graphdef, state)
-        loss, grads = nnx.value_and_grad(loss_fn)(model, batch)
+        if grad_accum == 1:
+            loss, grads = nnx.value_and_grad(loss_fn)(model, batch)
+        else:
+            loss, grads = accumulate_grads(model, loss_fn, batch, grad_accum)
         if offload and isinstance(optimizer.tx, StreamableChain):
             _streamed_optimizer_update(model, optimizer, grads, offload)
         elif offload:  # not streamable: the whole state to the device and back, leaf by leaf
@@ -197,6 +209,10 @@ def _program(graphdef: Any, loss_fn: Callable[..., jax.Array], grad_norm: bool,
         else:
             optimizer.update(model, grads)
         metrics = {"loss": loss.astype(jnp.float32)}
+        lr = current_lr(optimizer.opt_state)
+        if lr is not None:
+            lr = jnp.asarray(lr, jnp.float32)
+            metrics["lr"] = to_device(lr) if offload else lr
         if grad_norm:
             metrics["grad_norm"] = _global_norm(grads)
         return nnx.state((model, optimizer)), metrics
@@ -225,6 +241,46 @@ def _streamed_optimizer_update(model: nnx.Module, optimizer: nnx.Optimizer, grad
     nnx.update(model, new_params)
     nnx.update(optimizer.opt_state, nnx.state(new_opt_state, **graph))
     optimizer.step[...] = to_host(to_device(optimizer.step[...]) + 1)
+
+
+def accumulate_grads(model: nnx.Module, loss_fn: Callable[[nnx.Module, Any], jax.Array],
+                     batch: Any, microbatches: int) -> tuple[jax.Array, nnx.State]:
+    """(mean loss, mean gradient) of ``loss_fn(model, .)`` over `microbatches` equal slices of
+    `batch` (every leaf's leading axis, e.g. ``int32[batch, seq + 1]`` tokens), computed one
+    slice at a time in a ``lax.scan``: activations of one microbatch are live at a time, the
+    gradient sum is carried in the parameters' own (GTP-sharded) layout.
+
+    Microbatch ``i`` takes rows ``i, i + microbatches, ...``: with the batch split over the
+    data axes in contiguous blocks, each device then holds ``1/microbatches`` of its own
+    rows of every microbatch (no data moves between devices). For a loss that is a mean
+    over rows (`gtp_jax.models.lm_loss` of a dense model) the result is the whole batch's
+    loss and gradient, up to float rounding of the sums.
+
+    Returns the gradients as ``nnx.value_and_grad`` does (an ``nnx.State`` of the
+    ``nnx.Param`` variables), float32 loss.
+    """
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+    def slices(x: jax.Array) -> jax.Array:
+        rows = x.shape[0]
+        if rows % microbatches:
+            raise UsageTypeError(f"accumulate_grads: the batch's {rows} rows do not split into "
+                                 f"{microbatches} equal microbatches.")
+        x = x.reshape(rows // microbatches, microbatches, *x.shape[1:])
+        return jnp.swapaxes(x, 0, 1)
+
+    def loss_of(params: nnx.State, micro: Any) -> jax.Array:
+        return loss_fn(nnx.merge(graphdef, params, rest), micro).astype(jnp.float32)
+
+    def body(carry: tuple[jax.Array, nnx.State], micro: Any
+             ) -> tuple[tuple[jax.Array, nnx.State], None]:
+        loss, grads = jax.value_and_grad(loss_of)(params, micro)
+        return jax.tree.map(jnp.add, carry, (loss, grads)), None
+
+    zero = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
+    (loss, grads), _ = jax.lax.scan(body, zero, jax.tree.map(slices, batch))
+    scale = 1.0 / microbatches
+    return loss * scale, jax.tree.map(lambda g: (g * scale).astype(g.dtype), grads)
 
 
 def _global_norm(tree: Any) -> jax.Array:

@@ -1,0 +1,24 @@
+"""The host's available memory: what a run on simulated CPU devices, whose every device
+lives in this process's memory, is checked against before compiling
+(`gtp_jax.train.config.check_memory_fits`)."""
+
+from __future__ import annotations
+
+import os
+
+
+def available_host_bytes() -> int | None:
+    """Bytes of memory the host can give a new allocation without swapping: Linux's
+    ``MemAvailable`` (/proc/meminfo), else free pages (``os.sysconf``); None where neither
+    is known."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024  # the file says kB, meaning KiB
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None

@@ -1,0 +1,247 @@
+"""The trainer's optimizer knobs (`gtp_jax.train.optim`), gradient accumulation
+(`gtp_jax.train.step.accumulate_grads`), job files (`gtp_jax.train.job_file`) and the
+host-memory check of simulated CPU runs (`gtp_jax.train.config.check_host_memory`)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from helpers import Mixed, assert_close, flat_values, get_mesh, mixed_tokens, mse_loss
+
+import gtp_jax
+from gtp_jax.base.errors import UsageError, UsageTypeError
+from gtp_jax.models import lm_loss
+from gtp_jax.train import (
+    DeviceMemoryError,
+    TrainConfig,
+    TrainStep,
+    build_model_and_optimizer,
+    make_optimizer,
+    model_config,
+)
+from gtp_jax.train import config as train_config
+from gtp_jax.train.cli import _parser
+from gtp_jax.train.cli import main as cli_main
+from gtp_jax.train.config import check_host_memory, memory_estimate, model_json, resolve_auto
+from gtp_jax.train.job_file import expand_job_file
+from gtp_jax.train.optim import lr_schedule
+from gtp_jax.train.resume import check_resume
+from gtp_jax.train.step import accumulate_grads
+
+#: float32 on the suite's dp=2 x gtp=4 mesh; 16 rows so 2 microbatches split over 8 shards.
+CFG = TrainConfig(steps=2, batch_size=16, seq_len=16, warmup=1, dp=2, gtp=4)
+
+
+def _batches(cfg: TrainConfig, mesh: jax.sharding.Mesh, count: int = 2) -> list[jax.Array]:
+    rng = np.random.default_rng(1)
+    tokens = rng.integers(0, 256, (count, cfg.batch_size, cfg.seq_len + 1)).astype(np.int32)
+    return [jax.device_put(t, gtp_jax.data_sharding(mesh)) for t in tokens]
+
+
+def _run(cfg: TrainConfig) -> tuple[list[float], list[float], dict]:
+    model, optimizer = build_model_and_optimizer(cfg)
+    step = TrainStep(model, optimizer, lm_loss, grad_accum=cfg.grad_accum)
+    losses, lrs = [], []
+    for batch in _batches(cfg, model.mesh):
+        metrics = step(batch)
+        losses.append(float(metrics["loss"]))
+        lrs.append(float(metrics["lr"]))
+    step.sync()
+    return losses, lrs, flat_values(gtp_jax.unshard(model))
+
+
+def test_grad_accum_gradients_equal_the_whole_batch() -> None:
+    """The mean loss and gradient over 2 microbatches of a GTP-sharded module (dp=2 x gtp=4,
+    the batch of 16 rows split over the 8 data shards) equal the whole batch's: float32 sums in
+    another order, ~1e-6 relative; a wrong row split or a missing 1/N gives O(1) errors."""
+    mesh = get_mesh("dp2_gtp4")
+    model = gtp_jax.shard(Mixed(nnx.Rngs(0)), mesh)
+    batch = jax.device_put(mixed_tokens(jax.random.key(3), batch=16),
+                           gtp_jax.data_sharding(mesh))
+    whole = jax.jit(lambda m, b: nnx.value_and_grad(mse_loss)(m, b))(model, batch)
+    ref = flat_values(whole[1])
+    for microbatches in (2,):
+        micro = jax.jit(lambda m, b, n=microbatches: accumulate_grads(m, mse_loss, b, n))(
+            model, batch)
+        assert_close(micro[0], whole[0], 1e-6, "loss")
+        grads = flat_values(micro[1])
+        assert grads.keys() == ref.keys()
+        for key, value in grads.items():
+            assert_close(value, ref[key], 1e-5, str(key))
+    with pytest.raises(UsageTypeError, match="do not split into 3 equal microbatches"):
+        accumulate_grads(model, mse_loss, batch, 3)
+
+
+def test_grad_accum_matches_one_step_on_the_whole_batch() -> None:
+    """Two optimizer steps with 2 microbatches of 8 rows = two steps on 16 rows. float32:
+    the loss is a mean of 2 means instead of one (rounding ~1e-7 relative). The gradients
+    differ by summation order (~1e-6 relative, checked above); AdamW divides each entry by
+    its own magnitude, which amplifies that for entries whose gradient is near rounding
+    noise: measured 2.1e-5 of each parameter's largest entry. 1e-4 bounds it; a wrong
+    microbatch changes the update of most entries by O(lr) = 3e-3 of ~0.1 weights."""
+    whole_losses, whole_lrs, whole = _run(CFG)
+    accum_losses, accum_lrs, accum = _run(dataclasses.replace(CFG, grad_accum=2))
+    assert_close(accum_losses, whole_losses, 1e-6, "losses")
+    # The reported LR is the one each update used: the schedule's at counts 0, 1.
+    rate = lr_schedule(CFG.lr, CFG.warmup, CFG.steps)
+    assert accum_lrs == whole_lrs == [float(rate(0)), float(rate(1))]
+    assert accum_lrs == [0.0, pytest.approx(CFG.lr, rel=1e-7)]
+    assert accum.keys() == whole.keys()
+    for key, value in accum.items():
+        assert_close(value, whole[key], 1e-4, str(key))
+
+
+def test_schedules() -> None:
+    lr = 1.0
+    wsd = lr_schedule(lr, 2, 10, schedule="wsd", decay_steps=4)
+    # warm-up 0, 0.5; stable 1.0 for steps 2..5; linear decay over steps 6..9 to 10%.
+    np.testing.assert_allclose([float(wsd(i)) for i in range(12)],
+                               [0, .5, 1, 1, 1, 1, 1, .775, .55, .325, .1, .1], atol=1e-6)
+    lin = lr_schedule(lr, 0, 4, schedule="linear")
+    np.testing.assert_allclose([float(lin(i)) for i in range(6)],
+                               [1, .775, .55, .325, .1, .1], atol=1e-6)
+    const = lr_schedule(lr, 2, 10, schedule="constant")
+    np.testing.assert_allclose([float(const(i)) for i in range(4)], [0, .5, 1, 1], atol=1e-6)
+    # The default wsd decays over the last 20% of the steps after the warm-up.
+    wsd = lr_schedule(lr, 0, 10, schedule="wsd")
+    assert float(wsd(7)) == 1.0 and float(wsd(9)) == pytest.approx(0.55)
+    # Warm-up longer than the run: the rate only warms up (no negative phases).
+    short = lr_schedule(lr, 10, 4, schedule="wsd")
+    np.testing.assert_allclose([float(short(i)) for i in range(4)], [0, .1, .2, .3], atol=1e-6)
+
+
+def test_default_optimizer_updates_as_before() -> None:
+    """The defaults reproduce the optimizer of earlier versions (resumed runs continue)."""
+    cfg = TrainConfig(steps=20, warmup=3, lr=1e-2)
+    old = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(
+        optax.warmup_cosine_decay_schedule(0.0, 1e-2, warmup_steps=3, decay_steps=20,
+                                           end_value=1e-3), b2=0.95, weight_decay=0.1))
+    new = make_optimizer(cfg)
+    params = {"w": jnp.linspace(-1.0, 1.0, 12).reshape(3, 4)}
+    old_state, new_state = old.init(params), new.init(params)
+    for i in range(6):
+        grads = {"w": jnp.sin(params["w"] * (i + 1)) * (3.0 if i % 2 else 0.1)}
+        u_old, old_state = old.update(grads, old_state, params)
+        u_new, new_state = new.update(grads, new_state, params)
+        np.testing.assert_allclose(u_new["w"], u_old["w"], rtol=1e-6, atol=1e-9)
+
+
+def test_clip_and_betas_reach_the_optimizer() -> None:
+    params = {"w": jnp.ones((4,))}
+    grads = {"w": jnp.full((4,), 10.0)}  # global norm 20
+    for clip, b1, b2 in ((0.0, 0.9, 0.95), (0.5, 0.9, 0.95), (1.0, 0.5, 0.99)):
+        cfg = TrainConfig(steps=10, warmup=0, clip_grad_norm=clip, adam_b1=b1, adam_b2=b2,
+                          weight_decay=0.0, lr_schedule="constant")
+        ref = optax.adam(cfg.lr, b1=b1, b2=b2)
+        tx = make_optimizer(cfg)
+        state, ref_state = tx.init(params), ref.init(params)
+        for scale in (1.0, 0.1):
+            g = {"w": grads["w"] * scale}
+            factor = 1.0 if clip == 0 else min(1.0, clip / float(optax.tree.norm(g)))
+            clipped = {"w": g["w"] * factor}
+            update, state = tx.update(g, state, params)
+            expected, ref_state = ref.update(clipped, ref_state, params)
+            np.testing.assert_allclose(update["w"], expected["w"], rtol=1e-5)
+
+
+@pytest.mark.parametrize("kwargs, needle", [
+    ({"lr_schedule": "step"}, "TrainConfig.lr_schedule='step'"),
+    ({"clip_grad_norm": -1.0}, "TrainConfig.clip_grad_norm=-1.0"),
+    ({"adam_b1": 1.0}, "TrainConfig.adam_b1=1.0"),
+    ({"adam_eps": 0.0}, "TrainConfig.adam_eps=0.0"),
+    ({"decay_steps": 0}, "TrainConfig.decay_steps=0"),
+    ({"lr_schedule": "constant", "decay_steps": 5}, "constant schedule has no decay"),
+    ({"lr_schedule": "wsd", "decay_steps": 95}, "TrainConfig.decay_steps <= 90"),
+    ({"grad_accum": 0}, "TrainConfig.grad_accum=0"),
+    ({"grad_accum": 3}, "grad_accum*dp*ep*gtp"),
+])
+def test_bad_optimizer_settings(kwargs, needle) -> None:
+    with pytest.raises(UsageError) as err:
+        TrainConfig(**kwargs)
+    assert needle in str(err.value)
+
+
+def _meta(cfg: TrainConfig, *, drop: tuple[str, ...] = ()) -> dict:
+    saved = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in drop}
+    return {"step": 1, "extra": {"train_config": saved,
+                                 "model_config": model_json(model_config(cfg)),
+                                 "data": {"position": 1}}}
+
+
+def test_resume_refuses_other_optimizer_settings_allows_other_grad_accum() -> None:
+    saved = resolve_auto(dataclasses.replace(CFG, steps=4))
+    for change in ({"clip_grad_norm": 0.5}, {"adam_b2": 0.99}, {"lr_schedule": "wsd"}):
+        other = dataclasses.replace(saved, **change)
+        with pytest.raises(UsageError, match="belongs to a different run") as err:
+            check_resume(other, model_config(other), _meta(saved), "d")
+        assert next(iter(change)) in str(err.value)
+    same = dataclasses.replace(saved, grad_accum=2)
+    assert check_resume(same, model_config(same), _meta(saved), "d").grad_accum == 2
+    # A checkpoint of a version without these fields trained with their defaults.
+    new_fields = ("lr_schedule", "decay_steps", "clip_grad_norm", "adam_b1", "adam_b2",
+                  "adam_eps", "grad_accum")
+    check_resume(saved, model_config(saved), _meta(saved, drop=new_fields), "d")
+    clipped = dataclasses.replace(saved, clip_grad_norm=2.0)
+    with pytest.raises(UsageError, match="clip_grad_norm"):
+        check_resume(clipped, model_config(clipped), _meta(saved, drop=new_fields), "d")
+
+
+def _args(tmp_path, text: str, *flags: str):
+    path = tmp_path / "job.toml"
+    path.write_text(text)
+    return _parser().parse_args(expand_job_file(_parser(), ["train", "--config", str(path),
+                                                            *flags]))
+
+
+def test_job_file_sets_flags_and_flags_override(tmp_path) -> None:
+    text = ('steps = 7\nlr = 0.001\ngrad-accum = 2\nlr-schedule = "wsd"\noverlap = true\n'
+            'unroll-layers = false\ndata = ["a.txt", "b.txt"]\nlog-dir = "logs"\n')
+    args = _args(tmp_path, text)
+    assert (args.steps, args.lr, args.grad_accum, args.lr_schedule) == (7, 1e-3, 2, "wsd")
+    assert args.overlap is True and args.unroll_layers is False
+    assert args.data == ["a.txt", "b.txt"] and args.log_dir == "logs"
+    args = _args(tmp_path, text, "--steps", "9", "--lr-schedule=cosine", "--unroll-layers")
+    assert (args.steps, args.lr_schedule, args.unroll_layers, args.lr) == (9, "cosine", True,
+                                                                           1e-3)
+
+
+@pytest.mark.parametrize("text, needle", [
+    ("grad_accum = 2\n", "unknown key 'grad_accum'; did you mean 'grad-accum'?"),
+    ("stpes = 2\n", "did you mean 'steps'?"),
+    ("overlap = 1\n", "key 'overlap' must be true or false"),
+    ("steps = [1]\n", "key 'steps' must be a string or a number"),
+    ("[train]\nsteps = 2\n", "unknown key 'train'"),
+    ("steps = \n", "is not valid TOML"),
+    ("config = 'x.toml'\n", "unknown key 'config'"),
+])
+def test_job_file_errors_name_the_key(tmp_path, capsys, text, needle) -> None:
+    path = tmp_path / "job.toml"
+    path.write_text(text)
+    assert cli_main(["train", "--config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and err.count("\n") == 1, err
+
+
+def test_host_memory_refusal() -> None:
+    cfg = TrainConfig(preset="1b", steps=2)
+    need = memory_estimate(cfg)["total"] * jax.local_device_count()
+    check_host_memory(cfg, available=need)  # exactly enough: accepted
+    with pytest.raises(DeviceMemoryError) as err:
+        check_host_memory(cfg, available=need - 1)
+    text = str(err.value)
+    assert "x 8 simulated CPU devices" in text and "TrainConfig.batch_size" in text
+    assert "such as '100m'" in text  # the largest smaller preset that fits
+
+
+def test_host_memory_refusal_at_the_cli(monkeypatch, capsys) -> None:
+    monkeypatch.setattr(train_config.host_memory, "available_host_bytes", lambda: 2 * 2**30)
+    assert cli_main(["train", "--preset", "1b", "--steps", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "of host memory, but 2.00 GiB are available" in err
+    assert "--preset such as 'small'" in err and "--batch" in err and "--seq" in err
