@@ -9,7 +9,7 @@
 # Reduced run on a CPU (checks the script, no memory figures):
 #   SMALL=tiny SEQ1=32 BIG="tiny" SEQ2=64 STEPS=2 bash benchmarks/offload.sh
 set -u
-export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD"
+export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1 PYTHONPATH="$PWD"
 OUT=${OUT:-runs/offload}; mkdir -p "$OUT"
 SMALL=${SMALL:-1b}; SEQ1=${SEQ1:-2048}; BATCH1=${BATCH1:-4}; STEPS=${STEPS:-15}
 BIG=${BIG:-"llama3-8b llama3.2-3b 1b"}; SEQ2=${SEQ2:-4096}; BIG_STEPS=${BIG_STEPS:-4}

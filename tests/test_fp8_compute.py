@@ -66,6 +66,49 @@ def test_fp8_matmul_matches_its_reference(dtype, key):
     assert 1e-3 < max_rel_err(y, exact) < RTOL_FP8_VS_F32
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_pallas_kernels_give_the_bits_of_the_xla_path(dtype, key):
+    # The GPU path (one-launch amax, fused cast-and-transpose kernels) in the interpreter
+    # against XLA's fusions: the same payloads, so the same products, forward and backward.
+    kx, kw, kg = jax.random.split(key, 3)
+    x = (jax.random.normal(kx, (70, 100)) * 30).astype(dtype)   # unaligned, partial tiles
+    w = (jax.random.normal(kw, (100, 45)) * 0.05).astype(dtype)
+    dy = jax.random.normal(kg, (70, 45), dtype)
+    out = {}
+    for backend in ("pallas", "xla"):
+        f = functools.partial(fp8_matmul, backend=backend, interpret=True)
+        y, vjp = jax.vjp(f, x, w)
+        out[backend] = (y, *vjp(dy))
+    for name, a, b in zip(("y", "dx", "dw"), out["pallas"], out["xla"]):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32),
+                                      err_msg=name)
+    with pytest.raises(UsageError, match="backend='cuda'"):
+        fp8_matmul(x, w, backend="cuda")
+
+
+def test_cast_transpose_kernel_matches_its_reference(key):
+    from gtp_jax.pallas.cast_transpose import cast_transpose_pallas, cast_transpose_reference
+
+    x = (jax.random.normal(key, (50, 130)) * 300).astype(jnp.bfloat16)
+    x = x.at[0, 1].set(jnp.inf).at[3, 0].set(jnp.nan)  # non-finite elements -> NaN
+    for dtype in (jnp.float8_e4m3fn, jnp.float8_e5m2):
+        for layout in ("rowwise", "columnwise", "both"):
+            got = cast_transpose_pallas(x, jnp.float32(2.0), dtype, layout=layout,
+                                        interpret=True, block=(32, 64))
+            want = cast_transpose_reference(x, jnp.float32(2.0), dtype, layout)
+            for g, r in zip(got, want):
+                assert (g is None) == (r is None), layout
+                if r is not None:
+                    assert g.shape == r.shape and g.dtype == r.dtype
+                    np.testing.assert_array_equal(np.asarray(g, np.float32),
+                                                  np.asarray(r, np.float32))
+    with pytest.raises(UsageError, match="layout="):
+        cast_transpose_pallas(x, jnp.float32(1), jnp.float8_e4m3fn, layout="col",
+                              interpret=True)
+    with pytest.raises(UsageTypeError, match="dtype="):
+        cast_transpose_pallas(x, jnp.float32(1), jnp.int8, interpret=True)
+
+
 def test_quantize_is_saturating_and_exact_for_fp8_values():
     x = jnp.array([0.0, 1.0, -2.0, 448.0, 1e-3], jnp.float32)
     x8, s = quantize_tensorwise(x, jnp.float8_e4m3fn)

@@ -129,6 +129,16 @@ def test_matrix_cells_and_flags():
     ref = next(c for c in cells if not c.remat_gathered)
     argv = matrix._overlap_argv(ref, matrix.build_parser().parse_args([]))
     assert "--no-remat-gathered" in argv and "--no-unroll-layers" in argv
+    # The FP8-compute column: both loops and gather formats, the 1b's 2048-wide projections.
+    fp8 = [c for c in cells if c.compute == "fp8"]
+    assert {(c.loop, c.gather) for c in fp8} == {
+        (loop, g) for loop in ("unrolled", "scanned") for g in ("bf16", "fp8")}
+    for c in fp8:
+        argv = matrix._overlap_argv(c, matrix.build_parser().parse_args([]))
+        assert argv[argv.index("--fp8-compute") + 1] == "tensorwise"
+        assert argv[argv.index("--fp8-min-features") + 1] == str(matrix.FP8_MIN_FEATURES)
+    assert all("--fp8-compute" not in matrix._overlap_argv(c, matrix.build_parser().parse_args(
+        [])) for c in cells if c.kind == "grid" and c.compute == "bf16")
 
     def row(name, group, ms, gib, peer=False):
         return {"name": name, "group": group, "loop": "-", "prefetch": "-", "remat": "-",

@@ -129,11 +129,29 @@ def run_blocks(args: argparse.Namespace, fp8: bool) -> dict[str, Any]:
         return metrics["loss"]
 
     ms = _median_ms(run, x, steps=args.steps, warmup=args.warmup)
+    if args.profile_dir:
+        _profile(run, x, os.path.join(args.profile_dir, "blocks_fp8" if fp8 else "blocks_bf16"),
+                 compiled.as_text())
     flops = 6 * seq * args.layers * (2 * d * d + 2 * d * kv * hd + 3 * d * ff) \
         + 6 * args.layers * heads * seq * seq * hd  # causal attention: half of 4*s*s*hd, x3
     return {"row": "blocks_fp8" if fp8 else "blocks_bf16", "step_ms": ms,
             "tflops": flops / ms / 1e9, "peak_gib": _peak_gib(),
             "fp8_layers": len(model.fp8_layers), **counts}
+
+
+def _profile(run: Any, x: Any, directory: str, hlo: str, steps: int = 3) -> None:
+    """Traces `steps` steps into `directory` (read it with ``python -m gtp_jax.bench.kernels
+    DIR --steps 3 --hlo DIR/step.hlo.txt``), with the step's optimized HLO beside it."""
+    import jax
+
+    os.makedirs(directory, exist_ok=True)
+    with open(os.path.join(directory, "step.hlo.txt"), "w") as f:
+        f.write(hlo)
+    jax.block_until_ready(run(x))
+    with jax.profiler.trace(directory, create_perfetto_trace=True):
+        for _ in range(steps):
+            out = run(x)
+        jax.block_until_ready(out)
 
 
 def run_gemm(args: argparse.Namespace, size: int) -> list[dict[str, Any]]:
@@ -168,6 +186,8 @@ def _spawn(row: str, args: argparse.Namespace) -> list[dict[str, Any]]:
            "--warmup", str(args.warmup), "--d-model", str(args.d_model),
            "--d-ff", str(args.d_ff), "--heads", str(args.heads),
            "--kv-heads", str(args.kv_heads), "--fp8-min-features", str(args.fp8_min_features)]
+    if args.profile_dir:
+        cmd += ["--profile-dir", args.profile_dir]
     try:
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout,
                              env=os.environ.copy())
@@ -216,6 +236,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--warmup", type=int, default=4)
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per row")
     parser.add_argument("--json", default=None, help="write the rows here")
+    parser.add_argument("--profile-dir", default=None,
+                        help="trace 3 steps of each blocks row into DIR/<row> (with its HLO)")
     return parser
 
 

@@ -4,10 +4,13 @@ Each cell runs in its own subprocess (peak memory is per cell) on all GPUs prese
 number of devices), with the 1b preset, bf16 compute and bf16 gathers by default:
 
   grid       loop {unrolled, scanned} x prefetch {off, on} x remat {dots, full} x gather
-             {bf16, fp8}: `bench overlap`'s gtp / gtp_prefetch variants with the library's
-             defaults otherwise (`GTPConfig()`: re-gathered embedding and head, f32 gradient
-             reduce-scatter); beside them, per remat, the scanned loop with
-             ``GTPConfig(remat_gathered=False)`` as a reference (peer) for the default
+             {bf16, fp8} in bf16 compute, and with FP8 compute (``GTPConfig(fp8_compute=
+             "tensorwise")``, every projection of 2048 features or more: `FP8_MIN_FEATURES`)
+             for remat dots, both loops and both gather formats: `bench overlap`'s gtp /
+             gtp_prefetch variants with the library's defaults otherwise (`GTPConfig()`:
+             re-gathered embedding and head, f32 gradient reduce-scatter); beside them, per
+             remat, the scanned loop with ``GTPConfig(remat_gathered=False)`` as a reference
+             (peer) for the default
   cli        ``python -m gtp_jax train`` with its defaults on the same model and mesh (its
              vocabulary is the corpus's 256 bytes), timed from its ``--metrics-json``
   cli_bench  the benchmark's step on the CLI's model, optimizer and settings: what the CLI
@@ -41,6 +44,9 @@ from gtp_jax.bench.overlap import run_for_result
 
 TIME_FLAG = 1.15
 MEMORY_FLAG = 1.3
+#: ``GTPConfig.fp8_min_features`` of the FP8-compute cells: the 1b preset's projections are
+#: 2048 wide on one side, so the library's default (4096) would leave them all in bf16.
+FP8_MIN_FEATURES = 2048
 #: The CLI's vocabulary (the bundled corpus's byte tokens).
 CLI_VOCAB = 256
 
@@ -58,6 +64,7 @@ class Cell:
       same_as: the name of the cell whose program this one runs (measured once).
       remat_gathered: `GTPConfig.remat_gathered` of a grid cell (the default True; the
         False cells are the reference the scanned loop's default must match).
+      compute: "bf16" or "fp8" (`GTPConfig.fp8_compute="tensorwise"`) for a grid cell.
     """
 
     name: str
@@ -70,6 +77,7 @@ class Cell:
     peer: bool = False
     same_as: str | None = None
     remat_gathered: bool = True
+    compute: str = "bf16"
 
 
 def cells() -> list[Cell]:
@@ -88,6 +96,10 @@ def cells() -> list[Cell]:
         # the default (re-gathering the embedding and head) must match in time and memory.
         out.append(Cell(f"scanned_{remat}_bf16_no_remat_gathered", f"remat {remat}", "grid",
                         "scanned", "off", remat, "bf16", peer=True, remat_gathered=False))
+    for gather in ("bf16", "fp8"):
+        for loop in ("unrolled", "scanned"):
+            out.append(Cell(f"{loop}_dots_{gather}_fp8compute", "remat dots", "grid", loop,
+                            "off", "dots", gather, compute="fp8"))
     out.append(Cell("cli", "cli", "cli", "default", "off", "dots", "bf16"))
     out.append(Cell("cli_bench", "cli", "cli_bench", "default", "off", "dots", "bf16",
                     peer=True))
@@ -110,6 +122,8 @@ def _overlap_argv(cell: Cell, args: argparse.Namespace) -> list[str]:
                  "--gather-format", "fp8" if cell.gather == "fp8" else "none"]
         if not cell.remat_gathered:
             argv.append("--no-remat-gathered")
+        if cell.compute == "fp8":
+            argv += ["--fp8-compute", "tensorwise", "--fp8-min-features", str(FP8_MIN_FEATURES)]
     elif cell.kind == "cli_bench":
         variant = "gtp"
         argv += ["--remat", "dots", "--vocab", str(CLI_VOCAB), "--optimizer", "train"]
@@ -200,15 +214,15 @@ def flag_rows(rows: list[dict]) -> list[dict]:
 
 def format_table(rows: list[dict]) -> str:
     """A markdown table of flagged rows."""
-    lines = ["| cell | group | loop | prefetch | remat | gather | step ms | peak GiB | "
-             "time / best | memory / best | flag |", "|" + "---|" * 11]
+    lines = ["| cell | group | loop | prefetch | remat | gather | compute | step ms | peak GiB | "
+             "time / best | memory / best | flag |", "|" + "---|" * 12]
     for r in rows:
         fmt = lambda x, f: "-" if x is None else f.format(x)  # noqa: E731
         name = r["name"] + (f" (= {r['same_as']})" if r.get("same_as") else "")
         name += " (peer)" if r["peer"] else ""
         lines.append(
             f"| {name} | {r['group']} | {r['loop']} | {r['prefetch']} | {r['remat']} | "
-            f"{r['gather']} | {fmt(r.get('step_ms'), '{:.1f}')} | "
+            f"{r['gather']} | {r.get('compute', 'bf16')} | {fmt(r.get('step_ms'), '{:.1f}')} | "
             f"{fmt(r.get('peak_mem_gib'), '{:.1f}')} | {fmt(r.get('time_ratio'), '{:.3f}x')} "
             f"| {fmt(r.get('memory_ratio'), '{:.2f}x')} | {r.get('flag') or ''} |")
     cli = next((r for r in rows if r["name"] == "cli" and r.get("step_ms")), None)

@@ -92,7 +92,9 @@ def run_variant(args: argparse.Namespace) -> dict:
             gather_dtype=jnp.bfloat16, prefetch=variant_kind == "gtp_prefetch",
             reduce_dtype=args.reduce_dtype, remat_gathered=not args.no_remat_gathered,
             keep_gathered_layers=args.keep_gathered_layers,
-            gather_format=None if args.gather_format == "none" else args.gather_format))
+            gather_format=None if args.gather_format == "none" else args.gather_format,
+            fp8_compute=None if args.fp8_compute == "none" else args.fp8_compute,
+            fp8_min_features=args.fp8_min_features))
     else:
         state = nnx.state(model)
 
@@ -309,6 +311,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--gather-format", default="none",
                         choices=("none", "fp8", "mxfp8", "nvfp4"),
                         help="GTPConfig.gather_format of the gtp variants")
+    parser.add_argument("--fp8-compute", default="none", choices=("none", "tensorwise"),
+                        help="GTPConfig.fp8_compute of the gtp variants")
+    parser.add_argument("--fp8-min-features", type=int, default=4096,
+                        help="GTPConfig.fp8_min_features of the gtp variants")
     parser.add_argument("--no-remat-gathered", action="store_true",
                         help="GTPConfig(remat_gathered=False) for the gtp variants")
     parser.add_argument("--keep-gathered-layers", action="store_true",

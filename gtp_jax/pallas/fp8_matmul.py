@@ -2,19 +2,22 @@
 e5m2 gradients, beside its reference (`fp8_matmul_reference`).
 
 Recipe ("tensorwise", as TransformerEngine's current scaling and torchao's float8
-tensorwise): every operand is quantized with one float32 scale per tensor computed from
-its own amax in the same step (`gtp_jax.pallas.formats`: ``s = fmax / amax``, saturating
-cast, the fp8 format's NaN/Inf policy). The forward multiplies e4m3 ``x`` and ``w``; the
+tensorwise, with power-of-two scales as their ``pow_2_scales`` options): every operand is
+quantized with one float32 scale per tensor computed from its own amax in the same step
+(``s`` the largest power of two ``<= fmax / amax``, saturating cast, the fp8 format's
+NaN/Inf policy). The forward multiplies e4m3 ``x`` and ``w``; the
 backward quantizes the output gradient to e5m2 (wider range, for gradients) and computes
 ``dx = dy @ w^T`` and ``dw = x^T @ dy`` from e5m2 x e4m3 operands.
 
 Each product is written as XLA's cuBLASLt FP8 pattern: both payloads converted exactly to
 bfloat16 (every e4m3 and e5m2 value is a bfloat16 value), one ``dot_general`` accumulating
-in float32, and the two inverse scales applied to its float32 output. On Hopper GPUs XLA
+in float32 and writing the output dtype, and the two (exact, power-of-two) inverse scales
+applied to that output. On Hopper GPUs XLA
 rewrites this into one ``__cublas$lt$matmul$f8`` call; elsewhere (CPUs) it is an exact
 emulation: the products of bfloat16-exact values accumulated in float32.
 
-Residuals: the e4m3 payload of ``x`` (1 byte per element, half of bf16) and its scale,
+Residuals: the e4m3 payload of ``x``, transposed (1 byte per element, half of bf16) and
+its scale,
 and ``w`` itself, re-quantized in the backward pass: ``w`` is usually a gathered GTP weight,
 which the layer loop and `gtp_jax.shard` never keep alive from the forward pass, and
 quantizing it again costs one pass over the weight.
@@ -22,26 +25,48 @@ quantizing it again costs one pass over the weight.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from gtp_jax.base.errors import UsageError, UsageTypeError
-from gtp_jax.pallas.formats import E4M3_MAX, F32_MAX, amax_reference
+from gtp_jax.pallas import _util
+from gtp_jax.pallas.amax import multi_amax_pallas
+from gtp_jax.pallas.cast_transpose import E5M2_MAX, cast_transpose_pallas
+from gtp_jax.pallas.formats import E4M3_MAX, F32_MAX
 
-#: Largest finite float8_e5m2 (the gradients' format).
-E5M2_MAX = float(jnp.finfo(jnp.float8_e5m2).max)
 #: Input dtypes `fp8_matmul` takes (its output has the input dtype).
 FP8_MATMUL_DTYPES = tuple(np.dtype(d) for d in (jnp.float32, jnp.bfloat16, jnp.float16))
 
 
 def _scale(amax: jax.Array, fmax: float) -> jax.Array:
-    """``fmax / amax`` (float32[]; 1 for amax 0; capped at the largest finite float32;
-    NaN for a non-finite amax: every element it governs becomes NaN, never a finite value)."""
+    """The largest power of two ``s <= fmax / amax`` (float32[]; 1 for amax 0; at most
+    2**127; NaN for a non-finite amax: every element it governs becomes NaN, never a finite
+    value). A power of two makes the inverse scales exact, so a product can be written in
+    the compute dtype by the GEMM and rescaled there without a second rounding."""
     positive = amax > 0
-    s = jnp.where(positive, fmax / jnp.where(positive, amax, 1.0), 1.0)
-    s = jnp.minimum(s, F32_MAX)
+    ratio = jnp.where(positive, fmax / jnp.where(positive, amax, 1.0), 1.0)
+    ratio = jnp.minimum(ratio.astype(jnp.float32), F32_MAX)
+    _, exponent = jnp.frexp(ratio)  # ratio = m * 2**exponent, m in [0.5, 1)
+    s = jnp.ldexp(jnp.float32(1.0), jnp.minimum(exponent - 1, 127))
     return jnp.where(jnp.isfinite(amax), s, jnp.nan).astype(jnp.float32)
+
+
+def _amax(x: jax.Array) -> jax.Array:
+    """``max |x|`` (float32[]; NaN if any element is NaN), reduced in x's own dtype: the
+    maximum of 16-bit values is one of them, so nothing is rounded, and the pass reads x
+    once at its own width."""
+    return jnp.max(jnp.abs(x)).astype(jnp.float32)
+
+
+def _cast(x: jax.Array, s: jax.Array, dtype: jnp.dtype) -> jax.Array:
+    """``x * s`` saturated to `dtype`'s finite range (NaN stays NaN; +-Inf becomes NaN)."""
+    fmax = E4M3_MAX if jnp.dtype(dtype) == jnp.float8_e4m3fn else E5M2_MAX
+    xf = x.astype(jnp.float32)
+    v = jnp.clip(xf * s, -fmax, fmax)
+    return jnp.where(jnp.isfinite(xf), v, jnp.nan).astype(dtype)
 
 
 def quantize_tensorwise(x: jax.Array, dtype: jnp.dtype) -> tuple[jax.Array, jax.Array]:
@@ -49,18 +74,32 @@ def quantize_tensorwise(x: jax.Array, dtype: jnp.dtype) -> tuple[jax.Array, jax.
     ``x ~= payload / s``: per-tensor current scaling, saturating, NaN for non-finite
     elements (and for every element of a tensor whose amax is not finite)."""
     fmax = E4M3_MAX if jnp.dtype(dtype) == jnp.float8_e4m3fn else E5M2_MAX
-    s = _scale(amax_reference(x), fmax)
-    xf = x.astype(jnp.float32)
-    v = jnp.clip(xf * s, -fmax, fmax)
-    return jnp.where(jnp.isfinite(xf), v, jnp.nan).astype(dtype), s
+    s = _scale(_amax(x), fmax)
+    return _cast(x, s, dtype), s
 
 
-def _product(a8: jax.Array, b8: jax.Array, dims: tuple, sa: jax.Array, sb: jax.Array,
+def _product(a8: jax.Array, b8: jax.Array, sa: jax.Array, sb: jax.Array,
              out_dtype: jnp.dtype) -> jax.Array:
-    """``(a8 / sa) . (b8 / sb)`` over `dims` (contracting dims), in the cuBLASLt FP8 form."""
-    y = jax.lax.dot_general(a8.astype(jnp.bfloat16), b8.astype(jnp.bfloat16), (dims, ((), ())),
-                            preferred_element_type=jnp.float32)
-    return (y * ((1.0 / sa) * (1.0 / sb))).astype(out_dtype)
+    """``(a8 / sa) @ (b8 / sb)^T`` for ``a8 [M, K]`` and ``b8 [N, K]``, in the cuBLASLt FP8
+    form.
+
+    Both operands contract their last (contiguous) dim: the only layout Hopper's FP8 GEMMs
+    take, so XLA inserts no transpose of its own (a transposed operand is cast from the
+    16-bit tensor by one fused transpose-and-cast instead: an FP8 transpose afterwards ran
+    at a tenth of the memory bandwidth on one H200). For a 16-bit `out_dtype` the GEMM
+    writes that dtype itself (accumulating in float32) and the power-of-two inverse scales
+    are applied to it exactly: the same values as a float32 output scaled and rounded,
+    without writing and reading float32 (a float32 output cost the FP8 GEMM a fifth of its
+    rate).
+    """
+    low = jnp.dtype(out_dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+    acc = out_dtype if low else jnp.float32
+    # Both conversions are exact (every e4m3 / e5m2 value is a bfloat16 value); float32
+    # operands for a float32 result, which every backend's dot takes.
+    wide = jnp.bfloat16 if low else jnp.float32
+    y = jax.lax.dot_general(a8.astype(wide), b8.astype(wide),
+                            (((1,), (1,)), ((), ())), preferred_element_type=acc)
+    return (y * ((1.0 / sa) * (1.0 / sb)).astype(acc)).astype(out_dtype)
 
 
 def _check(x: jax.Array, w: jax.Array) -> None:
@@ -77,40 +116,68 @@ def _check(x: jax.Array, w: jax.Array) -> None:
                          f"(x.shape[1]={x.shape[1]} != w.shape[0]={w.shape[0]}).")
 
 
-@jax.custom_vjp
-def _fp8_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
-    return _fwd(x, w)[0]
+def _amax_of(x: jax.Array, impl: tuple) -> jax.Array:
+    if impl[0] == "pallas":
+        return multi_amax_pallas([x], interpret=impl[1])[0]
+    return _amax(x)
 
 
-def _fwd(x, w):
-    x8, sx = quantize_tensorwise(x, jnp.float8_e4m3fn)
-    w8, sw = quantize_tensorwise(w, jnp.float8_e4m3fn)
-    y = _product(x8, w8, ((1,), (0,)), sx, sw, x.dtype)
-    # The payload is saved as its bytes: under `jax.checkpoint`, JAX rounds float residuals
-    # with reduce_precision(finfo(dtype)), whose IEEE reading of e4m3fn's top exponent turns
-    # every value in [256, 448] into NaN.
-    return y, (jax.lax.bitcast_convert_type(x8, jnp.uint8), sx, w)
+def _quantize(x: jax.Array, s: jax.Array, dtype: jnp.dtype, layout: str, impl: tuple
+              ) -> tuple[jax.Array | None, jax.Array | None]:
+    """(row-wise ``[M, N]``, column-wise ``[N, M]``) payloads of `x` (None where not asked)."""
+    if impl[0] == "pallas":
+        return cast_transpose_pallas(x, s, dtype, layout=layout, interpret=impl[1])
+    return (_cast(x, s, dtype) if layout in ("rowwise", "both") else None,
+            _cast(x.T, s, dtype) if layout in ("columnwise", "both") else None)
 
 
-def _bwd(res, dy):
-    x8, sx, w = res
-    x8 = jax.lax.bitcast_convert_type(x8, jnp.float8_e4m3fn)
-    w8, sw = quantize_tensorwise(w, jnp.float8_e4m3fn)
-    g8, sg = quantize_tensorwise(dy, jnp.float8_e5m2)
-    dx = _product(g8, w8, ((1,), (1,)), sg, sw, dy.dtype)
-    dw = _product(x8, g8, ((0,), (0,)), sx, sg, w.dtype)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _fp8_matmul(x: jax.Array, w: jax.Array, impl: tuple) -> jax.Array:
+    return _fwd(x, w, impl)[0]
+
+
+def _fwd(x, w, impl):
+    e4 = jnp.float8_e4m3fn
+    sx = _scale(_amax_of(x, impl), E4M3_MAX)
+    sw = _scale(_amax_of(w, impl), E4M3_MAX)
+    x8, xt8 = _quantize(x, sx, e4, "both", impl)
+    _, wt8 = _quantize(w, sw, e4, "columnwise", impl)
+    y = _product(x8, wt8, sx, sw, x.dtype)
+    # The backward pass's dw = x^T dy contracts the tokens: x is saved transposed ([K, M],
+    # one byte per element). The payload is saved as its bytes: under `jax.checkpoint`, JAX
+    # rounds float residuals with reduce_precision(finfo(dtype)), whose IEEE reading of
+    # e4m3fn's top exponent turns every value in [256, 448] into NaN.
+    return y, (jax.lax.bitcast_convert_type(xt8, jnp.uint8), sx, w)
+
+
+def _bwd(impl, res, dy):
+    xt8, sx, w = res
+    xt8 = jax.lax.bitcast_convert_type(xt8, jnp.float8_e4m3fn)
+    e4, e5 = jnp.float8_e4m3fn, jnp.float8_e5m2
+    sw = _scale(_amax_of(w, impl), E4M3_MAX)
+    sg = _scale(_amax_of(dy, impl), E5M2_MAX)
+    w8, _ = _quantize(w, sw, e4, "rowwise", impl)
+    g8, gt8 = _quantize(dy, sg, e5, "both", impl)
+    dx = _product(g8, w8, sg, sw, dy.dtype)
+    dw = _product(xt8, gt8, sx, sg, w.dtype)
     return dx, dw
 
 
 _fp8_matmul.defvjp(_fwd, _bwd)
 
 
-def fp8_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
+def fp8_matmul(x: jax.Array, w: jax.Array, *, backend: str | None = None,
+               interpret: bool | None = None) -> jax.Array:
     """``x @ w`` with e4m3 operands (e5m2 output gradient), per-tensor current scaling.
 
     Args:
       x: ``[M, K]`` float32 / bfloat16 / float16 (the activations).
       w: ``[K, N]``, same dtype choices (the weight; its gradient has w's dtype).
+      backend: how the amax and casts run: "pallas" (the one-launch amax kernel and the
+        fused cast-and-transpose kernel, `gtp_jax.pallas.cast_transpose`), "xla" (XLA's
+        fusions; XLA then transposes the one-byte payloads in kernels of their own), or
+        None: "pallas" on a GPU, else "xla". Both give the same bits.
+      interpret: run the Pallas kernels in the interpreter; None: unless on a GPU.
 
     Returns:
       ``[M, N]`` in x's dtype (accumulated in float32).
@@ -123,7 +190,14 @@ def fp8_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
     if x.dtype != w.dtype:
         raise UsageTypeError(f"fp8_matmul: x is {x.dtype} but w is {w.dtype}; cast both to "
                              "the compute dtype first.")
-    return _fp8_matmul(x, w)
+    if backend not in (None, "pallas", "xla"):
+        raise UsageError(f"fp8_matmul: backend={backend!r}; use 'pallas', 'xla' or None "
+                         "(pallas on a GPU, else xla).")
+    on_gpu = jax.default_backend() == "gpu"
+    if backend is None:
+        backend = "pallas" if on_gpu else "xla"
+    impl = ("pallas", _util.resolve_interpret(interpret)) if backend == "pallas" else ("xla",)
+    return _fp8_matmul(x, w, impl)
 
 
 def fp8_matmul_reference(x: jax.Array, w: jax.Array) -> jax.Array:
