@@ -31,7 +31,8 @@ CFG = TrainConfig(preset="tiny", batch_size=8, seq_len=32, dp=2, gtp=4, steps=3,
 LOSS = functools.partial(lm_loss, aux_weight=0.0)
 
 
-def _run(offload: bool, group: int = 1) -> tuple[list[np.ndarray], list[np.ndarray], TrainStep]:
+def _run(offload: bool, group: int | None = None
+         ) -> tuple[list[np.ndarray], list[np.ndarray], TrainStep]:
     cfg = dataclasses.replace(CFG, offload_optimizer=offload)
     model, optimizer = build_model_and_optimizer(cfg)
     step = TrainStep(model, optimizer, LOSS, offload_group_layers=group)
@@ -45,11 +46,13 @@ def _run(offload: bool, group: int = 1) -> tuple[list[np.ndarray], list[np.ndarr
     return losses, leaves, step
 
 
-def test_offloaded_optimizer_state_trains_bit_identically():
+@pytest.mark.parametrize("group", [None, 3])
+def test_offloaded_optimizer_state_trains_bit_identically(group):
     assert host_memory_supported()
     ref_losses, ref_state, _ = _run(False)
-    # 3 layers per unit of the tiny preset's 4: a full group and a remainder of one layer.
-    losses, state, step = _run(True, group=3)
+    # None: each leaf copied whole (the default); 3 layers per streamed unit of the tiny
+    # preset's 4: a full group and a remainder of one layer.
+    losses, state, step = _run(True, group=group)
     # Same arithmetic on the device; the moments only travel: bit-identical, no tolerance.
     assert [float(x) for x in losses] == [float(x) for x in ref_losses]
     assert len(state) == len(ref_state)

@@ -42,7 +42,7 @@ from gtp_jax.train.optim import current_lr
 #: Programs kept (least recently used ones are dropped; a dropped one recompiles on reuse).
 CACHE_SIZE = 16
 
-#: Layers per unit when an offloaded step streams the optimizer state (see
+#: Layers per unit of the planner's bound for a streamed offloaded step (see
 #: `gtp_jax.sharding.offload.streamed_update`): one layer's moments at a time.
 OFFLOAD_GROUP_LAYERS = 1
 
@@ -80,8 +80,10 @@ class TrainStep:
         compiled program.
       grad_norm: also return the gradients' global norm (one more pass over the
         gradients, unless the optimizer computes it anyway, e.g. to clip).
-      offload_group_layers: with ``GTPConfig(offload_optimizer=True)``, layers whose
-        optimizer state is brought to the device together (`OFFLOAD_GROUP_LAYERS`).
+      offload_group_layers: with ``GTPConfig(offload_optimizer=True)``: None (default)
+        copies each optimizer-state leaf to the device whole for the update; an int G
+        streams the state per group of G layers (experimental: on one H200 it was 12.8x
+        slower than the on-device step at the 1b size, docs/planning.md).
       grad_accum: microbatches per step (`accumulate_grads`): the batch's leading axis is
         cut into `grad_accum` equal microbatches whose gradients are summed in a
         ``lax.scan`` before the one update; the loss is their mean.
@@ -93,7 +95,7 @@ class TrainStep:
 
     def __init__(self, model: nnx.Module, optimizer: nnx.Optimizer,
                  loss_fn: Callable[[nnx.Module, Any], jax.Array], *, grad_norm: bool = True,
-                 offload_group_layers: int = OFFLOAD_GROUP_LAYERS, grad_accum: int = 1):
+                 offload_group_layers: int | None = None, grad_accum: int = 1):
         if not isinstance(optimizer, nnx.Optimizer):
             raise UsageTypeError(f"TrainStep: optimizer={type(optimizer).__name__} must be an "
                                  "nnx.Optimizer of the model.")
@@ -102,14 +104,14 @@ class TrainStep:
                                  "(loss_fn(model, batch) -> scalar).")
         check_optimizer_of(model, optimizer)
         offload = offloads_optimizer(model)
-        if offload:  # validates the group size before anything is placed
+        if offload and offload_group_layers is not None:  # validated before any placement
             stream_units({}, {}, offload_group_layers)
         self._objects = (model, optimizer)
         self.graphdef, state = nnx.split((model, optimizer))
         state = _replicate_strays(state)
         self.state = map_opt_state(state, place_on_host) if offload else state
         self._program = _program(self.graphdef, loss_fn, bool(grad_norm),
-                                 offload_group_layers if offload else 0,
+                                 _offload_mode(offload, offload_group_layers),
                                  int(grad_accum))
 
     def __call__(self, batch: Any) -> dict[str, jax.Array]:
@@ -171,21 +173,29 @@ def map_opt_state(state: nnx.State, fn: Callable[[Any], Any]) -> nnx.State:
 
 def step_program(graphdef: Any, loss_fn: Callable[..., jax.Array], *, grad_norm: bool = True,
                  offload: bool = False,
-                 offload_group_layers: int = OFFLOAD_GROUP_LAYERS,
+                 offload_group_layers: int | None = None,
                  grad_accum: int = 1) -> Callable[..., Any]:
     """The jitted ``step(state, batch) -> (state, metrics)`` that `TrainStep` runs for a
     ``(model, optimizer)`` of `graphdef` (the same cached program): lower it with abstract
     arguments (``jax.ShapeDtypeStruct`` with shardings) to compile a step ahead of time
     without running it (`gtp_jax.plan` reads its memory analysis)."""
-    if offload:
+    if offload and offload_group_layers is not None:
         stream_units({}, {}, offload_group_layers)
-    return _program(graphdef, loss_fn, grad_norm, offload_group_layers if offload else 0,
-                    grad_accum).fn
+    return _program(graphdef, loss_fn, grad_norm,
+                    _offload_mode(offload, offload_group_layers), grad_accum).fn
+
+
+def _offload_mode(offload: bool, group_layers: int | None) -> int:
+    """0: on-device optimizer state; -1: offloaded, copied whole; > 0: offloaded and
+    streamed, that many layers per unit."""
+    if not offload:
+        return 0
+    return -1 if group_layers is None else int(group_layers)
 
 
 def _program(graphdef: Any, loss_fn: Callable[..., jax.Array], grad_norm: bool,
              offload: int = 0, grad_accum: int = 1) -> _Program:
-    """`offload`: 0 for on-device optimizer state, else the layers per streamed unit."""
+    """`offload`: see `_offload_mode`."""
     key = (graphdef, _loss_key(loss_fn), grad_norm, offload, grad_accum)
     program = _programs.get(key)
     if program is not None:
@@ -200,9 +210,9 @@ def _program(graphdef: Any, loss_fn: Callable[..., jax.Array], grad_norm: bool,
             loss, grads = nnx.value_and_grad(loss_fn)(model, batch)
         else:
             loss, grads = accumulate_grads(model, loss_fn, batch, grad_accum)
-        if offload and isinstance(optimizer.tx, StreamableChain):
+        if offload > 0 and isinstance(optimizer.tx, StreamableChain):
             _streamed_optimizer_update(model, optimizer, grads, offload)
-        elif offload:  # not streamable: the whole state to the device and back, leaf by leaf
+        elif offload:  # the whole state to the device and back, leaf by leaf
             nnx.update(optimizer, to_device(nnx.state(optimizer, nnx.OptState)))
             optimizer.update(model, grads)
             nnx.update(optimizer, to_host(nnx.state(optimizer, nnx.OptState)))
