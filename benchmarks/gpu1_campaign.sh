@@ -4,10 +4,16 @@
 #   2. the main job on the 1b preset (seq 2048, 4 sequences), bf16 and with --fp8-compute;
 #   3. the main job on the llama3.2-1b preset (grouped-query attention);
 #   4. the layout planner's predictions against runs of its top layouts
-#      (benchmarks/plan_accuracy.sh, 1b preset, seq 2048).
+#      (benchmarks/plan_accuracy.sh, 1b preset, seq 2048);
+#   5. fp8loss: 1000 steps of the 1b preset on real text (DATA, default .carry/text: carry
+#      a folder of .txt files; TOKENIZER, default .carry/tok: a tokenizer.json folder), seq
+#      512 x 4, bf16 and --fp8-compute tensorwise, the held-out loss every 250 steps;
+#   6. offload: the 1b preset with and without --offload-optimizer (benchmarks/offload.sh,
+#      its first part: step time, peak memory, equal losses).
 # Writes $OUT/gemm.json, $OUT/cli_*.json (--metrics-json), $OUT/campaign.log and
 # $OUT/plan_accuracy/.
-# Usage: OUT=dir [STEPS=15] [PARTS="gemm cli llama plan"] bash benchmarks/gpu1_campaign.sh
+# Usage: OUT=dir [STEPS=15] [PARTS="gemm cli llama plan fp8loss offload"] [DATA=dir]
+#   [TOKENIZER=dir] bash benchmarks/gpu1_campaign.sh
 set -u
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1 PYTHONPATH="$PWD"
 OUT=${OUT:-runs/gpu1}; mkdir -p "$OUT"
@@ -22,7 +28,7 @@ cli() {  # name, extra flags
 }
 {
 nvidia-smi -L
-for part in ${PARTS:-gemm cli llama plan}; do
+for part in ${PARTS:-gemm cli llama plan fp8loss offload}; do
   case $part in
     gemm) log "FP8 GEMM sweep"
           timeout 200 python3 -m gtp_jax.bench fp8 --rows gemm --json "$OUT/gemm.json" 2>&1 \
@@ -30,6 +36,19 @@ for part in ${PARTS:-gemm cli llama plan}; do
     cli) cli 1b_bf16 --preset 1b
          cli 1b_fp8 --preset 1b --fp8-compute tensorwise ;;
     llama) cli llama32_1b --preset llama3.2-1b ;;
+    fp8loss)
+      for recipe in bf16 fp8; do
+        extra=()
+        [ "$recipe" = fp8 ] && extra=(--fp8-compute tensorwise --fp8-min-features 2048)
+        log "1b on ${DATA:-.carry/text}, 1000 steps, $recipe"
+        timeout 300 python3 -m gtp_jax train --preset 1b --seq 512 --batch 4 --steps 1000 \
+          --gtp 1 --dp 1 --data "${DATA:-.carry/text}" --tokenizer "${TOKENIZER:-.carry/tok}" \
+          --eval-every 250 --eval-batches 16 \
+          "${extra[@]}" --metrics-json "$OUT/loss_$recipe.json" 2>&1 | grep -v -i deprecat \
+          | grep -E "loss|step time|memory|eval|held|rror" | tail -12
+      done ;;
+    offload) log "optimizer offload, 1b seq 2048"
+             OUT="$OUT/offload" BIG="" timeout 200 bash benchmarks/offload.sh 2>&1 | tail -12 ;;
     plan) log "planner accuracy"
           OUT="$OUT" SEQS=2048 PRESETS=1b TOP=${TOP:-3} BATCH=4 STEPS=10 \
             timeout 420 bash benchmarks/plan_accuracy.sh 2>&1 | tail -25 ;;

@@ -2,7 +2,7 @@
 # Optimizer state in host memory (--offload-optimizer) against on the device, on ONE GPU,
 # in one call (about 6 minutes on an H200):
 #   1. the 1b preset at seq 2048 (4 sequences): step time, peak device memory and the loss
-#      of both runs (the same seed: the losses must be equal, offload is bit-identical);
+#      of both runs (the same seed);
 #   2. the largest preset that trains at seq 4096 (1 sequence, remat full) with and without
 #      offload: the presets are tried largest first, the first that completes its steps wins.
 # Usage: OUT=dir bash benchmarks/offload.sh
@@ -12,7 +12,7 @@ set -u
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1 PYTHONPATH="$PWD"
 OUT=${OUT:-runs/offload}; mkdir -p "$OUT"
 SMALL=${SMALL:-1b}; SEQ1=${SEQ1:-2048}; BATCH1=${BATCH1:-4}; STEPS=${STEPS:-15}
-BIG=${BIG:-"llama3-8b llama3.2-3b 1b"}; SEQ2=${SEQ2:-4096}; BIG_STEPS=${BIG_STEPS:-4}
+BIG=${BIG-"llama3-8b llama3.2-3b 1b"}; SEQ2=${SEQ2:-4096}; BIG_STEPS=${BIG_STEPS:-4}
 LIMIT=${LIMIT:-100}  # seconds per run (compile included; out-of-memory runs end sooner)
 T0=$(date +%s)
 log() { echo "== t=$(( $(date +%s) - T0 ))s $*"; }
@@ -28,7 +28,10 @@ for flag in --no-offload-optimizer --offload-optimizer; do
 done
 a=$(grep "loss: first" "$OUT/small--no-offload-optimizer.log")
 b=$(grep "loss: first" "$OUT/small--offload-optimizer.log")
-if [ -n "$a" ] && [ "$a" = "$b" ]; then echo "losses equal: yes"; else echo "losses equal: NO"; fi
+# GPU training is not bitwise reproducible run to run (atomic reductions), so equal losses
+# are not expected here; tests/test_offload.py checks bit-identity on the CPU backend.
+echo "loss without offload: ${a:-none}"
+echo "loss with offload:    ${b:-none}"
 
 for flag in --no-offload-optimizer --offload-optimizer; do
   fits=none
