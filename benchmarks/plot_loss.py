@@ -21,9 +21,14 @@ def main(out: str, runs: list[str]) -> None:
         x = np.array([s["step"] for s in steps])
         y = np.array([s["loss"] for s in steps])
         smooth = np.convolve(y, np.ones(20) / 20, mode="valid")
-        ax.plot(x[19:], smooth, label=f"{label} (final {y[-10:].mean():.4f})")
+        line, = ax.plot(x[19:], smooth, label=f"{label} (final {y[-10:].mean():.4f})")
+        held = sorted((int(k), v) for k, v in
+                      (json.load(open(path))["summary"].get("val_losses") or {}).items())
+        if held:  # the held-out loss (--eval-every), same colour, markers
+            ax.plot([k for k, _ in held], [v for _, v in held], "o--", color=line.get_color(),
+                    label=f"{label} held-out (final {held[-1][1]:.4f})")
     ax.set_xlabel("step")
-    ax.set_ylabel("training loss (mean of 20 steps)")
+    ax.set_ylabel("loss (training: mean of 20 steps)")
     ax.set_ylim(bottom=0)
     ax.legend()
     fig.tight_layout()

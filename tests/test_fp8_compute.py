@@ -293,7 +293,7 @@ def test_fp8_compute_settings_are_checked():
 
 def test_fp8_compute_with_nothing_eligible_or_tp_is_refused(seed):
     model = Mixed(nnx.Rngs(seed))
-    with pytest.raises(UsageError, match=r"no layer .*fp8_min_features=4096"):
+    with pytest.raises(UsageError, match=r"no layer .*fp8_min_features=2048"):
         gtp_jax.shard(model, get_mesh("gtp8"),
                       gtp_jax.GTPConfig(fp8_compute="tensorwise", min_elements=0))
     with pytest.raises(UsageError, match="tp=2: the tensor-parallel projections"):

@@ -46,8 +46,11 @@ preempt.StopRequest.request = record
 update = progress.ProgressBar.update
 def update_and_hold(self, step, keep=False, **metrics):
     update(self, step, keep=True, **metrics)
-    if step == 2:
-        asked.wait(300)
+    # Short waits: a signal may land on one of JAX's threads, and the handler then runs
+    # only when the main thread is back in the interpreter loop.
+    for _ in range(6000 if step == 2 else 0):
+        if asked.wait(0.05):
+            break
 progress.ProgressBar.update = update_and_hold
 from gtp_jax.__main__ import main
 sys.exit(main(sys.argv[1:]))

@@ -125,7 +125,7 @@ class GTPConfig:
     quant_backend: str = "pallas"
     keep_gathered_layers: bool = False
     fp8_compute: str | None = None
-    fp8_min_features: int = 4096
+    fp8_min_features: int = 2048
     fp8_include: tuple[str, ...] = ()
     fp8_exclude: tuple[str, ...] = DEFAULT_FP8_EXCLUDE
     offload_optimizer: bool = False

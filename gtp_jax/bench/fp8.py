@@ -230,7 +230,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--d-ff", type=int, default=14336)
     parser.add_argument("--heads", type=int, default=32)
     parser.add_argument("--kv-heads", type=int, default=8)
-    parser.add_argument("--fp8-min-features", type=int, default=4096,
+    parser.add_argument("--fp8-min-features", type=int, default=2048,
                         help="GTPConfig.fp8_min_features of the blocks_fp8 row")
     parser.add_argument("--steps", type=int, default=15, help="timed steps (median)")
     parser.add_argument("--warmup", type=int, default=4)

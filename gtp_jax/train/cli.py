@@ -186,7 +186,7 @@ def _parser() -> argparse.ArgumentParser:
                        "CPUs); the output head stays in the compute dtype")
     train.add_argument("--fp8-min-features", type=int, default=None, metavar="N",
                        help="with --fp8-compute: projections with fewer input or output "
-                       "features stay in the compute dtype (default 4096: smaller GEMMs "
+                       "features stay in the compute dtype (default 2048: smaller GEMMs "
                        "gain less than their quantize passes cost)")
     train.add_argument("--overlap", action="store_true",
                        help="ring-overlapped collective matmuls for the tp GEMMs")
