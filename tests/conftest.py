@@ -35,6 +35,29 @@ import jax  # noqa: E402
 import pytest  # noqa: E402
 from helpers import get_mesh, test_key, test_seed  # noqa: E402
 
+# --------------------------------------------------------------------------- scheduling
+
+#: Files whose tests share expensive module- or session-scoped fixtures: their tests stay on
+#: one pytest-xdist worker (``--dist loadgroup``); every other test is scheduled on its own.
+SHARED_FIXTURE_FILES = frozenset({
+    "test_checkpoint.py", "test_collective_matmul.py", "test_context_parallel.py",
+    "test_data.py", "test_equivalence.py", "test_lifecycle.py", "test_nonuniform.py",
+    "test_notebooks.py", "test_ntp_train.py", "test_reliability.py", "test_step.py",
+    "test_tp.py"})
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The README test (the longest) and the slow-marked tests first (started last, they
+    would leave the other worker idle at the end), the rest in file order; per-file groups
+    for the files above."""
+    for item in items:
+        name = item.path.name
+        if name in SHARED_FIXTURE_FILES:
+            item.add_marker(pytest.mark.xdist_group(name))
+    items.sort(key=lambda item: (item.path.name != "test_readme.py",  # the longest test
+                                 not item.get_closest_marker("slow")))
+
+
 # --------------------------------------------------------------------------- fixtures
 
 
