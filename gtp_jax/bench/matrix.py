@@ -44,8 +44,9 @@ from gtp_jax.bench.overlap import run_for_result
 
 TIME_FLAG = 1.15
 MEMORY_FLAG = 1.3
-#: ``GTPConfig.fp8_min_features`` of the FP8-compute cells: the 1b preset's projections are
-#: 2048 wide on one side, so the library's default (4096) would leave them all in bf16.
+#: ``GTPConfig.fp8_min_features`` of the FP8-compute cells, pinned (not the library's
+#: default) so the cells keep measuring the same layers: the 1b preset's projections are
+#: 2048 wide on one side.
 FP8_MIN_FEATURES = 2048
 #: The CLI's vocabulary (the bundled corpus's byte tokens).
 CLI_VOCAB = 256

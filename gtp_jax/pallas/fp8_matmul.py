@@ -17,7 +17,7 @@ rewrites this into one ``__cublas$lt$matmul$f8`` call; elsewhere (CPUs) it is an
 emulation: the products of bfloat16-exact values accumulated in float32.
 
 Residuals: the e4m3 payload of ``x``, transposed (1 byte per element, half of bf16) and
-its scale,
+its scale, the scale of ``w``,
 and ``w`` itself, re-quantized in the backward pass: ``w`` is usually a gathered GTP weight,
 which the layer loop and `gtp_jax.shard` never keep alive from the forward pass, and
 quantizing it again costs one pass over the weight.
@@ -34,7 +34,12 @@ import numpy as np
 from gtp_jax.base.errors import UsageError, UsageTypeError
 from gtp_jax.pallas import _util
 from gtp_jax.pallas.amax import multi_amax_pallas
-from gtp_jax.pallas.cast_transpose import E5M2_MAX, cast_transpose_pallas
+from gtp_jax.pallas.cast_transpose import (
+    E5M2_MAX,
+    LIMITS,
+    cast_transpose_pallas,
+    cast_transpose_reference,
+)
 from gtp_jax.pallas.formats import E4M3_MAX, F32_MAX
 
 #: Input dtypes `fp8_matmul` takes (its output has the input dtype).
@@ -61,21 +66,12 @@ def _amax(x: jax.Array) -> jax.Array:
     return jnp.max(jnp.abs(x)).astype(jnp.float32)
 
 
-def _cast(x: jax.Array, s: jax.Array, dtype: jnp.dtype) -> jax.Array:
-    """``x * s`` saturated to `dtype`'s finite range (NaN stays NaN; +-Inf becomes NaN)."""
-    fmax = E4M3_MAX if jnp.dtype(dtype) == jnp.float8_e4m3fn else E5M2_MAX
-    xf = x.astype(jnp.float32)
-    v = jnp.clip(xf * s, -fmax, fmax)
-    return jnp.where(jnp.isfinite(xf), v, jnp.nan).astype(dtype)
-
-
 def quantize_tensorwise(x: jax.Array, dtype: jnp.dtype) -> tuple[jax.Array, jax.Array]:
     """(payload of `dtype` (float8_e4m3fn or float8_e5m2), float32 scale ``s``) with
     ``x ~= payload / s``: per-tensor current scaling, saturating, NaN for non-finite
     elements (and for every element of a tensor whose amax is not finite)."""
-    fmax = E4M3_MAX if jnp.dtype(dtype) == jnp.float8_e4m3fn else E5M2_MAX
-    s = _scale(_amax(x), fmax)
-    return _cast(x, s, dtype), s
+    s = _scale(_amax(x), LIMITS[np.dtype(dtype)])
+    return cast_transpose_reference(x, s, dtype, "rowwise")[0], s
 
 
 def _product(a8: jax.Array, b8: jax.Array, sa: jax.Array, sb: jax.Array,
@@ -127,8 +123,7 @@ def _quantize(x: jax.Array, s: jax.Array, dtype: jnp.dtype, layout: str, impl: t
     """(row-wise ``[M, N]``, column-wise ``[N, M]``) payloads of `x` (None where not asked)."""
     if impl[0] == "pallas":
         return cast_transpose_pallas(x, s, dtype, layout=layout, interpret=impl[1])
-    return (_cast(x, s, dtype) if layout in ("rowwise", "both") else None,
-            _cast(x.T, s, dtype) if layout in ("columnwise", "both") else None)
+    return cast_transpose_reference(x, s, dtype, layout)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
@@ -147,14 +142,13 @@ def _fwd(x, w, impl):
     # one byte per element). The payload is saved as its bytes: under `jax.checkpoint`, JAX
     # rounds float residuals with reduce_precision(finfo(dtype)), whose IEEE reading of
     # e4m3fn's top exponent turns every value in [256, 448] into NaN.
-    return y, (jax.lax.bitcast_convert_type(xt8, jnp.uint8), sx, w)
+    return y, (jax.lax.bitcast_convert_type(xt8, jnp.uint8), sx, w, sw)
 
 
 def _bwd(impl, res, dy):
-    xt8, sx, w = res
+    xt8, sx, w, sw = res  # w's scale from the forward pass: the same w, no second amax
     xt8 = jax.lax.bitcast_convert_type(xt8, jnp.float8_e4m3fn)
     e4, e5 = jnp.float8_e4m3fn, jnp.float8_e5m2
-    sw = _scale(_amax_of(w, impl), E4M3_MAX)
     sg = _scale(_amax_of(dy, impl), E5M2_MAX)
     w8, _ = _quantize(w, sw, e4, "rowwise", impl)
     g8, gt8 = _quantize(dy, sg, e5, "both", impl)
