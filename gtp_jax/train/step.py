@@ -44,11 +44,6 @@ from gtp_jax.train.optim import current_lr
 #: Programs kept (least recently used ones are dropped; a dropped one recompiles on reuse).
 CACHE_SIZE = 16
 
-#: Layers per unit of the planner's bound for a streamed offloaded step (see
-#: `gtp_jax.sharding.offload.streamed_update`): one layer's moments at a time.
-OFFLOAD_GROUP_LAYERS = 1
-
-
 @dataclasses.dataclass
 class _Program:
     """A jitted step and how often JAX traced it (a retrace precedes every recompile)."""
