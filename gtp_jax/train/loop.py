@@ -233,6 +233,7 @@ def _train(cfg: TrainConfig, *, on_step: OnStep | None, progress: bool,
                              meta["extra"]["data"] if meta is not None else None)
     loss_fn = functools.partial(lm_loss, aux_weight=model_cfg.moe_aux_weight)
     step_fn = TrainStep(model, optimizer, loss_fn, grad_accum=cfg.grad_accum)
+    _print_init_memory()
     profiler = StepProfiler(observe.profile_dir, window) if window is not None else None
     log = open_metrics_log(observe, cfg, model_cfg) if jax.process_index() == 0 else None
     switch = None
@@ -413,6 +414,18 @@ def _step_loop(cfg: TrainConfig, model_cfg: TransformerConfig, step_fn: TrainSte
         if step < cfg.steps:
             ahead = next_batch()
     return losses, times, saved, recovery, step_fn, val_losses
+
+
+def _print_init_memory() -> None:
+    """Prints the devices' peak and current memory before the first step (what building,
+    restoring and placing the model and optimizer took), where the backend keeps allocator
+    statistics (GPUs; not the CPU backend). Process 0 only."""
+    memory = memory_per_device()
+    if memory is None or jax.process_index() != 0:
+        return
+    gib = 1024 ** 3
+    print(f"memory per device after init: peak {memory['peak_bytes_in_use'] / gib:.2f} GiB, "
+          f"in use {memory['bytes_in_use'] / gib:.2f} GiB", flush=True)
 
 
 @contextlib.contextmanager
