@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Optimizer state in host memory (--offload-optimizer) against on the device, on ONE GPU,
 # in one call (about 6 minutes on an H200):
-#   1. the 1b preset at seq 2048 (4 sequences): step time, peak device memory and the loss
-#      of both runs (the same seed);
+#   1. the 1b preset at seq 2048 (4 sequences): step time, peak device memory after init and
+#      over the run, and the loss of both runs (the same seed);
 #   2. the largest preset that trains at seq 4096 (1 sequence, remat full) with and without
 #      offload: the presets are tried largest first, the first that completes its steps wins.
 # Usage: OUT=dir bash benchmarks/offload.sh
@@ -16,8 +16,10 @@ BIG=${BIG-"llama3-8b llama3.2-3b 1b"}; SEQ2=${SEQ2:-4096}; BIG_STEPS=${BIG_STEPS
 LIMIT=${LIMIT:-100}  # seconds per run (compile included; out-of-memory runs end sooner)
 T0=$(date +%s)
 log() { echo "== t=$(( $(date +%s) - T0 ))s $*"; }
+# "memory per device after init": the peak before step 1 (model and optimizer built); the
+# summary's "memory per device": the peak of the whole run.
 report() { grep -E "loss: first|step time|memory per device|out of memory|RESOURCE_EXHAUSTED|Error" \
-             "$1" | head -6; }
+             "$1" | head -7; }
 
 for flag in --no-offload-optimizer --offload-optimizer; do
   log "$SMALL seq $SEQ1 batch $BATCH1 $flag"

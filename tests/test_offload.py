@@ -1,5 +1,6 @@
-"""Optimizer state in host memory (`GTPConfig.offload_optimizer`): the same training, and
-the state streamed to the device per layer group.
+"""Optimizer state in host memory (`GTPConfig.offload_optimizer`): the same training, the
+state built and restored in host memory, and streamed to the device one leaf (default) or
+one layer group at a time.
 
 The CPU backend has a ``pinned_host`` memory kind, so the offloaded step runs the same code
 path as on GPUs (state placed in host memory, copied to the device per unit and back);
@@ -24,6 +25,8 @@ from gtp_jax.base.metadata import STACKED
 from gtp_jax.models import lm_loss
 from gtp_jax.sharding.offload import HOST_MEMORY_KIND, host_memory_supported, stream_units
 from gtp_jax.train import TrainConfig
+from gtp_jax.train.checkpoint import CheckpointConfig, Checkpointer
+from gtp_jax.train.config import make_optimizer
 from gtp_jax.train.loop import build_model_and_optimizer
 from gtp_jax.train.step import TrainStep, step_program
 
@@ -66,17 +69,17 @@ def test_offloaded_optimizer_state_trains_bit_identically(group):
     assert HOST_MEMORY_KIND not in {x.sharding.memory_kind for x in jax.tree.leaves(params)}
 
 
-def _copies(group: int) -> tuple[list[tuple[int, ...]], list[list[int]], list[set[int]],
+def _copies(group: int | None) -> tuple[list[tuple[int, ...]], list[list[int]], list[set[int]],
                                  list[tuple[int, ...]]]:
     """The traced offloaded step's host->device copies (equation indices in the step's
     jaxpr): their shapes, their units (the copies released by one optimization barrier),
     each equation's ancestors in the data flow (nested calls opaque), and the shapes of the
-    layer-stacked parameters."""
+    layer-stacked parameters (group None: the shapes of all parameters)."""
     cfg = dataclasses.replace(CFG, offload_optimizer=True)
     model, optimizer = build_model_and_optimizer(cfg)
     step = TrainStep(model, optimizer, LOSS, offload_group_layers=group)
     stacked = [tuple(v.get_value().shape) for _, v in nnx.to_flat_state(nnx.state(model, nnx.Param))
-               if v.get_metadata().get(STACKED)]
+               if group is None or v.get_metadata().get(STACKED)]
     tokens = np.zeros((cfg.batch_size, cfg.seq_len + 1), np.int32)
     outer = jax.make_jaxpr(step_program(step.graphdef, LOSS, offload=True,
                                         offload_group_layers=group))(step.state, tokens)
@@ -109,6 +112,11 @@ def test_offloaded_step_copies_moments_per_layer_group_in_order():
     # moments of each stacked weight.
     assert sorted(len(u) for u in units) == [2, 2, 2] + [2 * len(stacked)] * 4
 
+    _assert_at_most_two_units_in_flight(units, ancestors)
+
+
+def _assert_at_most_two_units_in_flight(units: list[list[int]],
+                                        ancestors: list[set[int]]) -> None:
     def ordered(a: list[int], b: list[int]) -> bool:  # one unit's copy waits for the other
         return any(x in ancestors[y] for x in a for y in b) or any(
             y in ancestors[x] for x in a for y in b)
@@ -120,6 +128,51 @@ def test_offloaded_step_copies_moments_per_layer_group_in_order():
         for j, b in enumerate(units[i + 1:], i + 1):
             for c in units[j + 1:]:
                 assert ordered(a, b) or ordered(a, c) or ordered(b, c), (i, j)
+
+
+def test_default_offloaded_step_copies_each_leaf_once_one_leaf_at_a_time():
+    shapes, units, ancestors, params = _copies(group=None)
+    # Each parameter's two moments cross to the device once, whole (no slices, no second
+    # copy), as one unit; units are ordered so that not all moments are on the device at once.
+    assert sorted(shapes) == sorted(params + params)
+    assert sorted(len(u) for u in units) == [2] * len(params)
+    _assert_at_most_two_units_in_flight(units, ancestors)
+
+
+def test_offloaded_optimizer_state_is_built_and_restored_in_host_memory(tmp_path):
+    cfg = dataclasses.replace(CFG, offload_optimizer=True)
+    model, optimizer = build_model_and_optimizer(cfg)
+
+    def opt_values(opt: nnx.Optimizer) -> list:
+        return [v.get_value() for _, v in nnx.to_flat_state(nnx.state(opt, nnx.OptState))]
+
+    # Built in host memory (no device copy of the moments first), with the shardings and
+    # values nnx.Optimizer builds on the device: the same zeros and counters.
+    built = opt_values(optimizer)
+    assert {x.sharding.memory_kind for x in built} == {HOST_MEMORY_KIND}
+    assert optimizer.tx is make_optimizer(cfg)
+    reference = opt_values(nnx.Optimizer(model, optimizer.tx, wrt=nnx.Param))
+    assert len(built) == len(reference)
+    for a, b in zip(built, reference):
+        if a.ndim:  # the moments: the parameters' shardings (scalars: replicated)
+            assert a.sharding.with_memory_kind("device").is_equivalent_to(b.sharding, a.ndim)
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+    step = TrainStep(model, optimizer, LOSS)
+    tokens = np.random.default_rng(0).integers(0, 256, (cfg.batch_size, cfg.seq_len + 1),
+                                               dtype=np.int32)
+    step(tokens)
+    step.sync()
+    trained = [np.asarray(x) for x in opt_values(optimizer)]
+    with Checkpointer(CheckpointConfig(str(tmp_path), async_save=False)) as ckpt:
+        ckpt.save(1, model, optimizer)
+        fresh_model, fresh_opt = build_model_and_optimizer(cfg)
+        ckpt.restore(fresh_model, fresh_opt)
+    # A resume restores the moments straight into host memory, bit for bit.
+    restored = opt_values(fresh_opt)
+    assert {x.sharding.memory_kind for x in restored} == {HOST_MEMORY_KIND}
+    for a, b in zip(restored, trained):
+        np.testing.assert_array_equal(np.asarray(a), b)
 
 
 def test_offload_group_layers_is_validated():

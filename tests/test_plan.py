@@ -147,6 +147,8 @@ def test_memory_gib_needs_plan_auto(capsys):
 def test_offload_lowers_the_bound_by_the_optimizer_state():
     on = memory_bound(dataclasses.replace(L1, offload=True).apply(BASE))
     off = memory_bound(L1.apply(BASE))
-    # Offloaded, two streamed layer groups' moments stay: less than all layers' moments.
+    # Offloaded, the moments of one weight (the largest) stay: less than all weights'.
     assert 0 < on["optimizer"] < off["optimizer"]
-    assert off["total"] - on["total"] == off["optimizer"] - on["optimizer"] > 0
+    # ... and only while their weight is updated (after the clipping, the forward's
+    # activations freed): the bound drops by at least most of the moments.
+    assert off["total"] - on["total"] >= off["optimizer"] - on["optimizer"] > 0

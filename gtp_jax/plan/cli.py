@@ -47,9 +47,8 @@ def _parser() -> argparse.ArgumentParser:
                         help="also try these low-precision gather formats (comma-separated "
                         "fp8,mxfp8,nvfp4; they change the numerics)")
     parser.add_argument("--offload", choices=("both", "on", "off"), default="off",
-                        help="optimizer offload choices to try (default off: on GPUs the "
-                        "offloaded state is still copied to the device whole for the update, "
-                        "so it lowers the memory between steps, not the peak; docs/planning.md)")
+                        help="optimizer offload choices to try (default off: it costs step "
+                        "time in host transfers; docs/planning.md)")
     parser.add_argument("--top", type=int, default=5,
                         help="compile until this many layouts fit (the rest stay uncompiled)")
     parser.add_argument("--limit", type=int, default=20, help="rows to print (0: all)")
@@ -151,7 +150,7 @@ def auto_layout(base: Any, fixed: dict[str, Any], memory_gib: float | None) -> A
         remat=(fixed["remat"],) if "remat" in fixed else REMATS, loops=loops,
         gather_formats=(fixed.get("gather_format"),),
         offload=(fixed["offload_optimizer"],) if "offload_optimizer" in fixed
-        else (False,))  # offload lowers no peak yet (docs/planning.md): only when asked
+        else (False,))  # offload costs host transfers (docs/planning.md): only when asked
     result = plan(base, memory_gib=memory_gib, space=space, top=1)
     best = result.best
     if best is None:

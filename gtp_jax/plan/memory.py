@@ -37,7 +37,7 @@ from gtp_jax.train.config import (
     model_config,
     resolve_auto,
 )
-from gtp_jax.train.step import OFFLOAD_GROUP_LAYERS, map_opt_state, step_program
+from gtp_jax.train.step import map_opt_state, step_program
 
 #: Compiled figures by resolved `TrainConfig` (and backend): planning again (another
 #: budget, the `--plan auto` of a planned run) compiles nothing twice.
@@ -78,11 +78,14 @@ def memory_bound(cfg: TrainConfig) -> dict[str, int]:
 
         state + max(grads, activations + logits)
 
-    with state = parameters (and AdamW's two moments; offloaded, the moments of the two
-    layer groups being streamed, `OFFLOAD_GROUP_LAYERS` layers each) divided over
+    with state = parameters and AdamW's two moments divided over
     ``gtp * tp * ep`` (replicated small weights and padding only add), activations =
     ``n_layers * tokens * d_model`` and logits = ``tokens * vocab`` in the compute dtype,
     tokens = the device's ``batch * seq / (dp * ep * gtp * cp)``, split over tp as well.
+    Offloaded, the moments are in device memory only while their weight is updated (the
+    trainer's step streams them one weight at a time, after the clipping), so the peak is
+    at least ``parameters + max(grads, activations + logits, moments of the largest
+    weight)``, and "optimizer" is those moments.
 
     Returns:
       ``{"params", "optimizer", "grads", "activations", "total"}`` in bytes.
@@ -94,13 +97,25 @@ def memory_bound(cfg: TrainConfig) -> dict[str, int]:
     shards = cfg.gtp * cfg.tp * cfg.ep
     params = mc.num_params() * p_item // shards
     optimizer = 2 * params
-    if cfg.offload_optimizer:  # two units' moments in device memory at a time
-        optimizer = optimizer * min(mc.n_layers, 2 * OFFLOAD_GROUP_LAYERS) // max(mc.n_layers, 1)
+    if cfg.offload_optimizer:  # at least the unit being updated: one weight's moments
+        optimizer = 2 * _largest_weight(mc) * p_item // shards
     tokens = cfg.batch_size * cfg.seq_len // (cfg.dp * cfg.ep * cfg.gtp * cfg.cp)
     activations = tokens * (mc.n_layers * mc.d_model + mc.vocab_size) * a_item // cfg.tp
-    total = params + optimizer + max(params, activations)
+    if cfg.offload_optimizer:
+        total = params + max(params, activations, optimizer)
+    else:
+        total = params + optimizer + max(params, activations)
     return {"params": params, "optimizer": optimizer, "grads": params,
             "activations": activations, "total": total}
+
+
+@functools.cache
+def _largest_weight(model_cfg: Any) -> int:
+    """Elements of the model's largest parameter array (unsharded, unpadded; a layer-stacked
+    weight counts all its layers), from ``nnx.eval_shape``: nothing is allocated."""
+    model = nnx.eval_shape(lambda: Transformer(model_cfg, rngs=nnx.Rngs(0)))
+    return max(int(np.prod(v.get_value().shape))
+               for _, v in nnx.to_flat_state(nnx.state(model, nnx.Param)))
 
 
 def abstract_train_state(cfg: TrainConfig) -> tuple[Any, nnx.State, jax.ShapeDtypeStruct]:

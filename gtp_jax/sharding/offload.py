@@ -50,6 +50,44 @@ def place_on_host(tree: Any) -> Any:
     return jax.tree.map(place, tree)
 
 
+def init_on_host(init: Callable[[Any], Any], params: Any) -> Any:
+    """``init(params)`` (an optimizer's state) computed by one jitted program whose outputs
+    are placed in host memory: no whole state is ever built in device memory first.
+
+    Shardings of the outputs: a subtree with the structure of `params` (AdamW's moments) gets
+    the parameters' shardings leaf for leaf; every other leaf (step counts, injected
+    hyperparameters) is replicated on the parameters' mesh. All in `HOST_MEMORY_KIND`.
+
+    Args:
+      init: e.g. ``optax.GradientTransformation.init``.
+      params: a tree of arrays with ``NamedSharding`` shardings on one mesh (in device
+        memory, e.g. a `gtp_jax.shard`-ed model's parameters).
+
+    Raises:
+      UsageError: `params` holds no array with a ``NamedSharding``.
+    """
+    p_leaves, p_def = jax.tree.flatten(params)
+    meshes = {x.sharding.mesh for x in p_leaves
+              if isinstance(getattr(x, "sharding", None), NamedSharding)}
+    if len(meshes) != 1:
+        raise UsageError("init_on_host: params must be arrays sharded with a NamedSharding on "
+                         f"one mesh (found {len(meshes)} meshes); shard the model first "
+                         "(gtp_jax.shard).")
+    (mesh,) = meshes
+    host = lambda s: s.with_memory_kind(HOST_MEMORY_KIND)  # noqa: E731
+    replicated = host(NamedSharding(mesh, jax.sharding.PartitionSpec()))
+    p_shardings = p_def.unflatten([host(x.sharding) for x in p_leaves])
+
+    def param_shaped(x: Any) -> bool:
+        return x is not None and jax.tree.structure(x) == p_def
+
+    abstract = jax.eval_shape(init, params)
+    shardings = jax.tree.map(
+        lambda x: p_shardings if param_shaped(x) else jax.tree.map(lambda _: replicated, x),
+        abstract, is_leaf=param_shaped)
+    return jax.jit(init, out_shardings=shardings)(params)
+
+
 def host_shapes(tree: Any) -> Any:
     """`tree` of ``jax.ShapeDtypeStruct`` with ``NamedSharding`` shardings, moved to host
     memory (the abstract counterpart of `place_on_host`, for ahead-of-time lowering)."""
@@ -101,7 +139,8 @@ def streamable_chain(global_part: optax.GradientTransformation,
     return StreamableChain(chained.init, chained.update, global_part, leafwise_part)
 
 
-def stream_units(params: Any, stacked: Any, group_layers: int) -> list[list[tuple[int, Any]]]:
+def stream_units(params: Any, stacked: Any, group_layers: int | None
+                 ) -> list[list[tuple[int, Any]]]:
     """The units `streamed_update` moves to the device one at a time, in order.
 
     Args:
@@ -109,7 +148,8 @@ def stream_units(params: Any, stacked: Any, group_layers: int) -> list[list[tupl
       stacked: bools with the structure of `params`: whether a leaf's leading dim is a
         layer stack (``gtp_stacked`` metadata).
       group_layers: layers per unit of the stacked leaves (>= 1; the last unit holds the
-        remainder when the layer count is not a multiple).
+        remainder when the layer count is not a multiple), or None: every leaf is its own
+        unit, whole (no slicing: each moment crosses once each way, in one transfer).
 
     Returns:
       A list of units, each a list of ``(leaf index, (start, stop) | None)``: leaf index in
@@ -117,6 +157,8 @@ def stream_units(params: Any, stacked: Any, group_layers: int) -> list[list[tupl
       ``None`` a whole (not stacked) leaf. Every other leaf is its own unit, first; then the
       layer groups, each holding that slice of every stacked leaf.
     """
+    if group_layers is None:
+        return [[(i, None)] for i in range(len(jax.tree.leaves(params)))]
     if isinstance(group_layers, bool) or not isinstance(group_layers, int) or group_layers < 1:
         raise UsageError(f"offload group_layers={group_layers!r} must be an int >= 1 "
                          "(layers whose optimizer state is updated together).")
@@ -134,7 +176,7 @@ def stream_units(params: Any, stacked: Any, group_layers: int) -> list[list[tupl
 
 
 def streamed_update(tx: StreamableChain, grads: Any, opt_state: Any, params: Any,
-                    stacked: Any, *, group_layers: int) -> tuple[Any, Any]:
+                    stacked: Any, *, group_layers: int | None) -> tuple[Any, Any]:
     """Inside ``jit``: one step of `tx` with its state in host memory, streamed per unit.
 
     Returns what ``optax.apply_updates(params, tx.update(grads, opt_state, params)[0])`` and
@@ -156,7 +198,7 @@ def streamed_update(tx: StreamableChain, grads: Any, opt_state: Any, params: Any
       grads, params: trees of device arrays (equal structure); params may be sharded.
       opt_state: ``tx``'s state, its arrays in host memory.
       stacked: bools with the structure of `params` (see `stream_units`).
-      group_layers: layers per unit.
+      group_layers: layers per unit, or None: one unit per leaf, whole (`stream_units`).
     """
     global_state, leaf_state = opt_state
     updates, new_global = tx.global_part.update(grads, to_device(global_state), params)

@@ -14,6 +14,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from gtp_jax.sharding.offload import to_device
 from gtp_jax.train.layout import split_layout, to_logical
 
 
@@ -99,6 +100,9 @@ def _jit_digest(frozen: str, sharding: Any):
     def digest(arrays):
         prints, finite = [], []
         for x, info in zip(arrays, infos):
+            # Host-memory arrays (an offloaded optimizer state) are hashed on the device:
+            # compute ops take device-memory operands.
+            x = to_device(x)
             if split_layout(info):  # tp/ep split: undo the permutation first
                 x, extent = to_logical(x, info), None
             else:  # at most GTP padding: hash in place, padding masked

@@ -19,6 +19,7 @@ import numpy as np
 from flax import nnx
 
 from gtp_jax.base.metadata import LOGICAL_SHAPE, SPLIT_LAYOUT
+from gtp_jax.sharding.offload import to_device
 
 
 def is_key(value: Any) -> bool:
@@ -117,6 +118,7 @@ def zero_padding(value: jax.Array, info: Mapping[str, Any]) -> jax.Array:
 @functools.cache
 def _jit_mask(shape: tuple[int, ...], extent: tuple[int, ...], sharding: Any):
     def mask(x: jax.Array) -> jax.Array:
+        x = to_device(x)  # a host-memory array (offloaded state): masked on the device
         keep = jnp.ones(shape, dtype=bool)
         for dim, (size, n) in enumerate(zip(shape, extent)):
             if size != n:
@@ -136,5 +138,5 @@ def relayout(value: jax.Array, saved: Mapping[str, Any], target: Mapping[str, An
 @functools.cache
 def _jit_relayout(saved: str, target: str, sharding: Any):
     saved_info, target_info = json.loads(saved), json.loads(target)
-    return jax.jit(lambda x: from_logical(to_logical(x, saved_info), target_info),
+    return jax.jit(lambda x: from_logical(to_logical(to_device(x), saved_info), target_info),
                    out_shardings=sharding)

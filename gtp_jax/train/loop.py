@@ -58,7 +58,7 @@ from gtp_jax.train.preempt import StopRequest
 from gtp_jax.train.progress import ProgressBar
 from gtp_jax.train.report import TrainResult
 from gtp_jax.train.resume import restore_newest, select_candidates
-from gtp_jax.train.step import TrainStep, replicate_stray_leaves
+from gtp_jax.train.step import TrainStep, make_nnx_optimizer, replicate_stray_leaves
 from gtp_jax.train.warm_start import check_init_from, load_weights
 
 OnStep = Callable[[int, float, float], None]
@@ -169,7 +169,8 @@ def train(cfg: TrainConfig, *, on_step: OnStep | None = None,
 def build_model_and_optimizer(cfg: TrainConfig) -> tuple[gtp_jax.ShardedModule, nnx.Optimizer]:
     """The GTP-sharded model (initialized from ``cfg.seed``) and its AdamW optimizer, on the
     mesh ``make_mesh(dp, gtp, tp, ep)`` over all devices: what `train` starts from (and
-    what a checkpoint is restored into)."""
+    what a checkpoint is restored into: an offloaded optimizer's state is built, and so
+    restored, in host memory)."""
     cfg = resolve_auto(cfg)
     mesh = gtp_jax.make_mesh(dp=cfg.dp, gtp=cfg.gtp, tp=cfg.tp, ep=cfg.ep, cp=cfg.cp)
     if cfg.init_from_hf is not None:  # each device's shard read from the files
@@ -178,7 +179,8 @@ def build_model_and_optimizer(cfg: TrainConfig) -> tuple[gtp_jax.ShardedModule, 
     else:
         model = gtp_jax.shard(Transformer(model_config(cfg), rngs=nnx.Rngs(cfg.seed)), mesh,
                               gtp_config(cfg))
-    optimizer = nnx.Optimizer(model, make_optimizer(cfg), wrt=nnx.Param)
+    # Offloaded (cfg.offload_optimizer): the state is built in host memory directly.
+    optimizer = make_nnx_optimizer(model, make_optimizer(cfg), wrt=nnx.Param)
     replicate_stray_leaves(optimizer, mesh)
     return model, optimizer
 
@@ -231,6 +233,7 @@ def _train(cfg: TrainConfig, *, on_step: OnStep | None, progress: bool,
                              meta["extra"]["data"] if meta is not None else None)
     loss_fn = functools.partial(lm_loss, aux_weight=model_cfg.moe_aux_weight)
     step_fn = TrainStep(model, optimizer, loss_fn, grad_accum=cfg.grad_accum)
+    _print_init_memory()
     profiler = StepProfiler(observe.profile_dir, window) if window is not None else None
     log = open_metrics_log(observe, cfg, model_cfg) if jax.process_index() == 0 else None
     switch = None
@@ -411,6 +414,18 @@ def _step_loop(cfg: TrainConfig, model_cfg: TransformerConfig, step_fn: TrainSte
         if step < cfg.steps:
             ahead = next_batch()
     return losses, times, saved, recovery, step_fn, val_losses
+
+
+def _print_init_memory() -> None:
+    """Prints the devices' peak and current memory before the first step (what building,
+    restoring and placing the model and optimizer took), where the backend keeps allocator
+    statistics (GPUs; not the CPU backend). Process 0 only."""
+    memory = memory_per_device()
+    if memory is None or jax.process_index() != 0:
+        return
+    gib = 1024 ** 3
+    print(f"memory per device after init: peak {memory['peak_bytes_in_use'] / gib:.2f} GiB, "
+          f"in use {memory['bytes_in_use'] / gib:.2f} GiB", flush=True)
 
 
 @contextlib.contextmanager

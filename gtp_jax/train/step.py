@@ -25,12 +25,14 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import optax
 from flax import nnx
 
 from gtp_jax.base.errors import UsageError, UsageTypeError
 from gtp_jax.base.metadata import STACKED
 from gtp_jax.sharding.offload import (
     StreamableChain,
+    init_on_host,
     place_on_host,
     stream_units,
     streamed_update,
@@ -41,11 +43,6 @@ from gtp_jax.train.optim import current_lr
 
 #: Programs kept (least recently used ones are dropped; a dropped one recompiles on reuse).
 CACHE_SIZE = 16
-
-#: Layers per unit of the planner's bound for a streamed offloaded step (see
-#: `gtp_jax.sharding.offload.streamed_update`): one layer's moments at a time.
-OFFLOAD_GROUP_LAYERS = 1
-
 
 @dataclasses.dataclass
 class _Program:
@@ -81,9 +78,12 @@ class TrainStep:
       grad_norm: also return the gradients' global norm (one more pass over the
         gradients, unless the optimizer computes it anyway, e.g. to clip).
       offload_group_layers: with ``GTPConfig(offload_optimizer=True)``: None (default)
-        copies each optimizer-state leaf to the device whole for the update; an int G
-        streams the state per group of G layers (experimental: on one H200 it was 12.8x
-        slower than the on-device step at the 1b size, docs/planning.md).
+        streams the state one leaf at a time, whole (each moment crosses once each way;
+        at most about three leaves' moments in device memory at once); an int G streams
+        it per group of G layers of the layer-stacked weights (experimental: on one H200
+        it was 12.8x slower than the on-device step at the 1b size, docs/planning.md).
+        Optimizers other than `gtp_jax.sharding.offload.streamable_chain` ones are
+        copied to the device whole for the update.
       grad_accum: microbatches per step (`accumulate_grads`): the batch's leading axis is
         cut into `grad_accum` equal microbatches whose gradients are summed in a
         ``lax.scan`` before the one update; the loss is their mean.
@@ -163,6 +163,34 @@ def offloads_optimizer(model: nnx.Module) -> bool:
     return bool(getattr(config, "offload_optimizer", False))
 
 
+def make_nnx_optimizer(model: nnx.Module, tx: optax.GradientTransformation, *,
+                       wrt: Any = nnx.Param) -> nnx.Optimizer:
+    """``nnx.Optimizer(model, tx, wrt=wrt)``; for a model sharded with
+    ``GTPConfig(offload_optimizer=True)`` (`offloads_optimizer`) its state is built directly
+    in host memory (`gtp_jax.sharding.offload.init_on_host`): the device never holds the
+    moments, so building the optimizer does not raise the device's peak. The step count
+    (a scalar) is replicated on the model's mesh in host memory too. Same values, same
+    object (``optimizer.tx is tx``): a `TrainStep` of it shares programs with others."""
+    if not offloads_optimizer(model):
+        return nnx.Optimizer(model, tx, wrt=wrt)
+
+    def host_init(state: nnx.State) -> Any:
+        # optax sees the same tree nnx.Optimizer would give it (Variables keep their
+        # metadata, e.g. the sharding plan); only the values come from the host program.
+        template = jax.eval_shape(tx.init, state)
+        values = init_on_host(tx.init, nnx.as_pure(state))
+        return jax.tree.structure(template).unflatten(jax.tree.leaves(values))
+
+    optimizer = nnx.Optimizer(model, optax.GradientTransformation(host_init, tx.update),
+                              wrt=wrt)
+    optimizer.tx = tx
+    mesh = next(x.sharding.mesh for x in jax.tree.leaves(nnx.state(model, wrt))
+                if isinstance(getattr(x, "sharding", None), jax.sharding.NamedSharding))
+    replicate_stray_leaves(optimizer, mesh)
+    nnx.update(optimizer, map_opt_state(nnx.state(optimizer), place_on_host))
+    return optimizer
+
+
 def map_opt_state(state: nnx.State, fn: Callable[[Any], Any]) -> nnx.State:
     """`state` (of ``(model, optimizer)`` or an optimizer) with ``fn(value)`` in place of
     the value of every ``nnx.OptState`` variable (the optimizer's moments and step)."""
@@ -186,8 +214,9 @@ def step_program(graphdef: Any, loss_fn: Callable[..., jax.Array], *, grad_norm:
 
 
 def _offload_mode(offload: bool, group_layers: int | None) -> int:
-    """0: on-device optimizer state; -1: offloaded, copied whole; > 0: offloaded and
-    streamed, that many layers per unit."""
+    """0: on-device optimizer state; -1: offloaded, streamed one whole leaf at a time (copied
+    whole, all at once, for an optimizer that is not a `StreamableChain`); > 0: offloaded
+    and streamed, that many layers per unit."""
     if not offload:
         return 0
     return -1 if group_layers is None else int(group_layers)
@@ -210,9 +239,11 @@ def _program(graphdef: Any, loss_fn: Callable[..., jax.Array], grad_norm: bool,
             loss, grads = nnx.value_and_grad(loss_fn)(model, batch)
         else:
             loss, grads = accumulate_grads(model, loss_fn, batch, grad_accum)
-        if offload > 0 and isinstance(optimizer.tx, StreamableChain):
-            _streamed_optimizer_update(model, optimizer, grads, offload)
-        elif offload:  # the whole state to the device and back, leaf by leaf
+        if offload and isinstance(optimizer.tx, StreamableChain):
+            # -1: one leaf at a time, whole; > 0: that many layers at a time.
+            _streamed_optimizer_update(model, optimizer, grads,
+                                       None if offload < 0 else offload)
+        elif offload:  # the whole state to the device and back (any optax optimizer)
             nnx.update(optimizer, to_device(nnx.state(optimizer, nnx.OptState)))
             optimizer.update(model, grads)
             nnx.update(optimizer, to_host(nnx.state(optimizer, nnx.OptState)))
@@ -235,7 +266,7 @@ def _program(graphdef: Any, loss_fn: Callable[..., jax.Array], grad_norm: bool,
 
 
 def _streamed_optimizer_update(model: nnx.Module, optimizer: nnx.Optimizer, grads: Any,
-                               group_layers: int) -> None:
+                               group_layers: int | None) -> None:
     """``optimizer.update(model, grads)`` with the state in host memory, streamed per layer
     group (`gtp_jax.sharding.offload.streamed_update`): the same arithmetic as
     ``nnx.Optimizer.update``."""
