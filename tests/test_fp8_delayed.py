@@ -168,6 +168,34 @@ def test_user_module_records_the_amax_of_the_whole_batch(key, seed):
     assert gtp_jax.unshard(sharded).lin.dot_general is jax.lax.dot_general
 
 
+def test_grad_accumulation_rolls_the_history_once_with_the_largest_amax(key, seed):
+    from gtp_jax.train.step import _grads_and_history
+
+    model = Mixed(nnx.Rngs(seed))
+    fp8.inject(model, fp8.fp8_layers(model, DELAYED), DELAYED)
+    nnx.update(model, jax.tree.map(lambda h: h + 0.5, nnx.state(model, Fp8History)))
+    tokens = mixed_tokens(key)
+
+    def mse(m, t):
+        return jnp.mean(m(t).astype(jnp.float32) ** 2)
+
+    loss, grads, history = jax.jit(_grads_and_history, static_argnums=(1, 3))(
+        model, mse, tokens, 2)
+    wrt = nnx.DiffState(0, nnx.Any(nnx.Param, Fp8History))
+    # accumulate_grads' microbatch i takes rows i, i + 2, ...
+    parts = [nnx.value_and_grad(mse, argnums=wrt)(model, tokens[i::2]) for i in range(2)]
+    assert_close(loss, (parts[0][0] + parts[1][0]) / 2, 1e-6, "loss")
+    got_h = _histories(history)
+    for path, h0 in _histories(parts[0][1]).items():
+        want = np.maximum(h0, _histories(parts[1][1])[path])
+        np.testing.assert_array_equal(got_h[path], want, err_msg=path)
+        assert np.all(want[1:] == 0.5), path  # rolled once, not once per microbatch
+    got_p = dict(nnx.to_flat_state(grads))
+    for keys, var in nnx.to_flat_state(nnx.state(parts[0][1], nnx.Param)):
+        other = dict(nnx.to_flat_state(parts[1][1]))[keys].get_value()
+        assert_close(got_p[keys].get_value(), (var.get_value() + other) / 2, 1e-6, str(keys))
+
+
 def test_sharded_decoder_trains_like_unsharded_with_delayed_scaling(key, seed):
     # The scanned loop with prefetch here; the unrolled loop in the resume test, the scanned
     # loop without prefetch in the command-line test.
