@@ -42,6 +42,7 @@ FLAGS = {
     "GTPConfig.offload_optimizer": "--[no-]offload-optimizer",
     "GTPConfig.fp8_include": "fp8_include (no flag)",
     "GTPConfig.fp8_exclude": "fp8_exclude (no flag)",
+    "GTPConfig.fp8_history_len": "fp8_history_len (no flag; 16)",
     "TrainConfig.fp8_min_features": "--fp8-min-features",
     "TrainConfig.overlap": "--overlap", "TrainConfig.moe_experts": "--moe-experts",
     "TrainConfig.moe_top_k": "--moe-top-k", "TrainConfig.moe_capacity_factor": "--moe-capacity",
