@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # FP8 compute on one GPU, side by side in one call: gtp_jax's Llama-3-8B-shaped blocks in
-# bf16 and with fp8_compute="tensorwise" plus the GEMM size sweep (python -m gtp_jax.bench
+# bf16 and with fp8_compute="tensorwise" and "delayed" plus the GEMM size sweep (python -m gtp_jax.bench
 # fp8), then the torchao float8 peer on the same blocks (benchmarks/torch_fp8_blocks.py,
 # torch.compile; needs torchao: carry its wheel in .carry/whl).
 # With PROFILE=1, three steps of each blocks row are traced and their kernel time by
@@ -15,7 +15,7 @@ TRACES=/tmp/gtp_jax_fp8_traces
 python3 -m gtp_jax.bench fp8 --layers "${LAYERS:-4}" --json "$OUT/fp8.json" \
   ${ROWS:+--rows "$ROWS"} ${PROFILE:+--profile-dir "$TRACES"} 2>&1 \
   | grep -v -i deprecat | tee "$OUT/fp8.log"
-for row in blocks_bf16 blocks_fp8; do
+for row in blocks_bf16 blocks_fp8 blocks_fp8_delayed; do
   [ -d "$TRACES/$row" ] || continue
   echo "== $row"
   python3 -m gtp_jax.bench.kernels "$TRACES/$row" --steps 3 --top 30 \

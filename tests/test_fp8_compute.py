@@ -281,8 +281,10 @@ def test_backward_keeps_no_gathered_weight_with_fp8_compute(key, seed):
 
 
 def test_fp8_compute_settings_are_checked():
-    with pytest.raises(UsageError, match="fp8_compute='delayed' is unknown"):
-        gtp_jax.GTPConfig(fp8_compute="delayed")
+    with pytest.raises(UsageError, match="fp8_compute='rowwise' is unknown.*'delayed'"):
+        gtp_jax.GTPConfig(fp8_compute="rowwise")
+    with pytest.raises(UsageError, match="fp8_history_len=0 must be an int >= 1"):
+        gtp_jax.GTPConfig(fp8_compute="delayed", fp8_history_len=0)
     with pytest.raises(UsageError, match="gather_format='nvfp4'.*gather formats only"):
         gtp_jax.GTPConfig(fp8_compute="tensorwise", gather_format="nvfp4")
     with pytest.raises(UsageError, match="fp8_min_features=-1"):

@@ -20,7 +20,7 @@ GATHER_FORMATS = (None, "fp8", "mxfp8", "nvfp4")
 #: Implementations of the quantize / dequantize kernels (`gtp_jax.pallas`).
 QUANT_BACKENDS = ("pallas", "reference")
 #: FP8 compute recipes (`GTPConfig.fp8_compute`). None computes in the compute dtype.
-FP8_COMPUTE_RECIPES = (None, "tensorwise")
+FP8_COMPUTE_RECIPES = (None, "tensorwise", "delayed")
 #: Layers kept out of FP8 compute by default: the output head, whose logits feed the loss.
 DEFAULT_FP8_EXCLUDE = (r"(^|/)(lm_head|head|output|unembed)(/|$)",)
 #: Gather formats that compose with FP8 compute (the others' block scales would be
@@ -96,6 +96,13 @@ class GTPConfig:
         activations and weights with e5m2 gradients, one scale per tensor from its current
         amax (`gtp_jax.sharding.fp8`). Needs FP8 GEMMs on GPUs (Ada/Hopper or later); on
         CPUs it is emulated exactly. Composes with gather_format None or "fp8".
+        "delayed": the same layers and formats, each tensor scaled from an amax history
+        of earlier steps (TransformerEngine's delayed scaling): every FP8 layer gets an
+        `gtp_jax.base.fp8_history.Fp8History` variable, replicated, which the training step
+        (`gtp_jax.train.TrainStep`) replaces with the value its backward pass returns
+        (docs/fp8.md).
+      fp8_history_len: with ``fp8_compute="delayed"``: steps of amax history each FP8
+        tensor's scale is the maximum over (>= 1; TransformerEngine's default 16).
       fp8_min_features: a layer computes in FP8 only if its kernel has at least this many
         input features and as many output features (smaller GEMMs gain less than their
         quantize passes cost; see docs/fp8.md).
@@ -126,6 +133,7 @@ class GTPConfig:
     keep_gathered_layers: bool = False
     fp8_compute: str | None = None
     fp8_min_features: int = 2048
+    fp8_history_len: int = 16
     fp8_include: tuple[str, ...] = ()
     fp8_exclude: tuple[str, ...] = DEFAULT_FP8_EXCLUDE
     offload_optimizer: bool = False
@@ -196,6 +204,12 @@ class GTPConfig:
                 or self.fp8_min_features < 0):
             raise UsageError(
                 f"GTPConfig.fp8_min_features={self.fp8_min_features!r} must be an int >= 0.")
+        if (isinstance(self.fp8_history_len, bool) or not isinstance(self.fp8_history_len, int)
+                or self.fp8_history_len < 1):
+            raise UsageError(
+                f"GTPConfig.fp8_history_len={self.fp8_history_len!r} must be an int >= 1 "
+                "(steps of amax history of the delayed recipe; 16 is TransformerEngine's "
+                "default).")
         for field in ("prefetch", "remat_gathered", "keep_gathered_layers",
                       "offload_optimizer"):
             if not isinstance(getattr(self, field), bool):

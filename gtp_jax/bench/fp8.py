@@ -7,6 +7,7 @@ Rows (each in its own process, side by side in one call):
                 blocks, no remat), under `gtp_jax.shard` on the devices present; fwd + bwd
                 + AdamW (bf16 weights and moments, as the PyTorch peer), cuDNN attention
   blocks_fp8    the same with ``GTPConfig(fp8_compute="tensorwise")``
+  blocks_fp8_delayed  the same with ``GTPConfig(fp8_compute="delayed")`` (amax history)
   gemm_*        one linear ``[8192, k] @ [k, n]`` forward + backward, bf16 against FP8
                 (the quantize passes included), over square sizes: where FP8 starts to pay
 
@@ -26,7 +27,10 @@ import sys
 import time
 from typing import Any
 
-ROWS = ("blocks_bf16", "blocks_fp8")
+ROWS = ("blocks_bf16", "blocks_fp8", "blocks_fp8_delayed")
+#: The FP8 recipe of each blocks row.
+BLOCK_RECIPES = {"blocks_bf16": None, "blocks_fp8": "tensorwise",
+                 "blocks_fp8_delayed": "delayed"}
 GEMM_SIZES = (1024, 2048, 4096, 8192)
 
 
@@ -59,7 +63,7 @@ def _peak_gib() -> float | None:
     return None if peak is None else peak / 2**30
 
 
-def run_blocks(args: argparse.Namespace, fp8: bool) -> dict[str, Any]:
+def run_blocks(args: argparse.Namespace, row: str) -> dict[str, Any]:
     import jax
     import jax.numpy as jnp
     import optax
@@ -107,7 +111,7 @@ def run_blocks(args: argparse.Namespace, fp8: bool) -> dict[str, Any]:
             return x
 
     mesh = gtp_jax.make_mesh(gtp=jax.device_count())
-    config = gtp_jax.GTPConfig(fp8_compute="tensorwise" if fp8 else None,
+    config = gtp_jax.GTPConfig(fp8_compute=BLOCK_RECIPES[row],
                                fp8_min_features=args.fp8_min_features)
     model = gtp_jax.shard(Blocks(nnx.Rngs(0)), mesh, config)
     optimizer = nnx.Optimizer(model, optax.adamw(1e-5), wrt=nnx.Param)
@@ -130,11 +134,11 @@ def run_blocks(args: argparse.Namespace, fp8: bool) -> dict[str, Any]:
 
     ms = _median_ms(run, x, steps=args.steps, warmup=args.warmup)
     if args.profile_dir:
-        _profile(run, x, os.path.join(args.profile_dir, "blocks_fp8" if fp8 else "blocks_bf16"),
+        _profile(run, x, os.path.join(args.profile_dir, row),
                  compiled.as_text())
     flops = 6 * seq * args.layers * (2 * d * d + 2 * d * kv * hd + 3 * d * ff) \
         + 6 * args.layers * heads * seq * seq * hd  # causal attention: half of 4*s*s*hd, x3
-    return {"row": "blocks_fp8" if fp8 else "blocks_bf16", "step_ms": ms,
+    return {"row": row, "step_ms": ms,
             "tflops": flops / ms / 1e9, "peak_gib": _peak_gib(),
             "fp8_layers": len(model.fp8_layers), **counts}
 
@@ -209,7 +213,8 @@ def _table(results: list[dict[str, Any]]) -> str:
         if "error" in r:
             lines.append(f"| {r['row']} | error: {r['error'][:120]} | | | | | |")
             continue
-        twin = by.get(r["row"].replace("fp8", "bf16"))
+        twin = by.get("blocks_bf16" if r["row"].startswith("blocks_")
+                      else r["row"].replace("fp8", "bf16"))
         ratio = (f"{r['step_ms'] / twin['step_ms']:.3f}x" if twin and "step_ms" in twin
                  and twin is not r else "")
         peak = f"{r['peak_gib']:.1f}" if r.get("peak_gib") is not None else "-"
@@ -222,7 +227,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m gtp_jax.bench fp8", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", default=",".join(ROWS) + ",gemm",
-                        help="comma-separated: blocks_bf16, blocks_fp8, gemm (the size sweep)")
+                        help="comma-separated: blocks_bf16, blocks_fp8, blocks_fp8_delayed, gemm "
+                        "(the size sweep)")
     parser.add_argument("--row", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--seq", type=int, default=8192, help="tokens (one sequence)")
@@ -231,7 +237,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--heads", type=int, default=32)
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--fp8-min-features", type=int, default=2048,
-                        help="GTPConfig.fp8_min_features of the blocks_fp8 row")
+                        help="GTPConfig.fp8_min_features of the blocks_fp8 rows")
     parser.add_argument("--steps", type=int, default=15, help="timed steps (median)")
     parser.add_argument("--warmup", type=int, default=4)
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per row")
@@ -247,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.row.startswith("gemm_"):
             rows = run_gemm(args, int(args.row.split("_")[1]))
         else:
-            rows = [run_blocks(args, fp8=args.row == "blocks_fp8")]
+            rows = [run_blocks(args, args.row)]
         for r in rows:
             print("RESULT " + json.dumps(r), flush=True)
         return 0

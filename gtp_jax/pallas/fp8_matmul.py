@@ -21,6 +21,13 @@ its scale, the scale of ``w``,
 and ``w`` itself, re-quantized in the backward pass: ``w`` is usually a gathered GTP weight,
 which the layer loop and `gtp_jax.shard` never keep alive from the forward pass, and
 quantizing it again costs one pass over the weight.
+
+Delayed scaling ("delayed", TransformerEngine's recipe; `fp8_matmul_delayed`): the same
+formats and products, but each tensor is quantized with the scale of an amax *history* of
+earlier steps (`history_scales`: the maximum over the history, power-of-two scale as above;
+an all-zero history gives the scale 1) and its current amax is only recorded
+(`roll_history`), so nothing waits for it before the cast: XLA computes it in the pass that
+casts. The next history is returned as the history's cotangent.
 """
 
 from __future__ import annotations
@@ -215,3 +222,139 @@ def fp8_matmul_grads_reference(x: jax.Array, w: jax.Array, dy: jax.Array
     xd, wd, gd = (a.astype(jnp.float32) / s for a, s in ((x8, sx), (w8, sw), (g8, sg)))
     return (jnp.dot(gd, wd.T, precision=hi).astype(dy.dtype),
             jnp.dot(xd.T, gd, precision=hi).astype(w.dtype))
+
+
+# --------------------------------------------------------------------------- delayed
+
+
+def history_scales(history: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(``sx``, ``sw``, ``sg``): float32 scales of ``x``, ``w`` (e4m3) and ``dy`` (e5m2) from
+    an amax history float32 ``[H, 3]`` (columns x, w, dy): `_scale` of each column's
+    maximum over the ``H`` steps. An all-zero column (no step recorded yet) gives 1; a NaN or
+    Inf recorded in the column gives NaN (every element it governs becomes NaN)."""
+    amax = jnp.max(history, axis=0)
+    return _scale(amax[0], E4M3_MAX), _scale(amax[1], E4M3_MAX), _scale(amax[2], E5M2_MAX)
+
+
+def roll_history(history: jax.Array, amax: jax.Array) -> jax.Array:
+    """`history` (float32 ``[H, 3]``, newest first) with `amax` (float32 ``[3]``: this
+    step's x, w, dy) as row 0 and the oldest row dropped."""
+    return jnp.concatenate([amax.astype(jnp.float32)[None], history[:-1]], axis=0)
+
+
+def _amaxes(xs: list[jax.Array], impl: tuple) -> jax.Array:
+    """float32 ``[len(xs)]``: each tensor's amax (one launch on the Pallas path)."""
+    if impl[0] == "pallas":
+        return jnp.stack(multi_amax_pallas(xs, interpret=impl[1]))
+    return jnp.stack([_amax(x) for x in xs])
+
+
+def _first_device(axes: tuple[str, ...]) -> jax.Array:
+    """Whether this device has index 0 on every axis of `axes` (bool[])."""
+    return functools.reduce(jnp.logical_and,
+                            [jax.lax.axis_index(a) == 0 for a in axes], jnp.bool_(True))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _fp8_matmul_delayed(x, w, history, impl, axes):
+    return _delayed_fwd(x, w, history, impl, axes)[0]
+
+
+def _delayed_fwd(x, w, history, impl, axes):
+    e4 = jnp.float8_e4m3fn
+    sx, sw, sg = history_scales(history)
+    x8, xt8 = _quantize(x, sx, e4, "both", impl)
+    _, wt8 = _quantize(w, sw, e4, "columnwise", impl)
+    amax_xw = _amaxes([x, w], impl)  # recorded only: no cast waits for it
+    y = _product(x8, wt8, sx, sw, x.dtype)
+    return y, (jax.lax.bitcast_convert_type(xt8, jnp.uint8), sx, w, sw, sg, amax_xw, history)
+
+
+def _delayed_bwd(impl, axes, res, dy):
+    xt8, sx, w, sw, sg, amax_xw, history = res
+    xt8 = jax.lax.bitcast_convert_type(xt8, jnp.float8_e4m3fn)
+    e4, e5 = jnp.float8_e4m3fn, jnp.float8_e5m2
+    w8, _ = _quantize(w, sw, e4, "rowwise", impl)
+    g8, gt8 = _quantize(dy, sg, e5, "both", impl)
+    amax = jnp.concatenate([amax_xw, _amaxes([dy], impl)])
+    if axes:
+        # x and dy are split over the data axes: the recorded amax is the maximum over every
+        # device, so the history (and the next step's scales) are the same on all of them.
+        amax = jax.lax.pmax(amax, axes)
+    new = roll_history(history, amax)
+    if axes:
+        # shard_map's transpose sums a replicated input's cotangent over the mesh: one
+        # device contributes the history, the others zeros (an exact sum).
+        new = jnp.where(_first_device(axes), new, jnp.zeros_like(new))
+    dx = _product(g8, w8, sg, sw, dy.dtype)
+    dw = _product(xt8, gt8, sx, sg, w.dtype)
+    return dx, dw, new
+
+
+_fp8_matmul_delayed.defvjp(_delayed_fwd, _delayed_bwd)
+
+
+def fp8_matmul_delayed(x: jax.Array, w: jax.Array, history: jax.Array, *,
+                       axes: tuple[str, ...] = (), backend: str | None = None,
+                       interpret: bool | None = None) -> jax.Array:
+    """``x @ w`` as `fp8_matmul`, with delayed scaling from an amax history.
+
+    Args:
+      x: ``[M, K]`` float32 / bfloat16 / float16.
+      w: ``[K, N]``, x's dtype.
+      history: float32 ``[H, 3]``: amax of x, w and dy of the last H steps (`Fp8History`
+        of `gtp_jax.base.fp8_history`). Scales: `history_scales`.
+      axes: mesh axes to take the recorded amax's maximum over (inside ``jax.shard_map``:
+        every axis over which the replicated history's cotangent is summed; the history
+        cotangent is then returned on the first device only). () outside ``shard_map``.
+      backend, interpret: as in `fp8_matmul`.
+
+    Returns:
+      ``[M, N]`` in x's dtype. Differentiable: ``dx``, ``dw`` are FP8 products with the
+      history's ``dy`` scale, and the cotangent of `history` is the next history,
+      ``roll_history(history, [amax(x), amax(w), amax(dy)])`` (not a gradient: the
+      training step writes it into the variable). A NaN or Inf in an operand makes the
+      outputs it reaches NaN and is recorded in the history, whose later scales are then
+      NaN: never a finite value computed from a broken scale.
+    """
+    _check(x, w)
+    if x.dtype != w.dtype:
+        raise UsageTypeError(f"fp8_matmul_delayed: x is {x.dtype} but w is {w.dtype}; cast "
+                             "both to the compute dtype first.")
+    if (not hasattr(history, "shape") or history.ndim != 2 or history.shape[1] != 3
+            or history.shape[0] < 1):
+        raise UsageError(f"fp8_matmul_delayed: history has shape "
+                         f"{getattr(history, 'shape', None)}; it takes float32 [H, 3] with "
+                         "H >= 1 (amax of x, w, dy per step).")
+    if backend not in (None, "pallas", "xla"):
+        raise UsageError(f"fp8_matmul_delayed: backend={backend!r}; use 'pallas', 'xla' or "
+                         "None (pallas on a GPU, else xla).")
+    if backend is None:
+        backend = "pallas" if jax.default_backend() == "gpu" else "xla"
+    impl = ("pallas", _util.resolve_interpret(interpret)) if backend == "pallas" else ("xla",)
+    return _fp8_matmul_delayed(x, w, history.astype(jnp.float32), impl, tuple(axes))
+
+
+def quantize_with_scale(x: jax.Array, s: jax.Array, dtype: jnp.dtype) -> jax.Array:
+    """The payload of `dtype` with ``x ~= payload / s`` for a given scale (saturating,
+    NaN for non-finite elements)."""
+    return cast_transpose_reference(x, s, dtype, "rowwise")[0]
+
+
+def fp8_matmul_delayed_reference(x: jax.Array, w: jax.Array, dy: jax.Array,
+                                 history: jax.Array
+                                 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """The reference of `fp8_matmul_delayed` on one device: ``(y, dx, dw, next history)``,
+    every operand quantized with the scale of `history` (`history_scales`), dequantized and
+    multiplied in float32 at the highest precision; the next history is `history` rolled
+    with the operands' own amaxes."""
+    sx, sw, sg = history_scales(history)
+    hi = jax.lax.Precision.HIGHEST
+    xd = quantize_with_scale(x, sx, jnp.float8_e4m3fn).astype(jnp.float32) / sx
+    wd = quantize_with_scale(w, sw, jnp.float8_e4m3fn).astype(jnp.float32) / sw
+    gd = quantize_with_scale(dy, sg, jnp.float8_e5m2).astype(jnp.float32) / sg
+    amax = jnp.stack([jnp.max(jnp.abs(a.astype(jnp.float32))) for a in (x, w, dy)])
+    return (jnp.dot(xd, wd, precision=hi).astype(x.dtype),
+            jnp.dot(gd, wd.T, precision=hi).astype(dy.dtype),
+            jnp.dot(xd.T, gd, precision=hi).astype(w.dtype),
+            roll_history(history, amax))

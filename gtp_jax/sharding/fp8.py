@@ -14,12 +14,23 @@ gain less than their quantize passes cost), whose path matches no ``GTPConfig.fp
 pattern (by default the output head: its logits feed the loss directly) and, when
 ``GTPConfig.fp8_include`` is given, matches one of those patterns. ``describe()`` of the
 sharded module lists them.
+
+Delayed scaling (``fp8_compute="delayed"``): each FP8 layer's injection point gets a small
+module instead of a function, `Fp8DelayedMatmul`, holding the layer's amax history (an
+`Fp8History`, replicated; stacked layers get a leading layer dim like their kernels), so
+the history is part of the module's state (split, scanned, checkpointed with it) and its
+"gradient", the next history, reaches the training step. Inside the sharded call the
+recorded amax is reduced over every mesh axis (`amax_axes`), so the history stays the same
+on every device.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import functools
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -29,24 +40,45 @@ from flax import nnx
 
 from gtp_jax.base.config import GTPConfig
 from gtp_jax.base.errors import UsageError
+from gtp_jax.base.fp8_history import HISTORY_COLUMNS, Fp8History
 from gtp_jax.base.metadata import STACKED
-from gtp_jax.pallas.fp8_matmul import FP8_MATMUL_DTYPES, fp8_matmul
+from gtp_jax.pallas.fp8_matmul import FP8_MATMUL_DTYPES, fp8_matmul, fp8_matmul_delayed
 from gtp_jax.sharding.contract import key_name
 from gtp_jax.sharding.plan import path_str
 
 #: Smallest CUDA compute capability with FP8 GEMMs (Ada / Hopper).
 FP8_MIN_COMPUTE_CAPABILITY = (8, 9)
 
+#: Mesh axes the delayed recipe reduces its recorded amaxes over (set by the sharded call).
+_AMAX_AXES: contextvars.ContextVar[tuple[str, ...]] = contextvars.ContextVar(
+    "gtp_jax_fp8_amax_axes", default=())
+
+
+@contextlib.contextmanager
+def amax_axes(axes: Sequence[str]) -> Iterator[None]:
+    """While tracing inside ``jax.shard_map``: the mesh axes over which a replicated
+    variable's cotangent is summed (every axis of the mesh for ``P()``). Delayed-scaling
+    matmuls traced meanwhile take their recorded amax's maximum over them and return the
+    next history from the first device only (`fp8_matmul_delayed`)."""
+    token = _AMAX_AXES.set(tuple(axes))
+    try:
+        yield
+    finally:
+        _AMAX_AXES.reset(token)
+
 
 def fp8_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any,
                     precision: Any = None, preferred_element_type: Any = None,
-                    out_sharding: Any = None) -> jax.Array:
-    """``jax.lax.dot_general`` computed as an FP8 matmul (`fp8_matmul`).
+                    out_sharding: Any = None, *, history: jax.Array | None = None
+                    ) -> jax.Array:
+    """``jax.lax.dot_general`` computed as an FP8 matmul (`fp8_matmul`, or
+    `fp8_matmul_delayed` with an amax `history`, float32 ``[H, 3]``).
 
     Same arguments and result shape as ``jax.lax.dot_general`` (``precision`` is ignored:
     the operands are FP8). Contractions without batch dims of two operands of one float
     dtype (float32, bfloat16, float16) are computed as ``[M, K] @ [K, N]`` in FP8; any other
-    contraction (batch dims, mixed or integer dtypes) runs ``jax.lax.dot_general`` as given.
+    contraction (batch dims, mixed or integer dtypes) runs ``jax.lax.dot_general`` as given
+    (and records nothing: a history's cotangent is then zero).
     """
     (lc, rc), (lb, rb) = dimension_numbers
     plain = (lb or rb or lhs.dtype != rhs.dtype
@@ -61,7 +93,9 @@ def fp8_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any,
     k = int(np.prod([lhs.shape[d] for d in lc]))
     x = jnp.transpose(lhs, (*lfree, *lc)).reshape(-1, k)
     w = jnp.transpose(rhs, (*rc, *rfree)).reshape(k, -1)
-    y = fp8_matmul(x, w).reshape(*(lhs.shape[d] for d in lfree),
+    y = (fp8_matmul(x, w) if history is None
+         else fp8_matmul_delayed(x, w, history, axes=_AMAX_AXES.get()))
+    y = y.reshape(*(lhs.shape[d] for d in lfree),
                                  *(rhs.shape[d] for d in rfree))
     return y if preferred_element_type is None else y.astype(preferred_element_type)
 
@@ -76,6 +110,30 @@ def fp8_einsum(subscripts: str, *operands: Any, **kwargs: Any) -> jax.Array:
 _INJECTION = ((nnx.LinearGeneral, "dot_general"), (nnx.Linear, "dot_general"),
               (nnx.Einsum, "einsum_op"))
 _FP8_OP = {"dot_general": fp8_dot_general, "einsum_op": fp8_einsum}
+
+
+class Fp8DelayedMatmul(nnx.Module):
+    """A layer's matmul under delayed scaling, injected as its ``dot_general`` (or
+    ``einsum_op``): calls `fp8_dot_general` (`fp8_einsum`) with the layer's amax history.
+
+    Attributes:
+      amax_history: `Fp8History`, float32 ``[history_len, 3]`` (``[L, history_len, 3]``
+        on a layer stack, ``gtp_stacked`` metadata), replicated.
+      op: ``"dot_general"`` or ``"einsum_op"``: the injection point it replaces.
+    """
+
+    def __init__(self, history: Fp8History, op: str):
+        self.amax_history = history
+        self.op = op
+
+    def __call__(self, *args: Any, **kwargs: Any) -> jax.Array:
+        """The layer's ``dot_general(lhs, rhs, dims, ...)`` or ``einsum_op(subscripts,
+        *operands, ...)`` call, in FP8 with this layer's history."""
+        dot = functools.partial(fp8_dot_general, history=self.amax_history[...])
+        if self.op == "einsum_op":
+            subscripts, *operands = args
+            return jnp.einsum(subscripts, *operands, _dot_general=dot, **kwargs)
+        return dot(*args, **kwargs)
 
 
 def _features(node: nnx.Module, kernel: tuple[int, ...]) -> tuple[int, int] | None:
@@ -149,15 +207,33 @@ def check_fp8_compute(config: GTPConfig, mesh: jax.sharding.Mesh) -> None:
                 "(Ada or Hopper and later do); use fp8_compute=None (bf16 compute).")
 
 
-def inject(module: nnx.Module, layers: Sequence[tuple[tuple, str, str]]
+def inject(module: nnx.Module, layers: Sequence[tuple[tuple, str, str]],
+           config: GTPConfig | None = None, mesh: jax.sharding.Mesh | None = None
            ) -> tuple[tuple[str, str, Callable], ...]:
     """Routes the matmuls of `layers` (from `fp8_layers`) in `module` through FP8, in
-    place; returns ``(path, attribute, original)`` for each, for `restore`."""
+    place; returns ``(path, attribute, original)`` for each, for `restore`.
+
+    With ``config.fp8_compute == "delayed"`` each layer gets a `Fp8DelayedMatmul` holding a
+    zero `Fp8History` of ``config.fp8_history_len`` steps (placed replicated on `mesh` when
+    given), else the stateless `fp8_dot_general` / `fp8_einsum`."""
+    delayed = config is not None and config.fp8_compute == "delayed"
     originals = []
     for keys, path, attr in layers:
         node = _node_at(module, keys)
         originals.append((path, attr, getattr(node, attr)))
-        setattr(node, attr, _FP8_OP[attr])
+        if not delayed:
+            setattr(node, attr, _FP8_OP[attr])
+            continue
+        stacked = bool(node.kernel.get_metadata().get(STACKED, False))
+        shape = (config.fp8_history_len, len(HISTORY_COLUMNS))
+        if stacked:
+            shape = (int(node.kernel.get_value().shape[0]), *shape)
+        value = jnp.zeros(shape, jnp.float32)
+        if mesh is not None:
+            value = jax.device_put(value, jax.sharding.NamedSharding(
+                mesh, jax.sharding.PartitionSpec()))
+        history = Fp8History(value, **({STACKED: True} if stacked else {}))
+        setattr(node, attr, nnx.data(Fp8DelayedMatmul(history, attr)))
     return tuple(originals)
 
 
@@ -168,7 +244,9 @@ def restore(module: nnx.Module, originals: Sequence[tuple[str, str, Callable]]) 
         path = path_str(key_name(k) for k in keys)
         if path in by_path and isinstance(node, nnx.Module):
             attr, fn = by_path[path]
-            setattr(node, attr, fn)
+            # A delayed recipe's matmul module made the attribute a data attribute.
+            setattr(node, attr, nnx.static(fn) if isinstance(getattr(node, attr), nnx.Module)
+                    else fn)
 
 
 def _node_at(module: nnx.Module, keys: tuple) -> Any:

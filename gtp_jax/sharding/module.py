@@ -175,6 +175,9 @@ class ShardedModule(nnx.Module):
         # Ranks that see different tokens: the data axes, and cp when the sequence is split.
         reduce_axes = () if single else axes + (seq_axes(mesh) if seq_split else ())
         side_keys: list[tuple[tuple, nnx.Variable]] = []
+        # shard_map's transpose sums a replicated variable's cotangent over every mesh axis;
+        # the delayed FP8 recipe's amax histories are reduced over the same axes.
+        amax_axes = () if single else tuple(mesh.axis_names)
 
         def body(local_values, local_args, lazy=False):
             new_vars = []
@@ -190,7 +193,8 @@ class ShardedModule(nnx.Module):
             for i, x in zip(dynamic, local_args):
                 call_leaves[i] = x
             call_args, call_kwargs = jax.tree.unflatten(arg_tree, call_leaves)
-            out = module(*call_args, **call_kwargs)
+            with fp8.amax_axes(amax_axes):
+                out = module(*call_args, **call_kwargs)
             if default_layout:
                 check_outputs(out, local_batch)
             side = reduce_side_state(module, before, rules, local_batch, reduce_axes,
@@ -345,8 +349,10 @@ class ShardedModule(nnx.Module):
                 f"dim {spec.shard_dim} padded {spec.logical_shape[spec.shard_dim]}->"
                 f"{spec.padded_size} over {spec.axis}={spec.axis_size}: {per_device} B/device "
                 f"vs {full} B replicated ({per_device / full:.3f}, ideal {1 / spec.axis_size:.3f})")
-        lines += [f"{path}: matmuls in fp8 ({self.config.fp8_compute})"
-                  for path, _, _ in self.fp8_layers]
+        recipe = self.config.fp8_compute
+        if recipe == "delayed":
+            recipe += f", amax history of {self.config.fp8_history_len} steps"
+        lines += [f"{path}: matmuls in fp8 ({recipe})" for path, _, _ in self.fp8_layers]
         return lines
 
     def sharded_paths(self) -> list[str]:
@@ -473,7 +479,7 @@ def shard(module: nnx.Module, mesh: Mesh, config: GTPConfig | None = None) -> Sh
     return ShardedModule(inner, mesh=mesh, config=config,
                          plan=tuple(p for p in plans if isinstance(p, ParamPlan)),
                          split_plan=tuple(p for p in plans if isinstance(p, SplitPlan)),
-                         fp8_layers=fp8.inject(inner, fp8_layers))
+                         fp8_layers=fp8.inject(inner, fp8_layers, config, mesh))
 
 
 def unshard(module: ShardedModule) -> nnx.Module:

@@ -42,6 +42,7 @@ FLAGS = {
     "GTPConfig.offload_optimizer": "--[no-]offload-optimizer",
     "GTPConfig.fp8_include": "fp8_include (no flag)",
     "GTPConfig.fp8_exclude": "fp8_exclude (no flag)",
+    "GTPConfig.fp8_history_len": "fp8_history_len (no flag; 16)",
     "TrainConfig.fp8_min_features": "--fp8-min-features",
     "TrainConfig.overlap": "--overlap", "TrainConfig.moe_experts": "--moe-experts",
     "TrainConfig.moe_top_k": "--moe-top-k", "TrainConfig.moe_capacity_factor": "--moe-capacity",
@@ -180,10 +181,12 @@ def _parser() -> argparse.ArgumentParser:
                        "compute (the same values in half the bytes), else the parameter dtype")
     train.add_argument("--gather-format", choices=("fp8", "mxfp8", "nvfp4"), default=None,
                        help="low-precision weight all-gather (Pallas quantize kernels)")
-    train.add_argument("--fp8-compute", choices=("tensorwise",), default=None,
+    train.add_argument("--fp8-compute", choices=("tensorwise", "delayed"), default=None,
                        help="the projections' matmuls on FP8 operands (e4m3, e5m2 "
                        "gradients, per-tensor scales; FP8 GEMMs on Hopper, emulated on "
-                       "CPUs); the output head stays in the compute dtype")
+                       "CPUs); the output head stays in the compute dtype. tensorwise: "
+                       "scales from each tensor's current amax; delayed: from an amax "
+                       "history of the last 16 steps (TransformerEngine's delayed scaling)")
     train.add_argument("--fp8-min-features", type=int, default=None, metavar="N",
                        help="with --fp8-compute: projections with fewer input or output "
                        "features stay in the compute dtype (default 2048: smaller GEMMs "

@@ -92,8 +92,8 @@ class TrainConfig:
         GPU where it applies, else XLA's; "cudnn"; "xla").
       unroll_layers: `TransformerConfig.unroll_layers` (None: unrolled unless remat "full").
       gather_format: `GTPConfig.gather_format` (None, "fp8", "mxfp8" or "nvfp4").
-      fp8_compute: `GTPConfig.fp8_compute` (None or "tensorwise": the decoder's projections
-        compute in FP8; emulated exactly on CPUs).
+      fp8_compute: `GTPConfig.fp8_compute` (None, "tensorwise" or "delayed": the decoder's
+        projections compute in FP8; emulated exactly on CPUs).
       fp8_min_features: `GTPConfig.fp8_min_features` (None: its default).
       prefetch: `GTPConfig.prefetch` (the scanned loop's double buffering; the unrolled loop
         always gathers one layer ahead).

@@ -29,6 +29,7 @@ import optax
 from flax import nnx
 
 from gtp_jax.base.errors import UsageError, UsageTypeError
+from gtp_jax.base.fp8_history import Fp8History
 from gtp_jax.base.metadata import STACKED
 from gtp_jax.sharding.offload import (
     StreamableChain,
@@ -235,10 +236,17 @@ def _program(graphdef: Any, loss_fn: Callable[..., jax.Array], grad_norm: bool,
     def step(state: nnx.State, batch: Any) -> tuple[nnx.State, dict[str, jax.Array]]:
         program.traces += 1
         model, optimizer = nnx.merge(graphdef, state)
-        if grad_accum == 1:
-            loss, grads = nnx.value_and_grad(loss_fn)(model, batch)
+        if not _has_history(model):
+            if grad_accum == 1:
+                loss, grads = nnx.value_and_grad(loss_fn)(model, batch)
+            else:
+                loss, grads = accumulate_grads(model, loss_fn, batch, grad_accum)
         else:
-            loss, grads = accumulate_grads(model, loss_fn, batch, grad_accum)
+            # Delayed FP8 scaling: the backward pass returns each amax history's next value
+            # as its "gradient"; it replaces the history and never reaches the optimizer
+            # (no moments, clipping, weight decay, nor a share of the gradient norm).
+            loss, grads, history = _grads_and_history(model, loss_fn, batch, grad_accum)
+            nnx.update(model, history)
         if offload and isinstance(optimizer.tx, StreamableChain):
             # -1: one leaf at a time, whole; > 0: that many layers at a time.
             _streamed_optimizer_update(model, optimizer, grads,
@@ -303,12 +311,7 @@ def accumulate_grads(model: nnx.Module, loss_fn: Callable[[nnx.Module, Any], jax
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
 
     def slices(x: jax.Array) -> jax.Array:
-        rows = x.shape[0]
-        if rows % microbatches:
-            raise UsageTypeError(f"accumulate_grads: the batch's {rows} rows do not split into "
-                                 f"{microbatches} equal microbatches.")
-        x = x.reshape(rows // microbatches, microbatches, *x.shape[1:])
-        return jnp.swapaxes(x, 0, 1)
+        return _microbatches(x, microbatches)
 
     def loss_of(params: nnx.State, micro: Any) -> jax.Array:
         return loss_fn(nnx.merge(graphdef, params, rest), micro).astype(jnp.float32)
@@ -322,6 +325,58 @@ def accumulate_grads(model: nnx.Module, loss_fn: Callable[[nnx.Module, Any], jax
     (loss, grads), _ = jax.lax.scan(body, zero, jax.tree.map(slices, batch))
     scale = 1.0 / microbatches
     return loss * scale, jax.tree.map(lambda g: (g * scale).astype(g.dtype), grads)
+
+
+def _has_history(model: nnx.Module) -> bool:
+    """Whether `model` holds delayed-FP8 amax histories (``fp8_compute="delayed"``)."""
+    return bool(jax.tree.leaves(nnx.state(model, Fp8History)))
+
+
+def _grads_and_history(model: nnx.Module, loss_fn: Callable[[nnx.Module, Any], jax.Array],
+                       batch: Any, microbatches: int
+                       ) -> tuple[jax.Array, nnx.State, nnx.State]:
+    """(loss, ``nnx.Param`` gradients, next `Fp8History` values) of one step.
+
+    With `microbatches` > 1 as `accumulate_grads` (mean loss and gradient); every
+    microbatch is scaled from the same (this step's) history, and the next history is the
+    elementwise maximum of the microbatches' ones: the history rolled once, with the
+    step's largest amax (a NaN in any microbatch stays NaN).
+    """
+    graphdef, params, history, rest = nnx.split(model, nnx.Param, Fp8History, ...)
+
+    def loss_of(p: nnx.State, h: nnx.State, micro: Any) -> jax.Array:
+        return loss_fn(nnx.merge(graphdef, p, h, rest), micro).astype(jnp.float32)
+
+    grad = jax.value_and_grad(loss_of, argnums=(0, 1))
+    if microbatches == 1:
+        loss, (grads, new_history) = grad(params, history, batch)
+        return loss, grads, new_history
+
+    def body(carry: tuple, micro: Any) -> tuple[tuple, None]:
+        loss_sum, grad_sum, hist_max = carry
+        loss, (grads, new_history) = grad(params, history, micro)
+        return (loss_sum + loss, jax.tree.map(jnp.add, grad_sum, grads),
+                jax.tree.map(jnp.maximum, hist_max, new_history)), None
+
+    # Histories hold amaxes (>= 0 or NaN): zeros are the identity of their maximum.
+    zero = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params),
+            jax.tree.map(jnp.zeros_like, history))
+    (loss, grads, new_history), _ = jax.lax.scan(
+        body, zero, jax.tree.map(lambda x: _microbatches(x, microbatches), batch))
+    scale = 1.0 / microbatches
+    return (loss * scale, jax.tree.map(lambda g: (g * scale).astype(g.dtype), grads),
+            new_history)
+
+
+def _microbatches(x: jax.Array, microbatches: int) -> jax.Array:
+    """``[microbatches, rows / microbatches, ...]``: microbatch ``i`` takes rows ``i,
+    i + microbatches, ...`` (see `accumulate_grads`)."""
+    rows = x.shape[0]
+    if rows % microbatches:
+        raise UsageTypeError(f"accumulate_grads: the batch's {rows} rows do not split into "
+                             f"{microbatches} equal microbatches.")
+    x = x.reshape(rows // microbatches, microbatches, *x.shape[1:])
+    return jnp.swapaxes(x, 0, 1)
 
 
 def _global_norm(tree: Any) -> jax.Array:

@@ -1,0 +1,292 @@
+"""FP8 compute with delayed scaling (``GTPConfig(fp8_compute="delayed")``).
+
+On CPUs FP8 is emulated exactly (see tests/test_fp8_compute.py). With delayed scaling
+every scale comes from the amax history, which the sharded call keeps identical on every
+device (the recorded amax is the maximum over the mesh), so a sharded step equals the
+unsharded module's step on the whole batch with the same history, up to float32
+reduction order (activations that differ in their last bits, rarely moved across an FP8
+rounding boundary); the histories then agree to that rounding too (an amax is the largest
+of those activations, computed exactly).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from helpers import Mixed, assert_close, get_mesh, mixed_tokens
+
+import gtp_jax
+from gtp_jax.base.errors import UsageError
+from gtp_jax.base.fp8_history import Fp8History
+from gtp_jax.models import Transformer, lm_loss, preset
+from gtp_jax.pallas.fp8_matmul import (
+    fp8_matmul_delayed,
+    fp8_matmul_delayed_reference,
+    roll_history,
+)
+from gtp_jax.sharding import fp8
+from gtp_jax.train import CheckpointConfig, Checkpointer, TrainConfig, TrainStep, train
+from gtp_jax.train.cli import main as cli_main
+
+#: float32 reduction order in the sharded run's sums (the loss, the activations whose
+#: amax is recorded), including an occasional FP8 rounding flip of an element in a sum:
+#: a wrong scale or a missing reduction over devices gives errors of whole percents
+#: (a power of two in a scale, or a device's own amax instead of the maximum).
+RTOL_SAME_MATH = 2e-4
+DELAYED = gtp_jax.GTPConfig(fp8_compute="delayed", fp8_min_features=0, min_elements=0,
+                            fp8_history_len=4)
+
+
+# --------------------------------------------------------------------------- the op
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_delayed_matmul_matches_its_reference_and_rolls_the_history(dtype, key):
+    kx, kw, kg = jax.random.split(key, 3)
+    x = jax.random.normal(kx, (37, 50), dtype)            # unaligned shapes
+    w = (jax.random.normal(kw, (50, 29)) * 0.05).astype(dtype)
+    dy = (jax.random.normal(kg, (37, 29)) * 1e-3).astype(dtype)
+    # Earlier steps' amaxes (newest first), unlike this step's: the scales come from them.
+    history = jnp.array([[2.5, 0.3, 4e-3], [0.0, 0.0, 0.0], [3.5, 0.1, 1e-3]], jnp.float32)
+    y, vjp = jax.vjp(fp8_matmul_delayed, x, w, history)
+    dx, dw, new = vjp(dy)
+    ry, rdx, rdw, rnew = fp8_matmul_delayed_reference(x, w, dy, history)
+    tol = 1e-6 if dtype == jnp.float32 else 2**-8  # float32 vs a bf16 output rounding
+    assert y.dtype == dx.dtype == dw.dtype == dtype and new.dtype == jnp.float32
+    assert_close(y, ry, tol, "forward")
+    assert_close(dx, rdx, tol, "dx")
+    assert_close(dw, rdw, tol, "dw")
+    # The returned history: this step's amaxes first, the rest shifted by one, exactly.
+    current = [float(jnp.max(jnp.abs(a.astype(jnp.float32)))) for a in (x, w, dy)]
+    np.testing.assert_array_equal(np.asarray(new), np.asarray(rnew))
+    np.testing.assert_array_equal(np.asarray(new[0]), np.float32(current))
+    np.testing.assert_array_equal(np.asarray(new[1:]), np.asarray(history[:-1]))
+    # ... and the scales really are the history's: one whose x amax is far below this
+    # step's saturates x (a power-of-two change of a scale alone moves no e4m3 value).
+    low = history.at[:, 0].set(jnp.array([0.25, 0.0, 0.0]))
+    assert not np.array_equal(np.asarray(fp8_matmul_delayed(x, w, low), np.float32),
+                              np.asarray(y, np.float32))
+    assert_close(fp8_matmul_delayed(x, w, low), fp8_matmul_delayed_reference(
+        x, w, dy, low)[0], tol, "saturated forward")
+
+
+def test_delayed_matmul_pallas_path_gives_the_xla_bits(key):
+    kx, kw, kg = jax.random.split(key, 3)
+    x = (jax.random.normal(kx, (70, 100)) * 30).astype(jnp.bfloat16)
+    w = (jax.random.normal(kw, (100, 45)) * 0.05).astype(jnp.bfloat16)
+    dy = jax.random.normal(kg, (70, 45), jnp.bfloat16)
+    history = roll_history(jnp.zeros((2, 3)), jnp.array([100.0, 0.2, 3.0]))
+    out = {}
+    for backend in ("pallas", "xla"):
+        def f(x, w, h, backend=backend):
+            return fp8_matmul_delayed(x, w, h, backend=backend, interpret=True)
+
+        y, vjp = jax.vjp(f, x, w, history)
+        out[backend] = (y, *vjp(dy))
+    for name, a, b in zip(("y", "dx", "dw", "history"), out["pallas"], out["xla"]):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32),
+                                      err_msg=name)
+
+
+def test_first_step_uses_scale_one_and_inf_is_never_hidden(key):
+    x = jax.random.normal(key, (8, 16))
+    w = jnp.full((16, 4), 0.25)
+    zero = jnp.zeros((3, 3))
+    # An empty history scales by 1: e4m3 holds these values to 3 mantissa bits.
+    y = fp8_matmul_delayed(x, w, zero)
+    want = (x.astype(jnp.float8_e4m3fn).astype(jnp.float32) @ w)
+    np.testing.assert_allclose(np.asarray(y), np.asarray(want), rtol=1e-6)
+    # An Inf in the activation: the rows it reaches are NaN (never finite), and the history
+    # records it, so every scale computed from it is NaN until it ages out.
+    bad = x.at[3, 4].set(jnp.inf)
+    y, vjp = jax.vjp(fp8_matmul_delayed, bad, w, zero)
+    assert np.all(np.isnan(np.asarray(y[3]))) and np.all(np.isfinite(np.asarray(y[:3])))
+    _, _, new = vjp(jnp.ones_like(y))
+    assert np.isinf(float(new[0, 0]))
+    assert np.all(np.isnan(np.asarray(fp8_matmul_delayed(x, w, new))))
+    with pytest.raises(UsageError, match=r"history has shape \(3,\)"):
+        fp8_matmul_delayed(x, w, jnp.zeros((3,)))
+
+
+# --------------------------------------------------------------------------- modules
+
+
+def _histories(module: nnx.Module) -> dict[str, np.ndarray]:
+    """``{path: history}`` without a leading ``module`` key; checks every device holds the
+    same bits of each history (replicated state that kept one shard's value would differ)."""
+    out = {}
+    for keys, var in nnx.to_flat_state(nnx.state(module, Fp8History)):
+        value = var.get_value()
+        shards = [np.asarray(s.data) for s in value.addressable_shards]
+        for s in shards[1:]:
+            np.testing.assert_array_equal(s, shards[0], err_msg="/".join(map(str, keys)))
+        keys = keys[1:] if keys[0] == "module" else keys
+        out["/".join(map(str, keys))] = shards[0]
+    return out
+
+
+def test_user_module_records_the_amax_of_the_whole_batch(key, seed):
+    mesh = get_mesh("dp2_gtp4")
+    model = Mixed(nnx.Rngs(seed))
+    tokens = mixed_tokens(key)
+    sharded = gtp_jax.shard(model, mesh, DELAYED)
+    assert sorted(_histories(sharded)) == ["ein/einsum_op/amax_history",
+                                           "gen/dot_general/amax_history",
+                                           "lin/dot_general/amax_history"]
+    assert not nnx.state(model, Fp8History)  # the user's module is untouched
+    assert any("lin: matmuls in fp8 (delayed, amax history of 4 steps)" in line
+               for line in sharded.describe())
+    ref = nnx.clone(model)
+    fp8.inject(ref, fp8.fp8_layers(ref, DELAYED), DELAYED)
+
+    def mse(m, t):
+        return jnp.mean(m(t).astype(jnp.float32) ** 2)
+
+    wrt = nnx.DiffState(0, nnx.Any(nnx.Param, Fp8History))
+    grads = nnx.grad(mse, argnums=wrt)(
+        sharded, jax.device_put(tokens, gtp_jax.data_sharding(mesh)))
+    ref_grads = nnx.grad(mse, argnums=wrt)(ref, tokens)
+    got, want = _histories(grads), _histories(ref_grads)
+    assert got.keys() == want.keys()
+    for path, h in want.items():
+        assert np.all(h[0] > 0) and not np.any(h[1:]), path  # rolled into zeros
+        # Not one device's amax (an eighth of the tokens), not the sum over devices.
+        assert_close(got[path], h, RTOL_SAME_MATH, path)
+    # Parameter gradients: the unsharded module on the whole batch, with the same scales.
+    got_p = gtp_jax.unshard_values(sharded, grads)
+    for keys, var in nnx.to_flat_state(nnx.state(ref_grads, nnx.Param)):
+        path = "/".join(map(str, keys))
+        assert_close(got_p[path], var.get_value(), RTOL_SAME_MATH, path)
+    assert gtp_jax.unshard(sharded).lin.dot_general is jax.lax.dot_general
+
+
+def test_grad_accumulation_rolls_the_history_once_with_the_largest_amax(key, seed):
+    from gtp_jax.train.step import _grads_and_history
+
+    model = Mixed(nnx.Rngs(seed))
+    fp8.inject(model, fp8.fp8_layers(model, DELAYED), DELAYED)
+    nnx.update(model, jax.tree.map(lambda h: h + 0.5, nnx.state(model, Fp8History)))
+    tokens = mixed_tokens(key)
+
+    def mse(m, t):
+        return jnp.mean(m(t).astype(jnp.float32) ** 2)
+
+    loss, grads, history = jax.jit(_grads_and_history, static_argnums=(1, 3))(
+        model, mse, tokens, 2)
+    wrt = nnx.DiffState(0, nnx.Any(nnx.Param, Fp8History))
+    # accumulate_grads' microbatch i takes rows i, i + 2, ...
+    parts = [nnx.value_and_grad(mse, argnums=wrt)(model, tokens[i::2]) for i in range(2)]
+    assert_close(loss, (parts[0][0] + parts[1][0]) / 2, 1e-6, "loss")
+    got_h = _histories(history)
+    for path, h0 in _histories(parts[0][1]).items():
+        want = np.maximum(h0, _histories(parts[1][1])[path])
+        np.testing.assert_array_equal(got_h[path], want, err_msg=path)
+        assert np.all(want[1:] == 0.5), path  # rolled once, not once per microbatch
+    got_p = dict(nnx.to_flat_state(grads))
+    for keys, var in nnx.to_flat_state(nnx.state(parts[0][1], nnx.Param)):
+        other = dict(nnx.to_flat_state(parts[1][1]))[keys].get_value()
+        assert_close(got_p[keys].get_value(), (var.get_value() + other) / 2, 1e-6, str(keys))
+
+
+def test_sharded_decoder_trains_like_unsharded_with_delayed_scaling(key, seed):
+    # The scanned loop with prefetch here; the unrolled loop in the resume test, the scanned
+    # loop without prefetch in the command-line test.
+    mesh = get_mesh("dp2_gtp4")
+    cfg = preset("tiny", d_model=96, n_heads=4, d_ff=200, vocab_size=250, n_layers=2,
+                 remat="dots", unroll_layers=False)
+    config = dataclasses.replace(DELAYED, fp8_min_features=64, prefetch=True,
+                                 min_elements=1024)
+    model = Transformer(cfg, rngs=nnx.Rngs(seed))
+    sharded = gtp_jax.shard(nnx.clone(model), mesh, config)
+    assert {k: v.shape for k, v in _histories(sharded).items()} == {
+        f"blocks/{p}/dot_general/amax_history": (2, 4, 3)
+        for p in ("attn/out", "attn/qkv", "mlp/down", "mlp/gate_up")}
+    ref = Transformer(cfg, rngs=nnx.Rngs(seed))  # the same init; its own (donated) arrays
+    fp8.inject(ref, fp8.fp8_layers(ref, config), config)
+    tx = optax.adamw(3e-3)
+    steps = {"sharded": TrainStep(sharded, nnx.Optimizer(sharded, tx, wrt=nnx.Param),
+                                  lm_loss),
+             "unsharded": TrainStep(ref, nnx.Optimizer(ref, tx, wrt=nnx.Param), lm_loss)}
+    losses: dict[str, list[float]] = {"sharded": [], "unsharded": []}
+    for i in range(3):
+        batch = jax.random.randint(jax.random.fold_in(key, i), (8, 17), 0, 250)
+        for name, step in steps.items():
+            b = jax.device_put(batch, gtp_jax.data_sharding(mesh)) if name == "sharded" \
+                else batch
+            losses[name].append(float(step(b)["loss"]))
+    for step in steps.values():
+        step.sync()
+    got, want = _histories(sharded), _histories(ref)
+    for path, h in want.items():
+        # [layers, steps, (x, w, dy)]: three steps recorded, newest first
+        assert np.all(h[:, :3] > 0) and not np.any(h[:, 3:]), path
+        assert_close(got[path], h, RTOL_SAME_MATH, path)
+    # Three AdamW steps apart: the runs' parameters differ by float32 rounding, which can
+    # move a few elements across FP8 rounding boundaries; the loss stays within 1e-3.
+    np.testing.assert_allclose(losses["sharded"], losses["unsharded"], rtol=1e-3)
+    # The history is not a parameter: the optimizer holds moments for parameters only.
+    opt_paths = {"/".join(map(str, k)) for k, _ in nnx.to_flat_state(
+        nnx.state(steps["sharded"].objects[1], nnx.OptState))}
+    assert not any("amax_history" in p for p in opt_paths)
+
+
+# --------------------------------------------------------------------------- training
+
+
+class _Preempted(Exception):
+    """Stands in for a run that dies after a checkpoint."""
+
+
+def test_resume_continues_delayed_scaling_exactly(tmp_path: Path) -> None:
+    # The tiny preset, unrolled layers (the CPU default), every projection in FP8.
+    run = TrainConfig(steps=4, batch_size=8, seq_len=16, warmup=1, dp=2, gtp=4,
+                      fp8_compute="delayed", fp8_min_features=128)
+    full = train(run, progress=False, checkpoint=CheckpointConfig(tmp_path / "full"))
+    first: list[float] = []
+
+    def die_after_step_2(step: int, loss: float, seconds: float) -> None:
+        first.append(loss)
+        if step == 2:
+            raise _Preempted
+
+    with pytest.raises(_Preempted):
+        train(run, progress=False, on_step=die_after_step_2,
+              checkpoint=CheckpointConfig(tmp_path / "run", every=2))
+    assert first == full.losses[:2]
+    saved = Checkpointer(CheckpointConfig(tmp_path / "run")).read_arrays(2)
+    histories = {k: v for k, v in saved.items() if k.endswith("amax_history")}
+    # One stacked history per projection: [4 layers, 16 steps, (x, w, dy)], 2 recorded.
+    assert len(histories) == 4 and all(h.shape == (4, 16, 3) for h in histories.values())
+    assert all(np.all(h[:, :2] > 0) and not np.any(h[:, 2:]) for h in histories.values())
+    resumed = train(run, progress=False,
+                    checkpoint=CheckpointConfig(tmp_path / "run", every=2, resume=True))
+    assert resumed.first_step == 3
+    assert resumed.losses == full.losses[2:]  # bit-exact: the history was restored too
+    final_full = Checkpointer(CheckpointConfig(tmp_path / "full")).read_arrays(4)
+    final_resumed = Checkpointer(CheckpointConfig(tmp_path / "run")).read_arrays(4)
+    for key, value in final_full.items():
+        np.testing.assert_array_equal(final_resumed[key], value, err_msg=key)
+    assert all(np.all(np.isfinite(v)) for v in final_full.values())
+
+
+def test_cli_trains_with_delayed_scaling(tmp_path: Path,
+                                        capsys: pytest.CaptureFixture[str]) -> None:
+    # The scanned loop without prefetch; the CLI's own validation of the recipe name.
+    assert cli_main(["train", "--steps", "2", "--batch", "8", "--seq", "16", "--warmup", "1",
+                     "--fp8-compute", "delayed", "--fp8-min-features", "128",
+                     "--no-unroll-layers", "--metrics-json", str(tmp_path / "m.json")]) == 0
+    out = capsys.readouterr().out
+    assert "projections in fp8 (delayed" in out
+    losses = [s["loss"] for s in json.loads((tmp_path / "m.json").read_text())["steps"]]
+    assert len(losses) == 2 and all(np.isfinite(losses))
+    with pytest.raises(SystemExit):
+        cli_main(["train", "--fp8-compute", "rowwise"])
+    assert "--fp8-compute: invalid choice: 'rowwise'" in capsys.readouterr().err
