@@ -29,6 +29,7 @@ import gtp_jax
 from gtp_jax.base.errors import UsageError, UsageTypeError
 from gtp_jax.models import Transformer, lm_loss, preset
 from gtp_jax.pallas.fp8_matmul import (
+    FP8_MATMUL_DTYPES,
     fp8_matmul,
     fp8_matmul_grads_reference,
     fp8_matmul_reference,
@@ -107,6 +108,43 @@ def test_cast_transpose_kernel_matches_its_reference(key):
                               interpret=True)
     with pytest.raises(UsageTypeError, match="dtype="):
         cast_transpose_pallas(x, jnp.float32(1), jnp.int8, interpret=True)
+
+
+def test_cast_transpose_kernel_records_the_amax_of_what_it_reads(key):
+    """``with_amax``: the payloads are unchanged and the amax equals the reference's on an
+    unaligned shape (tiles cut by the mask), with an Inf, and with a NaN (never dropped)."""
+    from gtp_jax.pallas.cast_transpose import (
+        cast_transpose_amax_reference,
+        cast_transpose_pallas,
+        cast_transpose_reference,
+    )
+
+    x = (jax.random.normal(key, (50, 130)) * 3).astype(jnp.bfloat16)
+    x = x.at[49, 129].set(-700.0)  # the largest element sits in the last, masked tile
+    for bad, want_amax in ((None, 700.0), (jnp.inf, np.inf), (jnp.nan, np.nan)):
+        xb = x if bad is None else x.at[7, 9].set(bad)
+        *payloads, amax = cast_transpose_pallas(xb, jnp.float32(0.5), jnp.float8_e4m3fn,
+                                                interpret=True, block=(32, 64),
+                                                with_amax=True)
+        want = cast_transpose_reference(xb, jnp.float32(0.5), jnp.float8_e4m3fn)
+        for g, r in zip(payloads, want):
+            np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(r, np.float32))
+        assert amax.dtype == jnp.float32 and amax.shape == ()
+        np.testing.assert_array_equal(np.asarray(amax), np.float32(want_amax))
+        np.testing.assert_array_equal(np.asarray(cast_transpose_amax_reference(xb)),
+                                      np.float32(want_amax))
+
+
+def test_amax_keeps_a_nan_in_every_dtype():
+    """The FP8 matmul's amax never drops a NaN (XLA's CPU float max reduction does, for
+    some float32 shapes: this one)."""
+    from gtp_jax.pallas.fp8_matmul import _amax
+
+    for dtype in FP8_MATMUL_DTYPES:
+        x = jnp.ones((50, 130), dtype).at[1, 1].set(jnp.nan).at[49, 129].set(-700.0)
+        assert np.isnan(float(_amax(x))), dtype
+        assert float(_amax(x.at[1, 1].set(jnp.inf))) == np.inf, dtype
+        assert float(_amax(x.at[1, 1].set(3.0))) == 700.0, dtype
 
 
 def test_quantize_is_saturating_and_exact_for_fp8_values():

@@ -7,7 +7,10 @@ backward needs the transposed payload of its activations and output gradient
 a separate kernel, which on one H200 ran at about a tenth of the memory bandwidth. Here
 each program loads one ``[bm, bn]`` tile of ``x`` once, scales and casts it, and stores the
 tile and/or its transpose (Triton transposes the tile through shared memory): one read of
-``x`` for both layouts. The scale comes first (the one-launch amax kernel, `amax.py`).
+``x`` for both layouts. The scale comes first (the one-launch amax kernel, `amax.py`), or,
+for delayed scaling, from earlier steps: then ``with_amax=True`` also records the tile's
+amax in the same pass (`cast_transpose_amax_reference` is its reference), so the tensor is
+read once instead of twice.
 """
 
 from __future__ import annotations
@@ -46,6 +49,13 @@ def cast_transpose_reference(x: jax.Array, scale: jax.Array, dtype: jnp.dtype,
             q.T if layout in ("columnwise", "both") else None)
 
 
+def cast_transpose_amax_reference(x: jax.Array) -> jax.Array:
+    """``max |x|`` as float32[] (NaN if any element is NaN, Inf if one is infinite and none
+    NaN): the amax `cast_transpose_pallas(..., with_amax=True)` records."""
+    bits = jnp.max(_util.abs_bits(x.astype(jnp.float32)))  # an integer max keeps NaNs
+    return jax.lax.bitcast_convert_type(bits, jnp.float32)
+
+
 def cast_transpose_pallas(
     x: jax.Array,
     scale: jax.Array,
@@ -55,7 +65,8 @@ def cast_transpose_pallas(
     interpret: bool,
     block: tuple[int, int] = BLOCK,
     num_warps: int = NUM_WARPS,
-) -> tuple[jax.Array | None, jax.Array | None]:
+    with_amax: bool = False,
+) -> tuple[jax.Array | None, ...]:
     """The payloads of `cast_transpose_reference`, in one Pallas (Triton) launch.
 
     Args:
@@ -66,8 +77,11 @@ def cast_transpose_pallas(
       interpret: run in the Pallas interpreter instead of compiling for the GPU.
       block: tile ``(bm, bn)``, powers of two.
       num_warps: Triton warps per program.
+      with_amax: also return ``max |x|`` (float32[], `cast_transpose_amax_reference`),
+        computed from the tiles this launch reads anyway.
     Returns:
-      ``(rowwise [M, N] or None, columnwise [N, M] or None)`` of `dtype`.
+      ``(rowwise [M, N] or None, columnwise [N, M] or None)`` of `dtype`, and with
+      `with_amax` a third element, the amax.
     """
     if np.dtype(x.dtype) not in SUPPORTED_DTYPES:
         raise UsageTypeError(f"cast_transpose_pallas: x has dtype {x.dtype}; use one of "
@@ -91,6 +105,8 @@ def cast_transpose_pallas(
     fmax = LIMITS[np.dtype(dtype)]
     rows, cols = layout in ("rowwise", "both"), layout in ("columnwise", "both")
 
+    grid = (pl.cdiv(m, bm), pl.cdiv(n, bn))
+
     def kernel(x_ref, s_ref, *out_refs):
         i, j = pl.program_id(0), pl.program_id(1)
         r = i * bm + jax.lax.broadcasted_iota(jnp.int32, (bm, bn), 0)
@@ -106,16 +122,26 @@ def cast_transpose_pallas(
         if cols:
             plgpu.store(refs.pop(0).at[pl.ds(j * bn, bn), pl.ds(i * bm, bm)], q.T,
                         mask=mask.T)
+        if with_amax:
+            # Bit patterns of |x|, integer max: NaN propagates (see `_util.abs_bits`); masked
+            # lanes loaded 0, the identity.
+            part = jnp.max(_util.abs_bits(xf)).reshape(1)
+            plgpu.store(refs.pop(0).at[pl.ds(i * grid[1] + j, 1)], part)
 
     shapes = ([jax.ShapeDtypeStruct((m, n), dtype)] if rows else []) + \
-        ([jax.ShapeDtypeStruct((n, m), dtype)] if cols else [])
+        ([jax.ShapeDtypeStruct((n, m), dtype)] if cols else []) + \
+        ([jax.ShapeDtypeStruct((grid[0] * grid[1],), jnp.int32)] if with_amax else [])
     outs = pl.pallas_call(
         kernel,
         out_shape=shapes,
-        grid=(pl.cdiv(m, bm), pl.cdiv(n, bn)),
+        grid=grid,
         interpret=interpret,
         compiler_params=_util.compiler_params(num_warps),
         name="gtp_cast_transpose_fp8",
     )(x, jnp.reshape(jnp.asarray(scale, jnp.float32), (1,)))
     outs = list(outs)
-    return (outs.pop(0) if rows else None, outs.pop(0) if cols else None)
+    payloads = (outs.pop(0) if rows else None, outs.pop(0) if cols else None)
+    if not with_amax:
+        return payloads
+    amax = jax.lax.bitcast_convert_type(jnp.max(outs.pop(0)), jnp.float32)
+    return (*payloads, amax)

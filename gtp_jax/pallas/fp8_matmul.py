@@ -26,8 +26,9 @@ Delayed scaling ("delayed", TransformerEngine's recipe; `fp8_matmul_delayed`): t
 formats and products, but each tensor is quantized with the scale of an amax *history* of
 earlier steps (`history_scales`: the maximum over the history, power-of-two scale as above;
 an all-zero history gives the scale 1) and its current amax is only recorded
-(`roll_history`), so nothing waits for it before the cast: XLA computes it in the pass that
-casts. The next history is returned as the history's cotangent.
+(`roll_history`), so nothing waits for it before the cast, and it is computed in the pass
+that casts (the cast-and-transpose kernel records it on GPUs; XLA fuses it elsewhere): one
+read of each tensor instead of two. The next history is returned as the history's cotangent.
 """
 
 from __future__ import annotations
@@ -67,10 +68,14 @@ def _scale(amax: jax.Array, fmax: float) -> jax.Array:
 
 
 def _amax(x: jax.Array) -> jax.Array:
-    """``max |x|`` (float32[]; NaN if any element is NaN), reduced in x's own dtype: the
-    maximum of 16-bit values is one of them, so nothing is rounded, and the pass reads x
-    once at its own width."""
-    return jnp.max(jnp.abs(x)).astype(jnp.float32)
+    """``max |x|`` (float32[]; NaN if any element is NaN, Inf if one is infinite and none
+    NaN), reduced on x's bit patterns at its own width: the integer order of ``|x|``'s bits
+    is the float order with NaN above Inf, so a NaN is never dropped (XLA's CPU float max
+    reduction drops NaNs in some vectorized shapes), and the pass reads x once."""
+    width = np.dtype(x.dtype).itemsize
+    ints, sign_off = {2: (jnp.int16, 0x7FFF), 4: (jnp.int32, 0x7FFFFFFF)}[width]
+    bits = jnp.max(jax.lax.bitcast_convert_type(x, ints) & jnp.asarray(sign_off, ints))
+    return jax.lax.bitcast_convert_type(bits, x.dtype).astype(jnp.float32)
 
 
 def quantize_tensorwise(x: jax.Array, dtype: jnp.dtype) -> tuple[jax.Array, jax.Array]:
@@ -242,11 +247,14 @@ def roll_history(history: jax.Array, amax: jax.Array) -> jax.Array:
     return jnp.concatenate([amax.astype(jnp.float32)[None], history[:-1]], axis=0)
 
 
-def _amaxes(xs: list[jax.Array], impl: tuple) -> jax.Array:
-    """float32 ``[len(xs)]``: each tensor's amax (one launch on the Pallas path)."""
+def _quantize_amax(x: jax.Array, s: jax.Array, dtype: jnp.dtype, layout: str, impl: tuple
+                   ) -> tuple[jax.Array | None, jax.Array | None, jax.Array]:
+    """`_quantize` and x's amax (float32[]) from the same read of x on the Pallas path (the
+    cast kernel records it); XLA's fusions on the other."""
     if impl[0] == "pallas":
-        return jnp.stack(multi_amax_pallas(xs, interpret=impl[1]))
-    return jnp.stack([_amax(x) for x in xs])
+        return cast_transpose_pallas(x, s, dtype, layout=layout, interpret=impl[1],
+                                     with_amax=True)
+    return (*cast_transpose_reference(x, s, dtype, layout), _amax(x))
 
 
 def _first_device(axes: tuple[str, ...]) -> jax.Array:
@@ -263,9 +271,10 @@ def _fp8_matmul_delayed(x, w, history, impl, axes):
 def _delayed_fwd(x, w, history, impl, axes):
     e4 = jnp.float8_e4m3fn
     sx, sw, sg = history_scales(history)
-    x8, xt8 = _quantize(x, sx, e4, "both", impl)
-    _, wt8 = _quantize(w, sw, e4, "columnwise", impl)
-    amax_xw = _amaxes([x, w], impl)  # recorded only: no cast waits for it
+    # The amaxes are recorded only (no cast waits for them), read in the casts' own pass.
+    x8, xt8, amax_x = _quantize_amax(x, sx, e4, "both", impl)
+    _, wt8, amax_w = _quantize_amax(w, sw, e4, "columnwise", impl)
+    amax_xw = jnp.stack([amax_x, amax_w])
     y = _product(x8, wt8, sx, sw, x.dtype)
     return y, (jax.lax.bitcast_convert_type(xt8, jnp.uint8), sx, w, sw, sg, amax_xw, history)
 
@@ -275,8 +284,8 @@ def _delayed_bwd(impl, axes, res, dy):
     xt8 = jax.lax.bitcast_convert_type(xt8, jnp.float8_e4m3fn)
     e4, e5 = jnp.float8_e4m3fn, jnp.float8_e5m2
     w8, _ = _quantize(w, sw, e4, "rowwise", impl)
-    g8, gt8 = _quantize(dy, sg, e5, "both", impl)
-    amax = jnp.concatenate([amax_xw, _amaxes([dy], impl)])
+    g8, gt8, amax_g = _quantize_amax(dy, sg, e5, "both", impl)
+    amax = jnp.concatenate([amax_xw, amax_g[None]])
     if axes:
         # x and dy are split over the data axes: the recorded amax is the maximum over every
         # device, so the history (and the next step's scales) are the same on all of them.
