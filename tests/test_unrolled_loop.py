@@ -57,10 +57,12 @@ def test_unrolled_gradient_program_has_no_loop(sharded):
             tokens = jax.device_put(tokens, gtp_jax.data_sharding(mesh))
         graphdef, state = nnx.split(model)
         grad = jax.jit(jax.grad(lambda s: lm_loss(nnx.merge(graphdef, s), tokens)))
-        return grad.lower(state).compile().as_text()
+        # The program as JAX hands it to XLA: the CPU backend's loop emitters add loops of
+        # their own when compiling (e.g. for dynamic-update-slices).
+        return grad.lower(state).as_text()
 
-    assert re.search(r"\bwhile\(", program(False))
-    assert not re.search(r"\bwhile\(", program(True))
+    assert re.search(r"\bstablehlo\.while\b", program(False))
+    assert not re.search(r"\bstablehlo\.while\b", program(True))
 
 
 @pytest.mark.parametrize("grad", [False, True])
