@@ -7,6 +7,8 @@ set up the 8 simulated CPU devices these helpers rely on.
 from __future__ import annotations
 
 import functools
+import os
+import re
 import zlib
 from collections.abc import Mapping
 from typing import Any
@@ -32,6 +34,16 @@ MESHES: dict[str, dict[str, int]] = {
 
 
 @functools.cache
+def cli_env(**extra: str) -> dict[str, str]:
+    """The environment for a ``python -m gtp_jax`` subprocess: this one's, on the CPU, with the
+    suite's cheap-compile XLA flags (tests/conftest.py: a command-line run of 20 steps takes
+    half the CPU time with them) but not its simulated device count, which the command line
+    sets itself."""
+    flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "",
+                   os.environ.get("XLA_FLAGS", "")).strip()
+    return {**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu", **extra}
+
+
 def get_mesh(name: str) -> jax.sharding.Mesh:
     """The (cached) mesh called `name` in `MESHES`."""
     return gtp_jax.make_mesh(**MESHES[name])

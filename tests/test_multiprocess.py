@@ -4,7 +4,6 @@ collectives) train like 1 process x 8 devices; configuration errors."""
 from __future__ import annotations
 
 import json
-import os
 import re
 import socket
 import subprocess
@@ -14,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import max_rel_err
+from helpers import cli_env, max_rel_err
 
 from gtp_jax.base.errors import UsageError, UsageTypeError
 from gtp_jax.train import TrainConfig, distributed, train
@@ -63,8 +62,7 @@ def _launch_env(process_id: int, port: int) -> tuple[dict[str, str], list[str]]:
     """How each process joins: process 0 by the JAX_* environment variables, process 1 as
     `mpirun` would start it (Open MPI's variables) with --distributed-auto, so both launch
     paths of `gtp_jax.train.distributed` join one real run."""
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    env.pop("XLA_FLAGS", None)  # the CLI gives each process 8 / 2 = 4 simulated devices
+    env = cli_env()  # the CLI gives each process 8 / 2 = 4 simulated devices
     if process_id == 0:
         env.update(JAX_COORDINATOR_ADDRESS=f"localhost:{port}", JAX_NUM_PROCESSES="2",
                    JAX_PROCESS_ID="0")

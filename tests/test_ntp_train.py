@@ -16,7 +16,6 @@ moves whole rows and shows up as O(1e-2) errors.
 from __future__ import annotations
 
 import functools
-import os
 import shutil
 import subprocess
 import sys
@@ -26,6 +25,7 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
+from helpers import cli_env
 
 import gtp_jax
 from gtp_jax.base.errors import UsageError
@@ -164,9 +164,7 @@ def test_gtp_axis_with_alignment_padding_tracks_the_uniform_run():
 
 
 def test_cli_simulated_failure_run():
-    env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)  # the CLI sets the simulated device count itself
-    env["JAX_PLATFORMS"] = "cpu"
+    env = cli_env()
     proc = subprocess.run(
         [sys.executable, "-m", "gtp_jax", "train", "--tp", "4", "--dp", "2", "--steps", "8",
          "--batch", "8", "--seq", "32", "--warmup", "2", "--simulate-failure",

@@ -10,12 +10,12 @@ by a check that ``gtp_jax`` imports from this checkout) and running the test sui
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 from pathlib import Path
 
 import pytest
+from helpers import cli_env
 
 pytestmark = pytest.mark.slow  # minutes on 2 cores: `pytest -m "not slow"` skips it
 
@@ -54,12 +54,7 @@ def test_readme_has_the_blocks_this_test_expects() -> None:
 
 
 def test_every_readme_shell_block_runs_as_written(tmp_path: Path) -> None:
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO_ROOT))
-    # The command line sets up its simulated devices itself; the suite's compile flags stay,
-    # except the unoptimized backend: these runs take 10-30 steps, which it makes 2-3x slower.
-    env["XLA_FLAGS"] = re.sub(r"--xla_(force_host_platform_device_count|"
-                              r"backend_optimization_level)=\S+", "",
-                              env.get("XLA_FLAGS", "")).strip()
+    env = cli_env(PYTHONPATH=str(REPO_ROOT))
     for i, block in enumerate(readme_blocks(), 1):
         proc = subprocess.run(["bash", "-c", as_run(block)], cwd=tmp_path, env=env,
                               capture_output=True, text=True, timeout=900)

@@ -6,7 +6,6 @@ import dataclasses
 import gzip
 import json
 import math
-import os
 import re
 import shutil
 import subprocess
@@ -17,6 +16,7 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
+from helpers import cli_env
 
 from gtp_jax.data import VOCAB_SIZE
 from gtp_jax.models import Transformer, preset
@@ -30,10 +30,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 def _run_cli(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)  # the CLI sets the simulated device count itself
-    env["JAX_PLATFORMS"] = "cpu"
-    return subprocess.run([sys.executable, "-m", "gtp_jax", *args], cwd=REPO_ROOT, env=env,
+    return subprocess.run([sys.executable, "-m", "gtp_jax", *args], cwd=REPO_ROOT, env=cli_env(),
                           capture_output=True, text=True, timeout=timeout)
 
 

@@ -250,7 +250,7 @@ def run(args: argparse.Namespace) -> dict:
             print(f"  MISMATCH {k}: {v}", flush=True)
 
     def copy() -> None:
-        n = (1 << 20) if small else (1 << 29)
+        n = (1 << 14) if small else (1 << 29)
         best = 0.0
         for name, dtype, fn in (
                 ("copy XLA x+1 bf16", jnp.bfloat16, lambda x: x + jnp.asarray(1, x.dtype)),
