@@ -33,6 +33,7 @@ from gtp_jax.pallas.fp8_matmul import (
     roll_history,
 )
 from gtp_jax.sharding import fp8
+from gtp_jax.sharding.fp8_update import check_fp8_uses
 from gtp_jax.train import CheckpointConfig, Checkpointer, TrainConfig, TrainStep, train
 from gtp_jax.train.cli import main as cli_main
 
@@ -207,7 +208,7 @@ def test_sharded_decoder_trains_like_unsharded_with_delayed_scaling(key, seed):
     model = Transformer(cfg, rngs=nnx.Rngs(seed))
     sharded = gtp_jax.shard(nnx.clone(model), mesh, config)
     assert {k: v.shape for k, v in _histories(sharded).items()} == {
-        f"blocks/{p}/dot_general/amax_history": (2, 4, 3)
+        f"blocks/{p}/dot_general/amax_history": (2, 4, 4)
         for p in ("attn/out", "attn/qkv", "mlp/down", "mlp/gate_up")}
     ref = Transformer(cfg, rngs=nnx.Rngs(seed))  # the same init; its own (donated) arrays
     fp8.inject(ref, fp8.fp8_layers(ref, config), config)
@@ -238,6 +239,97 @@ def test_sharded_decoder_trains_like_unsharded_with_delayed_scaling(key, seed):
     assert not any("amax_history" in p for p in opt_paths)
 
 
+class _Reuse(nnx.Module):
+    """A user's module with one FP8 layer of each kind (Linear, Einsum, LinearGeneral), one
+    applied twice per call (`tied`) and one never applied (`spare`)."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.embed = nnx.Embed(37, 24, rngs=rngs)
+        self.lin = nnx.Linear(24, 24, rngs=rngs)
+        self.tied = nnx.Einsum("bsd,dk->bsk", (24, 24), (24,), rngs=rngs)
+        self.spare = nnx.Linear(24, 24, rngs=rngs)
+        self.gen = nnx.LinearGeneral(24, (2, 3), rngs=rngs)
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        h = jnp.tanh(self.lin(self.embed(tokens)))
+        return self.gen(self.tied(jnp.tanh(self.tied(h))))
+
+
+def _mse(m: nnx.Module, t: jax.Array) -> jax.Array:
+    return jnp.mean(m(t).astype(jnp.float32) ** 2)
+
+
+def _values(tree: object) -> dict[str, np.ndarray]:
+    return {"/".join(map(str, k)): np.asarray(v.get_value())
+            for k, v in nnx.to_flat_state(nnx.state(tree))}
+
+
+def test_a_layer_used_twice_is_refused_and_an_unused_layer_keeps_its_history(key, seed):
+    mesh = get_mesh("dp2_gtp4")
+    model = _Reuse(nnx.Rngs(seed))
+    tokens = jax.random.randint(key, (8, 5), 0, 37)
+    sharded = gtp_jax.shard(nnx.clone(model), mesh, DELAYED)
+    assert sorted(_histories(sharded)) == [
+        f"{p}/amax_history" for p in ("gen/dot_general", "lin/dot_general",
+                                      "spare/dot_general", "tied/einsum_op")]
+    assert not nnx.state(model, Fp8History)  # the user's module is untouched
+    assert "tied: matmuls in fp8 (delayed, amax history of 4 steps)" in sharded.describe()
+    step = TrainStep(sharded, nnx.Optimizer(sharded, optax.adamw(1e-2), wrt=nnx.Param), _mse)
+    before = _values(step.objects)
+    refused = r"layer 'tied' ran 2 times in one step.*fp8_exclude=\(\.\.\., '\^tied\$'\)"
+    batch = jax.device_put(tokens, gtp_jax.data_sharding(mesh))
+    for _ in range(2):  # refused before anything changed, and again
+        with pytest.raises(UsageError, match=refused):
+            step(batch)
+        after = _values(step.objects)  # params, histories, optimizer state: valid, unchanged
+        assert after.keys() == before.keys()
+        for path, value in before.items():
+            np.testing.assert_array_equal(after[path], value, err_msg=path)
+
+    # A loop of one's own: outside jit the helper refuses before touching the model; inside
+    # jit it returns the counts and keeps the history of a layer used twice.
+    ref = nnx.clone(model)
+    fp8.inject(ref, fp8.fp8_layers(ref, DELAYED), DELAYED)
+    wrt = nnx.DiffState(0, nnx.Any(nnx.Param, Fp8History))
+
+    @nnx.jit
+    def own_step(m: nnx.Module, t: jax.Array) -> dict[str, jax.Array]:
+        return gtp_jax.apply_fp8_history(m, nnx.grad(_mse, argnums=wrt)(m, t))
+
+    grads = nnx.jit(nnx.grad(_mse, argnums=wrt))(ref, tokens)
+    with pytest.raises(UsageError, match=refused):
+        gtp_jax.apply_fp8_history(ref, grads)
+    assert not any(np.any(h) for h in _histories(ref).values())
+    uses = jax.device_get(own_step(ref, tokens))
+    assert uses == {"lin": 1, "tied": 2, "spare": 0, "gen": 1}
+    with pytest.raises(UsageError, match=refused):
+        check_fp8_uses(uses)
+    got = _histories(ref)
+    assert not np.any(got["tied/einsum_op/amax_history"])  # kept, not the sum
+    assert not np.any(got["spare/dot_general/amax_history"])
+    assert np.all(got["lin/dot_general/amax_history"][0] > 0)
+
+    # The fix the message names: the tied layer out of FP8. The unused layer keeps its
+    # history (not zeros) while the others roll.
+    config = dataclasses.replace(DELAYED, fp8_exclude=("^tied$",))
+    sharded = gtp_jax.shard(nnx.clone(model), mesh, config)
+    assert "tied/einsum_op/amax_history" not in _histories(sharded)
+    old = np.array([[0.5, 0.25, 1e-3, 1.0], [2.0, 0.5, 1e-3, 1.0], [0.0] * 4, [0.0] * 4],
+                   np.float32)
+    nnx.update(sharded, jax.tree.map(lambda h: jnp.asarray(old).astype(h.dtype) + 0 * h,
+                                     nnx.state(sharded, Fp8History)))
+    step = TrainStep(sharded, nnx.Optimizer(sharded, optax.adamw(1e-2), wrt=nnx.Param), _mse)
+    losses = [float(step(batch)["loss"]) for _ in range(2)]
+    step.sync()
+    assert np.all(np.isfinite(losses))
+    got = _histories(sharded)
+    np.testing.assert_array_equal(got["spare/dot_general/amax_history"], old)
+    for path in ("lin/dot_general/amax_history", "gen/dot_general/amax_history"):
+        h = got[path]
+        assert np.all(h[:2, :3] > 0) and np.all(h[:2, 3] == 1), path  # two steps recorded
+        np.testing.assert_array_equal(h[2:], old[:2], err_msg=path)  # then the old rows
+
+
 # --------------------------------------------------------------------------- training
 
 
@@ -263,8 +355,8 @@ def test_resume_continues_delayed_scaling_exactly(tmp_path: Path) -> None:
     assert first == full.losses[:2]
     saved = Checkpointer(CheckpointConfig(tmp_path / "run")).read_arrays(2)
     histories = {k: v for k, v in saved.items() if k.endswith("amax_history")}
-    # One stacked history per projection: [4 layers, 16 steps, (x, w, dy)], 2 recorded.
-    assert len(histories) == 4 and all(h.shape == (4, 16, 3) for h in histories.values())
+    # One stacked history per projection: [4 layers, 16 steps, (x, w, dy, uses)], 2 recorded.
+    assert len(histories) == 4 and all(h.shape == (4, 16, 4) for h in histories.values())
     assert all(np.all(h[:, :2] > 0) and not np.any(h[:, 2:]) for h in histories.values())
     resumed = train(run, progress=False,
                     checkpoint=CheckpointConfig(tmp_path / "run", every=2, resume=True))
