@@ -255,7 +255,8 @@ def step_program(graphdef: Any, loss_fn: Callable[..., jax.Array], *, grad_norm:
     """The jitted ``step(state, batch) -> (state, metrics)`` that `TrainStep` runs for a
     ``(model, optimizer)`` of `graphdef` (the same cached program): lower it with abstract
     arguments (``jax.ShapeDtypeStruct`` with shardings) to compile a step ahead of time
-    without running it (`gtp_jax.plan` reads its memory analysis)."""
+    without running it (`gtp_jax.plan` reads its memory analysis). For a model with
+    delayed-FP8 histories its metrics also hold ``USES_METRIC`` (`_refuse_reuse`)."""
     if offload and offload_group_layers is not None:
         stream_units({}, {}, offload_group_layers)
     return _program(graphdef, loss_fn, grad_norm,
