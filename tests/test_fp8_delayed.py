@@ -33,6 +33,7 @@ from gtp_jax.pallas.fp8_matmul import (
     roll_history,
 )
 from gtp_jax.sharding import fp8
+from gtp_jax.sharding.fp8_update import check_fp8_uses
 from gtp_jax.train import CheckpointConfig, Checkpointer, TrainConfig, TrainStep, train
 from gtp_jax.train.cli import main as cli_main
 
@@ -133,41 +134,6 @@ def _histories(module: nnx.Module) -> dict[str, np.ndarray]:
     return out
 
 
-def test_user_module_records_the_amax_of_the_whole_batch(key, seed):
-    mesh = get_mesh("dp2_gtp4")
-    model = Mixed(nnx.Rngs(seed))
-    tokens = mixed_tokens(key)
-    sharded = gtp_jax.shard(model, mesh, DELAYED)
-    assert sorted(_histories(sharded)) == ["ein/einsum_op/amax_history",
-                                           "gen/dot_general/amax_history",
-                                           "lin/dot_general/amax_history"]
-    assert not nnx.state(model, Fp8History)  # the user's module is untouched
-    assert any("lin: matmuls in fp8 (delayed, amax history of 4 steps)" in line
-               for line in sharded.describe())
-    ref = nnx.clone(model)
-    fp8.inject(ref, fp8.fp8_layers(ref, DELAYED), DELAYED)
-
-    def mse(m, t):
-        return jnp.mean(m(t).astype(jnp.float32) ** 2)
-
-    wrt = nnx.DiffState(0, nnx.Any(nnx.Param, Fp8History))
-    grads = nnx.grad(mse, argnums=wrt)(
-        sharded, jax.device_put(tokens, gtp_jax.data_sharding(mesh)))
-    ref_grads = nnx.grad(mse, argnums=wrt)(ref, tokens)
-    got, want = _histories(grads), _histories(ref_grads)
-    assert got.keys() == want.keys()
-    for path, h in want.items():
-        assert np.all(h[0] > 0) and not np.any(h[1:]), path  # rolled into zeros
-        # Not one device's amax (an eighth of the tokens), not the sum over devices.
-        assert_close(got[path], h, RTOL_SAME_MATH, path)
-    # Parameter gradients: the unsharded module on the whole batch, with the same scales.
-    got_p = gtp_jax.unshard_values(sharded, grads)
-    for keys, var in nnx.to_flat_state(nnx.state(ref_grads, nnx.Param)):
-        path = "/".join(map(str, keys))
-        assert_close(got_p[path], var.get_value(), RTOL_SAME_MATH, path)
-    assert gtp_jax.unshard(sharded).lin.dot_general is jax.lax.dot_general
-
-
 def test_grad_accumulation_rolls_the_history_once_with_the_largest_amax(key, seed):
     from gtp_jax.train.step import _grads_and_history
 
@@ -183,7 +149,8 @@ def test_grad_accumulation_rolls_the_history_once_with_the_largest_amax(key, see
         model, mse, tokens, 2)
     wrt = nnx.DiffState(0, nnx.Any(nnx.Param, Fp8History))
     # accumulate_grads' microbatch i takes rows i, i + 2, ...
-    parts = [nnx.value_and_grad(mse, argnums=wrt)(model, tokens[i::2]) for i in range(2)]
+    part = nnx.jit(nnx.value_and_grad(mse, argnums=wrt))
+    parts = [part(model, tokens[i::2]) for i in range(2)]
     assert_close(loss, (parts[0][0] + parts[1][0]) / 2, 1e-6, "loss")
     got_h = _histories(history)
     for path, h0 in _histories(parts[0][1]).items():
@@ -200,14 +167,14 @@ def test_sharded_decoder_trains_like_unsharded_with_delayed_scaling(key, seed):
     # The scanned loop with prefetch here; the unrolled loop in the resume test, the scanned
     # loop without prefetch in the command-line test.
     mesh = get_mesh("dp2_gtp4")
-    cfg = preset("tiny", d_model=96, n_heads=4, d_ff=200, vocab_size=250, n_layers=2,
+    cfg = preset("tiny", d_model=64, n_heads=2, d_ff=128, vocab_size=128, n_layers=2,
                  remat="dots", unroll_layers=False)
     config = dataclasses.replace(DELAYED, fp8_min_features=64, prefetch=True,
                                  min_elements=1024)
     model = Transformer(cfg, rngs=nnx.Rngs(seed))
     sharded = gtp_jax.shard(nnx.clone(model), mesh, config)
     assert {k: v.shape for k, v in _histories(sharded).items()} == {
-        f"blocks/{p}/dot_general/amax_history": (2, 4, 3)
+        f"blocks/{p}/dot_general/amax_history": (2, 4, 4)
         for p in ("attn/out", "attn/qkv", "mlp/down", "mlp/gate_up")}
     ref = Transformer(cfg, rngs=nnx.Rngs(seed))  # the same init; its own (donated) arrays
     fp8.inject(ref, fp8.fp8_layers(ref, config), config)
@@ -216,8 +183,8 @@ def test_sharded_decoder_trains_like_unsharded_with_delayed_scaling(key, seed):
                                   lm_loss),
              "unsharded": TrainStep(ref, nnx.Optimizer(ref, tx, wrt=nnx.Param), lm_loss)}
     losses: dict[str, list[float]] = {"sharded": [], "unsharded": []}
-    for i in range(3):
-        batch = jax.random.randint(jax.random.fold_in(key, i), (8, 17), 0, 250)
+    for i in range(2):
+        batch = jax.random.randint(jax.random.fold_in(key, i), (8, 9), 0, 128)
         for name, step in steps.items():
             b = jax.device_put(batch, gtp_jax.data_sharding(mesh)) if name == "sharded" \
                 else batch
@@ -226,16 +193,123 @@ def test_sharded_decoder_trains_like_unsharded_with_delayed_scaling(key, seed):
         step.sync()
     got, want = _histories(sharded), _histories(ref)
     for path, h in want.items():
-        # [layers, steps, (x, w, dy)]: three steps recorded, newest first
-        assert np.all(h[:, :3] > 0) and not np.any(h[:, 3:]), path
+        # [layers, steps, (x, w, dy, uses)]: two steps recorded, newest first, one use each
+        assert np.all(h[:, :2] > 0) and not np.any(h[:, 2:]), path
+        np.testing.assert_array_equal(h[:, :2, 3], 1.0, err_msg=path)
         assert_close(got[path], h, RTOL_SAME_MATH, path)
-    # Three AdamW steps apart: the runs' parameters differ by float32 rounding, which can
+    # An AdamW step apart: the runs' parameters differ by float32 rounding, which can
     # move a few elements across FP8 rounding boundaries; the loss stays within 1e-3.
     np.testing.assert_allclose(losses["sharded"], losses["unsharded"], rtol=1e-3)
     # The history is not a parameter: the optimizer holds moments for parameters only.
     opt_paths = {"/".join(map(str, k)) for k, _ in nnx.to_flat_state(
         nnx.state(steps["sharded"].objects[1], nnx.OptState))}
     assert not any("amax_history" in p for p in opt_paths)
+
+
+class _Reuse(nnx.Module):
+    """A user's module with one FP8 layer of each kind (Linear, Einsum, LinearGeneral), one
+    applied twice per call (`tied`) and one never applied (`spare`)."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.embed = nnx.Embed(37, 24, rngs=rngs)
+        self.lin = nnx.Linear(24, 24, rngs=rngs)
+        self.tied = nnx.Einsum("bsd,dk->bsk", (24, 24), (24,), rngs=rngs)
+        self.spare = nnx.Linear(24, 24, rngs=rngs)
+        self.gen = nnx.LinearGeneral(24, (2, 3), rngs=rngs)
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        h = jnp.tanh(self.lin(self.embed(tokens)))
+        return self.gen(self.tied(jnp.tanh(self.tied(h))))
+
+
+def _mse(m: nnx.Module, t: jax.Array) -> jax.Array:
+    return jnp.mean(m(t).astype(jnp.float32) ** 2)
+
+
+def _values(tree: object) -> dict[str, np.ndarray]:
+    return {"/".join(map(str, k)): np.asarray(v.get_value())
+            for k, v in nnx.to_flat_state(nnx.state(tree))}
+
+
+def test_a_layer_used_twice_is_refused_and_an_unused_layer_keeps_its_history(key, seed):
+    mesh = get_mesh("dp2_gtp4")
+    model = _Reuse(nnx.Rngs(seed))
+    tokens = jax.random.randint(key, (8, 5), 0, 37)
+    sharded = gtp_jax.shard(nnx.clone(model), mesh, DELAYED)
+    assert sorted(_histories(sharded)) == [
+        f"{p}/amax_history" for p in ("gen/dot_general", "lin/dot_general",
+                                      "spare/dot_general", "tied/einsum_op")]
+    assert not nnx.state(model, Fp8History)  # the user's module is untouched
+    assert "tied: matmuls in fp8 (delayed, amax history of 4 steps)" in sharded.describe()
+    step = TrainStep(sharded, nnx.Optimizer(sharded, optax.adamw(1e-2), wrt=nnx.Param), _mse)
+    before = _values(step.objects)
+    refused = r"layer 'tied' ran 2 times in one step.*fp8_exclude=\(\.\.\., '\^tied\$'\)"
+    batch = jax.device_put(tokens, gtp_jax.data_sharding(mesh))
+    for _ in range(2):  # refused before anything changed, and again
+        with pytest.raises(UsageError, match=refused):
+            step(batch)
+        after = _values(step.objects)  # params, histories, optimizer state: valid, unchanged
+        assert after.keys() == before.keys()
+        for path, value in before.items():
+            np.testing.assert_array_equal(after[path], value, err_msg=path)
+
+    # A loop of one's own: outside jit the helper refuses before touching the model; inside
+    # jit it returns the counts and keeps the history of a layer used twice.
+    ref = nnx.clone(model)
+    fp8.inject(ref, fp8.fp8_layers(ref, DELAYED), DELAYED)
+    wrt = nnx.DiffState(0, nnx.Any(nnx.Param, Fp8History))
+
+    @nnx.jit
+    def own_step(m: nnx.Module, t: jax.Array) -> dict[str, jax.Array]:
+        return gtp_jax.apply_fp8_history(m, nnx.grad(_mse, argnums=wrt)(m, t))
+
+    grads = nnx.jit(nnx.grad(_mse, argnums=wrt))(ref, tokens)
+    with pytest.raises(UsageError, match=refused):
+        gtp_jax.apply_fp8_history(ref, grads)
+    assert not any(np.any(h) for h in _histories(ref).values())
+    uses = jax.device_get(own_step(ref, tokens))
+    assert uses == {"lin": 1, "tied": 2, "spare": 0, "gen": 1}
+    with pytest.raises(UsageError, match=refused):
+        check_fp8_uses(uses)
+    got = _histories(ref)
+    assert not np.any(got["tied/einsum_op/amax_history"])  # kept, not the sum
+    assert not np.any(got["spare/dot_general/amax_history"])
+    assert np.all(got["lin/dot_general/amax_history"][0] > 0)
+
+    # The fix the message names: the tied layer out of FP8. The unused layer keeps its
+    # history (not zeros) while the others roll.
+    config = dataclasses.replace(DELAYED, fp8_exclude=("^tied$",))
+    sharded = gtp_jax.shard(nnx.clone(model), mesh, config)
+    assert "tied/einsum_op/amax_history" not in _histories(sharded)
+    old = np.array([[0.5, 0.25, 1e-3, 1.0], [2.0, 0.5, 1e-3, 1.0], [0.0] * 4, [0.0] * 4],
+                   np.float32)
+    nnx.update(sharded, jax.tree.map(lambda h: jnp.asarray(old).astype(h.dtype) + 0 * h,
+                                     nnx.state(sharded, Fp8History)))
+    # Sharded, the recorded amaxes and the parameter gradients are the unsharded module's on
+    # the whole batch (not one device's amax, nor a sum over devices).
+    ref = nnx.clone(model)
+    fp8.inject(ref, fp8.fp8_layers(ref, config), config)
+    nnx.update(ref, jax.tree.map(lambda h: jnp.asarray(old) + 0 * h, nnx.state(ref, Fp8History)))
+    grads = nnx.jit(nnx.grad(_mse, argnums=wrt))(sharded, batch)
+    ref_grads = nnx.jit(nnx.grad(_mse, argnums=wrt))(ref, tokens)
+    got, want = _histories(grads), _histories(ref_grads)
+    assert got.keys() == want.keys()
+    for path, h in want.items():
+        assert_close(got[path], h, RTOL_SAME_MATH, path)
+    got_p = gtp_jax.unshard_values(sharded, grads)
+    for keys, var in nnx.to_flat_state(nnx.state(ref_grads, nnx.Param)):
+        path = "/".join(map(str, keys))
+        assert_close(got_p[path], var.get_value(), RTOL_SAME_MATH, path)
+    step = TrainStep(sharded, nnx.Optimizer(sharded, optax.adamw(1e-2), wrt=nnx.Param), _mse)
+    losses = [float(step(batch)["loss"]) for _ in range(2)]
+    step.sync()
+    assert np.all(np.isfinite(losses))
+    got = _histories(sharded)
+    np.testing.assert_array_equal(got["spare/dot_general/amax_history"], old)
+    for path in ("lin/dot_general/amax_history", "gen/dot_general/amax_history"):
+        h = got[path]
+        assert np.all(h[:2, :3] > 0) and np.all(h[:2, 3] == 1), path  # two steps recorded
+        np.testing.assert_array_equal(h[2:], old[:2], err_msg=path)  # then the old rows
 
 
 # --------------------------------------------------------------------------- training
@@ -247,31 +321,32 @@ class _Preempted(Exception):
 
 def test_resume_continues_delayed_scaling_exactly(tmp_path: Path) -> None:
     # The tiny preset, unrolled layers (the CPU default), every projection in FP8.
-    run = TrainConfig(steps=4, batch_size=8, seq_len=16, warmup=1, dp=2, gtp=4,
+    run = TrainConfig(steps=2, batch_size=8, seq_len=16, warmup=1, dp=2, gtp=4,
                       fp8_compute="delayed", fp8_min_features=128)
     full = train(run, progress=False, checkpoint=CheckpointConfig(tmp_path / "full"))
     first: list[float] = []
 
-    def die_after_step_2(step: int, loss: float, seconds: float) -> None:
+    def die_after_step_1(step: int, loss: float, seconds: float) -> None:
         first.append(loss)
-        if step == 2:
+        if step == 1:
             raise _Preempted
 
     with pytest.raises(_Preempted):
-        train(run, progress=False, on_step=die_after_step_2,
-              checkpoint=CheckpointConfig(tmp_path / "run", every=2))
-    assert first == full.losses[:2]
-    saved = Checkpointer(CheckpointConfig(tmp_path / "run")).read_arrays(2)
+        train(run, progress=False, on_step=die_after_step_1,
+              checkpoint=CheckpointConfig(tmp_path / "run", every=1))
+    assert first == full.losses[:1]
+    saved = Checkpointer(CheckpointConfig(tmp_path / "run")).read_arrays(1)
     histories = {k: v for k, v in saved.items() if k.endswith("amax_history")}
-    # One stacked history per projection: [4 layers, 16 steps, (x, w, dy)], 2 recorded.
-    assert len(histories) == 4 and all(h.shape == (4, 16, 3) for h in histories.values())
-    assert all(np.all(h[:, :2] > 0) and not np.any(h[:, 2:]) for h in histories.values())
+    # One stacked history per projection: [4 layers, 16 steps, (x, w, dy, uses)], 1 recorded.
+    assert len(histories) == 4 and all(h.shape == (4, 16, 4) for h in histories.values())
+    assert all(np.all(h[:, :1] > 0) and not np.any(h[:, 1:]) for h in histories.values())
     resumed = train(run, progress=False,
-                    checkpoint=CheckpointConfig(tmp_path / "run", every=2, resume=True))
-    assert resumed.first_step == 3
-    assert resumed.losses == full.losses[2:]  # bit-exact: the history was restored too
-    final_full = Checkpointer(CheckpointConfig(tmp_path / "full")).read_arrays(4)
-    final_resumed = Checkpointer(CheckpointConfig(tmp_path / "run")).read_arrays(4)
+                    checkpoint=CheckpointConfig(tmp_path / "run", every=1, resume=True))
+    assert resumed.first_step == 2
+    # Bit-exact: step 2 is scaled from the restored history (an empty one scales by 1).
+    assert resumed.losses == full.losses[1:]
+    final_full = Checkpointer(CheckpointConfig(tmp_path / "full")).read_arrays(2)
+    final_resumed = Checkpointer(CheckpointConfig(tmp_path / "run")).read_arrays(2)
     for key, value in final_full.items():
         np.testing.assert_array_equal(final_resumed[key], value, err_msg=key)
     assert all(np.all(np.isfinite(v)) for v in final_full.values())

@@ -234,17 +234,23 @@ def fp8_matmul_grads_reference(x: jax.Array, w: jax.Array, dy: jax.Array
 
 def history_scales(history: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(``sx``, ``sw``, ``sg``): float32 scales of ``x``, ``w`` (e4m3) and ``dy`` (e5m2) from
-    an amax history float32 ``[H, 3]`` (columns x, w, dy): `_scale` of each column's
-    maximum over the ``H`` steps. An all-zero column (no step recorded yet) gives 1; a NaN or
-    Inf recorded in the column gives NaN (every element it governs becomes NaN)."""
-    amax = jnp.max(history, axis=0)
+    an amax history float32 ``[H, 3]`` (columns x, w, dy; a fourth column, the use count,
+    is ignored): `_scale` of each column's maximum over the ``H`` steps. An all-zero column
+    (no step recorded yet) gives 1; a NaN or Inf recorded in the column gives NaN (every
+    element it governs becomes NaN)."""
+    amax = jnp.max(history[:, :3], axis=0)
     return _scale(amax[0], E4M3_MAX), _scale(amax[1], E4M3_MAX), _scale(amax[2], E5M2_MAX)
 
 
 def roll_history(history: jax.Array, amax: jax.Array) -> jax.Array:
     """`history` (float32 ``[H, 3]``, newest first) with `amax` (float32 ``[3]``: this
-    step's x, w, dy) as row 0 and the oldest row dropped."""
-    return jnp.concatenate([amax.astype(jnp.float32)[None], history[:-1]], axis=0)
+    step's x, w, dy) as row 0 and the oldest row dropped. A history of ``[H, 4]`` also
+    records one use in its fourth column (row 0 gets ``[*amax, 1]``): the cotangents of a
+    history used n times sum to n there, which the training step checks."""
+    row = amax.astype(jnp.float32)
+    if history.shape[-1] == 4:
+        row = jnp.concatenate([row, jnp.ones((1,), jnp.float32)])
+    return jnp.concatenate([row[None], history[:-1]], axis=0)
 
 
 def _quantize_amax(x: jax.Array, s: jax.Array, dtype: jnp.dtype, layout: str, impl: tuple
@@ -311,8 +317,9 @@ def fp8_matmul_delayed(x: jax.Array, w: jax.Array, history: jax.Array, *,
     Args:
       x: ``[M, K]`` float32 / bfloat16 / float16.
       w: ``[K, N]``, x's dtype.
-      history: float32 ``[H, 3]``: amax of x, w and dy of the last H steps (`Fp8History`
-        of `gtp_jax.base.fp8_history`). Scales: `history_scales`.
+      history: float32 ``[H, 3]``: amax of x, w and dy of the last H steps, or ``[H, 4]``
+        with the uses per step in a fourth column (`Fp8History` of
+        `gtp_jax.base.fp8_history`). Scales: `history_scales`.
       axes: mesh axes to take the recorded amax's maximum over (inside ``jax.shard_map``:
         every axis over which the replicated history's cotangent is summed; the history
         cotangent is then returned on the first device only). () outside ``shard_map``.
@@ -321,7 +328,8 @@ def fp8_matmul_delayed(x: jax.Array, w: jax.Array, history: jax.Array, *,
     Returns:
       ``[M, N]`` in x's dtype. Differentiable: ``dx``, ``dw`` are FP8 products with the
       history's ``dy`` scale, and the cotangent of `history` is the next history,
-      ``roll_history(history, [amax(x), amax(w), amax(dy)])`` (not a gradient: the
+      ``roll_history(history, [amax(x), amax(w), amax(dy)])`` (with a use count of 1 in
+      row 0 of a four-column history; not a gradient: the
       training step writes it into the variable). A NaN or Inf in an operand makes the
       outputs it reaches NaN and is recorded in the history, whose later scales are then
       NaN: never a finite value computed from a broken scale.
@@ -330,11 +338,11 @@ def fp8_matmul_delayed(x: jax.Array, w: jax.Array, history: jax.Array, *,
     if x.dtype != w.dtype:
         raise UsageTypeError(f"fp8_matmul_delayed: x is {x.dtype} but w is {w.dtype}; cast "
                              "both to the compute dtype first.")
-    if (not hasattr(history, "shape") or history.ndim != 2 or history.shape[1] != 3
+    if (not hasattr(history, "shape") or history.ndim != 2 or history.shape[1] not in (3, 4)
             or history.shape[0] < 1):
         raise UsageError(f"fp8_matmul_delayed: history has shape "
                          f"{getattr(history, 'shape', None)}; it takes float32 [H, 3] with "
-                         "H >= 1 (amax of x, w, dy per step).")
+                         "H >= 1 (amax of x, w, dy per step), or [H, 4] with a use count.")
     if backend not in (None, "pallas", "xla"):
         raise UsageError(f"fp8_matmul_delayed: backend={backend!r}; use 'pallas', 'xla' or "
                          "None (pallas on a GPU, else xla).")

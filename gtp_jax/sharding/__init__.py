@@ -9,6 +9,7 @@ call runs inside ``jax.shard_map``).
 
 from gtp_jax.sharding.collectives import GatherSpec, gather_weight, reduce_scatter_grad
 from gtp_jax.sharding.contract import InputLayout, OutputLayout, Replicated, replicated
+from gtp_jax.sharding.fp8_update import apply_fp8_history
 from gtp_jax.sharding.lazy import GTPShard
 from gtp_jax.sharding.module import (
     ShardedModule,
@@ -22,6 +23,7 @@ from gtp_jax.sharding.scan import scan_layers
 __all__ = [
     "Replicated",
     "GTPShard",
+    "apply_fp8_history",
     "GatherSpec",
     "InputLayout",
     "OutputLayout",

@@ -19,7 +19,8 @@ Delayed scaling (``fp8_compute="delayed"``): each FP8 layer's injection point ge
 module instead of a function, `Fp8DelayedMatmul`, holding the layer's amax history (an
 `Fp8History`, replicated; stacked layers get a leading layer dim like their kernels), so
 the history is part of the module's state (split, scanned, checkpointed with it) and its
-"gradient", the next history, reaches the training step. Inside the sharded call the
+"gradient", the next history, reaches the training step (`gtp_jax.sharding.fp8_update`
+writes it back, refusing a layer used twice per step). Inside the sharded call the
 recorded amax is reduced over every mesh axis (`amax_axes`), so the history stays the same
 on every device.
 """
@@ -72,7 +73,7 @@ def fp8_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any,
                     out_sharding: Any = None, *, history: jax.Array | None = None
                     ) -> jax.Array:
     """``jax.lax.dot_general`` computed as an FP8 matmul (`fp8_matmul`, or
-    `fp8_matmul_delayed` with an amax `history`, float32 ``[H, 3]``).
+    `fp8_matmul_delayed` with an amax `history`, float32 ``[H, 3]`` or ``[H, 4]``).
 
     Same arguments and result shape as ``jax.lax.dot_general`` (``precision`` is ignored:
     the operands are FP8). Contractions without batch dims of two operands of one float
@@ -117,7 +118,7 @@ class Fp8DelayedMatmul(nnx.Module):
     ``einsum_op``): calls `fp8_dot_general` (`fp8_einsum`) with the layer's amax history.
 
     Attributes:
-      amax_history: `Fp8History`, float32 ``[history_len, 3]`` (``[L, history_len, 3]``
+      amax_history: `Fp8History`, float32 ``[history_len, 4]`` (``[L, history_len, 4]``
         on a layer stack, ``gtp_stacked`` metadata), replicated.
       op: ``"dot_general"`` or ``"einsum_op"``: the injection point it replaces.
     """

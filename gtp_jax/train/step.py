@@ -31,6 +31,12 @@ from flax import nnx
 from gtp_jax.base.errors import UsageError, UsageTypeError
 from gtp_jax.base.fp8_history import Fp8History
 from gtp_jax.base.metadata import STACKED
+from gtp_jax.sharding.fp8_update import (
+    check_fp8_uses,
+    history_uses,
+    layer_prefix,
+    next_fp8_history,
+)
 from gtp_jax.sharding.offload import (
     StreamableChain,
     init_on_host,
@@ -41,6 +47,10 @@ from gtp_jax.sharding.offload import (
     to_host,
 )
 from gtp_jax.train.optim import current_lr
+
+#: The metric under which a delayed-FP8 step returns its layers' use counts (`history_uses`);
+#: `TrainStep` removes it from what it returns.
+USES_METRIC = "fp8_uses"
 
 #: Programs kept (least recently used ones are dropped; a dropped one recompiles on reuse).
 CACHE_SIZE = 16
@@ -114,14 +124,45 @@ class TrainStep:
         self._program = _program(self.graphdef, loss_fn, bool(grad_norm),
                                  _offload_mode(offload, offload_group_layers),
                                  int(grad_accum))
+        self._offload = offload
+        # Delayed FP8: the first call checks that no layer ran twice (`_first_fp8_step`).
+        self._check_uses = _has_history(model)
 
     def __call__(self, batch: Any) -> dict[str, jax.Array]:
         """Runs one step; returns ``{"loss"}`` (and ``"grad_norm"``, and ``"lr"`` where the
         optimizer injects its learning rate, as `gtp_jax.train.optim` does) as float32
         device scalars: the loss before this step's update, the global norm of its
         gradients before clipping, the learning rate of the update. Does not wait for the
-        device."""
+        device, except on the first call of a model with delayed FP8 scaling: that one
+        reads the layers' use counts and raises a `UsageError` where a layer ran more than
+        once (`gtp_jax.sharding.fp8_update.check_fp8_uses`), leaving the model and
+        optimizer as they were."""
+        if self._check_uses:
+            return self._first_fp8_step(batch)
         self.state, metrics = self._program.fn(self.state, batch)
+        metrics.pop(USES_METRIC, None)
+        return metrics
+
+    def _first_fp8_step(self, batch: Any) -> dict[str, jax.Array]:
+        """`__call__` with the use-count check: the step program returns the input state
+        where a layer ran twice (`_refuse_reuse`); offloaded optimizer state, which the
+        program leaves to this, is copied (in host memory) before the call."""
+        kept = None
+        if self._offload:
+            kept = map_opt_state(self.state, lambda x: jax.device_put(x, may_alias=False))
+        state, metrics = self._program.fn(self.state, batch)
+        uses = metrics.pop(USES_METRIC)
+        try:
+            check_fp8_uses(jax.device_get(uses))
+        except UsageError:
+            if kept is not None:
+                state = _with_opt_state(state, kept)
+            # The objects' arrays were donated: give them the (unchanged) values back.
+            self.state = state
+            self.sync()
+            raise
+        self.state = state
+        self._check_uses = False
         return metrics
 
     def evaluate(self, batch: Any, loss_fn: Callable[[nnx.Module, Any], jax.Array]
@@ -200,6 +241,13 @@ def map_opt_state(state: nnx.State, fn: Callable[[Any], Any]) -> nnx.State:
     return nnx.from_flat_state(flat)
 
 
+def _with_opt_state(state: nnx.State, source: nnx.State) -> nnx.State:
+    """`state` with the ``nnx.OptState`` variables of `source` (same paths)."""
+    opt = {tuple(p): v for p, v in nnx.to_flat_state(source) if isinstance(v, nnx.OptState)}
+    return nnx.from_flat_state([(p, opt.get(tuple(p), v))
+                                for p, v in nnx.to_flat_state(state)])
+
+
 def step_program(graphdef: Any, loss_fn: Callable[..., jax.Array], *, grad_norm: bool = True,
                  offload: bool = False,
                  offload_group_layers: int | None = None,
@@ -207,7 +255,8 @@ def step_program(graphdef: Any, loss_fn: Callable[..., jax.Array], *, grad_norm:
     """The jitted ``step(state, batch) -> (state, metrics)`` that `TrainStep` runs for a
     ``(model, optimizer)`` of `graphdef` (the same cached program): lower it with abstract
     arguments (``jax.ShapeDtypeStruct`` with shardings) to compile a step ahead of time
-    without running it (`gtp_jax.plan` reads its memory analysis)."""
+    without running it (`gtp_jax.plan` reads its memory analysis). For a model with
+    delayed-FP8 histories its metrics also hold ``USES_METRIC`` (`_refuse_reuse`)."""
     if offload and offload_group_layers is not None:
         stream_units({}, {}, offload_group_layers)
     return _program(graphdef, loss_fn, grad_norm,
@@ -235,6 +284,9 @@ def _program(graphdef: Any, loss_fn: Callable[..., jax.Array], grad_norm: bool,
 
     def step(state: nnx.State, batch: Any) -> tuple[nnx.State, dict[str, jax.Array]]:
         program.traces += 1
+        # The input values, taken before merging: a refused step returns them unchanged.
+        state_before = jax.tree.leaves(state)
+        uses = None
         model, optimizer = nnx.merge(graphdef, state)
         if not _has_history(model):
             if grad_accum == 1:
@@ -246,7 +298,8 @@ def _program(graphdef: Any, loss_fn: Callable[..., jax.Array], grad_norm: bool,
             # as its "gradient"; it replaces the history and never reaches the optimizer
             # (no moments, clipping, weight decay, nor a share of the gradient norm).
             loss, grads, history = _grads_and_history(model, loss_fn, batch, grad_accum)
-            nnx.update(model, history)
+            uses = history_uses(history, layer_prefix(model))
+            nnx.update(model, next_fp8_history(nnx.state(model, Fp8History), history))
         if offload and isinstance(optimizer.tx, StreamableChain):
             # -1: one leaf at a time, whole; > 0: that many layers at a time.
             _streamed_optimizer_update(model, optimizer, grads,
@@ -264,13 +317,42 @@ def _program(graphdef: Any, loss_fn: Callable[..., jax.Array], grad_norm: bool,
             metrics["lr"] = to_device(lr) if offload else lr
         if grad_norm:
             metrics["grad_norm"] = _global_norm(grads)
-        return nnx.state((model, optimizer)), metrics
+        new_state = nnx.state((model, optimizer))
+        if uses is not None:
+            new_state, metrics = _refuse_reuse(state_before, new_state, metrics, uses,
+                                               on_host=bool(offload))
+        return new_state, metrics
 
     program.fn = jax.jit(step, donate_argnums=0)
     _programs[key] = program
     while len(_programs) > CACHE_SIZE:
         _programs.popitem(last=False)
     return program
+
+
+def _refuse_reuse(before: list[jax.Array], new_state: nnx.State,
+                  metrics: dict[str, Any], uses: dict[str, jax.Array], *, on_host: bool
+                  ) -> tuple[nnx.State, dict[str, Any]]:
+    """Where some delayed-FP8 layer ran more than once (`history_uses` > 1): the input
+    state unchanged (`before`, its leaves) and a NaN loss, so a refused step changes
+    nothing and is never silent; `TrainStep` reads ``metrics[USES_METRIC]`` on its first
+    call and raises (`check_fp8_uses`). With `on_host` (offloaded optimizer state) the
+    ``nnx.OptState`` leaves, in host memory, are left to `TrainStep` (it keeps a copy on
+    the first call), the rest is selected here.
+
+    The selects fuse into the update's elementwise passes, which read the old values
+    anyway; the update waits for the backward pass's use counts, as it already does for
+    the global norm when the gradients are clipped."""
+    ok = functools.reduce(jnp.logical_and, [n <= 1 for n in uses.values()], jnp.bool_(True))
+    on_device = jax.tree.leaves(jax.tree.map(
+        lambda v: not (on_host and isinstance(v, nnx.OptState)), new_state,
+        is_leaf=lambda x: isinstance(x, nnx.Variable)))
+    leaves, treedef = jax.tree.flatten(new_state)
+    kept = [jnp.where(ok, new, old) if dev else new
+            for new, old, dev in zip(leaves, before, on_device)]
+    metrics = {**metrics, "loss": jnp.where(ok, metrics["loss"], jnp.nan),
+               USES_METRIC: uses}
+    return treedef.unflatten(kept), metrics
 
 
 def _streamed_optimizer_update(model: nnx.Module, optimizer: nnx.Optimizer, grads: Any,
