@@ -5,7 +5,10 @@ Launched by ``python -m gtp_jax.bench overlap --torch`` as
 per GPU), STEPS, LAYERS (0: the preset's), COMPILE (1, the default: each block
 ``torch.compile``d, then ``fully_shard``, torchtitan's recipe; 0: eager), PROFILE (a path:
 write a chrome trace of 3 steps there, for ``python -m gtp_jax.bench.kernels``), REPLICATE
-(R > 1: HSDP, R replicas of world / R shards). Same
+(R > 1: HSDP, R replicas of world / R shards), FLOAT8 (1: torchao float8 training,
+tensorwise scaling, with the weights all-gathered in float8 and their scales precomputed
+after each optimizer step, torchao's FSDP2 recipe; the head stays bf16; needs torchao on
+PYTHONPATH). Same
 architecture (RMSNorm, SwiGLU, untied head; rotary-free attention has the same cost), bf16
 compute with fp32 master weights, fused AdamW, ``fully_shard`` per block. Prints
 ``RESULT {json}`` on rank 0.
@@ -79,6 +82,13 @@ def main():
     steps = int(os.environ.get("STEPS", "20"))
     torch.manual_seed(0)
     model = Decoder(vocab, d, heads, layers, ff, *gqa).cuda()
+    float8 = os.environ.get("FLOAT8", "0") == "1"
+    if float8:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+        convert_to_float8_training(
+            model, config=Float8LinearConfig(enable_fsdp_float8_all_gather=True),
+            module_filter_fn=lambda module, name: name != "head")
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     compiled = os.environ.get("COMPILE", "1") != "0"
     replicate = int(os.environ.get("REPLICATE", "1"))
@@ -94,6 +104,8 @@ def main():
         fully_shard(block, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    if float8:
+        from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
     gen = torch.Generator(device="cuda")
     gen.manual_seed(rank)
 
@@ -104,6 +116,8 @@ def main():
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
+        if float8:
+            precompute_float8_dynamic_scale_for_fsdp(model)
         return loss
 
     for _ in range(5 if compiled else 3):  # compiling takes the first steps
@@ -134,7 +148,7 @@ def main():
     if rank == 0:
         print("RESULT " + json.dumps({
             "variant": ("torch_hsdp" if replicate > 1 else "torch_fsdp2")
-                       + ("_compiled" if compiled else "_eager"),
+                       + ("_compiled" if compiled else "_eager") + ("_float8" if float8 else ""),
             "devices": world,
             "device_kind": torch.cuda.get_device_name(), "preset": os.environ.get("PRESET", "1b"),
             "layers": layers, "seq": seq, "per_device_batch": mb, "step_ms": med * 1e3,

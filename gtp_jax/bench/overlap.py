@@ -311,9 +311,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--gather-format", default="none",
                         choices=("none", "fp8", "mxfp8", "nvfp4"),
                         help="GTPConfig.gather_format of the gtp variants")
-    parser.add_argument("--fp8-compute", default="none", choices=("none", "tensorwise"),
+    parser.add_argument("--fp8-compute", default="none",
+                        choices=("none", "tensorwise", "delayed"),
                         help="GTPConfig.fp8_compute of the gtp variants")
-    parser.add_argument("--fp8-min-features", type=int, default=4096,
+    parser.add_argument("--fp8-min-features", type=int, default=2048,  # GTPConfig's default
                         help="GTPConfig.fp8_min_features of the gtp variants")
     parser.add_argument("--no-remat-gathered", action="store_true",
                         help="GTPConfig(remat_gathered=False) for the gtp variants")
