@@ -246,6 +246,10 @@ def train_and_record(model: nnx.Module, batches: list[jax.Array],
     from gtp_jax.models import lm_loss
 
     opt = nnx.Optimizer(model, optax.adamw(1e-2, eps=1e-3), wrt=nnx.Param)
+    if mesh is not None:  # step counters on the mesh: the step compiles once, not twice
+        from gtp_jax.train import replicate_stray_leaves
+
+        replicate_stray_leaves(opt, mesh)
 
     @nnx.jit
     def step(model, opt, batch):
