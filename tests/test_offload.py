@@ -16,14 +16,24 @@ import dataclasses
 import functools
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from gtp_jax.base.errors import UsageError
 from gtp_jax.base.metadata import STACKED
 from gtp_jax.models import lm_loss
-from gtp_jax.sharding.offload import HOST_MEMORY_KIND, host_memory_supported, stream_units
+from gtp_jax.sharding.offload import (
+    HOST_MEMORY_KIND,
+    host_memory_supported,
+    init_streamed_on_host,
+    stream_units,
+    streamable_chain,
+)
 from gtp_jax.train import TrainConfig
 from gtp_jax.train.checkpoint import CheckpointConfig, Checkpointer
 from gtp_jax.train.config import make_optimizer
@@ -216,3 +226,34 @@ def test_offload_group_layers_is_validated():
     units = stream_units({"a": np.zeros((5, 2)), "b": np.zeros(3)},
                          {"a": True, "b": False}, 2)
     assert units == [[(1, None)], [(0, (0, 2))], [(0, (2, 4))], [(0, (4, 5))]]
+
+
+def test_streamed_init_builds_each_unit_alone_with_the_values_of_tx_init():
+    mesh = jax.make_mesh((8,), ("x",))
+    put = lambda x, spec: jax.device_put(x, NamedSharding(mesh, P(*spec)))  # noqa: E731
+    rng = np.random.default_rng(0)
+    params = {"stack": put(rng.normal(size=(5, 8, 3)).astype(np.float32), (None, "x")),
+              "head": put(rng.normal(size=(8, 4)).astype(np.float32), ("x",))}
+    stacked = {"stack": True, "head": False}
+    seen: list[tuple[tuple[int, ...], ...]] = []
+
+    def init(p):  # param-dependent state (not zeros), and the shapes each init sees
+        seen.append(tuple(sorted(x.shape for x in jax.tree.leaves(p))))
+        return optax.TraceState(trace=jax.tree.map(lambda x: 2.0 * x + 1.0, p))
+
+    leafwise = optax.chain(optax.GradientTransformation(init, None),
+                           optax.adamw(1e-3, mu_dtype=jnp.bfloat16))
+    tx = streamable_chain(optax.clip_by_global_norm(1.0), leafwise)
+    built = init_streamed_on_host(tx, params, stacked, group_layers=2)
+    # Abstractly once for the whole tree (jax.eval_shape: the state's shapes), then computed
+    # one unit at a time: the head whole, the stack's 2-layer groups (one program for both)
+    # and its last layer.
+    assert sorted(seen) == sorted([((5, 8, 3), (8, 4)), ((8, 4),), ((2, 8, 3),), ((1, 8, 3),)])
+    expected = tx.init(params)
+    assert jax.tree.structure(built) == jax.tree.structure(expected)
+    for a, b in zip(jax.tree.leaves(built), jax.tree.leaves(expected)):
+        assert a.sharding.memory_kind == HOST_MEMORY_KIND
+        assert a.dtype == b.dtype and a.shape == b.shape
+        if a.ndim:  # moments and the traced state: their parameter's sharding
+            assert a.sharding.with_memory_kind("device").is_equivalent_to(b.sharding, a.ndim)
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

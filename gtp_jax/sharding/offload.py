@@ -405,9 +405,8 @@ def init_streamed_on_host(tx: StreamableChain, params: Any, stacked: Any, *,
                     out_shardings=out_shardings)
             moments, unit_others = fn({key: values[key] for key in keys},
                                       {i: p_leaves[i] for i in leaves}, jnp.int32(span[0]))
-        values.update(moments)
+        values.update(moments)  # in host memory: the device held only this unit's state
         others = unit_others if others is None else others
-        del moments, unit_others  # the unit's device memory goes before the next is built
     leaf_state = s_def.unflatten([
         p_def.unflatten([values[(j, i)] for i in range(len(p_leaves))]) if j in moment_parts
         else others[j] for j in range(len(parts))])
