@@ -4,7 +4,9 @@ The state keeps its mesh and partition spec; only its memory kind changes to
 ``"pinned_host"``. Inside the jitted step, `streamed_update` brings the moments to the
 device one *unit* at a time (a group of layers of the layer-stacked weights, or one other
 weight), updates that unit and copies its new moments back, so only a few units' moments
-are in device memory at once. The update runs on the device with the on-device run's
+are in device memory at once; the copies are partial (dynamic slices of the host buffers)
+and written back in place. `init_streamed_on_host` builds the state in host memory the same
+way, one unit at a time. The update runs on the device with the on-device run's
 arithmetic: training is bit-identical.
 
 Streaming needs the optimizer split into a whole-tree part (global-norm clipping: it reads
