@@ -16,14 +16,24 @@ import dataclasses
 import functools
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from gtp_jax.base.errors import UsageError
 from gtp_jax.base.metadata import STACKED
 from gtp_jax.models import lm_loss
-from gtp_jax.sharding.offload import HOST_MEMORY_KIND, host_memory_supported, stream_units
+from gtp_jax.sharding.offload import (
+    HOST_MEMORY_KIND,
+    host_memory_supported,
+    init_streamed_on_host,
+    stream_units,
+    streamable_chain,
+)
 from gtp_jax.train import TrainConfig
 from gtp_jax.train.checkpoint import CheckpointConfig, Checkpointer
 from gtp_jax.train.config import make_optimizer
@@ -49,13 +59,17 @@ def _run(offload: bool, group: int | None = None
     return losses, leaves, step
 
 
-@pytest.mark.parametrize("group", [None, 3])
-def test_offloaded_optimizer_state_trains_bit_identically(group):
+def test_offloaded_optimizer_state_trains_bit_identically():
     assert host_memory_supported()
     ref_losses, ref_state, _ = _run(False)
-    # None: each leaf copied whole (the default); 3 layers per streamed unit of the tiny
+    # None: one layer per streamed unit (the default); 3 layers per unit of the tiny
     # preset's 4: a full group and a remainder of one layer.
-    losses, state, step = _run(True, group=group)
+    for group in (None, 3):
+        _check_bit_identical(_run(True, group=group), ref_losses, ref_state)
+
+
+def _check_bit_identical(run: tuple, ref_losses: list, ref_state: list) -> None:
+    losses, state, step = run
     # Same arithmetic on the device; the moments only travel: bit-identical, no tolerance.
     assert [float(x) for x in losses] == [float(x) for x in ref_losses]
     assert len(state) == len(ref_state)
@@ -69,22 +83,24 @@ def test_offloaded_optimizer_state_trains_bit_identically(group):
     assert HOST_MEMORY_KIND not in {x.sharding.memory_kind for x in jax.tree.leaves(params)}
 
 
-def _copies(group: int | None) -> tuple[list[tuple[int, ...]], list[list[int]], list[set[int]],
-                                 list[tuple[int, ...]]]:
-    """The traced offloaded step's host->device copies (equation indices in the step's
-    jaxpr): their shapes, their units (the copies released by one optimization barrier),
-    each equation's ancestors in the data flow (nested calls opaque), and the shapes of the
-    layer-stacked parameters (group None: the shapes of all parameters)."""
+def _traced_step(group: int | None) -> tuple[list, list[tuple[int, ...]], list]:
+    """The traced offloaded step's equations (inside its jit), the shapes of the
+    layer-stacked parameters, and the jaxpr's input variables."""
     cfg = dataclasses.replace(CFG, offload_optimizer=True)
     model, optimizer = build_model_and_optimizer(cfg)
     step = TrainStep(model, optimizer, LOSS, offload_group_layers=group)
     stacked = [tuple(v.get_value().shape) for _, v in nnx.to_flat_state(nnx.state(model, nnx.Param))
-               if group is None or v.get_metadata().get(STACKED)]
+               if v.get_metadata().get(STACKED)]
     tokens = np.zeros((cfg.batch_size, cfg.seq_len + 1), np.int32)
     outer = jax.make_jaxpr(step_program(step.graphdef, LOSS, offload=True,
                                         offload_group_layers=group))(step.state, tokens)
     (call,) = [e for e in outer.jaxpr.eqns if "jaxpr" in e.params]
-    eqns = call.params["jaxpr"].jaxpr.eqns
+    inner = call.params["jaxpr"].jaxpr
+    return inner.eqns, stacked, inner.invars
+
+
+def _ancestors(eqns: list) -> tuple[dict, list[set[int]]]:
+    """Each equation's producer map and ancestors in the data flow (nested calls opaque)."""
     producer = {v: n for n, e in enumerate(eqns) for v in e.outvars}
     ancestors: list[set[int]] = []
     for e in eqns:
@@ -93,26 +109,68 @@ def _copies(group: int | None) -> tuple[list[tuple[int, ...]], list[list[int]], 
             if not hasattr(v, "val") and v in producer:  # a variable, not a literal
                 deps |= {producer[v]} | ancestors[producer[v]]
         ancestors.append(deps)
-    ins = [n for n, e in enumerate(eqns) if e.primitive.name == "device_put"
-           and str(e.params["devices"][0]).endswith("Device") and e.outvars[0].aval.shape]
+    return producer, ancestors
+
+
+def _to(e: object, space: str) -> bool:
+    return e.primitive.name == "device_put" and str(e.params["devices"][0]).endswith(space)
+
+
+@pytest.mark.parametrize("group", [None, 2])
+def test_offloaded_step_copies_moments_per_layer_group_in_order(group):
+    eqns, stacked, invars = _traced_step(group)
+    producer, ancestors = _ancestors(eqns)
+    size = 1 if group is None else group  # None: the default, one layer per unit
+    ins = [n for n, e in enumerate(eqns) if _to(e, "Device") and e.outvars[0].aval.shape]
+    shapes = [tuple(eqns[n].outvars[0].aval.shape) for n in ins]
+    # No copy to the device holds a whole layer-stacked moment: a group's slice at a time.
+    assert not set(stacked) & set(shapes)
+    assert {(size, *s[1:]) for s in stacked} <= set(shapes)
     barriers = {n for n, e in enumerate(eqns) if e.primitive.name == "optimization_barrier"}
     units: dict[int, list[int]] = {}
     for n in ins:  # a copy's unit: the latest barrier it descends from (its own)
         units.setdefault(max(ancestors[n] & barriers, default=-1), []).append(n)
-    return ([tuple(eqns[n].outvars[0].aval.shape) for n in ins], list(units.values()),
-            ancestors, stacked)
+    # One unit per other weight (embedding, final norm, head), then one per group of the 4
+    # layers: its 2 moments of each stacked weight.
+    assert sorted(len(u) for u in units.values()) == (
+        [2, 2, 2] + [2 * len(stacked)] * (4 // size))
+    _assert_at_most_two_units_in_flight(list(units.values()), ancestors)
 
-
-def test_offloaded_step_copies_moments_per_layer_group_in_order():
-    shapes, units, ancestors, stacked = _copies(group=1)
-    # No copy to the device holds a whole layer-stacked moment: one layer's slice at a time.
-    assert not set(stacked) & set(shapes)
-    assert {(1, *s[1:]) for s in stacked} <= set(shapes)
-    # One unit per other weight (embedding, final norm, head), then one per layer: its 2
-    # moments of each stacked weight.
-    assert sorted(len(u) for u in units) == [2, 2, 2] + [2 * len(stacked)] * 4
-
-    _assert_at_most_two_units_in_flight(units, ancestors)
+    # Partial copies: each stacked slice comes in as a dynamic slice of a host buffer whose
+    # start index came through an optimization barrier (XLA cannot fold it into a static
+    # slice, which may copy the whole buffer).
+    for n in ins:
+        if eqns[n].outvars[0].aval.shape in {(size, *s[1:]) for s in stacked}:
+            src = eqns[producer[eqns[n].invars[0]]]
+            assert src.primitive.name == "dynamic_slice"
+            buf, start = src.invars[:2]  # the layer index; the other dims' starts are 0
+            assert all(eqns[producer[v]].primitive.name == "optimization_barrier"
+                       for v in (buf, start))
+    # Written back in place: each moment slice goes to the host with a dynamic update slice
+    # into the donated input buffer (a chain through barriers and earlier writes, no new
+    # buffer), and every other read of a buffer version precedes the write that replaces it.
+    writes = [n for n, e in enumerate(eqns) if e.primitive.name == "dynamic_update_slice"
+              and e.invars[1] in producer and _to(eqns[producer[e.invars[1]]], "Host")]
+    assert len(writes) == 2 * len(stacked) * (4 // size)
+    users: dict = {}
+    for n, e in enumerate(eqns):
+        for v in e.invars:
+            if not hasattr(v, "val"):
+                users.setdefault(v, []).append(n)
+    for n in writes:
+        v, replaced = eqns[n].invars[0], True
+        while True:  # back through barriers (same buffer) and earlier writes to the input
+            if replaced:  # this version's readers all come before the write
+                assert all(u == n or u in ancestors[n] for u in users[v]), "read after write"
+            if v not in producer:
+                break
+            e = eqns[producer[v]]
+            assert e.primitive.name in {"optimization_barrier", "dynamic_update_slice"}
+            if e.primitive.name == "dynamic_update_slice":
+                v, replaced = e.invars[0], False
+            else:
+                v = e.invars[e.outvars.index(v)]
+        assert v in invars
 
 
 def _assert_at_most_two_units_in_flight(units: list[list[int]],
@@ -128,15 +186,6 @@ def _assert_at_most_two_units_in_flight(units: list[list[int]],
         for j, b in enumerate(units[i + 1:], i + 1):
             for c in units[j + 1:]:
                 assert ordered(a, b) or ordered(a, c) or ordered(b, c), (i, j)
-
-
-def test_default_offloaded_step_copies_each_leaf_once_one_leaf_at_a_time():
-    shapes, units, ancestors, params = _copies(group=None)
-    # Each parameter's two moments cross to the device once, whole (no slices, no second
-    # copy), as one unit; units are ordered so that not all moments are on the device at once.
-    assert sorted(shapes) == sorted(params + params)
-    assert sorted(len(u) for u in units) == [2] * len(params)
-    _assert_at_most_two_units_in_flight(units, ancestors)
 
 
 def test_offloaded_optimizer_state_is_built_and_restored_in_host_memory(tmp_path):
@@ -181,3 +230,34 @@ def test_offload_group_layers_is_validated():
     units = stream_units({"a": np.zeros((5, 2)), "b": np.zeros(3)},
                          {"a": True, "b": False}, 2)
     assert units == [[(1, None)], [(0, (0, 2))], [(0, (2, 4))], [(0, (4, 5))]]
+
+
+def test_streamed_init_builds_each_unit_alone_with_the_values_of_tx_init():
+    mesh = jax.make_mesh((8,), ("x",))
+    put = lambda x, spec: jax.device_put(x, NamedSharding(mesh, P(*spec)))  # noqa: E731
+    rng = np.random.default_rng(0)
+    params = {"stack": put(rng.normal(size=(5, 8, 3)).astype(np.float32), (None, "x")),
+              "head": put(rng.normal(size=(8, 4)).astype(np.float32), ("x",))}
+    stacked = {"stack": True, "head": False}
+    seen: list[tuple[tuple[int, ...], ...]] = []
+
+    def init(p):  # param-dependent state (not zeros), and the shapes each init sees
+        seen.append(tuple(sorted(x.shape for x in jax.tree.leaves(p))))
+        return optax.TraceState(trace=jax.tree.map(lambda x: 2.0 * x + 1.0, p))
+
+    leafwise = optax.chain(optax.GradientTransformation(init, None),
+                           optax.adamw(1e-3, mu_dtype=jnp.bfloat16))
+    tx = streamable_chain(optax.clip_by_global_norm(1.0), leafwise)
+    built = init_streamed_on_host(tx, params, stacked, group_layers=2)
+    # Abstractly once for the whole tree (jax.eval_shape: the state's shapes), then computed
+    # one unit at a time: the head whole, the stack's 2-layer groups (one program for both)
+    # and its last layer.
+    assert sorted(seen) == sorted([((5, 8, 3), (8, 4)), ((8, 4),), ((2, 8, 3),), ((1, 8, 3),)])
+    expected = tx.init(params)
+    assert jax.tree.structure(built) == jax.tree.structure(expected)
+    for a, b in zip(jax.tree.leaves(built), jax.tree.leaves(expected)):
+        assert a.sharding.memory_kind == HOST_MEMORY_KIND
+        assert a.dtype == b.dtype and a.shape == b.shape
+        if a.ndim:  # moments and the traced state: their parameter's sharding
+            assert a.sharding.with_memory_kind("device").is_equivalent_to(b.sharding, a.ndim)
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -147,7 +147,8 @@ def test_memory_gib_needs_plan_auto(capsys):
 def test_offload_lowers_the_bound_by_the_optimizer_state():
     on = memory_bound(dataclasses.replace(L1, offload=True).apply(BASE))
     off = memory_bound(L1.apply(BASE))
-    # Offloaded, the moments of one weight (the largest) stay: less than all weights'.
+    # Offloaded, the moments of one streamed unit (the largest: a weight that is not
+    # layer-stacked, or one layer of the stacked ones) stay: less than all weights'.
     assert 0 < on["optimizer"] < off["optimizer"]
     # ... and only while their weight is updated (after the clipping, the forward's
     # activations freed): the bound drops by at least most of the moments.

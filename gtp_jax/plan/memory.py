@@ -27,8 +27,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import gtp_jax
+from gtp_jax.base.metadata import STACKED
 from gtp_jax.models import Transformer, lm_loss
-from gtp_jax.sharding.offload import host_shapes
+from gtp_jax.sharding.offload import DEFAULT_GROUP_LAYERS, host_shapes, stream_units
 from gtp_jax.train.config import (
     TrainConfig,
     check_devices,
@@ -82,10 +83,13 @@ def memory_bound(cfg: TrainConfig) -> dict[str, int]:
     ``gtp * tp * ep`` (replicated small weights and padding only add), activations =
     ``n_layers * tokens * d_model`` and logits = ``tokens * vocab`` in the compute dtype,
     tokens = the device's ``batch * seq / (dp * ep * gtp * cp)``, split over tp as well.
-    Offloaded, the moments are in device memory only while their weight is updated (the
-    trainer's step streams them one weight at a time, after the clipping), so the peak is
-    at least ``parameters + max(grads, activations + logits, moments of the largest
-    weight)``, and "optimizer" is those moments.
+    Offloaded, the moments are in device memory only while their unit is updated (the
+    trainer's step streams them after the clipping one unit at a time: a not-stacked
+    weight, or one layer of every layer-stacked weight, `gtp_jax.sharding.offload`), so the
+    peak is at least ``parameters + max(grads, activations + logits, moments of the largest
+    unit)``, and "optimizer" is those moments: the unit that must be in device memory while
+    it is updated (the step holds up to about four units at once when its copies overlap
+    the updates; the bound counts the one it cannot do without).
 
     Returns:
       ``{"params", "optimizer", "grads", "activations", "total"}`` in bytes.
@@ -97,8 +101,8 @@ def memory_bound(cfg: TrainConfig) -> dict[str, int]:
     shards = cfg.gtp * cfg.tp * cfg.ep
     params = mc.num_params() * p_item // shards
     optimizer = 2 * params
-    if cfg.offload_optimizer:  # at least the unit being updated: one weight's moments
-        optimizer = 2 * _largest_weight(mc) * p_item // shards
+    if cfg.offload_optimizer:  # at least the unit being updated: its moments
+        optimizer = 2 * _largest_unit(mc) * p_item // shards
     tokens = cfg.batch_size * cfg.seq_len // (cfg.dp * cfg.ep * cfg.gtp * cfg.cp)
     activations = tokens * (mc.n_layers * mc.d_model + mc.vocab_size) * a_item // cfg.tp
     if cfg.offload_optimizer:
@@ -110,12 +114,23 @@ def memory_bound(cfg: TrainConfig) -> dict[str, int]:
 
 
 @functools.cache
-def _largest_weight(model_cfg: Any) -> int:
-    """Elements of the model's largest parameter array (unsharded, unpadded; a layer-stacked
-    weight counts all its layers), from ``nnx.eval_shape``: nothing is allocated."""
+def _largest_unit(model_cfg: Any) -> int:
+    """Parameter elements of the largest unit the offloaded step streams
+    (`gtp_jax.sharding.offload.stream_units` with its default layers per unit: a weight that
+    is not layer-stacked, or that many layers of every stacked weight), unsharded and
+    unpadded, from ``nnx.eval_shape``: nothing is allocated."""
     model = nnx.eval_shape(lambda: Transformer(model_cfg, rngs=nnx.Rngs(0)))
-    return max(int(np.prod(v.get_value().shape))
-               for _, v in nnx.to_flat_state(nnx.state(model, nnx.Param)))
+    flat = nnx.to_flat_state(nnx.state(model, nnx.Param))
+    values = [v.get_value() for _, v in flat]  # jax.ShapeDtypeStruct
+    stacked = [bool(v.get_metadata().get(STACKED, False)) for _, v in flat]
+    units = stream_units(values, stacked, DEFAULT_GROUP_LAYERS)
+
+    def elements(i: int, span: tuple[int, int] | None) -> int:
+        shape = values[i].shape
+        return int(np.prod(shape)) if span is None else (
+            (span[1] - span[0]) * int(np.prod(shape[1:])))
+
+    return max(sum(elements(i, span) for i, span in unit) for unit in units)
 
 
 def abstract_train_state(cfg: TrainConfig) -> tuple[Any, nnx.State, jax.ShapeDtypeStruct]:

@@ -261,9 +261,10 @@ def step_seconds(cfg: TrainConfig, cal: Calibration) -> dict[str, float]:
     if cal.memory_bandwidth > 0:
         other += 28 * mc.num_params() / (cfg.gtp * cfg.tp * cfg.ep) / cal.memory_bandwidth
     offload = 0.0
-    if cfg.offload_optimizer:  # moments in and out, streamed one weight at a time after the
-        # backward: double buffering hides the transfers behind the update except for the
-        # first weight's copy-in and the last one's copy-out, but the update itself is short
+    if cfg.offload_optimizer:  # moments in and out, streamed one unit (a layer of the stacked
+        # weights, or another weight) at a time after the backward: double buffering hides
+        # the transfers behind the update except for the first unit's copy-in and the last
+        # one's copy-out, but the update itself is short
         # next to the transfers, so the step pays about the transfer time
         state = 2 * grads + 4
         offload = 2 * state / cal.host_bandwidth if cal.host_bandwidth else float("inf")

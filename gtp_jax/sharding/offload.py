@@ -4,7 +4,9 @@ The state keeps its mesh and partition spec; only its memory kind changes to
 ``"pinned_host"``. Inside the jitted step, `streamed_update` brings the moments to the
 device one *unit* at a time (a group of layers of the layer-stacked weights, or one other
 weight), updates that unit and copies its new moments back, so only a few units' moments
-are in device memory at once. The update runs on the device with the on-device run's
+are in device memory at once; the copies are partial (dynamic slices of the host buffers)
+and written back in place. `init_streamed_on_host` builds the state in host memory the same
+way, one unit at a time. The update runs on the device with the on-device run's
 arithmetic: training is bit-identical.
 
 Streaming needs the optimizer split into a whole-tree part (global-norm clipping: it reads
@@ -17,11 +19,13 @@ steps but brings all of it to the device for the update.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.sharding import NamedSharding
 
@@ -30,6 +34,10 @@ from gtp_jax.base.errors import UsageError
 #: The memory kind offloaded state lives in (page-locked host memory: the device copies
 #: from and to it directly).
 HOST_MEMORY_KIND = "pinned_host"
+
+#: Layers of the layer-stacked weights per streamed unit by default: one layer's moments
+#: (of every stacked weight) in device memory at a time, a small fraction of the state.
+DEFAULT_GROUP_LAYERS = 1
 
 
 def host_memory_supported(device: jax.Device | None = None) -> bool:
@@ -67,16 +75,9 @@ def init_on_host(init: Callable[[Any], Any], params: Any) -> Any:
       UsageError: `params` holds no array with a ``NamedSharding``.
     """
     p_leaves, p_def = jax.tree.flatten(params)
-    meshes = {x.sharding.mesh for x in p_leaves
-              if isinstance(getattr(x, "sharding", None), NamedSharding)}
-    if len(meshes) != 1:
-        raise UsageError("init_on_host: params must be arrays sharded with a NamedSharding on "
-                         f"one mesh (found {len(meshes)} meshes); shard the model first "
-                         "(gtp_jax.shard).")
-    (mesh,) = meshes
-    host = lambda s: s.with_memory_kind(HOST_MEMORY_KIND)  # noqa: E731
-    replicated = host(NamedSharding(mesh, jax.sharding.PartitionSpec()))
-    p_shardings = p_def.unflatten([host(x.sharding) for x in p_leaves])
+    replicated = _host_replicated(p_leaves)
+    p_shardings = p_def.unflatten([x.sharding.with_memory_kind(HOST_MEMORY_KIND)
+                                   for x in p_leaves])
 
     def param_shaped(x: Any) -> bool:
         return x is not None and jax.tree.structure(x) == p_def
@@ -86,6 +87,22 @@ def init_on_host(init: Callable[[Any], Any], params: Any) -> Any:
         lambda x: p_shardings if param_shaped(x) else jax.tree.map(lambda _: replicated, x),
         abstract, is_leaf=param_shaped)
     return jax.jit(init, out_shardings=shardings)(params)
+
+
+def _host_replicated(p_leaves: list[Any]) -> NamedSharding:
+    """Replicated on the one mesh of `p_leaves`' ``NamedSharding`` shardings, in host memory.
+
+    Raises:
+      UsageError: not exactly one mesh among them.
+    """
+    meshes = {x.sharding.mesh for x in p_leaves
+              if isinstance(getattr(x, "sharding", None), NamedSharding)}
+    if len(meshes) != 1:
+        raise UsageError("init_on_host: params must be arrays sharded with a NamedSharding on "
+                         f"one mesh (found {len(meshes)} meshes); shard the model first "
+                         "(gtp_jax.shard).")
+    (mesh,) = meshes
+    return NamedSharding(mesh, jax.sharding.PartitionSpec(), memory_kind=HOST_MEMORY_KIND)
 
 
 def host_shapes(tree: Any) -> Any:
@@ -139,28 +156,27 @@ def streamable_chain(global_part: optax.GradientTransformation,
     return StreamableChain(chained.init, chained.update, global_part, leafwise_part)
 
 
-def stream_units(params: Any, stacked: Any, group_layers: int | None
-                 ) -> list[list[tuple[int, Any]]]:
+def stream_units(params: Any, stacked: Any, group_layers: int) -> list[list[tuple[int, Any]]]:
     """The units `streamed_update` moves to the device one at a time, in order.
 
     Args:
       params: the parameter tree (arrays or ``jax.ShapeDtypeStruct``).
       stacked: bools with the structure of `params`: whether a leaf's leading dim is a
-        layer stack (``gtp_stacked`` metadata).
+        layer stack (``gtp_stacked`` metadata; that dim must not be sharded).
       group_layers: layers per unit of the stacked leaves (>= 1; the last unit holds the
-        remainder when the layer count is not a multiple), or None: every leaf is its own
-        unit, whole (no slicing: each moment crosses once each way, in one transfer).
+        remainder when the layer count is not a multiple).
 
     Returns:
       A list of units, each a list of ``(leaf index, (start, stop) | None)``: leaf index in
       ``jax.tree.leaves(params)`` order; ``(start, stop)`` the layer slice of a stacked leaf,
       ``None`` a whole (not stacked) leaf. Every other leaf is its own unit, first; then the
       layer groups, each holding that slice of every stacked leaf.
+
+    Raises:
+      UsageError: `group_layers` is not an int >= 1.
     """
-    if group_layers is None:
-        return [[(i, None)] for i in range(len(jax.tree.leaves(params)))]
     if isinstance(group_layers, bool) or not isinstance(group_layers, int) or group_layers < 1:
-        raise UsageError(f"offload group_layers={group_layers!r} must be an int >= 1 "
+        raise UsageError(f"offload_group_layers={group_layers!r} must be an int >= 1 "
                          "(layers whose optimizer state is updated together).")
     leaves, treedef = jax.tree.flatten(params)
     flags = treedef.flatten_up_to(stacked)
@@ -176,7 +192,7 @@ def stream_units(params: Any, stacked: Any, group_layers: int | None
 
 
 def streamed_update(tx: StreamableChain, grads: Any, opt_state: Any, params: Any,
-                    stacked: Any, *, group_layers: int | None) -> tuple[Any, Any]:
+                    stacked: Any, *, group_layers: int = 1) -> tuple[Any, Any]:
     """Inside ``jit``: one step of `tx` with its state in host memory, streamed per unit.
 
     Returns what ``optax.apply_updates(params, tx.update(grads, opt_state, params)[0])`` and
@@ -185,27 +201,39 @@ def streamed_update(tx: StreamableChain, grads: Any, opt_state: Any, params: Any
     How: ``tx.global_part`` runs on the full gradient tree (its state copied whole). Then
     for each unit of `stream_units` in turn: that unit's slice of every param-shaped state
     leaf (AdamW's two moments) is copied host -> device, ``tx.leafwise_part`` updates the
-    unit's slice (the other leaves are ``None`` in the trees it sees), and the new moments
-    are copied device -> host into their place in the output (a dynamic-update-slice into a
-    host buffer), the new parameter slice into the parameter (in place). Double-buffered:
-    the copy-in of unit k waits (``jax.lax.optimization_barrier``) for the update of unit
-    k-2, so unit k+1's copy can run while unit k updates, and at most about three units'
-    moments are in device memory at once; the first two units' copies wait only for their
-    own gradients.
+    unit's slice (the other leaves are ``None`` in the trees it sees), the new parameter
+    slice is written into the parameter (in place, on the device) and the new moments are
+    copied device -> host.
+
+    The copies of a layer group are partial: a ``dynamic_slice`` of the host buffer moved to
+    the device, and a move to the host written with a ``dynamic_update_slice`` into the same
+    (donated) host buffer, so no whole stacked moment ever crosses and no second host buffer
+    is allocated. The start index passes through an optimization barrier, so XLA cannot
+    fold the dynamic slice into a static one (XLA's host offloading turns dynamic slices of
+    host buffers into partial DMA copies; a static slice may move the whole buffer first).
+    Whole (not stacked) leaves cross whole, once each way.
+
+    Order (double buffering, ``jax.lax.optimization_barrier``): the copy-in of unit k waits
+    for the update of unit k-2 (the first two wait only for their own gradients), so unit
+    k's moments come in while unit k-1 updates; unit k-1's write-back into a stacked host
+    buffer waits for unit k's copy-in from that buffer (every read of a buffer version
+    precedes the write that replaces it, so XLA can write in place), and unit k+1 reads the
+    buffer after that write. About four units' moments are in device memory at once: those
+    being updated, its new ones, the next unit's coming in and the last unit's going out.
 
     Args:
       tx: the optimizer's transformation (`streamable_chain`).
-      grads, params: trees of device arrays (equal structure); params may be sharded.
+      grads, params: trees of device arrays (equal structure); params may be sharded, but
+        not along a stacked leaf's layer dim.
       opt_state: ``tx``'s state, its arrays in host memory.
       stacked: bools with the structure of `params` (see `stream_units`).
-      group_layers: layers per unit, or None: one unit per leaf, whole (`stream_units`).
+      group_layers: layers per unit (`stream_units`).
     """
     global_state, leaf_state = opt_state
     updates, new_global = tx.global_part.update(grads, to_device(global_state), params)
     new_global = to_host(new_global)
 
     p_cur, p_def = jax.tree.flatten(params)
-    n_leaves = len(p_cur)
     g_leaves = p_def.flatten_up_to(grads)
     u_leaves = p_def.flatten_up_to(updates)
 
@@ -213,59 +241,189 @@ def streamed_update(tx: StreamableChain, grads: Any, opt_state: Any, params: Any
         return x is not None and jax.tree.structure(x) == p_def
 
     parts, s_def = jax.tree.flatten(leaf_state, is_leaf=param_shaped)
-    moments = {j: p_def.flatten_up_to(x) for j, x in enumerate(parts) if param_shaped(x)}
+    # The current version of each host moment buffer, by (state part, leaf).
+    host = {(j, i): x for j, part in enumerate(parts) if param_shaped(part)
+            for i, x in enumerate(p_def.flatten_up_to(part))}
+    moment_parts = sorted({j for j, _ in host})
     others = {j: to_device(x) for j, x in enumerate(parts) if not param_shaped(x)}
-    new_moments: dict[int, list[Any]] = {j: [None] * n_leaves for j in moments}
     new_others: dict[int, Any] = {}
 
     def cut(x: Any, span: Any) -> Any:
         return x if span is None else x[span[0]:span[1]]
 
     results: list[list[jax.Array]] = []
+    pending: tuple[list[tuple[int, Any]], jax.Array, dict] | None = None
     for k, unit in enumerate(stream_units(params, stacked, group_layers)):
         # Copy-in gate: unit k-2's update (double buffering), or the unit's own gradients.
         gate = results[k - 2] if k >= 2 else [g_leaves[i] for i, _ in unit]
-        host_in = {(j, i): moments[j][i] for j in moments for i, _ in unit}
-        host_in, _ = jax.lax.optimization_barrier((host_in, gate))
+        span0 = unit[0][1]
+        start = jnp.int32(0 if span0 is None else span0[0])
+        keys = [(j, i) for j in moment_parts for i, _ in unit]
+        (bufs, start), _ = jax.lax.optimization_barrier(
+            (([host[key] for key in keys], start), gate))
+        host.update(zip(keys, bufs))
         spans = dict(unit)
-        dev_in = {key: jax.device_put(cut(x, spans[key[1]]), jax.memory.Space.Device)
-                  for key, x in host_in.items()}
+        dev_in = {}
+        for key in keys:
+            span = spans[key[1]]
+            piece = host[key] if span is None else jax.lax.dynamic_slice_in_dim(
+                host[key], start, span[1] - span[0], 0, allow_negative_indices=False)
+            dev_in[key] = jax.device_put(piece, jax.memory.Space.Device)
+        if pending is not None:
+            _write_back(host, *pending, after=list(dev_in.values()))
         g_tree = _masked(p_def, {i: cut(u_leaves[i], span) for i, span in unit})
         p_tree = _masked(p_def, {i: cut(p_cur[i], span) for i, span in unit})
         s_tree = s_def.unflatten([
-            _masked(p_def, {i: dev_in[(j, i)] for i, _ in unit}) if j in moments else others[j]
-            for j in range(len(parts))])
+            _masked(p_def, {i: dev_in[(j, i)] for i, _ in unit}) if j in moment_parts
+            else others[j] for j in range(len(parts))])
         out_u, out_s = tx.leafwise_part.update(g_tree, s_tree, p_tree)
         new_p = p_def.flatten_up_to(optax.apply_updates(p_tree, out_u))
         out_parts = s_def.flatten_up_to(out_s)
+        new_moments = {(j, i): p_def.flatten_up_to(out_parts[j])[i] for j, i in keys}
 
-        produced = []
         for i, span in unit:
             p_cur[i] = (new_p[i] if span is None else
                         jax.lax.dynamic_update_slice_in_dim(p_cur[i], new_p[i], span[0], 0))
-            produced.append(new_p[i])
-            for j in moments:
-                y = p_def.flatten_up_to(out_parts[j])[i]
-                produced.append(y)
-                y_host = jax.device_put(y, jax.memory.Space.Host)
-                if span is None:
-                    new_moments[j][i] = y_host
-                    continue
-                buf = new_moments[j][i]
-                if buf is None:  # a host buffer the slices are written into (the
-                    # gradient lends shape and sharding; its values are not read)
-                    buf = jax.device_put(jnp.zeros_like(g_leaves[i], dtype=moments[j][i].dtype),
-                                         jax.memory.Space.Host)
-                new_moments[j][i] = jax.lax.dynamic_update_slice_in_dim(buf, y_host,
-                                                                        span[0], 0)
+        if span0 is None:  # whole leaves: a new host array each, nothing to order
+            host.update({key: jax.device_put(y, jax.memory.Space.Host)
+                         for key, y in new_moments.items()})
+            pending = None
+        else:  # written after the next unit's copy-in from the same buffers
+            pending = (unit, start, new_moments)
         if k == 0:  # scalar state (step counts): every unit computes the same new value
             new_others = {j: out_parts[j] for j in others}
-        results.append(produced)
+        results.append([new_p[i] for i, _ in unit] + list(new_moments.values()))
+    if pending is not None:
+        _write_back(host, *pending, after=[])
 
     new_leaf_state = s_def.unflatten([
-        p_def.unflatten(new_moments[j]) if j in moments else to_host(new_others[j])
-        for j in range(len(parts))])
+        p_def.unflatten([host[(j, i)] for i in range(len(p_cur))]) if j in moment_parts
+        else to_host(new_others[j]) for j in range(len(parts))])
     return p_def.unflatten(p_cur), (new_global, new_leaf_state)
+
+
+def _write_back(host: dict[tuple[int, int], Any], unit: list[tuple[int, Any]],
+                start: jax.Array, moments: dict[tuple[int, int], jax.Array], *,
+                after: list[jax.Array]) -> None:
+    """Copies a layer group's new `moments` (device) into their host buffers ``host[key]``
+    at layer `start`, in place, once `after` (the next unit's copies from those buffers)
+    exist; updates `host` to the written versions."""
+    keys = list(moments)
+    (bufs, start), _ = jax.lax.optimization_barrier((([host[k] for k in keys], start), after))
+    for key, buf in zip(keys, bufs):
+        y = jax.device_put(moments[key], jax.memory.Space.Host)
+        host[key] = jax.lax.dynamic_update_slice_in_dim(buf, y, start, 0,
+                                                        allow_negative_indices=False)
+
+
+def init_streamed_on_host(tx: StreamableChain, params: Any, stacked: Any, *,
+                          group_layers: int = DEFAULT_GROUP_LAYERS) -> Any:
+    """``tx.init(params)`` built in host memory one unit at a time: the device never holds
+    more than one unit's state (`stream_units`: one not-stacked leaf, or `group_layers`
+    layers of every stacked leaf), and no host buffer is copied whole.
+
+    How: ``tx.global_part``'s state is built by `init_on_host` (clipping has none). Each
+    param-shaped leaf of ``tx.leafwise_part``'s state (AdamW's moments) of a stacked
+    parameter starts as a host buffer filled on the host (zeros: nothing crosses); then per
+    layer group, one jitted program slices the group's parameters, runs
+    ``tx.leafwise_part.init`` on them (``None`` for the other leaves) and writes the result
+    into the buffers in place (a ``dynamic_update_slice`` of the donated host buffers). A
+    not-stacked leaf's state is built whole, straight into host memory. Scalar state (the
+    step count) comes from the first unit's init. Same values as ``tx.init(params)``: the
+    leaf-wise part treats every element alike (see `StreamableChain`).
+
+    Falls back to `init_on_host` (one program for the whole state) when a param-shaped
+    state leaf does not have its parameter's shape.
+
+    Args:
+      tx: a `streamable_chain`.
+      params: arrays with ``NamedSharding`` shardings on one mesh, in device memory; a
+        stacked leaf's leading (layer) dim must not be sharded.
+      stacked: bools with the structure of `params` (see `stream_units`).
+      group_layers: layers per unit.
+
+    Returns:
+      ``tx.init(params)``'s tree, its arrays in `HOST_MEMORY_KIND` with the shardings
+      `init_on_host` gives them.
+    """
+    units = stream_units(params, stacked, group_layers)
+    p_leaves, p_def = jax.tree.flatten(params)
+    replicated = _host_replicated(p_leaves)
+
+    def param_shaped(x: Any) -> bool:
+        return x is not None and jax.tree.structure(x) == p_def
+
+    template = jax.eval_shape(tx.leafwise_part.init, params)
+    parts, s_def = jax.tree.flatten(template, is_leaf=param_shaped)
+    moment_parts = [j for j, x in enumerate(parts) if param_shaped(x)]
+    shapes = {(j, i): x for j in moment_parts for i, x in enumerate(p_def.flatten_up_to(parts[j]))}
+    if not units or any(x.shape != p_leaves[i].shape for (_, i), x in shapes.items()):
+        return init_on_host(tx.init, params)
+    global_state = init_on_host(tx.global_part.init, params)
+    sharding = {key: p_leaves[key[1]].sharding.with_memory_kind(HOST_MEMORY_KIND)
+                for key in shapes}
+    other_shardings = {j: jax.tree.map(lambda _: replicated, parts[j])
+                       for j in range(len(parts)) if j not in moment_parts}
+
+    def unit_state(p_slices: dict[int, Any]) -> tuple[dict, dict]:
+        out = s_def.flatten_up_to(tx.leafwise_part.init(_masked(p_def, p_slices)))
+        moments = {(j, i): p_def.flatten_up_to(out[j])[i] for j in moment_parts
+                   for i in p_slices}
+        return moments, {j: out[j] for j in other_shardings}
+
+    def whole(p_leaf: jax.Array, *, i: int) -> tuple[dict, dict]:
+        return unit_state({i: p_leaf})
+
+    def group(bufs: dict, p_full: dict[int, Any], start: jax.Array, *, size: int
+              ) -> tuple[dict, dict]:
+        p_slices = {i: jax.lax.dynamic_slice_in_dim(x, start, size, 0,
+                                                    allow_negative_indices=False)
+                    for i, x in p_full.items()}
+        moments, others = unit_state(p_slices)
+        return {key: jax.lax.dynamic_update_slice_in_dim(
+            bufs[key], jax.device_put(y, jax.memory.Space.Host), start, 0,
+            allow_negative_indices=False) for key, y in moments.items()}, others
+
+    values: dict[tuple[int, int], jax.Array] = {}
+    others: dict[int, Any] | None = None
+    programs: dict[tuple, Callable[..., Any]] = {}  # layer groups of one shape share one
+    for unit in units:
+        leaves = tuple(i for i, _ in unit)
+        keys = [(j, i) for j in moment_parts for i in leaves]
+        out_shardings = ({key: sharding[key] for key in keys}, other_shardings)
+        span = unit[0][1]
+        if span is None:
+            fn = jax.jit(functools.partial(whole, i=leaves[0]), out_shardings=out_shardings)
+            moments, unit_others = fn(p_leaves[leaves[0]])
+        else:
+            for key in keys:  # first group: host buffers filled on the host
+                if key not in values:
+                    values[key] = _host_zeros(shapes[key], sharding[key])
+            size = span[1] - span[0]
+            fn = programs.get((leaves, size))
+            if fn is None:
+                fn = programs[(leaves, size)] = jax.jit(
+                    functools.partial(group, size=size), donate_argnums=0,
+                    out_shardings=out_shardings)
+            moments, unit_others = fn({key: values[key] for key in keys},
+                                      {i: p_leaves[i] for i in leaves}, jnp.int32(span[0]))
+        values.update(moments)  # in host memory: the device held only this unit's state
+        others = unit_others if others is None else others
+    leaf_state = s_def.unflatten([
+        p_def.unflatten([values[(j, i)] for i in range(len(p_leaves))]) if j in moment_parts
+        else others[j] for j in range(len(parts))])
+    return (global_state, leaf_state)
+
+
+def _host_zeros(shape: jax.ShapeDtypeStruct, sharding: NamedSharding) -> jax.Array:
+    """Zeros of `shape` placed with `sharding` (host memory), each shard made on the host:
+    nothing is computed on or copied from the device."""
+
+    def shard(index: tuple[slice, ...]) -> np.ndarray:
+        dims = [len(range(*s.indices(d))) for s, d in zip(index, shape.shape)]
+        return np.zeros(dims, shape.dtype)
+
+    return jax.make_array_from_callback(shape.shape, sharding, shard)
 
 
 def _masked(treedef: Any, leaves: dict[int, Any]) -> Any:

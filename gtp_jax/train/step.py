@@ -38,8 +38,10 @@ from gtp_jax.sharding.fp8_update import (
     next_fp8_history,
 )
 from gtp_jax.sharding.offload import (
+    DEFAULT_GROUP_LAYERS,
     StreamableChain,
     init_on_host,
+    init_streamed_on_host,
     place_on_host,
     stream_units,
     streamed_update,
@@ -88,13 +90,13 @@ class TrainStep:
         compiled program.
       grad_norm: also return the gradients' global norm (one more pass over the
         gradients, unless the optimizer computes it anyway, e.g. to clip).
-      offload_group_layers: with ``GTPConfig(offload_optimizer=True)``: None (default)
-        streams the state one leaf at a time, whole (each moment crosses once each way;
-        at most about three leaves' moments in device memory at once); an int G streams
-        it per group of G layers of the layer-stacked weights (experimental: on one H200
-        it was 12.8x slower than the on-device step at the 1b size, docs/planning.md).
-        Optimizers other than `gtp_jax.sharding.offload.streamable_chain` ones are
-        copied to the device whole for the update.
+      offload_group_layers: with ``GTPConfig(offload_optimizer=True)``: the state is
+        streamed to the device per unit (`gtp_jax.sharding.offload.streamed_update`):
+        each not-stacked weight whole, and G layers of every layer-stacked weight at a
+        time; None (default) is `gtp_jax.sharding.offload.DEFAULT_GROUP_LAYERS` (1).
+        About four units' moments are in device memory at once. Optimizers other than
+        `gtp_jax.sharding.offload.streamable_chain` ones are copied to the device whole
+        for the update.
       grad_accum: microbatches per step (`accumulate_grads`): the batch's leading axis is
         cut into `grad_accum` equal microbatches whose gradients are summed in a
         ``lax.scan`` before the one update; the loss is their mean.
@@ -115,8 +117,8 @@ class TrainStep:
                                  "(loss_fn(model, batch) -> scalar).")
         check_optimizer_of(model, optimizer)
         offload = offloads_optimizer(model)
-        if offload and offload_group_layers is not None:  # validated before any placement
-            stream_units({}, {}, offload_group_layers)
+        if offload:  # validated before any placement
+            stream_units({}, {}, _group_layers(offload_group_layers))
         self._objects = (model, optimizer)
         self.graphdef, state = nnx.split((model, optimizer))
         state = _replicate_strays(state)
@@ -209,18 +211,27 @@ def make_nnx_optimizer(model: nnx.Module, tx: optax.GradientTransformation, *,
                        wrt: Any = nnx.Param) -> nnx.Optimizer:
     """``nnx.Optimizer(model, tx, wrt=wrt)``; for a model sharded with
     ``GTPConfig(offload_optimizer=True)`` (`offloads_optimizer`) its state is built directly
-    in host memory (`gtp_jax.sharding.offload.init_on_host`): the device never holds the
-    moments, so building the optimizer does not raise the device's peak. The step count
-    (a scalar) is replicated on the model's mesh in host memory too. Same values, same
-    object (``optimizer.tx is tx``): a `TrainStep` of it shares programs with others."""
+    in host memory: for a `gtp_jax.sharding.offload.streamable_chain` (what
+    `gtp_jax.train.config.make_optimizer` builds) one unit at a time
+    (`gtp_jax.sharding.offload.init_streamed_on_host`: a not-stacked weight's moments, or
+    one layer's of the stacked weights, written into host buffers in place), so the device
+    never holds more than one unit's moments and building the optimizer does not raise
+    the device's peak; other optimizers by one program whose outputs are in host memory
+    (`gtp_jax.sharding.offload.init_on_host`: the device may hold the whole state while it
+    runs). The step count (a scalar) is replicated on the model's mesh in host memory too.
+    Same values, same object (``optimizer.tx is tx``): a `TrainStep` of it shares programs
+    with others."""
     if not offloads_optimizer(model):
         return nnx.Optimizer(model, tx, wrt=wrt)
 
     def host_init(state: nnx.State) -> Any:
         # optax sees the same tree nnx.Optimizer would give it (Variables keep their
-        # metadata, e.g. the sharding plan); only the values come from the host program.
+        # metadata, e.g. the sharding plan); only the values come from the host programs.
         template = jax.eval_shape(tx.init, state)
-        values = init_on_host(tx.init, nnx.as_pure(state))
+        if isinstance(tx, StreamableChain):
+            values = init_streamed_on_host(tx, nnx.as_pure(state), _stacked_flags(state))
+        else:
+            values = init_on_host(tx.init, nnx.as_pure(state))
         return jax.tree.structure(template).unflatten(jax.tree.leaves(values))
 
     optimizer = nnx.Optimizer(model, optax.GradientTransformation(host_init, tx.update),
@@ -257,19 +268,21 @@ def step_program(graphdef: Any, loss_fn: Callable[..., jax.Array], *, grad_norm:
     arguments (``jax.ShapeDtypeStruct`` with shardings) to compile a step ahead of time
     without running it (`gtp_jax.plan` reads its memory analysis). For a model with
     delayed-FP8 histories its metrics also hold ``USES_METRIC`` (`_refuse_reuse`)."""
-    if offload and offload_group_layers is not None:
-        stream_units({}, {}, offload_group_layers)
+    if offload:
+        stream_units({}, {}, _group_layers(offload_group_layers))
     return _program(graphdef, loss_fn, grad_norm,
                     _offload_mode(offload, offload_group_layers), grad_accum).fn
 
 
+def _group_layers(group_layers: int | None) -> int:
+    """`group_layers`, or `DEFAULT_GROUP_LAYERS` for None."""
+    return DEFAULT_GROUP_LAYERS if group_layers is None else group_layers
+
+
 def _offload_mode(offload: bool, group_layers: int | None) -> int:
-    """0: on-device optimizer state; -1: offloaded, streamed one whole leaf at a time (copied
-    whole, all at once, for an optimizer that is not a `StreamableChain`); > 0: offloaded
-    and streamed, that many layers per unit."""
-    if not offload:
-        return 0
-    return -1 if group_layers is None else int(group_layers)
+    """0: on-device optimizer state; > 0: offloaded, streamed with that many layers per
+    unit (copied whole, all at once, for an optimizer that is not a `StreamableChain`)."""
+    return _group_layers(group_layers) if offload else 0
 
 
 def _program(graphdef: Any, loss_fn: Callable[..., jax.Array], grad_norm: bool,
@@ -301,9 +314,7 @@ def _program(graphdef: Any, loss_fn: Callable[..., jax.Array], grad_norm: bool,
             uses = history_uses(history, layer_prefix(model))
             nnx.update(model, next_fp8_history(nnx.state(model, Fp8History), history))
         if offload and isinstance(optimizer.tx, StreamableChain):
-            # -1: one leaf at a time, whole; > 0: that many layers at a time.
-            _streamed_optimizer_update(model, optimizer, grads,
-                                       None if offload < 0 else offload)
+            _streamed_optimizer_update(model, optimizer, grads, offload)
         elif offload:  # the whole state to the device and back (any optax optimizer)
             nnx.update(optimizer, to_device(nnx.state(optimizer, nnx.OptState)))
             optimizer.update(model, grads)
@@ -356,22 +367,29 @@ def _refuse_reuse(before: list[jax.Array], new_state: nnx.State,
 
 
 def _streamed_optimizer_update(model: nnx.Module, optimizer: nnx.Optimizer, grads: Any,
-                               group_layers: int | None) -> None:
+                               group_layers: int) -> None:
     """``optimizer.update(model, grads)`` with the state in host memory, streamed per layer
     group (`gtp_jax.sharding.offload.streamed_update`): the same arithmetic as
     ``nnx.Optimizer.update``."""
     graph = {"graph": optimizer.graph} if hasattr(optimizer, "graph") else {}
     param_state = nnx.state(model, optimizer.wrt, **graph)
     params = nnx.as_pure(param_state)
-    stacked = jax.tree.map(lambda v: bool(v.get_metadata().get(STACKED, False)), param_state,
-                           is_leaf=lambda x: isinstance(x, nnx.Variable))
     new_params, new_opt_state = streamed_update(
         optimizer.tx, nnx.as_pure(nnx.state(grads, optimizer.wrt, **graph)),
-        nnx.as_pure(optimizer.opt_state), params, nnx.as_pure(stacked),
+        nnx.as_pure(optimizer.opt_state), params, _stacked_flags(param_state),
         group_layers=group_layers)
     nnx.update(model, new_params)
     nnx.update(optimizer.opt_state, nnx.state(new_opt_state, **graph))
     optimizer.step[...] = to_host(to_device(optimizer.step[...]) + 1)
+
+
+def _stacked_flags(param_state: nnx.State) -> Any:
+    """Bools with the structure of ``nnx.as_pure(param_state)``: whether each parameter is
+    layer-stacked (``gtp_stacked`` metadata: its leading dim indexes the layers)."""
+    stacked = jax.tree.map(lambda v: bool(v.get_metadata().get(STACKED, False))
+                           if isinstance(v, nnx.Variable) else False, param_state,
+                           is_leaf=lambda x: isinstance(x, nnx.Variable))
+    return nnx.as_pure(stacked)
 
 
 def accumulate_grads(model: nnx.Module, loss_fn: Callable[[nnx.Module, Any], jax.Array],
