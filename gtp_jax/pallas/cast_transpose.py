@@ -143,5 +143,7 @@ def cast_transpose_pallas(
     payloads = (outs.pop(0) if rows else None, outs.pop(0) if cols else None)
     if not with_amax:
         return payloads
-    amax = jax.lax.bitcast_convert_type(jnp.max(outs.pop(0)), jnp.float32)
-    return (*payloads, amax)
+    # The reduction of the per-tile partials stays a small kernel of its own: fused into a
+    # consumer (the amax history's concatenate) XLA ran it as a 0.25-0.5 ms loop on one H200.
+    bits = jax.lax.optimization_barrier(jnp.max(outs.pop(0)))
+    return (*payloads, jax.lax.bitcast_convert_type(bits, jnp.float32))
