@@ -21,3 +21,26 @@ def test_user_model_variant_runs_one_step(variant: str) -> None:
     assert result["variant"] == variant and result["devices"] == 8
     assert result["layers"] == 2
     assert math.isfinite(result["loss"]) and result["loss"] > 0
+
+
+@pytest.mark.parametrize("given", [
+    [],  # every default
+    ["--preset", "small", "--layers", "3", "--seq", "64", "--per-device-batch", "2",
+     "--steps", "4", "--warmup", "1", "--remat", "full", "--attention", "xla", "--vocab", "300",
+     "--optimizer", "train", "--reduce-dtype", "bfloat16", "--gather-format", "fp8",
+     "--fp8-compute", "delayed", "--fp8-min-features", "64", "--no-remat-gathered",
+     "--keep-gathered-layers", "--no-unroll-layers", "--swiglu-backend", "reference",
+     "--user-d", "32", "--user-blocks", "1", "--user-heads", "2", "--user-vocab", "64",
+     "--no-user-remat", "--gtp", "2", "--profile-dir", "/tmp/p", "--profile-variants", "gtp"],
+])
+def test_worker_gets_every_option_of_the_parent(given: list[str]) -> None:
+    """A variant's worker process parses back every option the parent was given (a dropped
+    one would silently benchmark the default, e.g. bf16 instead of FP8 compute)."""
+    parser = overlap.build_parser()
+    parent = parser.parse_args([*given, "--variants", "gtp", "--timeout", "9"])
+    cmd = overlap.worker_command("gtp", parent)
+    worker = parser.parse_args(cmd[cmd.index("--worker"):])
+    assert worker.worker == "gtp"
+    for name, value in vars(parent).items():
+        if name not in overlap.PARENT_ONLY:
+            assert getattr(worker, name) == value, name

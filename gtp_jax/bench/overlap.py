@@ -150,7 +150,9 @@ def run_variant(args: argparse.Namespace) -> dict:
     kind = devices[0].device_kind
     peak_rate = peak_flops(kind, "bfloat16")
     return {
-        "variant": variant, "gather_format": args.gather_format, "devices": n,
+        "variant": variant, "gather_format": args.gather_format,
+        "fp8_compute": args.fp8_compute, "fp8_min_features": args.fp8_min_features,
+        "fp8_layers": len(getattr(model, "fp8_layers", ())), "devices": n,
         "device_kind": kind, "preset": args.preset,
         "layers": cfg.n_blocks if user else cfg.n_layers, "seq": args.seq,
         "per_device_batch": args.per_device_batch,
@@ -190,31 +192,34 @@ def profile_steps(run_step, directory: Path, steps: int) -> dict | None:
             "top_comm": [(n, t / steps) for n, t in r.top_comm]}
 
 
-def _spawn(variant: str, args: argparse.Namespace, timeout: float) -> dict | None:
+#: Options of the parent process only (which variants, where results go, time limits); every
+#: other option is forwarded to each variant's worker process (`worker_command`).
+PARENT_ONLY = frozenset({"variants", "json", "torch", "timeout", "worker", "help"})
+
+
+def worker_command(variant: str, args: argparse.Namespace) -> list[str]:
+    """The command that runs `variant` in a process of its own: every option of
+    `build_parser` but `PARENT_ONLY`, as given (so no option can be dropped on the way)."""
     cmd = [sys.executable, "-X", "faulthandler", "-m", "gtp_jax.bench", "overlap",
-           "--worker", variant,
-           "--preset", args.preset, "--seq", str(args.seq), "--steps", str(args.steps),
-           "--warmup", str(args.warmup), "--per-device-batch", str(args.per_device_batch),
-           "--remat", args.remat, "--layers", str(args.layers or 0),
-           "--attention", args.attention, "--reduce-dtype", args.reduce_dtype,
-           "--vocab", str(args.vocab), "--optimizer", args.optimizer,
-           "--gather-format", args.gather_format,
-           "--user-d", str(args.user_d), "--user-blocks", str(args.user_blocks),
-           "--user-heads", str(args.user_heads), "--user-vocab", str(args.user_vocab),
-           "--gtp", str(args.gtp)]
-    if not args.user_remat:
-        cmd.append("--no-user-remat")
-    if args.no_remat_gathered:
-        cmd.append("--no-remat-gathered")
-    if args.keep_gathered_layers:
-        cmd.append("--keep-gathered-layers")
-    if args.unroll_layers is not None:
-        cmd.append("--unroll-layers" if args.unroll_layers else "--no-unroll-layers")
-    if args.swiglu_backend:
-        cmd += ["--swiglu-backend", args.swiglu_backend]
-    if args.profile_dir:
-        cmd += ["--profile-dir", args.profile_dir, "--profile-variants", args.profile_variants]
-    return run_for_result(variant, cmd, timeout)
+           "--worker", variant]
+    for action in build_parser()._actions:
+        if action.dest in PARENT_ONLY or not action.option_strings:
+            continue
+        value = getattr(args, action.dest)
+        flag = action.option_strings[0]
+        if isinstance(action, argparse.BooleanOptionalAction):
+            if value is not None:
+                cmd.append(flag if value else "--no-" + flag.removeprefix("--"))
+        elif isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
+            if value != action.default:
+                cmd.append(flag)
+        elif value is not None:
+            cmd += [flag, str(value)]
+    return cmd
+
+
+def _spawn(variant: str, args: argparse.Namespace, timeout: float) -> dict | None:
+    return run_for_result(variant, worker_command(variant, args), timeout)
 
 
 def run_for_result(label: str, cmd: list[str], timeout: float,
