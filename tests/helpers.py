@@ -33,7 +33,6 @@ MESHES: dict[str, dict[str, int]] = {
 }
 
 
-@functools.cache
 def cli_env(**extra: str) -> dict[str, str]:
     """The environment for a ``python -m gtp_jax`` subprocess: this one's, on the CPU, with the
     suite's cheap-compile XLA flags (tests/conftest.py: a command-line run of 20 steps takes
@@ -44,6 +43,7 @@ def cli_env(**extra: str) -> dict[str, str]:
     return {**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu", **extra}
 
 
+@functools.cache
 def get_mesh(name: str) -> jax.sharding.Mesh:
     """The (cached) mesh called `name` in `MESHES`."""
     return gtp_jax.make_mesh(**MESHES[name])
