@@ -80,6 +80,11 @@ def compiled_init(make_module: Callable[[], nnx.Module], mesh: Mesh,
 
 def _init_program(make_module: Any, mesh: Any, config: Any) -> tuple[Placement, Any]:
     """(the placement plan, the jitted program returning each array variable's stored value)."""
+    if isinstance(make_module, nnx.Module):
+        raise UsageTypeError(
+            "gtp_jax.shard_init: make_module must be a callable with no arguments that builds "
+            f"the module, got the module {type(make_module).__name__} itself; pass "
+            "lambda: MyModel(...), or use gtp_jax.shard(module, mesh) for a built module.")
     if not callable(make_module):
         raise UsageTypeError(
             "gtp_jax.shard_init: make_module must be a callable with no arguments returning "
