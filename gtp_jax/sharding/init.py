@@ -8,7 +8,9 @@ then runs one jitted program that creates the module and stores each weight in i
 with ``out_shardings`` the planned shardings, so XLA's partitioner has each device compute
 only its own shards.
 
-The values are those of `shard(make_module(), ...)` bit for bit: JAX's random bits do not
+The values are those of `shard(make_module(), ...)` bit for bit: each operation of
+`make_module` is compiled on its own inside the program (`_op_by_op`), as eager execution
+compiles it, so XLA cannot round differently by fusing them; and JAX's random bits do not
 depend on how a computation is partitioned when ``jax_threefry_partitionable`` is on (the
 default since jax 0.5, and nothing here changes it). With the flag off the values are still
 the same (XLA keeps the program's meaning), but each device may then generate a weight's
