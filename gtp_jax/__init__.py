@@ -38,6 +38,7 @@ from gtp_jax.sharding import (  # noqa: E402
     replicated,
     scan_layers,
     shard,
+    shard_init,
     unshard,
     unshard_values,
 )
@@ -68,6 +69,7 @@ __all__ = [
     "seq_sharding",
     "scan_layers",
     "shard",
+    "shard_init",
     "shard_key",
     "unshard",
     "unshard_values",

@@ -10,6 +10,7 @@ call runs inside ``jax.shard_map``).
 from gtp_jax.sharding.collectives import GatherSpec, gather_weight, reduce_scatter_grad
 from gtp_jax.sharding.contract import InputLayout, OutputLayout, Replicated, replicated
 from gtp_jax.sharding.fp8_update import apply_fp8_history
+from gtp_jax.sharding.init import shard_init
 from gtp_jax.sharding.lazy import GTPShard
 from gtp_jax.sharding.module import (
     ShardedModule,
@@ -34,6 +35,7 @@ __all__ = [
     "replicated",
     "scan_layers",
     "shard",
+    "shard_init",
     "unshard",
     "unshard_values",
 ]

@@ -400,6 +400,70 @@ def shard(module: nnx.Module, mesh: Mesh, config: GTPConfig | None = None) -> Sh
     """
     config = GTPConfig() if config is None else config
     _validate_shard_args(module, mesh, config)
+    placement = plan_placement(module, mesh, config)
+    # Validation is complete: from here on nothing can fail on user input.
+    values = []
+    for var, plan in zip(placement.variables, placement.plans):
+        value = var.get_value()
+        if plan is not None:
+            values.append(_place(value, plan, mesh))
+        elif hasattr(value, "shape"):
+            values.append(jax.device_put(value, NamedSharding(mesh, P())))
+        else:
+            values.append(value)
+    return assemble(placement, values)
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """Where each variable of a module goes: what `shard` decides before it moves any data.
+
+    Built by `plan_placement` from the module's variables' shapes, dtypes and metadata only,
+    so a module from ``nnx.eval_shape`` (``jax.ShapeDtypeStruct`` values) plans the same as
+    the real one.
+
+    Attributes:
+      graphdef: the module's ``nnx.GraphDef``.
+      paths: ``/``-joined path of each variable, in ``nnx.split`` order.
+      variables: the module's variables, in that order (their values are not read).
+      var_tree: the treedef that `variables` unflatten with into the module's state.
+      plans: per variable, its `ParamPlan` (GTP-sharded), `SplitPlan` (tp/ep split only) or
+        None (replicated on the mesh).
+      fp8_layers: the layers whose matmuls run in FP8 (`gtp_jax.sharding.fp8.fp8_layers`).
+      mesh: the device mesh.
+      config: the `GTPConfig`.
+    """
+
+    graphdef: Any
+    paths: tuple[str, ...]
+    variables: tuple[nnx.Variable, ...]
+    var_tree: Any
+    plans: tuple[ParamPlan | SplitPlan | None, ...]
+    fp8_layers: tuple
+    mesh: Mesh
+    config: GTPConfig
+
+    def shardings(self) -> list[NamedSharding | None]:
+        """Per variable, the `NamedSharding` its stored value is placed with (None: a value
+        that is not an array, kept as it is)."""
+        out = []
+        for var, plan in zip(self.variables, self.plans):
+            value = var.get_value()
+            if not hasattr(value, "shape") or not hasattr(value, "dtype"):
+                out.append(None)
+            elif plan is None:
+                out.append(NamedSharding(self.mesh, P()))
+            else:
+                out.append(NamedSharding(self.mesh, plan.partition_spec(len(value.shape))))
+        return out
+
+
+def plan_placement(module: nnx.Module, mesh: Mesh, config: GTPConfig) -> Placement:
+    """`shard`'s placement plan for `module` (validated arguments), without moving any data.
+
+    Reads only each variable's shape, dtype and metadata, so `module` may be abstract
+    (from ``nnx.eval_shape``). Raises what `shard` documents for an unshardable module.
+    """
     graphdef, state = nnx.split(module)
     paths, variables, var_tree = _flat_variables(state)
     if any(isinstance(v, nnx.BatchStat) for v in variables):
@@ -415,7 +479,7 @@ def shard(module: nnx.Module, mesh: Mesh, config: GTPConfig | None = None) -> Sh
             plans.append(None)
             continue
         meta = var.get_metadata()
-        stacked = bool(meta.get(STACKED, False)) and np.ndim(value) >= 2
+        stacked = bool(meta.get(STACKED, False)) and len(value.shape) >= 2
         plan = None
         if isinstance(var, nnx.Param):
             per_layer = tuple(int(d) for d in (value.shape[1:] if stacked else value.shape))
@@ -458,28 +522,32 @@ def shard(module: nnx.Module, mesh: Mesh, config: GTPConfig | None = None) -> Sh
             f"(nnx.Linear, nnx.LinearGeneral, nnx.Einsum) {where} outside fp8_exclude="
             f"{config.fp8_exclude}; lower fp8_min_features, set fp8_include, or use "
             "fp8_compute=None.")
-    # Validation is complete: from here on nothing can fail on user input.
+    return Placement(graphdef=graphdef, paths=tuple(paths), variables=tuple(variables),
+                     var_tree=var_tree, plans=tuple(plans), fp8_layers=tuple(fp8_layers),
+                     mesh=mesh, config=config)
+
+
+def assemble(placement: Placement, values: Sequence[Any]) -> ShardedModule:
+    """The `ShardedModule` whose variables hold `values` (one per ``placement.variables``,
+    already in their stored layout and placed with ``placement.shardings()``), with the
+    metadata `shard` records (logical shape, split layout) and FP8 injection."""
     new_vars = []
-    for var, plan in zip(variables, plans):
-        value = var.get_value()
-        if plan is None:
-            placed = jax.device_put(value, NamedSharding(mesh, P())) if hasattr(value, "shape") \
-                else value
-            new_vars.append(var.replace(value=placed))
-        else:
-            placed = _place(value, plan, mesh)
-            new_var = var.replace(value=placed)
-            new_var.set_metadata(LOGICAL_SHAPE, tuple(value.shape))
+    for var, plan, placed in zip(placement.variables, placement.plans, values):
+        new_var = var.replace(value=placed)
+        if plan is not None:
+            new_var.set_metadata(LOGICAL_SHAPE, tuple(int(d) for d in var.get_value().shape))
             if plan.splits:
                 new_var.set_metadata(SPLIT_LAYOUT, tuple(
                     (s.axis, s.axis_size, s.dim + int(plan.stacked), s.parts)
                     for s in plan.splits))
-            new_vars.append(new_var)
-    inner = nnx.merge(graphdef, jax.tree.unflatten(var_tree, new_vars))
-    return ShardedModule(inner, mesh=mesh, config=config,
+        new_vars.append(new_var)
+    inner = nnx.merge(placement.graphdef, jax.tree.unflatten(placement.var_tree, new_vars))
+    plans = placement.plans
+    return ShardedModule(inner, mesh=placement.mesh, config=placement.config,
                          plan=tuple(p for p in plans if isinstance(p, ParamPlan)),
                          split_plan=tuple(p for p in plans if isinstance(p, SplitPlan)),
-                         fp8_layers=fp8.inject(inner, fp8_layers, config, mesh))
+                         fp8_layers=fp8.inject(inner, list(placement.fp8_layers),
+                                               placement.config, placement.mesh))
 
 
 def unshard(module: ShardedModule) -> nnx.Module:

@@ -177,8 +177,10 @@ def build_model_and_optimizer(cfg: TrainConfig) -> tuple[gtp_jax.ShardedModule, 
         model = from_hf(cfg.init_from_hf, mesh=mesh, gtp_config=gtp_config(cfg),
                         config=model_config(cfg))
     else:
-        model = gtp_jax.shard(Transformer(model_config(cfg), rngs=nnx.Rngs(cfg.seed)), mesh,
-                              gtp_config(cfg))
+        # Built in place: each device creates only its own shards (no whole-model peak).
+        model_cfg = model_config(cfg)
+        model = gtp_jax.shard_init(lambda: Transformer(model_cfg, rngs=nnx.Rngs(cfg.seed)),
+                                   mesh, gtp_config(cfg))
     # Offloaded (cfg.offload_optimizer): the state is built in host memory directly.
     optimizer = make_nnx_optimizer(model, make_optimizer(cfg), wrt=nnx.Param)
     replicate_stray_leaves(optimizer, mesh)

@@ -268,8 +268,9 @@ def _splits(tree: Any, by_path: dict[str, LeafSplit | None]) -> Any:
 
 
 def _build(cfg: TrainConfig, mesh: jax.sharding.Mesh) -> gtp_jax.ShardedModule:
-    return gtp_jax.shard(Transformer(model_config(cfg), rngs=nnx.Rngs(cfg.seed)), mesh,
-                         gtp_config(cfg))
+    model_cfg = model_config(cfg)
+    return gtp_jax.shard_init(lambda: Transformer(model_cfg, rngs=nnx.Rngs(cfg.seed)), mesh,
+                              gtp_config(cfg))
 
 
 def _with_values(template: Any, values: Any) -> Any:
