@@ -101,7 +101,7 @@ def test_swiglu_model_gradient_through_the_kernel():
         cfg = preset("tiny", d_model=64, n_heads=4, d_ff=128, vocab_size=250, n_layers=1,
                      swiglu_backend=backend)
         model = Transformer(cfg, rngs=nnx.Rngs(0))
-        return nnx.state(nnx.grad(lm_loss)(model, tokens), nnx.Param)
+        return nnx.state(nnx.jit(nnx.grad(lm_loss))(model, tokens), nnx.Param)
 
     got = grads("pallas")  # interpreted off a GPU
     want = grads("reference")

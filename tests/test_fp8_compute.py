@@ -232,7 +232,8 @@ def test_user_module_in_fp8_matches_unsharded_per_shard(key, seed):
     # Linear, Einsum and LinearGeneral all compute in FP8; the module's own are untouched.
     assert sorted(p for p, _, _ in sharded.fp8_layers) == ["ein", "gen", "lin"]
     assert model.lin.dot_general is jax.lax.dot_general
-    loss, grads = nnx.value_and_grad(_mse)(sharded, jax.device_put(
+    # jitted: eagerly, every op of the sharded call would compile on its own
+    loss, grads = nnx.jit(nnx.value_and_grad(_mse))(sharded, jax.device_put(
         tokens, gtp_jax.data_sharding(mesh)))
     ref_loss, ref_grads = _per_shard_reference(model, _mse, tokens, 8, ALL)
     assert abs(float(loss) - ref_loss) <= RTOL_SAME_MATH * abs(ref_loss)
@@ -240,7 +241,7 @@ def test_user_module_in_fp8_matches_unsharded_per_shard(key, seed):
     for path, g in _flat(ref_grads).items():
         assert_close(got[path], g, RTOL_SAME_MATH, path)
     # not the unquantized module's gradient
-    plain = nnx.grad(_mse)(model, tokens)
+    plain = nnx.jit(nnx.grad(_mse))(model, tokens)
     lin = np.asarray(plain.lin.kernel.get_value())
     assert 1e-4 < max_rel_err(got["lin/kernel"], lin) < RTOL_FP8_VS_F32
     # unshard gives back the module's own matmuls

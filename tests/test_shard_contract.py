@@ -241,7 +241,7 @@ def test_conv_kernel_is_one_over_n_per_device(key) -> None:
 
     np.testing.assert_allclose(np.asarray(nnx.jit(lambda m, x: m(x))(sm, _place(mesh, x))),
                                np.asarray(ref(x)), rtol=1e-5, atol=1e-5)
-    g_ref = nnx.grad(loss)(ref, x)
+    g_ref = nnx.jit(nnx.grad(loss))(ref, x)
     g = nnx.jit(nnx.grad(loss))(sm, _place(mesh, x))
     _assert_grads_equal(sm, g, g_ref, rtol=1e-4)
 
@@ -311,7 +311,7 @@ def test_gtp1_keeps_user_remat_and_adds_nothing(key) -> None:
         return fn.lower(state, x).compile().memory_analysis().temp_size_in_bytes
 
     assert temp(sm) <= temp(ref)
-    g_ref, g = nnx.grad(_loss)(ref, x), nnx.grad(_loss)(sm, x)
+    g_ref, g = nnx.jit(nnx.grad(_loss))(ref, x), nnx.jit(nnx.grad(_loss))(sm, x)
     _assert_grads_equal(sm, g, g_ref, rtol=1e-5)
 
 
@@ -325,7 +325,7 @@ def test_user_remat_is_honoured_with_gtp4(key) -> None:
     assert ref_res == ["f32[8,32]"] * 4  # the four block inputs
     # shard_map stacks each device's residual on dim 0: 8 devices x 1 example = 8 rows.
     assert _residuals(sm, _place(mesh, x)) == ref_res
-    g_ref = nnx.grad(_loss)(ref, x)
+    g_ref = nnx.jit(nnx.grad(_loss))(ref, x)
     g = nnx.jit(nnx.grad(_loss))(sm, _place(mesh, x))
     _assert_grads_equal(sm, g, g_ref, rtol=1e-5)
     # The backward pass re-gathers each weight inside its block.
