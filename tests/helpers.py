@@ -43,6 +43,30 @@ def cli_env(**extra: str) -> dict[str, str]:
     return {**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu", **extra}
 
 
+def train_until(run: Any, directory: Any, stop_after: int) -> list[float]:
+    """Runs `gtp_jax.train.train(run)` with a checkpoint every `stop_after` steps into
+    `directory` and stops it (as a preempted job) right after step `stop_after`; returns the
+    losses of the steps that ran."""
+    from gtp_jax.train import CheckpointConfig, train
+
+    class Preempted(Exception):
+        pass
+
+    losses: list[float] = []
+
+    def stop(step: int, loss: float, seconds: float) -> None:
+        losses.append(loss)
+        if step == stop_after:
+            raise Preempted
+
+    try:
+        train(run, progress=False, on_step=stop,
+              checkpoint=CheckpointConfig(directory, every=stop_after))
+    except Preempted:
+        return losses
+    raise AssertionError(f"the run ended before step {stop_after}")
+
+
 @functools.cache
 def get_mesh(name: str) -> jax.sharding.Mesh:
     """The (cached) mesh called `name` in `MESHES`."""

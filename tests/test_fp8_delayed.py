@@ -21,7 +21,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from helpers import Mixed, assert_close, get_mesh, mixed_tokens
+from helpers import Mixed, assert_close, get_mesh, mixed_tokens, train_until
 
 import gtp_jax
 from gtp_jax.base.errors import UsageError
@@ -315,25 +315,12 @@ def test_a_layer_used_twice_is_refused_and_an_unused_layer_keeps_its_history(key
 # --------------------------------------------------------------------------- training
 
 
-class _Preempted(Exception):
-    """Stands in for a run that dies after a checkpoint."""
-
-
 def test_resume_continues_delayed_scaling_exactly(tmp_path: Path) -> None:
     # The tiny preset, unrolled layers (the CPU default), every projection in FP8.
     run = TrainConfig(steps=2, batch_size=8, seq_len=16, warmup=1, dp=2, gtp=4,
                       fp8_compute="delayed", fp8_min_features=128)
     full = train(run, progress=False, checkpoint=CheckpointConfig(tmp_path / "full"))
-    first: list[float] = []
-
-    def die_after_step_1(step: int, loss: float, seconds: float) -> None:
-        first.append(loss)
-        if step == 1:
-            raise _Preempted
-
-    with pytest.raises(_Preempted):
-        train(run, progress=False, on_step=die_after_step_1,
-              checkpoint=CheckpointConfig(tmp_path / "run", every=1))
+    first = train_until(run, tmp_path / "run", stop_after=1)
     assert first == full.losses[:1]
     saved = Checkpointer(CheckpointConfig(tmp_path / "run")).read_arrays(1)
     histories = {k: v for k, v in saved.items() if k.endswith("amax_history")}

@@ -16,7 +16,7 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
-from helpers import cli_env
+from helpers import cli_env, train_until
 
 from gtp_jax.data import VOCAB_SIZE
 from gtp_jax.models import Transformer, preset
@@ -139,24 +139,11 @@ def test_cli_rejects_bad_checkpoint_and_profile_flags(
 RUN = TrainConfig(steps=6, batch_size=8, seq_len=32, warmup=2, dp=2, gtp=4, pad_for_alignment=8)
 
 
-class _Preempted(Exception):
-    """Stands in for a run that dies after a checkpoint."""
-
-
 def test_resume_continues_exactly_like_an_uninterrupted_run(tmp_path: Path) -> None:
     full = train(RUN, progress=False, checkpoint=CheckpointConfig(tmp_path / "full"))
     assert full.checkpoint_steps == [6]
 
-    first: list[float] = []
-
-    def die_after_step_3(step: int, loss: float, seconds: float) -> None:
-        first.append(loss)
-        if step == 3:
-            raise _Preempted
-
-    with pytest.raises(_Preempted):
-        train(RUN, progress=False, on_step=die_after_step_3,
-              checkpoint=CheckpointConfig(tmp_path / "run", every=3))
+    first = train_until(RUN, tmp_path / "run", stop_after=3)
     assert first == full.losses[:3]
     shutil.copytree(tmp_path / "run", tmp_path / "run_gtp8")  # holds step 3 only
 
