@@ -35,6 +35,7 @@ from helpers import (
     Mixed,
     assert_close,
     assert_matches_reference_steps,
+    cli_env,
     flat_values,
     mixed_tokens,
     mse_loss,
@@ -385,7 +386,6 @@ def test_cli_trains_with_cp_like_without(tmp_path) -> None:
     # `--cp 2` splits each sequence over 2 devices; the math is the model's, so the first
     # losses equal a run without cp up to float32 summation order.
     import json
-    import os
     import subprocess
     import sys
     from pathlib import Path
@@ -398,7 +398,7 @@ def test_cli_trains_with_cp_like_without(tmp_path) -> None:
             [sys.executable, "-m", "gtp_jax", "train", "--steps", "2", "--seq", "64",
              "--metrics-json", str(out), *flags],
             cwd=root, capture_output=True, text=True, timeout=300,
-            env={**os.environ, "PYTHONPATH": str(root)})
+            env=cli_env(PYTHONPATH=str(root)))
         assert proc.returncode == 0, proc.stderr[-2000:]
         losses[name] = [s["loss"] for s in json.loads(out.read_text())["steps"]]
         assert ("cp=2" in proc.stdout) == (name == "cp"), proc.stdout[:300]

@@ -289,20 +289,28 @@ def test_decoder_in_fp8_trains_like_unsharded_per_shard(unroll, mesh_name, key, 
                          f"step {i} param {name}")
 
 
-def test_backward_keeps_no_gathered_weight_with_fp8_compute(key, seed):
+@pytest.mark.parametrize("gather_format", [None, "fp8"])
+def test_backward_keeps_no_gathered_weight_with_fp8_compute(gather_format, key, seed):
     # The FP8 matmul saves the activation payload, not a quantized copy of the gathered
-    # weight: the weight is re-gathered and quantized again in the backward pass.
+    # weight: the weight is re-gathered (and quantized again, or its FP8 payload gathered
+    # again) in the backward pass.
     import contextlib
+    import dataclasses
     import io
 
     from jax.ad_checkpoint import print_saved_residuals
 
     mesh = get_mesh("dp2_gtp4")
-    sharded = gtp_jax.shard(Mixed(nnx.Rngs(seed)), mesh, ALL)
+    config = dataclasses.replace(ALL, gather_format=gather_format)
+    sharded = gtp_jax.shard(Mixed(nnx.Rngs(seed)), mesh, config)
+    assert any(p.spec.fp8_in_dims for p in sharded.plan) == (gather_format == "fp8")
     graphdef, state = nnx.split(sharded)
     tokens = jax.device_put(mixed_tokens(key), gtp_jax.data_sharding(mesh))
     full = {p.spec.logical_shape for p in sharded.plan} | {p.spec.padded_shape
                                                            for p in sharded.plan}
+    # An FP8-gathered kernel's transposed payload too.
+    full |= {(*s.logical_shape[s.fp8_in_dims:], *s.logical_shape[:s.fp8_in_dims])
+             for s in (p.spec for p in sharded.plan) if s.fp8_in_dims}
     buffer = io.StringIO()
     with contextlib.redirect_stdout(buffer):
         print_saved_residuals(lambda s, t: _mse(nnx.merge(graphdef, s), t), state, tokens)
@@ -316,6 +324,96 @@ def test_backward_keeps_no_gathered_weight_with_fp8_compute(key, seed):
         if {shape, per_device} & full:
             saved.append(line)
     assert not saved, saved
+
+
+# --------------------------------------------------------------------------- fp8 gathers
+
+
+def test_prequantized_matmul_is_fp8_matmul_with_the_payload_given(key):
+    # The payloads of `cast_weight` at `weight_scale` are what `fp8_matmul` computes from
+    # the weight itself, so feeding them gives its bits, forward and backward, whichever
+    # backend casts them.
+    from gtp_jax.pallas.formats import amax_reference
+    from gtp_jax.pallas.fp8_matmul import cast_weight, fp8_matmul_prequantized, weight_scale
+
+    kx, kw, kg = jax.random.split(key, 3)
+    x = jax.random.normal(kx, (37, 50), jnp.bfloat16)
+    w = (jax.random.normal(kw, (50, 29)) * 0.05).astype(jnp.bfloat16)
+    dy = jax.random.normal(kg, (37, 29), jnp.bfloat16)
+    s = weight_scale(amax_reference(w))
+    w8, w8t = cast_weight(w, s)
+    p8, p8t = cast_weight(w, s, backend="pallas", interpret=True)
+    np.testing.assert_array_equal(p8, w8)
+    np.testing.assert_array_equal(p8t, w8t)
+    y, vjp = jax.vjp(fp8_matmul, x, w)
+    y2, vjp2 = jax.vjp(lambda a, b: fp8_matmul_prequantized(a, b, w8, w8t, s), x, w)
+    for name, a, b in zip(("y", "dx", "dw"), (y, *vjp(dy)), (y2, *vjp2(dy))):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32),
+                                      err_msg=name)
+    with pytest.raises(UsageError, match=r"w8t is uint8\[29, 50\].*\[29, 29\]"):
+        fp8_matmul_prequantized(x[:, :29], w[:29, :29], w8[:29, :29], w8t, s)
+
+
+def _fp8_gathered(config: gtp_jax.GTPConfig, kernels: str) -> tuple[gtp_jax.GTPConfig, ...]:
+    """`config` with bf16 gathers and with fp8 gathers, only the `kernels` sharded (other
+    weights would be quantized by the fp8 gather in one run only)."""
+    import dataclasses
+
+    return tuple(dataclasses.replace(config, gather_format=f, include=(kernels,))
+                 for f in (None, "fp8"))
+
+
+def test_fp8_gathered_kernels_feed_the_gemm_with_the_bits_of_bf16_gathers(key, seed):
+    # Linear and LinearGeneral kernels (padded: no dim divides 8) are gathered as e4m3
+    # payloads that their GEMMs read as is; the payload is what the FP8 matmul computes
+    # from the whole weight, so the run is bit-identical to gathering it in bf16. The
+    # Einsum reads the (exact) dequantized kernel, which it quantizes back to the same
+    # payload: the same bits too.
+    mesh = get_mesh("dp2_gtp4")
+    tokens = jax.device_put(mixed_tokens(key), gtp_jax.data_sharding(mesh))
+    out = {}
+    for config in _fp8_gathered(ALL, "(lin|gen|ein)/kernel"):
+        sharded = gtp_jax.shard(Mixed(nnx.Rngs(seed)), mesh, config)
+        direct = {p.path: p.spec.fp8_in_dims for p in sharded.plan}
+        loss, grads = nnx.jit(nnx.value_and_grad(_mse))(sharded, tokens)
+        out[config.gather_format] = (direct, float(loss),
+                                     gtp_jax.unshard_values(sharded, grads))
+    assert out["fp8"][0] == {"lin/kernel": 1, "gen/kernel": 2, "ein/kernel": 1}
+    assert out["fp8"][1] == out[None][1]
+    for path, g in out[None][2].items():
+        np.testing.assert_array_equal(out["fp8"][2][path], g, err_msg=path)
+
+
+@pytest.mark.parametrize("keep", [False, True], ids=["regather", "keep_gathered"])
+def test_fp8_gathered_decoder_trains_with_the_bits_of_bf16_gathers(keep, key, seed):
+    # The scanned loop with prefetch (re-gathering in the backward pass, or keeping the
+    # gathered payloads), three optimizer steps.
+    mesh = get_mesh("dp2_gtp4")
+    cfg = preset("tiny", d_model=96, n_heads=4, d_ff=200, vocab_size=250, n_layers=2,
+                 remat="dots", unroll_layers=False)
+    base = gtp_jax.GTPConfig(fp8_compute="tensorwise", fp8_min_features=64, prefetch=True,
+                             keep_gathered_layers=keep)
+    runs = {}
+    for config in _fp8_gathered(base, r"blocks/(attn|mlp)/.*kernel"):
+        sharded = gtp_jax.shard(Transformer(cfg, rngs=nnx.Rngs(seed)), mesh, config)
+        opt = nnx.Optimizer(sharded, optax.adamw(1e-2), wrt=nnx.Param)
+        replicate_stray_leaves(opt, mesh)
+
+        @nnx.jit
+        def step(m, o, batch):
+            loss, grads = nnx.value_and_grad(lm_loss)(m, batch)
+            o.update(m, grads)
+            return loss
+
+        losses = [float(step(sharded, opt, jax.device_put(
+            jax.random.randint(jax.random.fold_in(key, i), (8, 17), 0, 250),
+            gtp_jax.data_sharding(mesh)))) for i in range(3)]
+        runs[config.gather_format] = (losses, gtp_jax.unshard_values(sharded, sharded),
+                                      [p.spec.fp8_in_dims for p in sharded.plan])
+    assert all(runs["fp8"][2]) and not any(runs[None][2])
+    assert runs["fp8"][0] == runs[None][0]
+    for path, v in runs[None][1].items():
+        np.testing.assert_array_equal(runs["fp8"][1][path], v, err_msg=path)
 
 
 # --------------------------------------------------------------------------- errors

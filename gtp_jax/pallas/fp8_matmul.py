@@ -83,7 +83,7 @@ def quantize_tensorwise(x: jax.Array, dtype: jnp.dtype) -> tuple[jax.Array, jax.
     ``x ~= payload / s``: per-tensor current scaling, saturating, NaN for non-finite
     elements (and for every element of a tensor whose amax is not finite)."""
     s = _scale(_amax(x), LIMITS[np.dtype(dtype)])
-    return cast_transpose_reference(x, s, dtype, "rowwise")[0], s
+    return quantize_with_scale(x, s, dtype), s
 
 
 def _product(a8: jax.Array, b8: jax.Array, sa: jax.Array, sb: jax.Array,
@@ -269,6 +269,21 @@ def _first_device(axes: tuple[str, ...]) -> jax.Array:
                             [jax.lax.axis_index(a) == 0 for a in axes], jnp.bool_(True))
 
 
+def _recorded(history: jax.Array, amax: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+    """The next history, as the history's cotangent: `history` rolled with this step's
+    `amax` (float32 ``[3]``: x, w, dy)."""
+    if axes:
+        # x and dy are split over the data axes: the recorded amax is the maximum over every
+        # device, so the history (and the next step's scales) are the same on all of them.
+        amax = jax.lax.pmax(amax, axes)
+    new = roll_history(history, amax)
+    if axes:
+        # shard_map's transpose sums a replicated input's cotangent over the mesh: one
+        # device contributes the history, the others zeros (an exact sum).
+        new = jnp.where(_first_device(axes), new, jnp.zeros_like(new))
+    return new
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
 def _fp8_matmul_delayed(x, w, history, impl, axes):
     return _delayed_fwd(x, w, history, impl, axes)[0]
@@ -291,16 +306,7 @@ def _delayed_bwd(impl, axes, res, dy):
     e4, e5 = jnp.float8_e4m3fn, jnp.float8_e5m2
     w8, _ = _quantize(w, sw, e4, "rowwise", impl)
     g8, gt8, amax_g = _quantize_amax(dy, sg, e5, "both", impl)
-    amax = jnp.concatenate([amax_xw, amax_g[None]])
-    if axes:
-        # x and dy are split over the data axes: the recorded amax is the maximum over every
-        # device, so the history (and the next step's scales) are the same on all of them.
-        amax = jax.lax.pmax(amax, axes)
-    new = roll_history(history, amax)
-    if axes:
-        # shard_map's transpose sums a replicated input's cotangent over the mesh: one
-        # device contributes the history, the others zeros (an exact sum).
-        new = jnp.where(_first_device(axes), new, jnp.zeros_like(new))
+    new = _recorded(history, jnp.concatenate([amax_xw, amax_g[None]]), axes)
     dx = _product(g8, w8, sg, sw, dy.dtype)
     dw = _product(xt8, gt8, sx, sg, w.dtype)
     return dx, dw, new
@@ -370,8 +376,129 @@ def fp8_matmul_delayed_reference(x: jax.Array, w: jax.Array, dy: jax.Array,
     xd = quantize_with_scale(x, sx, jnp.float8_e4m3fn).astype(jnp.float32) / sx
     wd = quantize_with_scale(w, sw, jnp.float8_e4m3fn).astype(jnp.float32) / sw
     gd = quantize_with_scale(dy, sg, jnp.float8_e5m2).astype(jnp.float32) / sg
-    amax = jnp.stack([jnp.max(jnp.abs(a.astype(jnp.float32))) for a in (x, w, dy)])
+    amax = jnp.stack([_amax(a) for a in (x, w, dy)])
     return (jnp.dot(xd, wd, precision=hi).astype(x.dtype),
             jnp.dot(gd, wd.T, precision=hi).astype(dy.dtype),
             jnp.dot(xd.T, gd, precision=hi).astype(w.dtype),
             roll_history(history, amax))
+
+
+# --------------------------------------------------------------------------- prequantized
+
+
+def weight_scale(amax: jax.Array) -> jax.Array:
+    """The e4m3 scale `fp8_matmul` gives a weight of this amax (float32[]: the largest power
+    of two ``<= 448 / amax``; 1 for amax 0; NaN for a non-finite amax). A weight quantized
+    with it from its shards (`gtp_jax.sharding` gathers it so) is the payload `fp8_matmul`
+    would compute from the whole weight."""
+    return _scale(jnp.asarray(amax, jnp.float32), E4M3_MAX)
+
+
+def cast_weight(w: jax.Array, s: jax.Array, *, backend: str | None = None,
+                interpret: bool | None = None) -> tuple[jax.Array, jax.Array]:
+    """``(w8, w8t)``: `w` (``[K, N]``, float32 / bfloat16 / float16) cast to e4m3 with the
+    scale `s` (float32[]) in both layouts, as uint8 bit patterns: ``[K, N]`` and its
+    transpose ``[N, K]``, in one pass (the Pallas cast-and-transpose kernel on GPUs)."""
+    impl = _impl("cast_weight", backend, interpret)
+    w8, w8t = _quantize(w, s, jnp.float8_e4m3fn, "both", impl)
+    return (jax.lax.bitcast_convert_type(w8, jnp.uint8),
+            jax.lax.bitcast_convert_type(w8t, jnp.uint8))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
+def _fp8_matmul_prequantized(x, w, w8, w8t, sw, amax_w, history, impl, axes):
+    return _pre_fwd(x, w, w8, w8t, sw, amax_w, history, impl, axes)[0]
+
+
+def _pre_fwd(x, w, w8, w8t, sw, amax_w, history, impl, axes):
+    # `w` is not read: the GEMM takes the given payload; w only receives the gradient.
+    e4 = jnp.float8_e4m3fn
+    if history is None:
+        sx = _scale(_amax_of(x, impl), E4M3_MAX)
+        x8, xt8 = _quantize(x, sx, e4, "both", impl)
+        amax_x = None
+    else:
+        sx = history_scales(history)[0]
+        x8, xt8, amax_x = _quantize_amax(x, sx, e4, "both", impl)
+    y = _product(x8, jax.lax.bitcast_convert_type(w8t, e4), sx, sw, x.dtype)
+    return y, (jax.lax.bitcast_convert_type(xt8, jnp.uint8), sx, w8, sw, amax_x, amax_w,
+               history)
+
+
+def _pre_bwd(impl, axes, res, dy):
+    xt8, sx, w8, sw, amax_x, amax_w, history = res
+    e4, e5 = jnp.float8_e4m3fn, jnp.float8_e5m2
+    if history is None:
+        sg = _scale(_amax_of(dy, impl), E5M2_MAX)
+        g8, gt8 = _quantize(dy, sg, e5, "both", impl)
+        new = None
+    else:
+        sg = history_scales(history)[2]
+        g8, gt8, amax_g = _quantize_amax(dy, sg, e5, "both", impl)
+        new = _recorded(history, jnp.stack([amax_x, amax_w, amax_g]), axes)
+    dx = _product(g8, jax.lax.bitcast_convert_type(w8, e4), sg, sw, dy.dtype)
+    # w has x's dtype, which is y's and so dy's.
+    dw = _product(jax.lax.bitcast_convert_type(xt8, e4), gt8, sx, sg, dy.dtype)
+    return dx, dw, None, None, None, None, new
+
+
+_fp8_matmul_prequantized.defvjp(_pre_fwd, _pre_bwd)
+
+
+def fp8_matmul_prequantized(x: jax.Array, w: jax.Array, w8: jax.Array, w8t: jax.Array,
+                            sw: jax.Array, *, amax_w: jax.Array | None = None,
+                            history: jax.Array | None = None, axes: tuple[str, ...] = (),
+                            backend: str | None = None, interpret: bool | None = None
+                            ) -> jax.Array:
+    """``x @ w`` as `fp8_matmul` (or `fp8_matmul_delayed` with a `history`), with the
+    weight's e4m3 payload given instead of computed: the forward GEMM reads `w8t`, the
+    backward's ``dx = dy @ w^T`` reads `w8`, and `w` itself is never read (only its
+    gradient is produced), so nothing dequantizes or re-quantizes the weight.
+
+    Args:
+      x: ``[M, K]`` float32 / bfloat16 / float16.
+      w: ``[K, N]``, x's dtype: the weight's value (``w8 / sw``); it receives ``dw``.
+      w8: ``[K, N]`` uint8, the e4m3 bit patterns of the weight (``cast_weight``).
+      w8t: ``[N, K]`` uint8, the same payload transposed.
+      sw: float32[], the payload's scale (``w ~= w8 / sw``); a power of two
+        (`weight_scale`) keeps the result equal to `fp8_matmul`'s.
+      amax_w: float32[], the weight's amax, recorded in the history (delayed only).
+      history: float32 ``[H, 3]`` or ``[H, 4]``: delayed scaling of x and dy as in
+        `fp8_matmul_delayed`, whose cotangent is the next history; None: current scaling.
+      axes, backend, interpret: as in `fp8_matmul_delayed`.
+
+    Returns:
+      ``[M, N]`` in x's dtype. With ``sw = weight_scale(amax(w))`` and ``w8`` the payload
+      of that scale, the same values as `fp8_matmul(x, w)` (tensorwise) or, delayed, as
+      `fp8_matmul_delayed` with the weight scaled by its current amax.
+    """
+    _check(x, w)
+    if x.dtype != w.dtype:
+        raise UsageTypeError(f"fp8_matmul_prequantized: x is {x.dtype} but w is {w.dtype}; "
+                             "cast both to the compute dtype first.")
+    k, n = w.shape
+    for name, a, shape in (("w8", w8, (k, n)), ("w8t", w8t, (n, k))):
+        if tuple(a.shape) != shape or np.dtype(a.dtype) != np.dtype(np.uint8):
+            raise UsageError(f"fp8_matmul_prequantized: {name} is {a.dtype}{list(a.shape)}; "
+                             f"it takes the uint8 e4m3 bits of shape {list(shape)} "
+                             "(see cast_weight).")
+    if history is not None and (history.ndim != 2 or history.shape[1] not in (3, 4)):
+        raise UsageError(f"fp8_matmul_prequantized: history has shape {history.shape}; it "
+                         "takes float32 [H, 3] or [H, 4].")
+    if history is not None and amax_w is None:
+        raise UsageError("fp8_matmul_prequantized: a history needs the weight's amax_w to "
+                         "record.")
+    impl = _impl("fp8_matmul_prequantized", backend, interpret)
+    sw = jnp.asarray(sw, jnp.float32)
+    amax_w = None if amax_w is None else jnp.asarray(amax_w, jnp.float32)
+    history = None if history is None else history.astype(jnp.float32)
+    return _fp8_matmul_prequantized(x, w, w8, w8t, sw, amax_w, history, impl, tuple(axes))
+
+
+def _impl(name: str, backend: str | None, interpret: bool | None) -> tuple:
+    if backend not in (None, "pallas", "xla"):
+        raise UsageError(f"{name}: backend={backend!r}; use 'pallas', 'xla' or None (pallas "
+                         "on a GPU, else xla).")
+    if backend is None:
+        backend = "pallas" if jax.default_backend() == "gpu" else "xla"
+    return ("pallas", _util.resolve_interpret(interpret)) if backend == "pallas" else ("xla",)

@@ -36,6 +36,9 @@ class GatherSpec:
       reduce_dtype: dtype the gradient is reduce-scattered in.
       gather_format: low-precision gather format ("fp8", "mxfp8", "nvfp4") or None.
       quant_backend: "pallas" or "reference" implementation of the quantizer.
+      fp8_in_dims: > 0 for the kernel of an FP8-compute layer gathered in fp8: it is
+        gathered as a `gtp_jax.sharding.fp8_gather.Fp8GatheredWeight` whose payload the
+        layer's FP8 GEMM reads as is; the layer contracts its first `fp8_in_dims` dims.
     """
 
     axis: str
@@ -48,6 +51,7 @@ class GatherSpec:
     reduce_dtype: np.dtype
     gather_format: str | None = None
     quant_backend: str = "pallas"
+    fp8_in_dims: int = 0
 
     @property
     def padded_shape(self) -> tuple[int, ...]:
@@ -114,9 +118,13 @@ def all_gather_shards(shards: Sequence[jax.Array], specs: Sequence[GatherSpec]
     """
     for shard, spec in zip(shards, specs):
         _check_shard(shard, spec)
-    out: list[jax.Array | None] = [None] * len(shards)
+    out: list[Any] = [None] * len(shards)
     groups: dict[tuple[str, str, str], list[int]] = {}
+    direct: dict[str, list[int]] = {}
     for i, spec in enumerate(specs):
+        if spec.fp8_in_dims:
+            direct.setdefault(spec.axis, []).append(i)
+            continue
         if spec.quantized:
             groups.setdefault((spec.gather_format, spec.quant_backend, spec.axis), []).append(i)
             continue
@@ -140,6 +148,11 @@ def all_gather_shards(shards: Sequence[jax.Array], specs: Sequence[GatherSpec]
             spec = specs[i]
             full = pallas.gather_quantized(q, axis, dim=spec.shard_dim) if wide else q
             out[i] = _unpad(pallas.dequantize(full, spec.compute_dtype, backend=backend), spec)
+    for idx in direct.values():
+        from gtp_jax.sharding.fp8_gather import gather_fp8  # deferred: it imports this module
+
+        for i, w in zip(idx, gather_fp8([shards[i] for i in idx], [specs[i] for i in idx])):
+            out[i] = w
     return out
 
 
@@ -184,8 +197,14 @@ def _gather_fwd(shard: jax.Array, spec: GatherSpec) -> tuple[jax.Array, None]:
     return all_gather_shard(shard, spec), None
 
 
-def _gather_bwd(spec: GatherSpec, _: None, ct: jax.Array) -> tuple[jax.Array]:
-    return (reduce_scatter_grad(ct, spec),)
+def _gather_bwd(spec: GatherSpec, _: None, ct: Any) -> tuple[jax.Array]:
+    return (reduce_scatter_grad(gradient_of(ct), spec),)
+
+
+def gradient_of(ct: Any) -> jax.Array:
+    """The full-weight gradient in a gathered weight's cotangent (for an
+    `Fp8GatheredWeight`, its value's: the payloads have none)."""
+    return ct.value if hasattr(ct, "bits_t") else ct
 
 
 _gather.defvjp(_gather_fwd, _gather_bwd)
@@ -204,7 +223,8 @@ def gather_weight(shard: jax.Array, spec: GatherSpec) -> jax.Array:
       spec: static `GatherSpec`.
 
     Returns:
-      The logical weight, ``spec.logical_shape`` / ``spec.compute_dtype``.
+      The logical weight, ``spec.logical_shape`` / ``spec.compute_dtype`` (an
+      `Fp8GatheredWeight` standing for it where ``spec.fp8_in_dims`` is set).
     """
     if spec.quantized:
         # The dequantize chain (decode, scale, cast, unpad) is several ordinary ops that a

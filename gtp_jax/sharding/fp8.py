@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import functools
 import re
 from collections.abc import Callable, Iterator, Sequence
@@ -43,8 +44,14 @@ from gtp_jax.base.config import GTPConfig
 from gtp_jax.base.errors import UsageError
 from gtp_jax.base.fp8_history import HISTORY_COLUMNS, Fp8History
 from gtp_jax.base.metadata import STACKED
-from gtp_jax.pallas.fp8_matmul import FP8_MATMUL_DTYPES, fp8_matmul, fp8_matmul_delayed
+from gtp_jax.pallas.fp8_matmul import (
+    FP8_MATMUL_DTYPES,
+    fp8_matmul,
+    fp8_matmul_delayed,
+    fp8_matmul_prequantized,
+)
 from gtp_jax.sharding.contract import key_name
+from gtp_jax.sharding.fp8_gather import is_fp8_gathered
 from gtp_jax.sharding.plan import path_str
 
 #: Smallest CUDA compute capability with FP8 GEMMs (Ada / Hopper).
@@ -80,8 +87,18 @@ def fp8_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any,
     dtype (float32, bfloat16, float16) are computed as ``[M, K] @ [K, N]`` in FP8; any other
     contraction (batch dims, mixed or integer dtypes) runs ``jax.lax.dot_general`` as given
     (and records nothing: a history's cotangent is then zero).
+
+    `rhs` may be a kernel gathered in FP8 (`Fp8GatheredWeight`): contracted on its leading
+    dims, its payloads feed the GEMMs as they are (`fp8_matmul_prequantized`); any other
+    contraction of it reads its (exact) dequantized value.
     """
     (lc, rc), (lb, rb) = dimension_numbers
+    if is_fp8_gathered(rhs):
+        rc_norm = tuple(int(d) % rhs.ndim for d in rc)
+        if (not lb and not rb and rc_norm == tuple(range(rhs.in_dims))
+                and lhs.dtype == rhs.dtype and np.dtype(lhs.dtype) in FP8_MATMUL_DTYPES):
+            return _gathered_dot(lhs, rhs, lc, preferred_element_type, history)
+        rhs = rhs.value
     plain = (lb or rb or lhs.dtype != rhs.dtype
              or np.dtype(lhs.dtype) not in FP8_MATMUL_DTYPES or not lc)
     if plain:
@@ -99,6 +116,62 @@ def fp8_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any,
     y = y.reshape(*(lhs.shape[d] for d in lfree),
                                  *(rhs.shape[d] for d in rfree))
     return y if preferred_element_type is None else y.astype(preferred_element_type)
+
+
+def _gathered_dot(lhs: jax.Array, rhs: Any, lc: Sequence[int], preferred_element_type: Any,
+                  history: jax.Array | None) -> jax.Array:
+    """`fp8_dot_general` of `lhs` with an `Fp8GatheredWeight` contracted on its leading
+    ``rhs.in_dims`` dims by `lhs`'s dims `lc`."""
+    lc = tuple(int(d) % lhs.ndim for d in lc)
+    lfree = [d for d in range(lhs.ndim) if d not in lc]
+    w, w8, w8t = rhs.matrices()
+    x = jnp.transpose(lhs, (*lfree, *lc)).reshape(-1, w.shape[0])
+    y = fp8_matmul_prequantized(
+        x, w, w8, w8t, rhs.scale, amax_w=rhs.amax, history=history,
+        axes=_AMAX_AXES.get() if history is not None else ())
+    y = y.reshape(*(lhs.shape[d] for d in lfree), *rhs.shape[rhs.in_dims:])
+    return y if preferred_element_type is None else y.astype(preferred_element_type)
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8Promote:
+    """A layer's ``promote_dtype`` under FP8 compute: the layer's own promotion, except that
+    a kernel gathered in FP8 (`Fp8GatheredWeight`) reaches the layer's ``dot_general``
+    whole, so its GEMM reads the payloads (its value is promoted like any kernel)."""
+
+    original: Callable
+
+    def __call__(self, args: tuple, /, *, dtype: Any = None, **kwargs: Any) -> tuple:
+        inputs, kernel, *rest = args
+        if not is_fp8_gathered(kernel):
+            return self.original(args, dtype=dtype, **kwargs)
+        inputs, value, *rest = self.original((inputs, kernel.value, *rest), dtype=dtype,
+                                             **kwargs)
+        return (inputs, kernel.replace(value=value), *rest)
+
+
+def direct_kernels(module: nnx.Module, layers: Sequence[tuple[tuple, str, str]]
+                   ) -> dict[str, int]:
+    """The kernels of FP8 `layers` (from `fp8_layers`) that an fp8 gather delivers as an
+    `Fp8GatheredWeight`: ``{kernel path: number of leading dims the layer contracts}``.
+    ``nnx.Linear`` and ``nnx.LinearGeneral`` GEMMs read its payloads; an ``nnx.Einsum``
+    (whose contraction is only known when it runs) reads its dequantized value, which the
+    FP8 matmul quantizes back to the same payload (1 stands in for its dims)."""
+    out = {}
+    for keys, path, attr in layers:
+        node = _node_at(module, keys)
+        if attr == "einsum_op":
+            out[f"{path}/kernel"] = 1
+            continue
+        if not hasattr(node, "promote_dtype"):
+            continue
+        if isinstance(node, nnx.LinearGeneral):
+            if node.batch_axis:
+                continue
+            out[f"{path}/kernel"] = len(node.in_features)
+        elif isinstance(node, nnx.Linear):
+            out[f"{path}/kernel"] = 1
+    return out
 
 
 def fp8_einsum(subscripts: str, *operands: Any, **kwargs: Any) -> jax.Array:
@@ -222,6 +295,8 @@ def inject(module: nnx.Module, layers: Sequence[tuple[tuple, str, str]],
     for keys, path, attr in layers:
         node = _node_at(module, keys)
         originals.append((path, attr, getattr(node, attr)))
+        if attr == "dot_general" and hasattr(node, "promote_dtype"):
+            node.promote_dtype = Fp8Promote(node.promote_dtype)  # `restore` unwraps it
         if not delayed:
             setattr(node, attr, _FP8_OP[attr])
             continue
@@ -248,6 +323,8 @@ def restore(module: nnx.Module, originals: Sequence[tuple[str, str, Callable]]) 
             # A delayed recipe's matmul module made the attribute a data attribute.
             setattr(node, attr, nnx.static(fn) if isinstance(getattr(node, attr), nnx.Module)
                     else fn)
+            if isinstance(getattr(node, "promote_dtype", None), Fp8Promote):
+                node.promote_dtype = node.promote_dtype.original
 
 
 def _node_at(module: nnx.Module, keys: tuple) -> Any:

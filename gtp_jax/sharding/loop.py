@@ -42,7 +42,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import Literal
 
-from gtp_jax.sharding.collectives import GatherSpec, all_gather_shards, reduce_scatter_grad
+from gtp_jax.sharding.collectives import (
+    GatherSpec,
+    all_gather_shards,
+    gradient_of,
+    reduce_scatter_grad,
+)
+from gtp_jax.sharding.fp8_gather import gathered_like, with_value, without_value
 from gtp_jax.sharding.lazy import is_shard
 
 #: Loop schedules: see the module docstring.
@@ -164,13 +170,24 @@ class LoopSpec:
         # a single all-reduce.
         return all_gather_shards(layer_shards, self.gather_specs)
 
-    def reduce_scatter(self, grads: list[jax.Array]) -> list[jax.Array]:
-        return [reduce_scatter_grad(g, s) for g, s in zip(grads, self.gather_specs)]
+    def reduce_scatter(self, grads: list[Any]) -> list[jax.Array]:
+        return [reduce_scatter_grad(gradient_of(g), s) for g, s in zip(grads, self.gather_specs)]
 
-    def kept_like(self, keep: bool) -> list[jax.ShapeDtypeStruct] | None:
-        """One layer's gathered weights, when a forward pass that saves residuals (`keep`)
-        also keeps them for the backward pass (else None)."""
-        return _gathered_like(self.gather_specs) if keep and self.keep_gathered else None
+    def kept_like(self, keep: bool) -> list[Any] | None:
+        """One layer's gathered weights as kept (`kept`), when a forward pass that saves
+        residuals (`keep`) also keeps them for the backward pass (else None)."""
+        if not (keep and self.keep_gathered):
+            return None
+        return self.kept(_gathered_like(self.gather_specs))
+
+    def kept(self, weights: list[Any]) -> list[Any]:
+        """What the forward pass keeps of one layer's gathered weights: an FP8-gathered
+        kernel without its dequantized value (the GEMMs read the payloads; `unkept`
+        rebuilds it)."""
+        return [without_value(w) for w in weights]
+
+    def unkept(self, weights: list[Any]) -> list[Any]:
+        return [with_value(w, s) for w, s in zip(weights, self.gather_specs)]
 
 
 def layer_loop(layer_fn: Callable[[Any, Any], Any], carry: Any, stacked_params: Any, *,
@@ -313,9 +330,11 @@ def _saved_like(spec: LoopSpec, split: _ResidualSplit, h: Any, plain: list, cons
                                            _layer_like(plain), consts))
 
 
-def _gathered_like(specs: Sequence[GatherSpec]) -> list[jax.ShapeDtypeStruct]:
-    """One layer's gathered weights: logical shape, compute dtype."""
-    return [jax.ShapeDtypeStruct(s.logical_shape, s.compute_dtype) for s in specs]
+def _gathered_like(specs: Sequence[GatherSpec]) -> list[Any]:
+    """One layer's gathered weights: logical shape, compute dtype (FP8-gathered kernels:
+    `Fp8GatheredWeight`s of such leaves)."""
+    return [gathered_like(s) if s.fp8_in_dims else
+            jax.ShapeDtypeStruct(s.logical_shape, s.compute_dtype) for s in specs]
 
 
 def _layer_like(stacks: list[jax.Array]) -> list[jax.ShapeDtypeStruct]:
@@ -363,7 +382,7 @@ def _plain_forward(spec, h, shards, plain, consts, keep):
     def body(h_, i):
         w = spec.gather(_at(shards, i))
         h_, res = _run_layer(spec, spec.mid if keep else None, h_, w, _at(plain, i), consts)
-        return h_, (res, None if kept is None else w)
+        return h_, (res, None if kept is None else spec.kept(w))
 
     # residuals: (stacked saved residuals, stacked kept weights or None)
     return _scan_stacked(body, h, spec.n_layers,
@@ -378,7 +397,7 @@ def _plain_backward(spec, saved, ct):
     def body(c, i, xs):
         dh, dconsts = c
         res_i, w_i = xs
-        w = spec.gather(_at(shards, i)) if w_i is None else w_i
+        w = spec.gather(_at(shards, i)) if w_i is None else spec.unkept(w_i)
         dh, dw, dp, dc = _layer_vjp(spec.mid, res_i, w, _at(plain, i), consts, dh,
                                     float_consts)
         return (dh, _add(dconsts, dc)), (spec.reduce_scatter(dw), dp)
@@ -403,13 +422,13 @@ def _prefetch_forward(spec, h, shards, plain, consts, keep):
             w_next = spec.gather(_at(shards, i + 1))  # independent of this layer's compute
             h_, res = _run_layer(spec, spec.mid if keep else None, h_, w_cur, _at(plain, i),
                                  consts)
-            return (h_, w_next), (res, None if kept is None else w_cur)
+            return (h_, w_next), (res, None if kept is None else spec.kept(w_cur))
 
         (h, w), (stacked_res, stacked_w) = _scan_stacked(
             body, (h, w), last, (_saved_like(spec, spec.mid, h, plain, consts, keep), kept))
     h, last_res = _run_layer(spec, spec.last if keep else None, h, w, _at(plain, last),
                              consts)
-    return h, (stacked_res, last_res, stacked_w, None if kept is None else w)
+    return h, (stacked_res, last_res, stacked_w, None if kept is None else spec.kept(w))
 
 
 def _prefetch_backward(spec, saved, ct):
@@ -419,14 +438,16 @@ def _prefetch_backward(spec, saved, ct):
 
     def weights(i: Any) -> list[jax.Array]:
         """Layer i's weights (i < last): kept from the forward pass, or gathered again."""
-        return spec.gather(_at(shards, i)) if stacked_w is None else _at(stacked_w, i)
+        if stacked_w is None:
+            return spec.gather(_at(shards, i))
+        return spec.unkept(_tree_at(stacked_w, i))
 
     # Gradients are written into full-size stacked buffers as they arrive (in place in the
     # loop carry) instead of being concatenated at the end; every slot is written, so the
     # buffers start uninitialized (`_unfilled`).
     shard_buf, plain_buf = _uninitialized(shards), _uninitialized(plain)
 
-    w = spec.gather(_at(shards, last)) if last_w is None else last_w
+    w = spec.gather(_at(shards, last)) if last_w is None else spec.unkept(last_w)
     w_prev = weights(last - 1) if last > 0 else None
     dh, pending, dp_last, dc = _layer_vjp(spec.last, last_res, w, _at(plain, last), consts,
                                           ct, float_consts)
@@ -492,7 +513,7 @@ def _unrolled_forward(spec, h, shards, plain, consts, keep):
         h, r = _run_layer(spec, spec.split_at(i) if keep else None, h, w,
                           _static_at(plain, i), consts)
         res.append(r)
-        ws.append(w if kept else None)
+        ws.append(spec.kept(w) if kept else None)
         w = w_next
     # residuals: (per-layer saved residuals, per-layer kept weights or None)
     return h, (res, ws)
@@ -510,7 +531,7 @@ def _unrolled_backward(spec, saved, ct):
     def weights(i: int, dh: Any, stack: list) -> tuple[Any, list, list[jax.Array]]:
         """Layer i's weights: kept, or gathered no earlier than `dh` exists."""
         if ws[i] is not None:
-            return dh, stack, ws[i]
+            return dh, stack, spec.unkept(ws[i])
         dh, stack = _tied(spec, dh, stack)
         return dh, stack, spec.gather(_static_at(stack, i))
 

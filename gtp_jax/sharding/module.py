@@ -472,6 +472,10 @@ def plan_placement(module: nnx.Module, mesh: Mesh, config: GTPConfig) -> Placeme
             "which would be computed per data shard; use a normalization without batch "
             "statistics (LayerNorm, RMSNorm)."
         )
+    fp8.check_fp8_compute(config, mesh)
+    fp8_layers = fp8.fp8_layers(module, config)
+    # Kernels of FP8-compute layers gathered in fp8 feed their GEMMs as gathered.
+    fp8_direct = fp8.direct_kernels(module, fp8_layers) if config.gather_format == "fp8" else {}
     plans: list[ParamPlan | SplitPlan | None] = []
     for path, var in zip(paths, variables):
         value = var.get_value()
@@ -493,6 +497,9 @@ def plan_placement(module: nnx.Module, mesh: Mesh, config: GTPConfig) -> Placeme
                               mesh=mesh, config=config, splits=splits, shard_dim=shard_dim)
             if plan is None and splits:
                 plan = SplitPlan(path=path, stacked=stacked, splits=splits)
+            elif plan is not None and path in fp8_direct and plan.spec.quantized and not splits:
+                plan = dataclasses.replace(plan, spec=dataclasses.replace(
+                    plan.spec, fp8_in_dims=fp8_direct[path]))
         elif any(k in meta for k in SPLIT_AXES) and any(
                 mesh.shape.get(a, 1) > 1 for a in SPLIT_AXES.values()):
             raise TypeError(
@@ -511,8 +518,6 @@ def plan_placement(module: nnx.Module, mesh: Mesh, config: GTPConfig) -> Placeme
             f"elements, include={config.include}, exclude={config.exclude}). Lower "
             "min_elements, widen include, or leave this module replicated."
         )
-    fp8.check_fp8_compute(config, mesh)
-    fp8_layers = fp8.fp8_layers(module, config)
     if config.fp8_compute is not None and not fp8_layers:
         where = (f"matches GTPConfig.fp8_include={config.fp8_include}" if config.fp8_include
                  else "has both input and output features >= GTPConfig.fp8_min_features="
