@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # FP8 training on all GPUs of one host (written for 2), side by side in one call: gtp_jax's
 # step (bench overlap, gtp = number of GPUs, remat dots) in bf16 and with FP8 compute
-# (delayed and tensorwise) fed by FP8 weight gathers, against PyTorch FSDP2 + torch.compile in
+# (delayed and tensorwise), fed by FP8 weight gathers and by bf16 gathers, against PyTorch FSDP2 + torch.compile in
 # bf16 and with torchao float8 training and float8 all-gather (benchmarks/torch_fsdp2.py
 # FLOAT8=1; torchao's wheel carried in .carry/whl), for the 1b preset (seq 2048, 4 sequences per
 # GPU) and the llama3-8b shape (seq 4096, 1 sequence per GPU, remat full, 8 layers).
 # Writes $OUT/<model>_gtp_<gather>_<compute>.json and $OUT/<model>_torch.jsonl; prints the rows as they finish.
-# Usage: OUT=dir [MODELS="1b 8b"] bash benchmarks/fp8_2gpu.sh
+# Usage: OUT=dir [MODELS="1b 8b"] [VARIANTS="none:none,fp8:delayed,..."] bash benchmarks/fp8_2gpu.sh
 set -u
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1 PYTHONPATH="$PWD"
 OUT=${OUT:-runs/fp8_2gpu}; mkdir -p "$OUT"
@@ -24,8 +24,9 @@ for model in ${MODELS:-1b 8b}; do
     T="PRESET=llama3-8b LAYERS=8 SEQ=4096 MB=1"
   fi
   A="$A --steps 15 --warmup 3 --timeout 150 --unroll-layers"
-  for v in "none none" "fp8 delayed" "fp8 tensorwise"; do
-    set -- $v
+  VARIANTS=${VARIANTS:-none:none,none:delayed,fp8:delayed,none:tensorwise,fp8:tensorwise}
+  for v in ${VARIANTS//,/ }; do
+    set -- ${v//:/ }
     python3 -m gtp_jax.bench overlap $A --variants "$V" --gather-format "$1" \
       --fp8-compute "$2" --json "$OUT/${model}_gtp_$1_$2.json" 2>&1 | grep -E '^\[|Error'
   done
