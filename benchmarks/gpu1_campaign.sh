@@ -7,12 +7,13 @@
 #      (benchmarks/plan_accuracy.sh, 1b preset, seq 2048);
 #   5. fp8loss: 1000 steps of the 1b preset on real text (DATA, default .carry/text: carry
 #      a folder of .txt files; TOKENIZER, default .carry/tok: a tokenizer.json folder), seq
-#      512 x 4, bf16 and --fp8-compute tensorwise, the held-out loss every 250 steps;
+#      512 x 4, bf16 and --fp8-compute tensorwise (RECIPES="bf16 fp8"; "delayed" for
+#      --fp8-compute delayed), the held-out loss every 250 steps;
 #   6. offload: the 1b preset with and without --offload-optimizer (benchmarks/offload.sh,
 #      its first part: step time, peak memory, equal losses).
 # Writes $OUT/gemm.json, $OUT/cli_*.json (--metrics-json), $OUT/campaign.log and
 # $OUT/plan_accuracy/.
-# Usage: OUT=dir [STEPS=15] [PARTS="gemm cli llama plan fp8loss offload"] [DATA=dir]
+# Usage: OUT=dir [STEPS=15] [PARTS="gemm cli llama plan fp8loss offload"] [RECIPES=...] [DATA=dir]
 #   [TOKENIZER=dir] bash benchmarks/gpu1_campaign.sh
 set -u
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1 PYTHONPATH="$PWD"
@@ -37,9 +38,10 @@ for part in ${PARTS:-gemm cli llama plan fp8loss offload}; do
          cli 1b_fp8 --preset 1b --fp8-compute tensorwise ;;
     llama) cli llama32_1b --preset llama3.2-1b ;;
     fp8loss)
-      for recipe in bf16 fp8; do
+      for recipe in ${RECIPES:-bf16 fp8}; do
         extra=()
         [ "$recipe" = fp8 ] && extra=(--fp8-compute tensorwise --fp8-min-features 2048)
+        [ "$recipe" = delayed ] && extra=(--fp8-compute delayed --fp8-min-features 2048)
         log "1b on ${DATA:-.carry/text}, 1000 steps, $recipe"
         timeout 300 python3 -m gtp_jax train --preset 1b --seq 512 --batch 4 --steps 1000 \
           --gtp 1 --dp 1 --data "${DATA:-.carry/text}" --tokenizer "${TOKENIZER:-.carry/tok}" \
