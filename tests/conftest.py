@@ -41,7 +41,8 @@ from helpers import get_mesh, test_key, test_seed  # noqa: E402
 # --------------------------------------------------------------------------- scheduling
 
 #: Files whose tests share expensive module- or session-scoped fixtures: their tests stay on
-#: one pytest-xdist worker (``--dist loadgroup``); every other test is scheduled on its own.
+#: one pytest-xdist worker (`pytest_xdist_make_scheduler`); every other test is scheduled on
+#: its own.
 SHARED_FIXTURE_FILES = frozenset({
     "test_checkpoint.py", "test_collective_matmul.py", "test_context_parallel.py",
     "test_data.py", "test_equivalence.py", "test_lifecycle.py", "test_nonuniform.py",
@@ -51,14 +52,24 @@ SHARED_FIXTURE_FILES = frozenset({
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """The README test (the longest) and the slow-marked tests first (started last, they
-    would leave the other worker idle at the end), the rest in file order; per-file groups
-    for the files above."""
-    for item in items:
-        name = item.path.name
-        if name in SHARED_FIXTURE_FILES:
-            item.add_marker(pytest.mark.xdist_group(name))
+    would leave the other worker idle at the end), the rest in file order."""
     items.sort(key=lambda item: (item.path.name != "test_readme.py",  # the longest test
                                  not item.get_closest_marker("slow")))
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    """pytest-xdist's scope scheduling with one scope per file of `SHARED_FIXTURE_FILES`
+    and one per test elsewhere. (Its ``xdist_group`` marks do not group with current pytest:
+    the node-id suffix they rely on is no longer read, so a module fixture was built once
+    on each worker.)"""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class SharedFixtureScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return path if path.rsplit("/", 1)[-1] in SHARED_FIXTURE_FILES else nodeid
+
+    return SharedFixtureScheduling(config, log)
 
 
 # --------------------------------------------------------------------------- fixtures

@@ -33,11 +33,25 @@ def test_worker_one_step_finite_loss(mesh, capsys) -> None:
     assert "| gtp" in bench.format_table([result])
 
 
-def test_search_in_subprocesses(tmp_path) -> None:
+def test_search_in_a_subprocess(tmp_path) -> None:
     out = tmp_path / "out.json"
     assert bench.main(["--preset", "tiny", "--layers", "1", "--mesh", "cp=8", "--seqs", "",
-                       "--search", "--search-start", "16", "--search-max", "32",
+                       "--search", "--search-start", "32", "--search-max", "32",
                        "--json", str(out)]) == 0
     longest = json.loads(out.read_text())["longest"]
     assert longest[0]["longest_seq"] == 32
-    assert [t["seq"] for t in longest[0]["tries"]] == [16, 32]
+    assert [(t["seq"], t["ok"]) for t in longest[0]["tries"]] == [(32, True)]
+
+
+def test_search_doubles_until_a_try_fails(monkeypatch) -> None:
+    # The search's own logic, with each try's subprocess replaced by a fit rule.
+    def spawn(args, sizes, seq, steps, warmup):
+        return ({"peak_mem_gib": seq / 1024}, "") if seq <= 64 else (None, "oom: ...")
+
+    monkeypatch.setattr(bench, "_spawn", spawn)
+    args = bench.build_parser().parse_args(["--search-max", "1024"])
+    found = bench.longest_sequence(args, {"cp": 8}, 16)
+    assert found["longest_seq"] == 64
+    assert [(t["seq"], t["ok"]) for t in found["tries"]] == [
+        (16, True), (32, True), (64, True), (128, False)]
+    assert found["tries"][-1]["why"].startswith("oom")

@@ -35,7 +35,6 @@ from helpers import (
     Mixed,
     assert_close,
     assert_matches_reference_steps,
-    cli_env,
     flat_values,
     mixed_tokens,
     mse_loss,
@@ -382,24 +381,20 @@ def test_cp_step_moves_kv_by_collective_permute_without_full_scores() -> None:
     assert any(s[-2:] == (el, seq) for s in _shapes(ag) if len(s) >= 2)
 
 
-def test_cli_trains_with_cp_like_without(tmp_path) -> None:
+def test_cli_trains_with_cp_like_without(tmp_path, capsys) -> None:
     # `--cp 2` splits each sequence over 2 devices; the math is the model's, so the first
-    # losses equal a run without cp up to float32 summation order.
+    # losses equal a run without cp up to float32 summation order. In process (README.md's
+    # `--cp 2` example runs the command line as a process).
     import json
-    import subprocess
-    import sys
-    from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1]
+    from gtp_jax.train.cli import main as cli_main
+
     losses = {}
     for name, flags in (("cp", ["--cp", "2"]), ("plain", [])):
         out = tmp_path / f"{name}.json"
-        proc = subprocess.run(
-            [sys.executable, "-m", "gtp_jax", "train", "--steps", "2", "--seq", "64",
-             "--metrics-json", str(out), *flags],
-            cwd=root, capture_output=True, text=True, timeout=300,
-            env=cli_env(PYTHONPATH=str(root)))
-        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert cli_main(["train", "--steps", "2", "--seq", "64", "--metrics-json", str(out),
+                         *flags]) == 0
+        stdout = capsys.readouterr().out
         losses[name] = [s["loss"] for s in json.loads(out.read_text())["steps"]]
-        assert ("cp=2" in proc.stdout) == (name == "cp"), proc.stdout[:300]
+        assert ("cp=2" in stdout) == (name == "cp"), stdout[:300]
     np.testing.assert_allclose(losses["cp"], losses["plain"], rtol=1e-5)
