@@ -35,14 +35,11 @@ MESHES: dict[str, dict[str, int]] = {
 
 def cli_env(**extra: str) -> dict[str, str]:
     """The environment for a ``python -m gtp_jax`` subprocess: this one's, on the CPU, with the
-    suite's cheap-compile XLA flags (tests/conftest.py) but not its simulated device count,
-    which the command line sets itself, and with backend optimization level 1 instead of 0:
-    a command-line run executes tens of steps, which run twice as fast at level 1 (a 20-step
-    run: 33 -> 24 CPU-s; one of 10 steps costs about the same at either level)."""
+    suite's cheap-compile XLA flags (tests/conftest.py: a command-line run of 20 steps takes
+    half the CPU time with them) but not its simulated device count, which the command line
+    sets itself."""
     flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "",
-                   os.environ.get("XLA_FLAGS", ""))
-    flags = re.sub(r"--xla_backend_optimization_level=\S+", "", flags)
-    flags = f"{flags} --xla_backend_optimization_level=1".strip()
+                   os.environ.get("XLA_FLAGS", "")).strip()
     return {**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu", **extra}
 
 
