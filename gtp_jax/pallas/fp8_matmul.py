@@ -196,14 +196,7 @@ def fp8_matmul(x: jax.Array, w: jax.Array, *, backend: str | None = None,
     if x.dtype != w.dtype:
         raise UsageTypeError(f"fp8_matmul: x is {x.dtype} but w is {w.dtype}; cast both to "
                              "the compute dtype first.")
-    if backend not in (None, "pallas", "xla"):
-        raise UsageError(f"fp8_matmul: backend={backend!r}; use 'pallas', 'xla' or None "
-                         "(pallas on a GPU, else xla).")
-    on_gpu = jax.default_backend() == "gpu"
-    if backend is None:
-        backend = "pallas" if on_gpu else "xla"
-    impl = ("pallas", _util.resolve_interpret(interpret)) if backend == "pallas" else ("xla",)
-    return _fp8_matmul(x, w, impl)
+    return _fp8_matmul(x, w, _impl("fp8_matmul", backend, interpret))
 
 
 def fp8_matmul_reference(x: jax.Array, w: jax.Array) -> jax.Array:
@@ -349,12 +342,7 @@ def fp8_matmul_delayed(x: jax.Array, w: jax.Array, history: jax.Array, *,
         raise UsageError(f"fp8_matmul_delayed: history has shape "
                          f"{getattr(history, 'shape', None)}; it takes float32 [H, 3] with "
                          "H >= 1 (amax of x, w, dy per step), or [H, 4] with a use count.")
-    if backend not in (None, "pallas", "xla"):
-        raise UsageError(f"fp8_matmul_delayed: backend={backend!r}; use 'pallas', 'xla' or "
-                         "None (pallas on a GPU, else xla).")
-    if backend is None:
-        backend = "pallas" if jax.default_backend() == "gpu" else "xla"
-    impl = ("pallas", _util.resolve_interpret(interpret)) if backend == "pallas" else ("xla",)
+    impl = _impl("fp8_matmul_delayed", backend, interpret)
     return _fp8_matmul_delayed(x, w, history.astype(jnp.float32), impl, tuple(axes))
 
 
@@ -405,6 +393,18 @@ def cast_weight(w: jax.Array, s: jax.Array, *, backend: str | None = None,
             jax.lax.bitcast_convert_type(w8t, jnp.uint8))
 
 
+def _quantize_operand(t: jax.Array, dtype: jnp.dtype, history: jax.Array | None,
+                      column: int, impl: tuple) -> tuple:
+    """``(scale, row-wise payload, column-wise payload, amax or None)`` of `t` in both
+    layouts: current scaling without a `history`, else the scale of the history's `column`
+    (its amax recorded in the same pass)."""
+    if history is None:
+        s = _scale(_amax_of(t, impl), LIMITS[np.dtype(dtype)])
+        return (s, *_quantize(t, s, dtype, "both", impl), None)
+    s = history_scales(history)[column]
+    return (s, *_quantize_amax(t, s, dtype, "both", impl))
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
 def _fp8_matmul_prequantized(x, w, w8, w8t, sw, amax_w, history, impl, axes):
     return _pre_fwd(x, w, w8, w8t, sw, amax_w, history, impl, axes)[0]
@@ -413,13 +413,7 @@ def _fp8_matmul_prequantized(x, w, w8, w8t, sw, amax_w, history, impl, axes):
 def _pre_fwd(x, w, w8, w8t, sw, amax_w, history, impl, axes):
     # `w` is not read: the GEMM takes the given payload; w only receives the gradient.
     e4 = jnp.float8_e4m3fn
-    if history is None:
-        sx = _scale(_amax_of(x, impl), E4M3_MAX)
-        x8, xt8 = _quantize(x, sx, e4, "both", impl)
-        amax_x = None
-    else:
-        sx = history_scales(history)[0]
-        x8, xt8, amax_x = _quantize_amax(x, sx, e4, "both", impl)
+    sx, x8, xt8, amax_x = _quantize_operand(x, e4, history, 0, impl)
     y = _product(x8, jax.lax.bitcast_convert_type(w8t, e4), sx, sw, x.dtype)
     return y, (jax.lax.bitcast_convert_type(xt8, jnp.uint8), sx, w8, sw, amax_x, amax_w,
                history)
@@ -428,14 +422,9 @@ def _pre_fwd(x, w, w8, w8t, sw, amax_w, history, impl, axes):
 def _pre_bwd(impl, axes, res, dy):
     xt8, sx, w8, sw, amax_x, amax_w, history = res
     e4, e5 = jnp.float8_e4m3fn, jnp.float8_e5m2
-    if history is None:
-        sg = _scale(_amax_of(dy, impl), E5M2_MAX)
-        g8, gt8 = _quantize(dy, sg, e5, "both", impl)
-        new = None
-    else:
-        sg = history_scales(history)[2]
-        g8, gt8, amax_g = _quantize_amax(dy, sg, e5, "both", impl)
-        new = _recorded(history, jnp.stack([amax_x, amax_w, amax_g]), axes)
+    sg, g8, gt8, amax_g = _quantize_operand(dy, e5, history, 2, impl)
+    new = (None if history is None
+           else _recorded(history, jnp.stack([amax_x, amax_w, amax_g]), axes))
     dx = _product(g8, jax.lax.bitcast_convert_type(w8, e4), sg, sw, dy.dtype)
     # w has x's dtype, which is y's and so dy's.
     dw = _product(jax.lax.bitcast_convert_type(xt8, e4), gt8, sx, sg, dy.dtype)
