@@ -6,7 +6,8 @@
 # FLOAT8=1; torchao's wheel carried in .carry/whl), for the 1b preset (seq 2048, 4 sequences per
 # GPU) and the llama3-8b shape (seq 4096, 1 sequence per GPU, remat full, 8 layers).
 # Writes $OUT/<model>_gtp_<gather>_<compute>.json and $OUT/<model>_torch.jsonl; prints the rows as they finish.
-# Usage: OUT=dir [MODELS="1b 8b"] [VARIANTS="none:none,fp8:delayed,..."] bash benchmarks/fp8_2gpu.sh
+# Usage: OUT=dir [MODELS="1b 8b"] [VARIANTS="none:none,fp8:delayed,..."] [PEERS=0: no torch rows]
+#   bash benchmarks/fp8_2gpu.sh
 set -u
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1 PYTHONPATH="$PWD"
 OUT=${OUT:-runs/fp8_2gpu}; mkdir -p "$OUT"
@@ -23,13 +24,14 @@ for model in ${MODELS:-1b 8b}; do
     A="--preset llama3-8b --layers 8 --seq 4096 --per-device-batch 1 --remat full"; V=gtp
     T="PRESET=llama3-8b LAYERS=8 SEQ=4096 MB=1"
   fi
-  A="$A --steps 15 --warmup 3 --timeout 150 --unroll-layers"
+  A="$A --steps 15 --warmup 3 --timeout ${TIMEOUT:-150} --unroll-layers"
   VARIANTS=${VARIANTS:-none:none,none:delayed,fp8:delayed,none:tensorwise,fp8:tensorwise}
   for v in ${VARIANTS//,/ }; do
     set -- ${v//:/ }
     python3 -m gtp_jax.bench overlap $A --variants "$V" --gather-format "$1" \
       --fp8-compute "$2" --json "$OUT/${model}_gtp_$1_$2.json" 2>&1 | grep -E '^\[|Error'
   done
+  [ "${PEERS:-1}" = 0 ] && continue
   for f8 in 0 1; do
     env $T COMPILE=1 FLOAT8=$f8 STEPS=15 PYTHONPATH="/tmp/torchao_site:$PWD" timeout 200 \
       torchrun --nproc_per_node="$NGPU" benchmarks/torch_fsdp2.py 2>&1 \

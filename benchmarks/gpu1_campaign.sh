@@ -10,10 +10,13 @@
 #      512 x 4, bf16 and --fp8-compute tensorwise (RECIPES="bf16 fp8"; "delayed" for
 #      --fp8-compute delayed), the held-out loss every 250 steps;
 #   6. offload: the 1b preset with and without --offload-optimizer (benchmarks/offload.sh,
-#      its first part: step time, peak memory, equal losses).
+#      its first part: step time, peak memory, equal losses; PROFILE=1 also times its host
+#      copies);
+#   7. fp8gathers: the 1b preset's step in bf16 and with FP8 compute fed by bf16 and by FP8
+#      gathers (benchmarks/fp8_2gpu.sh without the torch rows; VARIANTS as there).
 # Writes $OUT/gemm.json, $OUT/cli_*.json (--metrics-json), $OUT/campaign.log and
 # $OUT/plan_accuracy/.
-# Usage: OUT=dir [STEPS=15] [PARTS="gemm cli llama plan fp8loss offload"] [RECIPES=...] [DATA=dir]
+# Usage: OUT=dir [STEPS=15] [PARTS="gemm cli llama plan fp8loss offload fp8gathers"] [RECIPES=...] [DATA=dir]
 #   [TOKENIZER=dir] bash benchmarks/gpu1_campaign.sh
 set -u
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1 PYTHONPATH="$PWD"
@@ -49,6 +52,9 @@ for part in ${PARTS:-gemm cli llama plan fp8loss offload}; do
           "${extra[@]}" --metrics-json "$OUT/loss_$recipe.json" 2>&1 | grep -v -i deprecat \
           | grep -E "loss|step time|memory|eval|held|rror" | tail -12
       done ;;
+    fp8gathers) log "FP8 gathers, 1b"
+                OUT="$OUT/fp8_gathers" MODELS=1b PEERS=0 timeout 480 \
+                  bash benchmarks/fp8_2gpu.sh 2>&1 | tail -8 ;;
     offload) log "optimizer offload, 1b seq 2048"
              OUT="$OUT/offload" BIG="" timeout 200 bash benchmarks/offload.sh 2>&1 | tail -12 ;;
     plan) log "planner accuracy"

@@ -5,7 +5,10 @@
 #      over the run, and the loss of both runs (the same seed);
 #   2. the largest preset that trains at seq 4096 (1 sequence, remat full) with and without
 #      offload: the presets are tried largest first, the first that completes its steps wins.
-# Usage: OUT=dir bash benchmarks/offload.sh
+# With PROFILE=1, steps 6-8 of the offloaded run of part 1 are traced and its host <-> device
+# copies timed (python -m gtp_jax.bench.trace --host: each direction, both at once, hidden
+# by compute) into $OUT/host_copies.log.
+# Usage: OUT=dir [PROFILE=1] [BIG=""] bash benchmarks/offload.sh
 # Reduced run on a CPU (checks the script, no memory figures):
 #   SMALL=tiny SEQ1=32 BIG="tiny" SEQ2=64 STEPS=2 bash benchmarks/offload.sh
 set -u
@@ -24,11 +27,30 @@ report() { grep -E "loss: first|step time|memory per device|out of memory|RESOUR
 
 for flag in --no-offload-optimizer --offload-optimizer; do
   log "$SMALL seq $SEQ1 batch $BATCH1 $flag"
+  trace=()
+  [ -n "${PROFILE:-}" ] && [ "$flag" = --offload-optimizer ] && \
+    trace=(--profile-dir "$OUT/trace" --profile-steps 6:8)
   timeout "$LIMIT" python3 -m gtp_jax train --preset "$SMALL" --seq "$SEQ1" \
-    --batch "$BATCH1" --steps "$STEPS" --gtp 1 --dp 1 $flag \
+    --batch "$BATCH1" --steps "$STEPS" --gtp 1 --dp 1 $flag "${trace[@]}" \
     > "$OUT/small$flag.log" 2>&1
   echo "exit $?"; report "$OUT/small$flag.log"
 done
+if [ -n "${PROFILE:-}" ]; then
+  python3 -m gtp_jax.bench.trace "$OUT/trace" --steps 3 --host 2>&1 | tee "$OUT/host_copies.log"
+  python3 - "$OUT/trace" <<'PY' 2>&1 | tee -a "$OUT/host_copies.log"
+import collections, sys
+from gtp_jax.bench.trace import find_trace, load_events
+totals = collections.Counter()
+for e in load_events(find_trace(sys.argv[1])):  # what the copies are called in this trace
+    if e.get("ph") == "X" and "emcpy" in e.get("name", ""):
+        totals[e["name"][:60]] += float(e.get("dur", 0)) / 3e3
+for name, ms in totals.most_common(8):
+    print(f"{name}: {ms:.2f} ms/step")
+PY
+  python3 -m gtp_jax.bench.kernels "$OUT/trace" --steps 3 --top 25 2>&1 \
+    | tee "$OUT/kernels.log" | head -45
+  rm -rf "$OUT/trace"  # hundreds of MB; the tables above are what is kept
+fi
 a=$(grep "loss: first" "$OUT/small--no-offload-optimizer.log")
 b=$(grep "loss: first" "$OUT/small--offload-optimizer.log")
 # GPU training is not bitwise reproducible run to run (atomic reductions), so equal losses

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import re
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -115,6 +116,29 @@ def test_lowp_gather_differs_from_full_precision(key, seed) -> None:
         out[fmt] = np.asarray(nnx.jit(lambda m, t: m(t))(sm, tokens))
     err = np.max(np.abs(out["nvfp4"] - out[None])) / np.max(np.abs(out[None]))
     assert 1e-3 < err < 0.5, err
+
+
+def test_one_wide_axis_gathers_nothing_so_quantizes_nothing(key, seed) -> None:
+    # gtp=1 (one GPU, or pure data parallelism): nothing crosses a link, so a gather format
+    # must not round the weights: the model computes like the unquantized one, bit for bit
+    # with the format off. FP8-compute kernels keep their payloads (their GEMM reads them).
+    mesh = get_mesh("dp8_gtp1")
+    ref = Mixed(nnx.Rngs(seed))
+    tokens = jax.device_put(mixed_tokens(key), NamedSharding(mesh, P(gtp_jax.data_axes(mesh))))
+    out = {}
+    for fmt in (None, *FORMATS):
+        sm = gtp_jax.shard(ref, mesh, gtp_jax.GTPConfig(min_elements=0, gather_format=fmt,
+                                                        quant_backend=REF))
+        assert sm.plan and not any(p.spec.quantized for p in sm.plan), fmt
+        out[fmt] = _grads(sm, mse_loss, tokens)
+    for fmt in FORMATS:
+        chex.assert_trees_all_equal(out[fmt], out[None])
+    fp8 = dict(min_elements=0, fp8_compute="tensorwise", fp8_min_features=0)
+    sm = gtp_jax.shard(ref, mesh, gtp_jax.GTPConfig(gather_format="fp8", **fp8))
+    assert any(p.spec.fp8_in_dims for p in sm.plan)
+    assert all(p.spec.fp8_in_dims or not p.spec.quantized for p in sm.plan)
+    plain = gtp_jax.shard(ref, mesh, gtp_jax.GTPConfig(**fp8))
+    chex.assert_trees_all_equal(_grads(sm, mse_loss, tokens), _grads(plain, mse_loss, tokens))
 
 
 @pytest.mark.parametrize(("prefetch", "backend"), [(False, REF), (True, "pallas")])

@@ -11,6 +11,7 @@ from gtp_jax.bench.trace import (
     analyze_events,
     exposed_spans,
     find_trace,
+    host_transfers,
     intersect,
     load_events,
     trim,
@@ -115,3 +116,22 @@ def test_exposed_spans_name_the_collectives_running_alone():
     assert start == pytest.approx(0.1) and length == pytest.approx(0.05)
     assert "AllGather" in names
     assert exposed_spans([e for e in _gpu_trace() if e["pid"] == 2]) == []
+
+
+def test_host_transfers_time_each_direction_duplex_and_hiding():
+    # Compute over [0, 100) us; host->device copies [50, 150), device->host [120, 180): 30 us
+    # in both directions at once, 50 us of copies under compute, 130 us of copies in all, 80
+    # exposed. A collective and a device-to-device copy count as neither; a stream's name
+    # (which lists all the work it ran) does not make its kernels copies.
+    events = [
+        _meta(1, "/device:GPU:0"),
+        _meta(1, "/device:GPU:0", 7, "Stream #7(Kernel,MemcpyH2D,MemcpyD2H)"),
+        _meta(1, "/device:GPU:0", 8, "Stream #8(MemcpyH2D,MemcpyD2D)"),
+        _kernel(1, 7, "nvjet_tst_gemm", 0, 100),
+        _kernel(1, 8, "MemcpyH2D", 50, 100), _kernel(1, 8, "MemcpyD2D", 150, 200),
+        _kernel(1, 8, "MemcpyD2H", 120, 60), _kernel(1, 7, "ncclDevKernel_AllGather", 300, 50),
+    ]
+    (r,) = host_transfers(events)
+    assert (r.h2d_ms, r.d2h_ms, r.both_ms) == (0.1, 0.06, 0.03)
+    assert (r.hidden_ms, r.busy_ms, r.compute_ms) == (0.05, 0.13, 0.1)
+    assert r.exposed_ms == pytest.approx(0.08)

@@ -167,6 +167,81 @@ def analyze_events(events: list[dict[str, Any]]) -> list[DeviceOverlap]:
     return results
 
 
+#: Host <-> device copies (CUPTI names them e.g. ``MemcpyH2D`` / ``Memcpy HtoD``), matched on
+#: the event's name (a stream's name lists every kind of work it ran, so it says nothing).
+H2D_PATTERN = re.compile(r"memcpy.*(h2d|htod|h_?to_?d|host.?to.?device)", re.IGNORECASE)
+D2H_PATTERN = re.compile(r"memcpy.*(d2h|dtoh|d_?to_?h|device.?to.?host)", re.IGNORECASE)
+
+
+@dataclasses.dataclass(frozen=True)
+class HostTransfers:
+    """Host <-> device copies of one device over the traced window (milliseconds).
+
+    ``both_ms``: both directions moving at once (the link's duplex used); ``hidden_ms``:
+    some copy moving while a compute kernel (anything not a copy or collective) runs."""
+
+    device: str
+    h2d_ms: float
+    d2h_ms: float
+    both_ms: float
+    hidden_ms: float
+    compute_ms: float
+    window_ms: float
+
+    @property
+    def busy_ms(self) -> float:
+        """Time some host copy is moving (the union of both directions)."""
+        return self.h2d_ms + self.d2h_ms - self.both_ms
+
+    @property
+    def exposed_ms(self) -> float:
+        return self.busy_ms - self.hidden_ms
+
+
+def host_transfers(events: list[dict[str, Any]]) -> list[HostTransfers]:
+    """Per-device timing of host <-> device copies (`H2D_PATTERN`, `D2H_PATTERN`) against
+    compute: how much of the link's time ran both directions, and how much compute hid.
+    Empty if the trace has no devices."""
+    _, thread_names = _device_threads(events)
+    out = []
+    for device, kernels in sorted(_device_events(events, lambda _: True).items()):
+        h2d, d2h, compute = [], [], []
+        for e in kernels:
+            thread = thread_names.get((e.get("pid"), e.get("tid")), "")
+            if _SUMMARY_THREADS.search(thread):
+                continue
+            span = (float(e["ts"]), float(e["ts"]) + float(e["dur"]))
+            name = e.get("name", "")
+            if H2D_PATTERN.search(name):
+                h2d.append(span)
+            elif D2H_PATTERN.search(name):
+                d2h.append(span)
+            elif not (COMM_PATTERN.search(name) or re.search(r"memcpy|memset", name, re.I)):
+                compute.append(span)
+        h2d_u, d2h_u, compute_u = union(h2d), union(d2h), union(compute)
+        moving = union(h2d_u + d2h_u)
+        spans = moving + compute_u
+        window = (max(b for _, b in spans) - min(a for a, _ in spans)) if spans else 0.0
+        out.append(HostTransfers(
+            device=device, h2d_ms=length(h2d_u) / 1e3, d2h_ms=length(d2h_u) / 1e3,
+            both_ms=length(intersect(h2d_u, d2h_u)) / 1e3,
+            hidden_ms=length(intersect(moving, compute_u)) / 1e3,
+            compute_ms=length(compute_u) / 1e3, window_ms=window / 1e3))
+    return out
+
+
+def summarize_host(results: list[HostTransfers], steps: int = 1) -> str:
+    """A Markdown table of `results`, per step."""
+    lines = ["| device | host->device ms/step | device->host ms/step | both at once | "
+             "hidden by compute | exposed ms/step | compute ms/step |",
+             "|---|---|---|---|---|---|---|"]
+    for r in results:
+        lines.append(f"| {r.device} | {r.h2d_ms / steps:.2f} | {r.d2h_ms / steps:.2f} | "
+                     f"{r.both_ms / steps:.2f} | {r.hidden_ms / steps:.2f} | "
+                     f"{r.exposed_ms / steps:.2f} | {r.compute_ms / steps:.2f} |")
+    return "\n".join(lines)
+
+
 def exposed_spans(events: list[dict[str, Any]], device: int = 0, top: int = 15
                   ) -> list[tuple[float, float, str]]:
     """The `top` longest stretches of communication with no compute kernel running, on the
@@ -264,6 +339,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="with --each: also write trace_<variant>_excerpt.json.gz here")
     parser.add_argument("--excerpt-ms", type=float, default=60.0,
                         help="device time kept in each excerpt (see `trim`)")
+    parser.add_argument("--host", action="store_true",
+                        help="also time host <-> device copies (optimizer offload): each "
+                        "direction, both at once, hidden by compute")
     parser.add_argument("--exposed", type=int, default=0, metavar="N",
                         help="also list device 0's N longest stretches of exposed "
                         "communication, with what ran then")
@@ -276,6 +354,9 @@ def main(argv: list[str] | None = None) -> int:
     events = load_events(path)
     results = analyze_events(events)
     print(summarize(results, args.steps))
+    if args.host:
+        print()
+        print(summarize_host(host_transfers(events), args.steps))
     if args.exposed:
         print("\n| starts at ms | exposed ms | communication running |\n|---|---|---|")
         for start, dur, names in exposed_spans(events, top=args.exposed):

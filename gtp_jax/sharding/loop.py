@@ -149,7 +149,10 @@ class LoopSpec:
       keep_gathered: the forward pass stacks the gathered weights for the backward pass.
       mid, last: residual splits of the scanned layers and of the peeled last layer.
       unrolled: the unrolled schedule's residual split of each layer (each layer is its own
-        trace there), filled as the layers are traced.
+        trace there), filled as the layers are traced. Layers whose arguments have the same
+        structure, shapes and dtypes share the abstract trace of the first such layer (its
+        residuals' jaxpr, as the scanned layers share `mid`'s): the layer is traced
+        abstractly once, not once per layer.
     """
 
     layer: Callable
@@ -160,10 +163,19 @@ class LoopSpec:
     mid: _ResidualSplit = dataclasses.field(default_factory=_ResidualSplit)
     last: _ResidualSplit = dataclasses.field(default_factory=_ResidualSplit)
     unrolled: dict[int, _ResidualSplit] = dataclasses.field(default_factory=dict)
+    by_signature: dict[Any, _ResidualSplit] = dataclasses.field(default_factory=dict)
 
-    def split_at(self, i: int) -> _ResidualSplit:
-        """The unrolled schedule's residual split of layer `i`."""
-        return self.unrolled.setdefault(i, _ResidualSplit())
+    def split_at(self, i: int, args: tuple | None = None) -> _ResidualSplit:
+        """The unrolled schedule's residual split of layer `i`; the forward pass passes the
+        layer's arguments (`args`) to choose it, the backward pass finds it by `i`."""
+        if args is None or i in self.unrolled:
+            return self.unrolled[i]
+        split = _ResidualSplit()
+        twin = self.by_signature.setdefault(_signature(args), split)
+        if twin.jaxpr is not None:
+            split.jaxpr, split.num_h, split.saved = twin.jaxpr, twin.num_h, twin.saved
+        self.unrolled[i] = split
+        return split
 
     def gather(self, layer_shards: list[jax.Array]) -> list[jax.Array]:
         # One call per layer: low-precision formats agree on all of a layer's scales with
@@ -342,6 +354,14 @@ def _layer_like(stacks: list[jax.Array]) -> list[jax.ShapeDtypeStruct]:
     return [jax.ShapeDtypeStruct(x.shape[1:], x.dtype) for x in stacks]
 
 
+def _signature(args: tuple) -> Any:
+    """Structure, shapes, dtypes and weak types of `args`: what the trace of a layer depends
+    on besides the layer function itself."""
+    leaves, treedef = jax.tree.flatten(args)
+    avals = [jax.typeof(x) for x in leaves]
+    return treedef, tuple((a.shape, a.dtype, getattr(a, "weak_type", False)) for a in avals)
+
+
 def _run_layer(spec: LoopSpec, split: _ResidualSplit | None, h: Any, w: list, p: list,
                consts: list) -> tuple[Any, list | None]:
     if split is None:
@@ -510,8 +530,9 @@ def _unrolled_forward(spec, h, shards, plain, consts, keep):
             # no earlier (left alone, XLA may issue it anywhere before its use).
             h, shards = _tied(spec, h, shards)
             w_next = spec.gather(_static_at(shards, i + 1))
-        h, r = _run_layer(spec, spec.split_at(i) if keep else None, h, w,
-                          _static_at(plain, i), consts)
+        p_i = _static_at(plain, i)
+        h, r = _run_layer(spec, spec.split_at(i, (h, w, p_i, consts)) if keep else None, h, w,
+                          p_i, consts)
         res.append(r)
         ws.append(spec.kept(w) if kept else None)
         w = w_next

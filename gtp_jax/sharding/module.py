@@ -500,6 +500,13 @@ def plan_placement(module: nnx.Module, mesh: Mesh, config: GTPConfig) -> Placeme
             elif plan is not None and path in fp8_direct and plan.spec.quantized and not splits:
                 plan = dataclasses.replace(plan, spec=dataclasses.replace(
                     plan.spec, fp8_in_dims=fp8_direct[path]))
+            elif plan is not None and plan.spec.quantized and plan.spec.axis_size == 1:
+                # A 1-wide axis gathers nothing: a low-precision format would only round the
+                # weight (and cost a quantize and dequantize pass per step), so it reaches
+                # its GEMM in the compute dtype. FP8-compute kernels above still get their
+                # payloads: their GEMM reads them.
+                plan = dataclasses.replace(plan, spec=dataclasses.replace(
+                    plan.spec, gather_format=None))
         elif any(k in meta for k in SPLIT_AXES) and any(
                 mesh.shape.get(a, 1) > 1 for a in SPLIT_AXES.values()):
             raise TypeError(
