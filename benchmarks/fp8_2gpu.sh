@@ -24,7 +24,7 @@ for model in ${MODELS:-1b 8b}; do
     A="--preset llama3-8b --layers 8 --seq 4096 --per-device-batch 1 --remat full"; V=gtp
     T="PRESET=llama3-8b LAYERS=8 SEQ=4096 MB=1"
   fi
-  A="$A --steps 15 --warmup 3 --timeout ${TIMEOUT:-150} --unroll-layers"
+  A="$A --steps 15 --warmup 3 --timeout ${TIMEOUT:-240} --unroll-layers"
   VARIANTS=${VARIANTS:-none:none,none:delayed,fp8:delayed,none:tensorwise,fp8:tensorwise}
   for v in ${VARIANTS//,/ }; do
     set -- ${v//:/ }

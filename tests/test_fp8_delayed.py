@@ -209,13 +209,15 @@ def test_sharded_decoder_trains_like_unsharded_with_delayed_scaling(key, seed):
 def test_fp8_gathers_with_delayed_scaling_train_like_one_device(key, seed):
     # Under fp8 gathers a kernel's GEMM reads its gathered payload, scaled by the weight's
     # current amax (agreed over the GTP axis); activations and gradients keep the history.
-    # The same recipe on one device (nothing gathered, the same payloads) is the reference.
+    # The reference is the same recipe over 2 shards on 2 devices (on one device nothing is
+    # gathered, so the weights keep delayed scaling there): the agreed amax makes the
+    # payloads the same for any number of shards.
     cfg = preset("tiny", d_model=64, n_heads=2, d_ff=128, vocab_size=128, n_layers=2,
                  remat="dots", unroll_layers=False)
     config = dataclasses.replace(DELAYED, fp8_min_features=64, prefetch=True,
                                  gather_format="fp8", include=(r"blocks/(attn|mlp)/.*kernel",))
     meshes = {"sharded": get_mesh("dp2_gtp4"),
-              "one device": gtp_jax.make_mesh(gtp=1, dp=1, devices=jax.devices()[:1])}
+              "gtp2": gtp_jax.make_mesh(gtp=2, dp=1, devices=jax.devices()[:2])}
     losses, histories = {}, {}
     for name, mesh in meshes.items():
         sharded = gtp_jax.shard(Transformer(cfg, rngs=nnx.Rngs(seed)), mesh, config)
@@ -227,10 +229,10 @@ def test_fp8_gathers_with_delayed_scaling_train_like_one_device(key, seed):
             gtp_jax.data_sharding(mesh)))["loss"]) for i in range(3)]
         step.sync()
         histories[name] = _histories(sharded)
-    for path, h in histories["one device"].items():
+    for path, h in histories["gtp2"].items():
         assert np.all(h[:, :3, :3] > 0), path
         assert_close(histories["sharded"][path], h, RTOL_SAME_MATH, path)
-    np.testing.assert_allclose(losses["sharded"], losses["one device"], rtol=1e-3)
+    np.testing.assert_allclose(losses["sharded"], losses["gtp2"], rtol=1e-3)
 
 
 class _Reuse(nnx.Module):

@@ -61,8 +61,8 @@ def test_every_readme_shell_block_runs_as_written(tmp_path: Path) -> None:
         output = proc.stdout + proc.stderr
         assert proc.returncode == 0, f"README block {i} failed:\n{block}\n---\n{output[-4000:]}"
         assert not ERROR_TEXT.search(output), f"README block {i} printed error text:\n{output}"
-        if "--simulate-failure step=5,device=5" in block:  # training through a failure
-            for part in ("simulated failure after step 5: devices [5] lost", "layout before:",
+        if "--simulate-failure step=4,device=5" in block:  # training through a failure
+            for part in ("simulated failure after step 4: devices [5] lost", "layout before:",
                          "DEGRADED", "re-plan", "loss around the failure"):
                 assert part in output, (part, output[-3000:])
         if "--checkpoint-dir ck --resume" in block:

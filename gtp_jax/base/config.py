@@ -80,7 +80,7 @@ class GTPConfig:
         (`gather_dtype`, else the parameter dtype). Master weights and reduce-scattered
         gradients stay in high precision (straight-through gradient). Weights of per-layer
         rank 1 are gathered unquantized. Over a 1-wide `axis` nothing is gathered, so no
-        weight is quantized (except the payloads that FP8-compute GEMMs read).
+        format applies (weights are not rounded; FP8 GEMMs quantize theirs themselves).
       quant_backend: "pallas" (the `gtp_jax.pallas` kernels; interpreted on CPU) or
         "reference" (the pure-JAX reference implementation of the same formats).
       prefetch: double-buffered prefetch in `gtp_jax.scan_layers`: layer ``i + 1``'s

@@ -368,8 +368,7 @@ def describe_choices(cfg: TrainConfig, model_cfg: TransformerConfig) -> str:
     gathers bfloat16, remat dots, attention cudnn, layers unrolled (gathered one ahead)``."""
     gather = cfg.gather_format or cfg.gather_dtype or "float32 (the parameter dtype)"
     if cfg.gather_format and cfg.gtp == 1:
-        gather = (f"none at gtp=1 (no {cfg.gather_format} rounding"
-                  + (", fp8 payloads for the fp8 GEMMs)" if cfg.fp8_compute else ")"))
+        gather = f"none at gtp=1 (--gather-format {cfg.gather_format} has no effect)"
     if cfg.cp > 1:
         attention = f"ring over cp={cfg.cp}"
     else:
