@@ -23,7 +23,7 @@ def test_parse_mesh() -> None:
 @pytest.mark.parametrize("mesh", ["gtp=2,cp=4", "gtp=8"])
 def test_worker_one_step_finite_loss(mesh, capsys) -> None:
     assert bench.main(["--worker-mesh", mesh, "--worker-seq", "24", "--preset", "tiny",
-                       "--steps", "1", "--warmup", "1"]) == 0
+                       "--layers", "1", "--steps", "1", "--warmup", "1"]) == 0
     line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("RESULT "))
     result = json.loads(line[len("RESULT "):])
     assert math.isfinite(result["loss"]) and result["seq"] == 24

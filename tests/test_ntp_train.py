@@ -160,20 +160,6 @@ def test_gtp_axis_with_alignment_padding_tracks_the_uniform_run():
     np.testing.assert_allclose(failed.losses[3:], uniform.losses[3:], rtol=LOSS_RTOL)
 
 
-def test_cli_simulated_failure_run(capsys):
-    # In process: the runs above compiled these programs (the persistent compilation cache
-    # serves them); README.md's failure example runs the command line as a process.
-    assert cli_main(["train", "--tp", "4", "--dp", "2", "--steps", "8", "--batch", "8",
-                     "--seq", "32", "--warmup", "2", "--simulate-failure",
-                     "step=4,device=5"]) == 0
-    out = capsys.readouterr().out
-    assert "on 8 cpu devices" in out  # --tp 4 --dp 2: gtp fills 8 devices (gtp=1)
-    for part in ("simulated failure after step 4: devices [5] lost", "layout before:",
-                 "replica dp=1: DEGRADED, tp=2", "re-plan", "ms, re-layout of the training",
-                 "loss around the failure: steps 2-4", "step time median"):
-        assert part in out, (part, out[-3000:])
-
-
 BASE = ["train", "--tp", "4", "--dp", "2", "--steps", "8", "--batch", "8", "--seq", "32"]
 
 

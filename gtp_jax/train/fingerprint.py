@@ -70,48 +70,51 @@ def fingerprint(x: jax.Array, extent: tuple[int, ...] | None = None) -> jax.Arra
 
 def digest(values: Mapping[str, Any], infos: Mapping[str, Mapping[str, Any]],
             mesh: Mesh | None) -> tuple[dict[str, str], list[str]]:
-    """(checksum per array as 16 hex digits, arrays holding NaN/inf) in one jitted pass.
+    """(checksum per array as 16 hex digits, arrays holding NaN/inf).
 
     Both are computed over the logical array (padding dropped, tp/ep split layout undone),
     so a checkpoint saved on one mesh verifies after a restore onto any other. The result
-    is replicated, so every process of a multi-process run gets the same answer.
+    is replicated, so every process of a multi-process run gets the same answer. One small
+    jitted program per distinct array layout (a weight, its gradient-shaped optimizer
+    moments and every layer-stacked twin share one), not one program for the whole state:
+    a model's first save compiles a few small programs instead of one as large as the model.
     """
     keys = sorted(values)
-    if mesh is not None:
-        replicated = NamedSharding(mesh, P())
-        args = [v if isinstance(getattr(v, "sharding", None), NamedSharding)
-                else jax.device_put(v, replicated) for v in (values[k] for k in keys)]
-    else:
-        replicated, args = None, [values[k] for k in keys]
-    frozen = json.dumps([infos[k] for k in keys], sort_keys=True)
-    prints, finite = _jit_digest(frozen, replicated)(args)
-    prints = np.asarray(prints.addressable_data(0)) if hasattr(prints, "addressable_data") \
-        else np.asarray(prints)
-    finite = np.asarray(finite.addressable_data(0)) if hasattr(finite, "addressable_data") \
-        else np.asarray(finite)
-    checksums = {k: f"{int(a):08x}{int(b):08x}" for k, (a, b) in zip(keys, prints)}
-    return checksums, [k for k, ok in zip(keys, finite) if not ok]
+    replicated = NamedSharding(mesh, P()) if mesh is not None else None
+    results = []
+    for k in keys:
+        v = values[k]
+        if mesh is not None and not isinstance(getattr(v, "sharding", None), NamedSharding):
+            v = jax.device_put(v, replicated)
+        results.append(_jit_digest(json.dumps(infos[k], sort_keys=True), replicated)(v))
+    checksums, nonfinite = {}, []
+    for k, (fp, finite) in zip(keys, results):
+        a, b = (int(x) for x in _local(fp))
+        checksums[k] = f"{a:08x}{b:08x}"
+        if not bool(_local(finite)):
+            nonfinite.append(k)
+    return checksums, nonfinite
+
+
+def _local(x: Any) -> np.ndarray:
+    """A replicated result as a NumPy array (its first addressable copy)."""
+    return np.asarray(x.addressable_data(0)) if hasattr(x, "addressable_data") else np.asarray(x)
 
 
 @functools.cache
 def _jit_digest(frozen: str, sharding: Any):
-    infos = json.loads(frozen)
+    info = json.loads(frozen)
 
-    def digest(arrays):
-        prints, finite = [], []
-        for x, info in zip(arrays, infos):
-            # Host-memory arrays (an offloaded optimizer state) are hashed on the device:
-            # compute ops take device-memory operands.
-            x = to_device(x)
-            if split_layout(info):  # tp/ep split: undo the permutation first
-                x, extent = to_logical(x, info), None
-            else:  # at most GTP padding: hash in place, padding masked
-                extent = tuple(int(n) for n in info["logical_shape"])
-            prints.append(fingerprint(x, extent))
-            finite.append(jnp.all(jnp.isfinite(x)) if jnp.issubdtype(x.dtype, jnp.inexact)
-                          else jnp.bool_(True))
-        if not prints:
-            return jnp.zeros((0, 2), jnp.uint32), jnp.zeros((0,), bool)
-        return jnp.stack(prints), jnp.stack(finite)
+    def digest(x):
+        # Host-memory arrays (an offloaded optimizer state) are hashed on the device:
+        # compute ops take device-memory operands.
+        x = to_device(x)
+        if split_layout(info):  # tp/ep split: undo the permutation first
+            x, extent = to_logical(x, info), None
+        else:  # at most GTP padding: hash in place, padding masked
+            extent = tuple(int(n) for n in info["logical_shape"])
+        finite = (jnp.all(jnp.isfinite(x)) if jnp.issubdtype(x.dtype, jnp.inexact)
+                  else jnp.bool_(True))
+        return fingerprint(x, extent), finite
 
     return jax.jit(digest, out_shardings=sharding) if sharding is not None else jax.jit(digest)
