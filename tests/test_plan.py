@@ -29,6 +29,7 @@ from gtp_jax.plan import (
     plan,
     timing,
 )
+from gtp_jax.plan.layout import enumerate_layouts
 from gtp_jax.train import TrainConfig
 from gtp_jax.train.config import model_config
 from gtp_jax.train.loop import build_model_and_optimizer
@@ -153,3 +154,15 @@ def test_offload_lowers_the_bound_by_the_optimizer_state():
     # ... and only while their weight is updated (after the clipping, the forward's
     # activations freed): the bound drops by at least most of the moments.
     assert off["total"] - on["total"] >= off["optimizer"] - on["optimizer"] > 0
+
+
+def test_one_wide_gtp_layouts_take_no_gather_format():
+    # Over gtp=1 no gather format applies (the trainer gathers nothing): the formats collapse
+    # into one candidate per remat and loop, where gtp > 1 keeps each.
+    layouts, _ = enumerate_layouts(BASE, 2, PlanSpace(mesh={"tp": 1, "cp": 1, "ep": 1},
+                                                      gather_formats=(None, "fp8", "nvfp4")))
+    wide = [lay for lay in layouts if lay.gtp == 2]
+    narrow = [lay for lay in layouts if lay.gtp == 1]
+    assert narrow and all(lay.gather_format is None for lay in narrow)
+    assert {lay.gather_format for lay in wide} == {None, "fp8", "nvfp4"}
+    assert len(wide) == 3 * len(narrow)

@@ -151,8 +151,11 @@ def enumerate_layouts(base: TrainConfig, devices: int, space: PlanSpace) -> tupl
     for sizes in _factorizations(rest, len(axes)):
         mesh = {"ep": 1, **fixed, **dict(zip(axes, sizes))}
         reason = _invalid(base, model_cfg, mesh)
-        combos = list(itertools.product(space.remat, space.loops, space.gather_formats,
-                                        space.offload))
+        # Over a 1-wide gtp axis no gather format applies (the trainer gathers nothing), so
+        # every format there is the same program as None: one candidate, not several.
+        formats = (space.gather_formats if mesh["gtp"] > 1
+                   else tuple(dict.fromkeys(None for _ in space.gather_formats)))
+        combos = list(itertools.product(space.remat, space.loops, formats, space.offload))
         if reason is not None:
             skipped += len(combos)
             continue
