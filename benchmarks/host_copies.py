@@ -1,0 +1,201 @@
+"""How fast optimizer moments stream between pinned host memory and one GPU, by layout.
+
+An AdamW step over `--layers` layer groups of `--elements` float32 parameters each, with
+both moments in host memory, in four forms (each one jitted program, state donated):
+
+* ``stacked``: `gtp_jax.sharding.offload.streamed_update`, moments as one ``[layers, n]``
+  host buffer each, copied per group with dynamic slices (the trainer's layout);
+* ``static``: the same layout and order with static slice bounds;
+* ``grouped``: moments as one host array per layer group, each copied whole (a DMA
+  transfer each way), same double-buffered order;
+* ``in`` / ``out`` / ``both``: the copies alone (whole arrays host -> device,
+  device -> host, or both at once), the link's rates for comparison.
+
+Prints one table: ms per step, and GB/s of moment bytes moved (both moments, both ways for
+the updates). Usage (one GPU):
+
+    python benchmarks/host_copies.py [--layers 16] [--elements 50000000]
+
+On a CPU it runs with small sizes to check itself (`--elements 1000`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from gtp_jax.sharding.offload import (
+    HOST_MEMORY_KIND,
+    init_streamed_on_host,
+    streamable_chain,
+    streamed_update,
+)
+
+B1, B2, LR, EPS = 0.9, 0.95, 1e-3, 1e-8
+
+
+def _time(fn, args, steps: int, *fixed) -> float:
+    """Median seconds per call of ``fn(*args, *fixed)``, which returns the next call's
+    `args` (donated). Nothing donated is returned as a non-donated input: JAX pairs donated
+    buffers with outputs by shape, and a host buffer must not meet a device output."""
+    hlo = fn.lower(*args, *fixed).compile().as_text()
+    ops = {op: hlo.count(f" {op}(") for op in ("copy-start", "dynamic-slice",
+                                                  "dynamic-update-slice")}
+    print(f"  compiled: {ops}", flush=True)
+    for _ in range(2):
+        args = fn(*args, *fixed)
+    jax.block_until_ready(args)
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        args = fn(*args, *fixed)
+        jax.block_until_ready(args)
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
+def _adam(p, g, m, v, count):
+    m = B1 * m + (1 - B1) * g
+    v = B2 * v + (1 - B2) * g * g
+    mh = m / (1 - B1 ** count)
+    vh = v / (1 - B2 ** count)
+    return p - LR * mh / (jnp.sqrt(vh) + EPS), m, v
+
+
+def grouped_step(params, ms, vs, grads):
+    """The grouped layout's update: group k's moments come in while group k-1 updates;
+    every copy is a whole array."""
+    n = len(ms)
+    out_p, out_m, out_v, done = [], [], [], []
+    for k in range(n):
+        gate = done[k - 2] if k >= 2 else [grads[k]]
+        (m_h, v_h), _ = jax.lax.optimization_barrier(((ms[k], vs[k]), gate))
+        m = jax.device_put(m_h, jax.memory.Space.Device)
+        v = jax.device_put(v_h, jax.memory.Space.Device)
+        p, m, v = _adam(params[k], grads[k], m, v, 2.0)
+        done.append([p, m, v])
+        out_p.append(p)
+        out_m.append(jax.device_put(m, jax.memory.Space.Host))
+        out_v.append(jax.device_put(v, jax.memory.Space.Host))
+    return jnp.stack(out_p), out_m, out_v
+
+
+def stacked_static_step(params, ms, vs, grads, *, group: int):
+    """The trainer's order on one ``[layers, n]`` host buffer per moment, but with static
+    slice bounds (no index through a barrier): XLA may copy a contiguous static slice with
+    a memcpy instead of a kernel."""
+    L = params.shape[0]
+    out_p, done, pending = [], [], None
+    for k, s in enumerate(range(0, L, group)):
+        gate = done[k - 2] if k >= 2 else [grads]
+        (ms, vs), _ = jax.lax.optimization_barrier(((ms, vs), gate))
+        m = jax.device_put(ms[s:s + group], jax.memory.Space.Device)
+        v = jax.device_put(vs[s:s + group], jax.memory.Space.Device)
+        if pending is not None:  # the previous group's write-back, after this read
+            ps, pm, pv = pending
+            (ms, vs), _ = jax.lax.optimization_barrier(((ms, vs), (m, v)))
+            ms = ms.at[ps:ps + group].set(jax.device_put(pm, jax.memory.Space.Host))
+            vs = vs.at[ps:ps + group].set(jax.device_put(pv, jax.memory.Space.Host))
+        p, m, v = _adam(params[s:s + group], grads[s:s + group], m, v, 2.0)
+        done.append([p, m, v])
+        out_p.append(p)
+        pending = (s, m, v)
+    ps, pm, pv = pending
+    ms = ms.at[ps:ps + group].set(jax.device_put(pm, jax.memory.Space.Host))
+    vs = vs.at[ps:ps + group].set(jax.device_put(pv, jax.memory.Space.Host))
+    return jnp.concatenate(out_p), ms, vs
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--layers", type=int, default=16)
+    parser.add_argument("--elements", type=int, default=50_000_000,
+                        help="float32 parameters per layer group")
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--forms", default="stacked,static,grouped,in,out,both")
+    args = parser.parse_args()
+    L, N = args.layers, args.elements
+    mesh = Mesh(np.array(jax.devices()[:1]), ("x",))
+    dev = NamedSharding(mesh, PartitionSpec())
+    host = dev.with_memory_kind(HOST_MEMORY_KIND)
+    moment_gb = 2 * L * N * 4 / 1e9  # both moments
+    rows = []
+    forms = args.forms.split(",")
+
+    def params_and_grads():
+        key = jax.random.key(0)
+        p = jax.device_put(jax.random.normal(key, (L, N), jnp.float32), dev)
+        g = jax.device_put(jax.random.normal(jax.random.key(1), (L, N), jnp.float32), dev)
+        return p, g
+
+    if "stacked" in forms:
+        tx = streamable_chain(optax.identity(), optax.adam(LR, b1=B1, b2=B2, eps=EPS))
+        p, g = params_and_grads()
+        state = init_streamed_on_host(tx, {"w": p}, {"w": True})
+
+        def stacked(p, state, g):
+            new_p, new_state = streamed_update(tx, {"w": g}, state, {"w": p}, {"w": True})
+            return new_p["w"], new_state
+
+        fn = jax.jit(stacked, donate_argnums=(0, 1))
+        rows.append(("stacked (one host buffer per moment)",
+                     _time(fn, (p, state), args.steps, g), 2 * moment_gb))
+        del p, g, state, fn
+
+    if "static" in forms:
+        p, g = params_and_grads()
+        ms = jax.device_put(np.zeros((L, N), np.float32), host)
+        vs = jax.device_put(np.zeros((L, N), np.float32), host)
+        fn = jax.jit(lambda p, m, v, g: stacked_static_step(p, m, v, g, group=1),
+                     donate_argnums=(0, 1, 2), out_shardings=(dev, host, host))
+        rows.append(("stacked, static slices",
+                     _time(fn, (p, ms, vs), args.steps, g), 2 * moment_gb))
+        del p, g, ms, vs, fn
+
+    if "grouped" in forms:
+        p, g = params_and_grads()
+        ms = [jax.device_put(np.zeros(N, np.float32), host) for _ in range(L)]
+        vs = [jax.device_put(np.zeros(N, np.float32), host) for _ in range(L)]
+        out_shardings = (dev, [host] * L, [host] * L)
+        fn = jax.jit(lambda p, m, v, g: grouped_step(list(p), m, v, list(g)),
+                     donate_argnums=(0, 1, 2), out_shardings=out_shardings)
+        rows.append(("grouped (one host array per group)",
+                     _time(fn, (p, ms, vs), args.steps, g), 2 * moment_gb))
+        del p, g, ms, vs, fn
+
+    if {"in", "out", "both"} & set(forms):
+        def copy_in(hs, ds):
+            return hs, [jax.device_put(h, jax.memory.Space.Device) for h in hs]
+
+        def copy_out(hs, ds):
+            return [jax.device_put(d, jax.memory.Space.Host) for d in ds], ds
+
+        def copy_both(hs, ds):
+            return ([jax.device_put(d, jax.memory.Space.Host) for d in ds],
+                    [jax.device_put(h, jax.memory.Space.Device) for h in hs])
+
+        shard = ([host] * (2 * L), [dev] * (2 * L))
+        for name, f, gb in (("in", copy_in, moment_gb), ("out", copy_out, moment_gb),
+                            ("both", copy_both, 2 * moment_gb)):
+            if name in forms:
+                hs = [jax.device_put(np.ones(N, np.float32), host) for _ in range(2 * L)]
+                ds = [jax.device_put(jnp.ones(N, jnp.float32), dev) for _ in range(2 * L)]
+                fn = jax.jit(f, donate_argnums=(0, 1), out_shardings=shard)
+                rows.append((f"copies only: {name}", _time(fn, (hs, ds), args.steps), gb))
+                del hs, ds, fn
+
+    print(f"| form | ms per step | GB moved | GB/s |  ({L} groups x {N} float32, "
+          f"{jax.devices()[0].device_kind}, jax {jax.__version__})")
+    print("| --- | --- | --- | --- |")
+    for name, sec, gb in rows:
+        print(f"| {name} | {sec * 1e3:.1f} | {gb:.2f} | {gb / sec:.1f} |")
+
+
+if __name__ == "__main__":
+    main()
