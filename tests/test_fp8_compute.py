@@ -444,3 +444,25 @@ def test_fp8_compute_with_nothing_eligible_or_tp_is_refused(seed):
     sharded = gtp_jax.shard(model, get_mesh("gtp8"), only)
     assert [p for p, _, _ in sharded.fp8_layers] == ["gen"]
     assert any("gen: matmuls in fp8" in line for line in sharded.describe())
+
+
+def test_fp8_bench_counts_gemms_and_quantize_launches_in_a_compiled_program():
+    from gtp_jax.bench.fp8 import _gemm_counts, _launches
+
+    hlo = "\n".join([
+        '%a = f32[2] custom-call(bf16[8]{0} %p), custom_call_target="__gpu$xla.gpu.triton", '
+        'backend_config={"name":"gtp_multi_amax","num_warps":4}',
+        '%b = (f8e4m3fn[4,4], f8e4m3fn[4,4]) custom-call(bf16[4,4] %x), '
+        'custom_call_target="__gpu$xla.gpu.triton", backend_config={"name":'
+        '"gtp_cast_transpose_fp8__3"}',
+        '%c = (f8e4m3fn[4,4], f8e4m3fn[4,4]) custom-call(bf16[4,4] %y), '
+        'custom_call_target="__gpu$xla.gpu.triton", backend_config={"name":'
+        '"gtp_cast_transpose_fp8"}',
+        '%d = bf16[4,4] custom-call(%b, %c), custom_call_target="__cublas$lt$matmul$f8"',
+        '%e = bf16[4,4] custom-call(%x, %y), custom_call_target="__cublas$gemm"',
+        '%f = bf16[4,4] fusion(%x), kind=kLoop, calls=%gtp_not_a_call',
+    ])
+    counts = _gemm_counts(hlo)
+    assert counts == {"fp8_gemms": 1, "other_gemms": 1,
+                      "quantize_launches": {"gtp_cast_transpose_fp8": 2, "gtp_multi_amax": 1}}
+    assert _launches(counts) == "cast_transpose_fp8 2, multi_amax 1"

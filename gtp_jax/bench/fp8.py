@@ -19,6 +19,7 @@ cuBLASLt FP8 GEMMs (``__cublas$lt$matmul$f8``) and how many are not. The PyTorch
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import re
@@ -37,7 +38,12 @@ GEMM_SIZES = (1024, 2048, 4096, 8192)
 def _gemm_counts(hlo: str) -> dict[str, int]:
     targets = re.findall(r'custom_call_target="(__cublas\$[^"]+)"', hlo)
     fp8 = sum(t.endswith("$f8") for t in targets)
-    return {"fp8_gemms": fp8, "other_gemms": len(targets) - fp8}
+    # gtp_jax's Pallas kernels (amax, casts) by name: the quantize launches per step.
+    kernels = collections.Counter(
+        m.group(1) for line in hlo.splitlines() if "custom-call(" in line
+        for m in [re.search(r"\b(gtp_[a-z0-9_]+?)(?:__\d+)?\b", line)] if m)
+    return {"fp8_gemms": fp8, "other_gemms": len(targets) - fp8,
+            "quantize_launches": dict(sorted(kernels.items()))}
 
 
 def _median_ms(fn, *args, steps: int, warmup: int) -> float:
@@ -205,13 +211,22 @@ def _spawn(row: str, args: argparse.Namespace) -> list[dict[str, Any]]:
     return found
 
 
+def _launches(row: dict[str, Any]) -> str:
+    """``amax 24, cast_transpose 60`` from a row's Pallas kernel counts (GEMM rows: -)."""
+    counts = row.get("quantize_launches")
+    if counts is None:
+        return "-"
+    return ", ".join(f"{k.removeprefix('gtp_')} {n}" for k, n in counts.items()) or "0"
+
+
 def _table(results: list[dict[str, Any]]) -> str:
-    lines = ["| row | step ms | TFLOP/s | peak GiB | FP8 GEMMs | other GEMMs | vs bf16 |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
+    lines = ["| row | step ms | TFLOP/s | peak GiB | FP8 GEMMs | other GEMMs | quantize "
+             "launches | vs bf16 |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     by = {r["row"]: r for r in results}
     for r in results:
         if "error" in r:
-            lines.append(f"| {r['row']} | error: {r['error'][:120]} | | | | | |")
+            lines.append(f"| {r['row']} | error: {r['error'][:120]} | | | | | | |")
             continue
         twin = by.get("blocks_bf16" if r["row"].startswith("blocks_")
                       else r["row"].replace("fp8", "bf16"))
@@ -219,7 +234,8 @@ def _table(results: list[dict[str, Any]]) -> str:
                  and twin is not r else "")
         peak = f"{r['peak_gib']:.1f}" if r.get("peak_gib") is not None else "-"
         lines.append(f"| {r['row']} | {r['step_ms']:.2f} | {r['tflops']:.0f} | {peak} | "
-                     f"{r.get('fp8_gemms', '-')} | {r.get('other_gemms', '-')} | {ratio} |")
+                     f"{r.get('fp8_gemms', '-')} | {r.get('other_gemms', '-')} | "
+                     f"{_launches(r)} | {ratio} |")
     return "\n".join(lines)
 
 
