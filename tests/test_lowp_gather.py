@@ -208,3 +208,14 @@ def test_unknown_gather_format_and_backend_are_clear_errors() -> None:
         gtp_jax.GTPConfig(gather_format="int4")
     with pytest.raises(ValueError, match="quant_backend='cuda'"):
         gtp_jax.GTPConfig(gather_format="fp8", quant_backend="cuda")
+
+
+def test_default_quant_backend_is_the_kernels_on_gpus_and_the_reference_elsewhere(monkeypatch):
+    from gtp_jax.sharding import collectives
+
+    assert gtp_jax.GTPConfig(gather_format="nvfp4").quant_backend is None
+    assert collectives.resolve_quant_backend(None) == "reference"  # CPU: no interpreter
+    assert collectives.resolve_quant_backend("pallas") == "pallas"
+    monkeypatch.setattr(collectives.jax, "default_backend", lambda: "gpu")
+    assert collectives.resolve_quant_backend(None) == "pallas"
+    assert collectives.resolve_quant_backend("reference") == "reference"

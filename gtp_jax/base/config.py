@@ -81,8 +81,10 @@ class GTPConfig:
         gradients stay in high precision (straight-through gradient). Weights of per-layer
         rank 1 are gathered unquantized. Over a 1-wide `axis` nothing is gathered, so no
         format applies (weights are not rounded; FP8 GEMMs quantize theirs themselves).
-      quant_backend: "pallas" (the `gtp_jax.pallas` kernels; interpreted on CPU) or
-        "reference" (the pure-JAX reference implementation of the same formats).
+      quant_backend: None (default: the `gtp_jax.pallas` kernels when the default JAX
+        backend is a GPU, else the pure-JAX reference, which gives the kernels' bits),
+        "pallas" (the kernels; run by the Pallas interpreter off GPUs, slowly: for tests)
+        or "reference" (the pure-JAX reference implementation of the same formats).
       prefetch: double-buffered prefetch in `gtp_jax.scan_layers`: layer ``i + 1``'s
         weights are gathered while layer ``i`` computes, and in the backward loop layer
         ``i - 1``'s weights are gathered and layer ``i + 1``'s gradient reduce-scattered
@@ -130,7 +132,7 @@ class GTPConfig:
     remat_gathered: bool = True
     gather_format: str | None = None
     prefetch: bool = False
-    quant_backend: str = "pallas"
+    quant_backend: str | None = None
     keep_gathered_layers: bool = False
     fp8_compute: str | None = None
     fp8_min_features: int = 2048
@@ -186,10 +188,10 @@ class GTPConfig:
                 f"GTPConfig.gather_format={self.gather_format!r} is unknown; "
                 f"choose one of {GATHER_FORMATS}."
             )
-        if self.quant_backend not in QUANT_BACKENDS:
+        if self.quant_backend is not None and self.quant_backend not in QUANT_BACKENDS:
             raise UsageError(
                 f"GTPConfig.quant_backend={self.quant_backend!r} is unknown; "
-                f"choose one of {QUANT_BACKENDS}."
+                f"choose one of {QUANT_BACKENDS} or None (the kernels on a GPU)."
             )
         if self.fp8_compute not in FP8_COMPUTE_RECIPES:
             raise UsageError(

@@ -35,7 +35,8 @@ class GatherSpec:
       gather_dtype: dtype the shard is cast to before the all-gather, or None.
       reduce_dtype: dtype the gradient is reduce-scattered in.
       gather_format: low-precision gather format ("fp8", "mxfp8", "nvfp4") or None.
-      quant_backend: "pallas" or "reference" implementation of the quantizer.
+      quant_backend: "pallas" or "reference" implementation of the quantizer, or None:
+        the kernels when the default backend is a GPU, else the reference.
       fp8_in_dims: > 0 for the kernel of an FP8-compute layer gathered in fp8: it is
         gathered as a `gtp_jax.sharding.fp8_gather.Fp8GatheredWeight` whose payload the
         layer's FP8 GEMM reads as is; the layer contracts its first `fp8_in_dims` dims.
@@ -50,7 +51,7 @@ class GatherSpec:
     gather_dtype: np.dtype | None
     reduce_dtype: np.dtype
     gather_format: str | None = None
-    quant_backend: str = "pallas"
+    quant_backend: str | None = None
     fp8_in_dims: int = 0
 
     @property
@@ -126,7 +127,8 @@ def all_gather_shards(shards: Sequence[jax.Array], specs: Sequence[GatherSpec]
             direct.setdefault(spec.axis, []).append(i)
             continue
         if spec.quantized:
-            groups.setdefault((spec.gather_format, spec.quant_backend, spec.axis), []).append(i)
+            groups.setdefault((spec.gather_format, resolve_quant_backend(spec.quant_backend),
+                               spec.axis), []).append(i)
             continue
         shard = shards[i]
         if spec.gather_dtype is not None:
@@ -154,6 +156,14 @@ def all_gather_shards(shards: Sequence[jax.Array], specs: Sequence[GatherSpec]
         for i, w in zip(idx, gather_fp8([shards[i] for i in idx], [specs[i] for i in idx])):
             out[i] = w
     return out
+
+
+def resolve_quant_backend(backend: str | None) -> str:
+    """`backend`, with None resolved: "pallas" where the default JAX backend is a GPU, else
+    "reference" (the same bits without the Pallas interpreter's cost)."""
+    if backend is None:
+        return "pallas" if jax.default_backend() == "gpu" else "reference"
+    return backend
 
 
 def _unpad(full: jax.Array, spec: GatherSpec) -> jax.Array:

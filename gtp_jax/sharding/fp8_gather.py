@@ -133,14 +133,15 @@ def gather_fp8(shards: list[jax.Array], specs: list[GatherSpec]) -> list[Fp8Gath
     from gtp_jax.pallas.formats import amax_reference
 
     axis, wide = specs[0].axis, specs[0].axis_size > 1
-    on_gpu = jax.default_backend() == "gpu"
-    if on_gpu and specs[0].quant_backend == "pallas":
+    # The kernels on GPUs unless the reference is asked for; the XLA path elsewhere.
+    kernels = jax.default_backend() == "gpu" and specs[0].quant_backend != "reference"
+    if kernels:
         local = jnp.stack(multi_amax_pallas(shards, interpret=False))
     else:
         local = jnp.stack([amax_reference(s) for s in shards])
     # One all-reduce for all of a layer's kernels; padding is zeros and never the max.
     amax = jax.lax.pmax(local, axis) if wide else local
-    backend = "pallas" if on_gpu and specs[0].quant_backend == "pallas" else "xla"
+    backend = "pallas" if kernels else "xla"
     out = []
     for i, (shard, spec) in enumerate(zip(shards, specs)):
         s = fm.weight_scale(amax[i])
