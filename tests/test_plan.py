@@ -166,3 +166,16 @@ def test_one_wide_gtp_layouts_take_no_gather_format():
     assert narrow and all(lay.gather_format is None for lay in narrow)
     assert {lay.gather_format for lay in wide} == {None, "fp8", "nvfp4"}
     assert len(wide) == 3 * len(narrow)
+
+
+@pytest.mark.parametrize("preset", ["llama3.2-3b", "llama3-8b", "tiny"])
+def test_predicted_compute_counts_the_models_own_matmul_flops(preset):
+    # With one rate for GEMMs and attention, the predicted compute of a step is the model's
+    # own count of its training FLOPs over that rate: the q/k/v/o projections as the model
+    # has them (grouped-query attention in the llama presets), not four d_model x d_model
+    # matrices.
+    rate = 1e12
+    cal = dataclasses.replace(FIXED, gemm_flops=rate, attention_flops=rate, devices=1)
+    cfg = TrainConfig(preset=preset, batch_size=2, seq_len=64, dp=1, gtp=1, remat="dots")
+    want = model_config(cfg).train_flops_per_token(64) * 2 * 64 / rate
+    assert timing.step_seconds(cfg, cal)["compute"] == pytest.approx(want, rel=1e-12)

@@ -12,9 +12,10 @@ Each collective costs ``latency + bytes moved per device / bandwidth``, with the
 and latency of an all-gather / reduce-scatter over all devices (`Calibration`). Matmul
 FLOPs are ``6 * (block + head parameters)`` per token divided over ``tp``; remat "full"
 adds one more forward pass (8 instead of 6), "dots" recomputes no matmul. Attention FLOPs
-are ``6 * n_layers * d_model * seq`` per token (causal), again with a forward more under
-"full". Not modelled: elementwise work, the optimizer update, the embedding, kernel
-efficiency at other shapes than the calibration's; the elementwise work of the activations.
+are ``6 * n_layers * n_heads * head_dim * seq`` per token (causal), again with a forward
+more under "full": the model's own `train_flops_per_token` (block parameters as the model
+has them: grouped-query attention's k and v projections are smaller). Not modelled:
+elementwise work, the embedding, kernel efficiency at other shapes than the calibration's.
 The optimizer update is memory-bound: ``bytes of the state read and written / memory
 bandwidth`` (AdamW: 28 bytes per float32 parameter and step). The model ranks layouts; its
 absolute accuracy is what `benchmarks/plan_accuracy.sh` measures.
@@ -223,10 +224,14 @@ def step_seconds(cfg: TrainConfig, cal: Calibration) -> dict[str, float]:
     mlp = 3 * d * f
     if mc.moe_experts:
         mlp = mc.moe_top_k * 3 * d * mc.expert_d_ff + d * mc.moe_experts
-    dense = layers * (4 * d * d + mlp) + mc.vocab_size * d
+    # q, k, v, o projections as the model has them (grouped-query attention: fewer kv
+    # heads; `head_dim` may differ from d_model / n_heads), as `train_flops_per_token`
+    width = mc.n_heads * mc.head_size
+    attn = 2 * d * mc.head_size * (mc.n_heads + mc.kv_heads)
+    dense = layers * (attn + mlp) + mc.vocab_size * d
     passes = 8.0 if mc.remat == "full" else 6.0
     matmul = passes * dense * tokens / cfg.tp
-    attention = passes * layers * d * cfg.seq_len * tokens / cfg.tp
+    attention = passes * layers * width * cfg.seq_len * tokens / cfg.tp
     compute = matmul / cal.gemm_flops + attention / cal.attention_flops
 
     def ag(nbytes: float, size: int, count: int = 1) -> float:
