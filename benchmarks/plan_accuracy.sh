@@ -6,12 +6,19 @@
 # measured peak memory per device (peak_bytes_in_use) and step time (median step, the
 # compiling first step excluded). Writes $OUT/plan_accuracy.json and prints the table.
 # Environment: OUT (default runs), SEQS (default "2048 4096"), BATCH (default 8),
-# STEPS (default 10), TOP (default 5), PRESETS (default "1b llama3-8b").
+# STEPS (default 10), TOP (default 5), PRESETS (default "1b llama3-8b"), TIMEOUT (seconds
+# per plan or run, default 900), SUMMARY_ONLY=1 (print the table of the runs already in $OUT).
+# JAX's persistent compilation cache is on (JAX_COMPILATION_CACHE_DIR, default a folder under
+# /tmp), so a run reuses the program its plan compiled instead of compiling it again.
 set -u
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1 PYTHONPATH="$PWD"
+export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/gtp_jax_plan_accuracy_cache}
+export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=${JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS:-0}
+TIMEOUT=${TIMEOUT:-900}
 OUT=${OUT:-runs}; mkdir -p "$OUT/plan_accuracy"
 SEQS=${SEQS:-"2048 4096"}; BATCH=${BATCH:-8}; STEPS=${STEPS:-10}; TOP=${TOP:-5}
 PRESETS=${PRESETS:-"1b llama3-8b"}
+[ "${SUMMARY_ONLY:-0}" = 1 ] && PRESETS=""
 for preset in $PRESETS; do
   if ! python3 -c "import sys; from gtp_jax.models import PRESETS; sys.exit('$preset' not in PRESETS)"; then
     echo "skip $preset: no such preset in this version"; continue
@@ -19,7 +26,8 @@ for preset in $PRESETS; do
   for seq in $SEQS; do
     tag="${preset}_s${seq}"
     plan_json="$OUT/plan_accuracy/plan_${tag}.json"
-    timeout 900 python3 -m gtp_jax plan --preset "$preset" --seq "$seq" --batch "$BATCH" \
+    timeout "$TIMEOUT" python3 -m gtp_jax plan --preset "$preset" --seq "$seq" --batch "$BATCH" \
+      --steps "$STEPS" --warmup 2 \
       --top "$TOP" --limit 30 --json "$plan_json" 2>&1 | tee "$OUT/plan_accuracy/plan_${tag}.log"
     [ -f "$plan_json" ] || continue
     python3 - "$plan_json" "$TOP" > "$OUT/plan_accuracy/flags_${tag}.txt" <<'PY'
@@ -31,7 +39,7 @@ PY
     i=0
     while read -r flags; do
       i=$((i + 1))
-      timeout 900 python3 -m gtp_jax train --preset "$preset" --seq "$seq" --batch "$BATCH" \
+      timeout "$TIMEOUT" python3 -m gtp_jax train --preset "$preset" --seq "$seq" --batch "$BATCH" \
         --steps "$STEPS" --warmup 2 $flags --metrics-json "$OUT/plan_accuracy/run_${tag}_${i}.json" \
         2>&1 | tail -3 | sed "s/^/[$tag #$i] /"
     done < "$OUT/plan_accuracy/flags_${tag}.txt"

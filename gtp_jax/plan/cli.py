@@ -38,6 +38,12 @@ def _parser() -> argparse.ArgumentParser:
                         "CPU devices (on a GPU host it must equal the GPU count)")
     parser.add_argument("--seq", type=int, default=128, help="tokens per sequence")
     parser.add_argument("--batch", type=int, default=16, help="global batch in sequences")
+    parser.add_argument("--steps", type=int, default=100,
+                        help="optimizer steps of the run (as train's --steps: the LR schedule "
+                             "is part of the compiled step, so with JAX's persistent "
+                             "compilation cache on, the run reuses the plan's compile)")
+    parser.add_argument("--warmup", type=int, default=10,
+                        help="warm-up steps of the run (as train's --warmup)")
     parser.add_argument("--memory-gib", type=float, default=None,
                         help="budget per device in GiB; default: the device's memory "
                         "(none on CPU)")
@@ -63,7 +69,7 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """``python -m gtp_jax plan [options]`` (`argv` without the ``plan`` word)."""
     args = _parser().parse_args(argv)
-    for name in ("gpus", "seq", "batch", "top"):
+    for name in ("gpus", "seq", "batch", "top", "steps"):
         value = getattr(args, name)
         if value is not None and value < 1:
             print(f"error: --{name} {value} must be >= 1.", file=sys.stderr)
@@ -97,13 +103,15 @@ def _plan(args: argparse.Namespace) -> int:
                       offload={"both": (False, True), "on": (True,), "off": (False,)}[
                           args.offload])
     base = TrainConfig(preset=args.preset, batch_size=args.batch, seq_len=args.seq,
-                       dtype=args.dtype, dp=1, gtp=1)
+                       steps=args.steps, warmup=args.warmup, dtype=args.dtype, dp=1, gtp=1)
     cal = calibration(resolve_auto(base).dtype, refresh=args.calibrate)
     result = plan(base, memory_gib=args.memory_gib, space=space, top=args.top, cal=cal)
     print(format_table(result, limit=args.limit or None), flush=True)
     if result.best is not None:
+        schedule = "" if (args.steps, args.warmup) == (100, 10) else (
+            f"--steps {args.steps} --warmup {args.warmup} ")
         print(f"best: python -m gtp_jax train --preset {args.preset} --batch {args.batch} "
-              f"--seq {args.seq} {result.best.layout.flags()}")
+              f"--seq {args.seq} {schedule}{result.best.layout.flags()}")
     else:
         print("no layout fits: lower --batch or --seq, or raise --memory-gib")
     if args.json:

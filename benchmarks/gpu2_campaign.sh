@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# Two-GPU checks in one call, parts in the order given (a part starts only while BUDGET
+# seconds have not run out, and is stopped when they do):
+#   fp8_1b / fp8_8b: FP8 compute fed by FP8 gathers against gtp_jax's bf16 step and against
+#     PyTorch FSDP2 + torch.compile with torchao float8 and float8 all-gather
+#     (benchmarks/fp8_2gpu.sh; torchao's wheel in .carry/whl), the 1b preset and the
+#     llama3-8b shape (8 layers);
+#   plan_1b / plan_8b: the layout planner's predictions against runs of its top layouts
+#     (benchmarks/plan_accuracy.sh): 1b at seq 2048 and 4096 (8 sequences), llama3-8b
+#     (32 layers) at seq 4096 (2 sequences).
+# Writes $OUT/fp8/ and $OUT/plan/ (tables at the end of the log: plan_accuracy.json).
+# Usage: OUT=dir [BUDGET=seconds] [PARTS="fp8_1b plan_1b plan_8b fp8_8b"]
+#   [FP8_VARIANTS=none:none,fp8:delayed,fp8:tensorwise] [TOP=3] bash benchmarks/gpu2_campaign.sh
+set -u
+export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1 PYTHONPATH="$PWD"
+OUT=${OUT:-runs/gpu2}; mkdir -p "$OUT"
+BUDGET=${BUDGET:-3600}; TOP=${TOP:-3}
+FP8_VARIANTS=${FP8_VARIANTS:-none:none,fp8:delayed,fp8:tensorwise}
+T0=$(date +%s)
+left() { echo $(( BUDGET - ($(date +%s) - T0) )); }
+log() { echo "== t=$(( $(date +%s) - T0 ))s $*"; }
+nvidia-smi -L 2>&1 | tee "$OUT/gpus.txt"
+for part in ${PARTS:-fp8_1b plan_1b plan_8b fp8_8b}; do
+  if [ "$(left)" -lt 30 ]; then log "skip $part: the budget is spent"; continue; fi
+  log "$part ($(left) s left)"
+  case $part in
+    fp8_1b|fp8_8b)
+      OUT="$OUT/fp8" MODELS=${part#fp8_} VARIANTS="$FP8_VARIANTS" \
+        timeout "$(left)" bash benchmarks/fp8_2gpu.sh ;;
+    plan_1b)
+      OUT="$OUT/plan" PRESETS=1b SEQS="2048 4096" BATCH=8 TOP=$TOP STEPS=8 TIMEOUT=300 \
+        timeout "$(left)" bash benchmarks/plan_accuracy.sh ;;
+    plan_8b)
+      OUT="$OUT/plan" PRESETS=llama3-8b SEQS=4096 BATCH=2 TOP=$TOP STEPS=6 TIMEOUT=420 \
+        timeout "$(left)" bash benchmarks/plan_accuracy.sh ;;
+    *) echo "unknown part $part (fp8_1b fp8_8b plan_1b plan_8b)"; exit 2 ;;
+  esac
+done
+log "tables"
+SUMMARY_ONLY=1 OUT="$OUT/plan" bash benchmarks/plan_accuracy.sh
+python3 - "$OUT/fp8" <<'PY'
+import glob, json, os, sys
+out = sys.argv[1]
+rows = []
+for path in sorted(glob.glob(f"{out}/*_gtp_*.json")):
+    for r in json.load(open(path)):
+        rows.append((os.path.basename(path)[:-5], r["step_ms"], r["peak_mem_gib"]))
+for path in sorted(glob.glob(f"{out}/*_torch.jsonl")):
+    for line in open(path):
+        if line.startswith("RESULT "):
+            r = json.loads(line[7:])
+            rows.append((f"{r['preset']}_{r['variant']}", r["step_ms"], r["peak_mem_gib"]))
+for name, ms, gib in rows:
+    print(f"{name:<42} {ms:8.1f} ms {gib:7.2f} GiB")
+PY
+log "done"
