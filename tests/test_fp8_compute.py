@@ -16,6 +16,7 @@ reference of a sharded run is the unsharded module applied to each data shard's 
 from __future__ import annotations
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -387,21 +388,27 @@ def test_fp8_gathered_kernels_feed_the_gemm_with_the_bits_of_bf16_gathers(key, s
 @pytest.mark.parametrize("keep", [False, True], ids=["regather", "keep_gathered"])
 def test_fp8_gathered_decoder_trains_with_the_bits_of_bf16_gathers(keep, key, seed):
     # The scanned loop with prefetch (re-gathering in the backward pass, or keeping the
-    # gathered payloads), three optimizer steps.
+    # gathered payloads), three optimizer steps of the gathered kernels. The other weights
+    # stay fixed: their gradients come out of two different XLA programs whose reductions
+    # may be ordered differently (float32 ulps, which AdamW's normalization then amplifies),
+    # a difference that is not the gather's.
     mesh = get_mesh("dp2_gtp4")
     cfg = preset("tiny", d_model=96, n_heads=4, d_ff=200, vocab_size=250, n_layers=2,
                  remat="dots", unroll_layers=False)
     base = gtp_jax.GTPConfig(fp8_compute="tensorwise", fp8_min_features=64, prefetch=True,
                              keep_gathered_layers=keep)
+    kernels = nnx.All(nnx.Param, lambda path, _: re.search(
+        r"blocks/(attn|mlp)/.*kernel", "/".join(map(str, path))) is not None)
     runs = {}
     for config in _fp8_gathered(base, r"blocks/(attn|mlp)/.*kernel"):
         sharded = gtp_jax.shard(Transformer(cfg, rngs=nnx.Rngs(seed)), mesh, config)
-        opt = nnx.Optimizer(sharded, optax.adamw(1e-2), wrt=nnx.Param)
+        opt = nnx.Optimizer(sharded, optax.adamw(1e-2), wrt=kernels)
         replicate_stray_leaves(opt, mesh)
 
         @nnx.jit
         def step(m, o, batch):
-            loss, grads = nnx.value_and_grad(lm_loss)(m, batch)
+            loss, grads = nnx.value_and_grad(lm_loss, argnums=nnx.DiffState(0, kernels))(
+                m, batch)
             o.update(m, grads)
             return loss
 
@@ -411,6 +418,7 @@ def test_fp8_gathered_decoder_trains_with_the_bits_of_bf16_gathers(keep, key, se
         runs[config.gather_format] = (losses, gtp_jax.unshard_values(sharded, sharded),
                                       [p.spec.fp8_in_dims for p in sharded.plan])
     assert all(runs["fp8"][2]) and not any(runs[None][2])
+    assert runs[None][0][0] != runs[None][0][-1]  # the kernels did train
     assert runs["fp8"][0] == runs[None][0]
     for path, v in runs[None][1].items():
         np.testing.assert_array_equal(runs["fp8"][1][path], v, err_msg=path)
