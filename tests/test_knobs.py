@@ -1,6 +1,6 @@
 """The trainer's optimizer knobs (`gtp_jax.train.optim`), gradient accumulation
 (`gtp_jax.train.step.accumulate_grads`), job files (`gtp_jax.train.job_file`) and the
-host-memory check of simulated CPU runs (`gtp_jax.train.config.check_host_memory`)."""
+host-memory check of simulated CPU runs (`gtp_jax.train.memory.check_host_memory`)."""
 
 from __future__ import annotations
 
@@ -25,11 +25,12 @@ from gtp_jax.train import (
     make_optimizer,
     model_config,
 )
-from gtp_jax.train import config as train_config
+from gtp_jax.train import memory as train_memory
 from gtp_jax.train.cli import _parser
 from gtp_jax.train.cli import main as cli_main
-from gtp_jax.train.config import check_host_memory, memory_estimate, model_json, resolve_auto
+from gtp_jax.train.config import model_json, resolve_auto
 from gtp_jax.train.job_file import expand_job_file
+from gtp_jax.train.memory import check_host_memory, memory_bound
 from gtp_jax.train.optim import lr_schedule
 from gtp_jax.train.resume import check_resume
 from gtp_jax.train.step import accumulate_grads
@@ -230,7 +231,7 @@ def test_job_file_errors_name_the_key(tmp_path, capsys, text, needle) -> None:
 
 def test_host_memory_refusal() -> None:
     cfg = TrainConfig(preset="1b", steps=2)
-    need = memory_estimate(cfg)["total"] * jax.local_device_count()
+    need = memory_bound(cfg)["total"] * jax.local_device_count()
     check_host_memory(cfg, available=need)  # exactly enough: accepted
     with pytest.raises(DeviceMemoryError) as err:
         check_host_memory(cfg, available=need - 1)
@@ -240,7 +241,7 @@ def test_host_memory_refusal() -> None:
 
 
 def test_host_memory_refusal_at_the_cli(monkeypatch, capsys) -> None:
-    monkeypatch.setattr(train_config.host_memory, "available_host_bytes", lambda: 2 * 2**30)
+    monkeypatch.setattr(train_memory.host_memory, "available_host_bytes", lambda: 2 * 2**30)
     assert cli_main(["train", "--preset", "1b", "--steps", "1"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "of host memory, but 2.00 GiB are available" in err

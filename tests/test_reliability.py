@@ -25,8 +25,8 @@ from helpers import assert_unchanged, snapshot
 
 import gtp_jax
 import gtp_jax.train as train_module
-import gtp_jax.train.config as config_module
 import gtp_jax.train.loop as loop_module
+import gtp_jax.train.observe as observe_module
 from gtp_jax.base.errors import UsageError, UsageTypeError
 from gtp_jax.train import (
     MODEL_MAY_DIFFER,
@@ -35,6 +35,7 @@ from gtp_jax.train import (
     TrainConfig,
     TrainResult,
     check_memory_fits,
+    memory_bound,
     model_config,
     train,
 )
@@ -53,7 +54,6 @@ from gtp_jax.train.observe import (
     DeviceMemoryError,
     check_writable_dir,
     check_writable_file,
-    estimate_train_memory,
 )
 from gtp_jax.train.resume import check_resume as _check_resume
 
@@ -523,26 +523,25 @@ def test_lock_written_while_waiting_is_honoured(tmp_path: Path) -> None:
 # ---------------------------------------------------------------------- memory
 
 
-def test_memory_estimate_and_refusal(monkeypatch: pytest.MonkeyPatch) -> None:
-    cfg = model_config(RUN)
-    base = estimate_train_memory(cfg, batch_size=8, seq_len=32, dp=2, gtp=4)
-    # Parameters: about num_params * 4 bytes / gtp (embeddings and layers all sharded).
-    assert base["params"] == pytest.approx(cfg.num_params() * 4 / 4, rel=0.1)
+def test_memory_bound_and_refusal(monkeypatch: pytest.MonkeyPatch) -> None:
+    base = memory_bound(RUN)
+    # Parameters: num_params * 4 bytes / gtp (embeddings and layers all sharded).
+    assert base["params"] == model_config(RUN).num_params() * 4 // RUN.gtp
     assert base["optimizer"] == 2 * base["params"]
-    assert base["total"] == sum(v for k, v in base.items() if k != "total")
-    bigger = estimate_train_memory(cfg, batch_size=64, seq_len=32, dp=2, gtp=4)
+    assert base["total"] == base["params"] + base["optimizer"] + max(base["grads"],
+                                                                     base["activations"])
+    bigger = memory_bound(dataclasses.replace(RUN, batch_size=8 * RUN.batch_size))
     assert bigger["activations"] == 8 * base["activations"]
-    remat = {mode: estimate_train_memory(dataclasses.replace(cfg, remat=mode), batch_size=8,
-                                         seq_len=32, dp=2, gtp=4)["activations"]
-             for mode in ("none", "dots", "full")}
-    assert remat["full"] < remat["dots"] < remat["none"]
+    # Accumulation: the activations of one microbatch.
+    accum = memory_bound(dataclasses.replace(RUN, batch_size=2 * RUN.batch_size, grad_accum=2))
+    assert accum["activations"] == base["activations"]
 
     assert check_memory_fits(RUN, bytes_limit=2**40)["total"] == base["total"]
-    with pytest.raises(DeviceMemoryError, match=r"estimated .* GiB per device .* but a device "
-                                                r"has 0\.00 GiB; .*remat"):
+    with pytest.raises(DeviceMemoryError, match=r"needs at least .* GiB per device .* but a "
+                                                r"device has 0\.00 GiB; .*remat"):
         check_memory_fits(RUN, bytes_limit=1000)
     # train() refuses before building anything when the device reports a small limit.
-    monkeypatch.setattr(config_module, "device_memory_limit", lambda: 1000)
+    monkeypatch.setattr(observe_module, "device_memory_limit", lambda: 1000)
     monkeypatch.setattr(loop_module, "build_model_and_optimizer",
                         lambda cfg: pytest.fail("built a model"))
     with pytest.raises(DeviceMemoryError):

@@ -1,5 +1,6 @@
-"""A layout's memory per device: a closed-form lower bound (`memory_bound`, to prune without
-compiling) and the exact figure of the compiled training step (`compiled_memory`).
+"""A layout's memory per device: the exact figure of the compiled training step
+(`compiled_memory`); the closed-form lower bound that prunes without compiling is the
+trainer's own refusal check (`gtp_jax.train.memory.memory_bound`).
 
 `compiled_memory` lowers and compiles the very program `gtp_jax.train.train` runs (the
 `gtp_jax.train.step.step_program` of the model and optimizer `build_model_and_optimizer`
@@ -27,9 +28,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import gtp_jax
-from gtp_jax.base.metadata import STACKED
 from gtp_jax.models import Transformer, lm_loss
-from gtp_jax.sharding.offload import DEFAULT_GROUP_LAYERS, host_shapes, stream_units
+from gtp_jax.sharding.offload import host_shapes
 from gtp_jax.train.config import (
     TrainConfig,
     check_devices,
@@ -67,70 +67,6 @@ class MemoryFigure:
         return cls(argument=int(ma.argument_size_in_bytes), output=int(ma.output_size_in_bytes),
                    alias=int(ma.alias_size_in_bytes), temp=int(ma.temp_size_in_bytes),
                    generated_code=int(ma.generated_code_size_in_bytes))
-
-
-def memory_bound(cfg: TrainConfig) -> dict[str, int]:
-    """A lower bound of the training step's peak bytes per device, without compiling.
-
-    At the gradient clipping every gradient (float32 shards, like the parameters) is alive
-    next to the parameters and optimizer state; at the end of the forward pass the saved
-    per-layer activations (at least one ``d_model`` vector per token and layer) and the
-    logits are. So the peak is at least
-
-        state + max(grads, activations + logits)
-
-    with state = parameters and AdamW's two moments divided over
-    ``gtp * tp * ep`` (replicated small weights and padding only add), activations =
-    ``n_layers * tokens * d_model`` and logits = ``tokens * vocab`` in the compute dtype,
-    tokens = the device's ``batch * seq / (dp * ep * gtp * cp)``, split over tp as well.
-    Offloaded, the moments are in device memory only while their unit is updated (the
-    trainer's step streams them after the clipping one unit at a time: a not-stacked
-    weight, or one layer of every layer-stacked weight, `gtp_jax.sharding.offload`), so the
-    peak is at least ``parameters + max(grads, activations + logits, moments of the largest
-    unit)``, and "optimizer" is those moments: the unit that must be in device memory while
-    it is updated (the step holds up to about four units at once when its copies overlap
-    the updates; the bound counts the one it cannot do without).
-
-    Returns:
-      ``{"params", "optimizer", "grads", "activations", "total"}`` in bytes.
-    """
-    cfg = resolve_auto(cfg)
-    mc = model_config(cfg)
-    p_item = np.dtype(mc.param_dtype).itemsize
-    a_item = np.dtype(mc.dtype).itemsize
-    shards = cfg.gtp * cfg.tp * cfg.ep
-    params = mc.num_params() * p_item // shards
-    optimizer = 2 * params
-    if cfg.offload_optimizer:  # at least the unit being updated: its moments
-        optimizer = 2 * _largest_unit(mc) * p_item // shards
-    tokens = cfg.batch_size * cfg.seq_len // (cfg.dp * cfg.ep * cfg.gtp * cfg.cp)
-    activations = tokens * (mc.n_layers * mc.d_model + mc.vocab_size) * a_item // cfg.tp
-    if cfg.offload_optimizer:
-        total = params + max(params, activations, optimizer)
-    else:
-        total = params + optimizer + max(params, activations)
-    return {"params": params, "optimizer": optimizer, "grads": params,
-            "activations": activations, "total": total}
-
-
-@functools.cache
-def _largest_unit(model_cfg: Any) -> int:
-    """Parameter elements of the largest unit the offloaded step streams
-    (`gtp_jax.sharding.offload.stream_units` with its default layers per unit: a weight that
-    is not layer-stacked, or that many layers of every stacked weight), unsharded and
-    unpadded, from ``nnx.eval_shape``: nothing is allocated."""
-    model = nnx.eval_shape(lambda: Transformer(model_cfg, rngs=nnx.Rngs(0)))
-    flat = nnx.to_flat_state(nnx.state(model, nnx.Param))
-    values = [v.get_value() for _, v in flat]  # jax.ShapeDtypeStruct
-    stacked = [bool(v.get_metadata().get(STACKED, False)) for _, v in flat]
-    units = stream_units(values, stacked, DEFAULT_GROUP_LAYERS)
-
-    def elements(i: int, span: tuple[int, int] | None) -> int:
-        shape = values[i].shape
-        return int(np.prod(shape)) if span is None else (
-            (span[1] - span[0]) * int(np.prod(shape[1:])))
-
-    return max(sum(elements(i, span) for i, span in unit) for unit in units)
 
 
 def abstract_train_state(cfg: TrainConfig) -> tuple[Any, nnx.State, jax.ShapeDtypeStruct]:

@@ -9,9 +9,10 @@ import jax
 
 from gtp_jax.base.errors import UsageError
 from gtp_jax.plan.layout import Layout, PlanSpace, enumerate_layouts
-from gtp_jax.plan.memory import compiled_memory, memory_bound
+from gtp_jax.plan.memory import compiled_memory
 from gtp_jax.plan.timing import Calibration, calibration, step_seconds
 from gtp_jax.train.config import TrainConfig, resolve_auto
+from gtp_jax.train.memory import memory_bound
 from gtp_jax.train.observe import device_memory_limit
 
 GIB = 2**30
@@ -24,7 +25,7 @@ class Candidate:
     Attributes:
       layout: the `Layout`.
       bound_bytes: the closed-form lower bound of the peak bytes per device
-        (`gtp_jax.plan.memory.memory_bound`).
+        (`gtp_jax.train.memory.memory_bound`).
       peak_bytes: the compiled training step's peak bytes per device
         (`gtp_jax.plan.memory.compiled_memory`); None where it was not compiled.
       step_seconds: predicted seconds per step (`gtp_jax.plan.timing.step_seconds`).

@@ -2,6 +2,7 @@
 
 Modules: `config` (`TrainConfig`, the optimizer and model it implies), `step` (`TrainStep`:
 the one jitted training step, also used by the benchmarks), `loop` (`train`), `resume`,
+`memory` (the lower bound of a run's memory per device, and the refusals that use it),
 `report` (`TrainResult`), `checkpoint`, `distributed`, `observe`, `progress`, and `cli`
 (``python -m gtp_jax train``).
 """
@@ -16,12 +17,12 @@ from gtp_jax.train.config import (
     MODEL_MAY_DIFFER,
     RESUME_MAY_DIFFER,
     TrainConfig,
-    check_memory_fits,
     make_optimizer,
     model_config,
 )
 from gtp_jax.train.distributed import DistributedConfig
 from gtp_jax.train.loop import build_model_and_optimizer, replicated_bytes, train
+from gtp_jax.train.memory import check_memory_fits, memory_bound
 from gtp_jax.train.observe import DeviceMemoryError, ObserveConfig
 from gtp_jax.train.report import TrainResult
 from gtp_jax.train.resume import RunFinished
@@ -43,6 +44,7 @@ __all__ = [
     "TrainStep",
     "build_model_and_optimizer",
     "check_memory_fits",
+    "memory_bound",
     "make_optimizer",
     "model_config",
     "replicate_stray_leaves",

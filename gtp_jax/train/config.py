@@ -1,6 +1,6 @@
 """What a training run is: `TrainConfig` and its field checks, the model and optimizer it
 implies (`model_config`, `make_optimizer`), which fields a resumed run may change, and the
-checks of a run against the machine (`check_devices`, `check_memory_fits`) done before
+checks of a run against the machine (`check_devices`; memory: `gtp_jax.train.memory`) done before
 anything is built."""
 
 from __future__ import annotations
@@ -20,13 +20,7 @@ from gtp_jax.models import TransformerConfig, preset
 from gtp_jax.models.attention import cudnn_unsupported, resolve_attention_impl
 from gtp_jax.models.hf import read_config
 from gtp_jax.sharding.offload import StreamableChain
-from gtp_jax.train import host_memory, optim
-from gtp_jax.train.observe import (
-    MEMORY_ADVICE,
-    DeviceMemoryError,
-    device_memory_limit,
-    estimate_train_memory,
-)
+from gtp_jax.train import optim
 from gtp_jax.train.optim import check_optimizer_settings
 
 #: TrainConfig fields that only change the layout or the schedule of the computation, not
@@ -443,107 +437,3 @@ def check_devices(cfg: TrainConfig) -> None:
             f"{total} must equal the {devices} devices; choose TrainConfig.dp/ep/gtp/cp/tp "
             f"whose product is {devices}."
         )
-
-
-def check_memory_fits(cfg: TrainConfig, bytes_limit: int | None = None) -> dict[str, int]:
-    """Refuses a run whose estimated memory per device exceeds the device's limit.
-
-    Args:
-      cfg: the run.
-      bytes_limit: the per-device limit; None: ``memory_stats()["bytes_limit"]`` of the
-        first device, and no check where the backend reports none (CPU).
-
-    Returns:
-      The estimate (`gtp_jax.train.observe.estimate_train_memory`).
-
-    Raises:
-      DeviceMemoryError: the estimate exceeds the limit.
-    """
-    estimate = memory_estimate(cfg)
-    if bytes_limit is None:
-        bytes_limit = device_memory_limit()
-    if bytes_limit is not None and estimate["total"] > bytes_limit:
-        raise DeviceMemoryError(
-            f"the run needs an estimated {estimate['total'] / 2**30:.2f} GiB per device "
-            f"({memory_parts(estimate)}) but a device has {bytes_limit / 2**30:.2f} GiB; "
-            + MEMORY_ADVICE
-        )
-    if jax.default_backend() == "cpu":
-        check_host_memory(cfg, estimate)
-    return estimate
-
-
-def check_host_memory(cfg: TrainConfig, estimate: dict[str, int] | None = None,
-                      available: int | None = None) -> None:
-    """Refuses a run on simulated CPU devices whose estimate times the device count exceeds
-    the host's available memory (every simulated device lives in this process; such a run
-    would grow until the kernel kills it, without a message).
-
-    Args:
-      cfg: the run.
-      estimate: `memory_estimate` of `cfg` (None: computed).
-      available: the host's available bytes; None: `host_memory.available_host_bytes`
-        (no check where it is unknown).
-
-    Raises:
-      DeviceMemoryError: over the available memory; names a smaller preset that fits (if
-        one does), and the batch and sequence flags.
-    """
-    available = host_memory.available_host_bytes() if available is None else available
-    if available is None:
-        return
-    estimate = memory_estimate(cfg) if estimate is None else estimate
-    devices = jax.local_device_count()  # this process's share of the mesh
-    need = estimate["total"] * devices
-    if need <= available:
-        return
-    advice = "lower TrainConfig.batch_size or TrainConfig.seq_len"
-    smaller = _fitting_preset(cfg, available)
-    if smaller is not None:
-        advice = f"use a smaller TrainConfig.preset such as {smaller!r}, or " + advice
-    raise DeviceMemoryError(
-        f"the run needs an estimated {estimate['total'] / 2**30:.2f} GiB per device x "
-        f"{devices} simulated CPU devices in this process = {need / 2**30:.2f} GiB of host "
-        f"memory, but {available / 2**30:.2f} GiB are available; {advice}.")
-
-
-def _fitting_preset(cfg: TrainConfig, available: int) -> str | None:
-    """The largest preset smaller than `cfg`'s whose run fits in `available` host bytes."""
-    from gtp_jax.models import PRESETS  # noqa: PLC0415
-
-    if cfg.init_from_hf is not None:
-        return None
-    devices = jax.local_device_count()
-    sizes = []
-    for name in PRESETS:
-        try:
-            other = dataclasses.replace(cfg, preset=name)
-            sizes.append((model_config(other).num_params(),
-                          memory_estimate(other)["total"] * devices, name))
-        except (UsageError, UsageTypeError):
-            continue
-    mine = model_config(cfg).num_params()
-    fits = [(params, name) for params, need, name in sizes if params < mine
-            and need <= available]
-    return max(fits)[1] if fits else None
-
-
-def memory_parts(estimate: dict[str, int]) -> str:
-    """``params 0.01, optimizer 0.02, ...`` (GiB) of an estimate, for error messages."""
-    return ", ".join(f"{k} {v / 2**30:.2f}" for k, v in estimate.items() if k != "total")
-
-
-def memory_estimate(cfg: TrainConfig) -> dict[str, int]:
-    """`gtp_jax.train.observe.estimate_train_memory` of the run `cfg`."""
-    # Activations are those of one microbatch; accumulation holds a second gradient.
-    parts = estimate_train_memory(model_config(cfg),
-                                  batch_size=cfg.batch_size // cfg.grad_accum,
-                                  seq_len=cfg.seq_len, dp=cfg.dp, gtp=cfg.gtp, tp=cfg.tp,
-                                  ep=cfg.ep)
-    if cfg.grad_accum > 1:
-        parts["grads"] *= 2
-        parts["total"] += parts["grads"] // 2
-    if cfg.offload_optimizer:  # the state lives in host memory
-        parts["total"] -= parts["optimizer"]
-        parts["optimizer"] = 0
-    return parts

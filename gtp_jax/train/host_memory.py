@@ -1,6 +1,6 @@
 """The host's available memory: what a run on simulated CPU devices, whose every device
 lives in this process's memory, is checked against before compiling
-(`gtp_jax.train.config.check_memory_fits`)."""
+(`gtp_jax.train.memory.check_host_memory`)."""
 
 from __future__ import annotations
 

@@ -31,16 +31,14 @@ from gtp_jax.train.checkpoint import CheckpointConfig, Checkpointer, DirectoryLo
 from gtp_jax.train.config import (
     TrainConfig,
     check_devices,
-    check_memory_fits,
     gtp_config,
     make_optimizer,
-    memory_estimate,
-    memory_parts,
     model_config,
     model_json,
     resolve_auto,
 )
 from gtp_jax.train.data_source import DataSource
+from gtp_jax.train.memory import check_memory_fits, memory_bound, memory_parts
 from gtp_jax.train.metrics_log import MetricsLog, open_metrics_log, step_extras
 from gtp_jax.train.ntp import NonuniformStep, Recovery, SimulatedFailure, check_failure
 from gtp_jax.train.observe import (
@@ -74,7 +72,7 @@ def train(cfg: TrainConfig, *, on_step: OnStep | None = None,
     """Trains `cfg.preset` with GTP on the mesh ``(dp, ep, gtp, tp)`` over all devices.
 
     Everything that depends on the caller's input is checked before the model is built:
-    the mesh against the device count, the estimated memory per device against the
+    the mesh against the device count, the memory bound per device against the
     device's limit, that the checkpoint / profile / metrics paths can be written, the
     checkpoint directory's lock, and on resume that the checkpoint belongs to this run.
 
@@ -112,7 +110,7 @@ def train(cfg: TrainConfig, *, on_step: OnStep | None = None,
     Raises:
       RunFinished: on resume, the run already trained ``cfg.steps`` steps (nothing was
         built or changed; not an error).
-      UsageError: bad mesh, memory estimate over the device limit, unwritable paths, a
+      UsageError: bad mesh, memory bound over the device limit, unwritable paths, a
         locked directory, no intact checkpoint or a checkpoint of another run (all raised
         before any model is built), a profile window outside the run; out of device memory.
       FloatingPointError: the loss or the state to save became NaN/inf (the last finite
@@ -433,16 +431,17 @@ def _print_init_memory() -> None:
 @contextlib.contextmanager
 def _device_memory_errors(cfg: TrainConfig, step: int) -> Iterator[None]:
     """Turns XLA's out-of-memory error (when a step is compiled, dispatched or waited for)
-    into a `DeviceMemoryError` naming the estimate and what to change."""
+    into a `DeviceMemoryError` naming the memory bound and what to change."""
     try:
         yield
     except Exception as err:  # XlaRuntimeError has no stable import path; match its status
         if "RESOURCE_EXHAUSTED" not in str(err):
             raise
-        estimate = memory_estimate(cfg)
+        bound = memory_bound(cfg)
         raise DeviceMemoryError(
-            f"out of device memory at step {step} (estimated {estimate['total'] / 2**30:.2f} "
-            f"GiB per device: {memory_parts(estimate)}); " + MEMORY_ADVICE
+            f"out of device memory at step {step} (the run needs at least "
+            f"{bound['total'] / 2**30:.2f} GiB per device: {memory_parts(bound)}); "
+            + MEMORY_ADVICE
         ) from err
 
 

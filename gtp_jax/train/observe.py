@@ -24,7 +24,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
-import numpy as np
 
 from gtp_jax.base.errors import UsageError
 
@@ -187,7 +186,7 @@ class StepProfiler:
 
 
 class DeviceMemoryError(UsageError):
-    """The run does not fit in device memory (estimated before compiling, or XLA's
+    """The run does not fit in device memory (its lower bound, before compiling, or XLA's
     ``RESOURCE_EXHAUSTED`` during a step)."""
 
 
@@ -204,48 +203,6 @@ def device_memory_limit(device: jax.Device | None = None) -> int | None:
     stats = device.memory_stats()
     limit = stats.get("bytes_limit") if stats else None
     return int(limit) if limit else None
-
-
-def estimate_train_memory(model_cfg: Any, *, batch_size: int, seq_len: int, dp: int = 1,
-                          gtp: int = 1, tp: int = 1, ep: int = 1) -> dict[str, int]:
-    """A rough lower estimate of one device's memory for a training step, in bytes.
-
-    Parts: ``params`` (parameters sharded over gtp*tp; experts over ep too), ``grads`` (as
-    many), ``optimizer`` (AdamW's two moments), ``gathered`` (one layer's weights all-gathered
-    for compute, twice for the backward pass), ``activations`` (residuals kept for the
-    backward pass per token and layer; `TransformerConfig.remat` "dots" keeps the matmul
-    outputs, "full" only each layer's input; attention scores count for "none" only) and
-    ``logits`` (float32 logits, their softmax and gradient for this device's tokens).
-    The constants are simple per-token counts, not XLA's buffer assignment: use the estimate
-    to refuse runs that cannot fit, not to predict peak memory (XLA's compiled buffers
-    were larger than this estimate in every configuration checked: `docs/reliability.md`).
-"""
-    p_item = np.dtype(model_cfg.param_dtype).itemsize
-    a_item = np.dtype(model_cfg.dtype).itemsize
-    d, f, layers = model_cfg.d_model, model_cfg.d_ff, model_cfg.n_layers
-    experts = max(1, model_cfg.moe_experts)
-    moe_ff = (model_cfg.moe_d_ff or f) if model_cfg.moe_experts else f
-    attn = 4 * d * d
-    mlp = 3 * d * moe_ff * experts
-    embed = model_cfg.vocab_size * d * (1 if model_cfg.tie_embeddings else 2)
-    shards = gtp * tp
-    param_count = layers * (attn / shards + mlp / (shards * (ep if experts > 1 else 1))) \
-        + embed / shards
-    params = int(param_count * p_item)
-    gathered = int(2 * (attn + mlp / (ep if experts > 1 else 1)) / tp * a_item)
-    tokens = batch_size * seq_len / (dp * ep * gtp)
-    per_token_layer = {
-        "none": a_item * (10 * d + 3 * moe_ff * min(experts, model_cfg.moe_top_k or 1))
-        + 4 * model_cfg.n_heads * seq_len,
-        "dots": a_item * (4 * d + 2 * moe_ff * min(experts, model_cfg.moe_top_k or 1)),
-        "full": a_item * 2 * d,
-    }[model_cfg.remat]
-    activations = int(tokens * layers * per_token_layer / tp)
-    logits = int(tokens * model_cfg.vocab_size * 4 * 3 / tp)
-    parts = {"params": params, "grads": params, "optimizer": 2 * params, "gathered": gathered,
-             "activations": activations, "logits": logits}
-    parts["total"] = sum(parts.values())
-    return parts
 
 
 def _nearest_existing(path: str) -> str:
@@ -317,5 +274,5 @@ def write_json(path: str, payload: dict[str, Any]) -> None:
 
 __all__ = ["MEMORY_ADVICE", "PEAK_FLOPS", "DeviceMemoryError", "ObserveConfig",
            "check_writable_dir", "check_writable_file", "device_memory_limit",
-           "estimate_train_memory", "StepProfiler", "memory_per_device", "parse_steps",
+           "StepProfiler", "memory_per_device", "parse_steps",
            "peak_flops", "write_json"]

@@ -1,0 +1,186 @@
+"""The memory a run needs per device, before anything is built: a closed-form lower bound
+(`memory_bound`) and the refusals that use it (`check_memory_fits` for device memory,
+`check_host_memory` for simulated CPU devices, which all live in this process).
+
+A refusal must never turn away a run that fits, so both check the lower bound, not an
+estimate: the bound is at most the compiled training step's peak
+(`tests/test_plan.py::test_bound_never_exceeds_the_compiled_peak`), and the layout planner
+(`gtp_jax.plan`) prunes with the same function. A run over the bound but under the device
+limit is compiled; if XLA then runs out of memory, the trainer reports it in one line
+(`gtp_jax.train.loop`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+
+from gtp_jax.base.errors import UsageError, UsageTypeError
+from gtp_jax.base.metadata import STACKED
+from gtp_jax.models import Transformer
+from gtp_jax.sharding.offload import DEFAULT_GROUP_LAYERS, stream_units
+from gtp_jax.train import host_memory, observe
+from gtp_jax.train.config import TrainConfig, model_config, resolve_auto
+from gtp_jax.train.observe import MEMORY_ADVICE, DeviceMemoryError
+
+
+def memory_bound(cfg: TrainConfig) -> dict[str, int]:
+    """A lower bound of the training step's peak bytes per device, without compiling.
+
+    At the gradient clipping every gradient (float32 shards, like the parameters) is alive
+    next to the parameters and optimizer state; at the end of the forward pass the saved
+    per-layer activations (at least one ``d_model`` vector per token and layer) and the
+    logits are. So the peak is at least
+
+        state + max(grads, activations + logits)
+
+    with state = parameters and AdamW's two moments divided over
+    ``gtp * tp * ep`` (replicated small weights and padding only add), activations =
+    ``n_layers * tokens * d_model`` and logits = ``tokens * vocab`` in the compute dtype,
+    tokens = the device's ``batch / grad_accum * seq / (dp * ep * gtp * cp)`` (one
+    microbatch), split over tp as well. Parameters are counted as the model has them
+    (`TransformerConfig.num_params`: grouped-query attention's smaller k and v
+    projections, tied embeddings, experts).
+    Offloaded, the moments are in device memory only while their unit is updated (the
+    trainer's step streams them after the clipping one unit at a time: a not-stacked
+    weight, or one layer of every layer-stacked weight, `gtp_jax.sharding.offload`), so the
+    peak is at least ``parameters + max(grads, activations + logits, moments of the largest
+    unit)``, and "optimizer" is those moments: the unit that must be in device memory while
+    it is updated (the step holds up to about four units at once when its copies overlap
+    the updates; the bound counts the one it cannot do without).
+
+    Returns:
+      ``{"params", "optimizer", "grads", "activations", "total"}`` in bytes.
+    """
+    cfg = resolve_auto(cfg)
+    mc = model_config(cfg)
+    p_item = np.dtype(mc.param_dtype).itemsize
+    a_item = np.dtype(mc.dtype).itemsize
+    shards = cfg.gtp * cfg.tp * cfg.ep
+    params = mc.num_params() * p_item // shards
+    optimizer = 2 * params
+    if cfg.offload_optimizer:  # at least the unit being updated: its moments
+        optimizer = 2 * _largest_unit(mc) * p_item // shards
+    tokens = (cfg.batch_size // cfg.grad_accum) * cfg.seq_len // (
+        cfg.dp * cfg.ep * cfg.gtp * cfg.cp)
+    activations = tokens * (mc.n_layers * mc.d_model + mc.vocab_size) * a_item // cfg.tp
+    if cfg.offload_optimizer:
+        total = params + max(params, activations, optimizer)
+    else:
+        total = params + optimizer + max(params, activations)
+    return {"params": params, "optimizer": optimizer, "grads": params,
+            "activations": activations, "total": total}
+
+
+@functools.cache
+def _largest_unit(model_cfg: Any) -> int:
+    """Parameter elements of the largest unit the offloaded step streams
+    (`gtp_jax.sharding.offload.stream_units` with its default layers per unit: a weight that
+    is not layer-stacked, or that many layers of every stacked weight), unsharded and
+    unpadded, from ``nnx.eval_shape``: nothing is allocated."""
+    model = nnx.eval_shape(lambda: Transformer(model_cfg, rngs=nnx.Rngs(0)))
+    flat = nnx.to_flat_state(nnx.state(model, nnx.Param))
+    values = [v.get_value() for _, v in flat]  # jax.ShapeDtypeStruct
+    stacked = [bool(v.get_metadata().get(STACKED, False)) for _, v in flat]
+    units = stream_units(values, stacked, DEFAULT_GROUP_LAYERS)
+
+    def elements(i: int, span: tuple[int, int] | None) -> int:
+        shape = values[i].shape
+        return int(np.prod(shape)) if span is None else (
+            (span[1] - span[0]) * int(np.prod(shape[1:])))
+
+    return max(sum(elements(i, span) for i, span in unit) for unit in units)
+
+
+def memory_parts(bound: dict[str, int]) -> str:
+    """``params 0.01, optimizer 0.02, ...`` (GiB) of a `memory_bound`, for messages."""
+    return ", ".join(f"{k} {v / 2**30:.2f}" for k, v in bound.items() if k != "total")
+
+
+def check_memory_fits(cfg: TrainConfig, bytes_limit: int | None = None) -> dict[str, int]:
+    """Refuses a run whose memory per device cannot fit: its `memory_bound` exceeds the
+    device's limit (so no run that fits is refused).
+
+    Args:
+      cfg: the run.
+      bytes_limit: the per-device limit; None: ``memory_stats()["bytes_limit"]`` of the
+        first device, and no check where the backend reports none (CPU).
+
+    Returns:
+      The `memory_bound` of `cfg`.
+
+    Raises:
+      DeviceMemoryError: the bound exceeds the limit.
+    """
+    bound = memory_bound(cfg)
+    if bytes_limit is None:
+        bytes_limit = observe.device_memory_limit()
+    if bytes_limit is not None and bound["total"] > bytes_limit:
+        raise DeviceMemoryError(
+            f"the run needs at least {bound['total'] / 2**30:.2f} GiB per device "
+            f"({memory_parts(bound)}) but a device has {bytes_limit / 2**30:.2f} GiB; "
+            + MEMORY_ADVICE
+        )
+    if jax.default_backend() == "cpu":
+        check_host_memory(cfg, bound)
+    return bound
+
+
+def check_host_memory(cfg: TrainConfig, bound: dict[str, int] | None = None,
+                      available: int | None = None) -> None:
+    """Refuses a run on simulated CPU devices whose `memory_bound` times the device count
+    exceeds the host's available memory (every simulated device lives in this process; such
+    a run would grow until the kernel kills it, without a message).
+
+    Args:
+      cfg: the run.
+      bound: `memory_bound` of `cfg` (None: computed).
+      available: the host's available bytes; None: `host_memory.available_host_bytes`
+        (no check where it is unknown).
+
+    Raises:
+      DeviceMemoryError: over the available memory; names a smaller preset that fits (if
+        one does), and the batch and sequence flags.
+    """
+    available = host_memory.available_host_bytes() if available is None else available
+    if available is None:
+        return
+    bound = memory_bound(cfg) if bound is None else bound
+    devices = jax.local_device_count()  # this process's share of the mesh
+    need = bound["total"] * devices
+    if need <= available:
+        return
+    advice = "lower TrainConfig.batch_size or TrainConfig.seq_len"
+    smaller = _fitting_preset(cfg, available)
+    if smaller is not None:
+        advice = f"use a smaller TrainConfig.preset such as {smaller!r}, or " + advice
+    raise DeviceMemoryError(
+        f"the run needs at least {bound['total'] / 2**30:.2f} GiB per device x "
+        f"{devices} simulated CPU devices in this process = {need / 2**30:.2f} GiB of host "
+        f"memory, but {available / 2**30:.2f} GiB are available; {advice}.")
+
+
+def _fitting_preset(cfg: TrainConfig, available: int) -> str | None:
+    """The largest preset smaller than `cfg`'s whose run fits in `available` host bytes."""
+    from gtp_jax.models import PRESETS  # noqa: PLC0415
+
+    if cfg.init_from_hf is not None:
+        return None
+    devices = jax.local_device_count()
+    sizes = []
+    for name in PRESETS:
+        try:
+            other = dataclasses.replace(cfg, preset=name)
+            sizes.append((model_config(other).num_params(),
+                          memory_bound(other)["total"] * devices, name))
+        except (UsageError, UsageTypeError):
+            continue
+    mine = model_config(cfg).num_params()
+    fits = [(params, name) for params, need, name in sizes if params < mine
+            and need <= available]
+    return max(fits)[1] if fits else None
