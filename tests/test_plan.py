@@ -117,6 +117,47 @@ def test_the_trainer_refuses_no_layout_that_fits():
         check_memory_fits(cfg, bytes_limit=memory_bound(cfg)["total"] - 1)
 
 
+def test_scanned_loop_pays_its_residual_copies():
+    # One time term separates the loops: the scanned loop writes each layer's saved
+    # activations into stacks and reads them back (2 x bytes / memory bandwidth).
+    cal = dataclasses.replace(FIXED, memory_bandwidth=1e11)
+    times = {}
+    for remat in ("full", "dots", "none"):
+        for loop in ("unrolled", "scanned"):
+            cfg = Layout(dp=8, remat=remat, loop=loop).apply(BASE)
+            times[remat, loop] = timing.step_seconds(cfg, cal)
+    mc = model_config(Layout(dp=8, remat="dots").apply(BASE))
+    tokens = BASE.batch_size * BASE.seq_len / 8
+    want = 2 * tokens * mc.n_layers * timing._saved_per_token(mc) * 4 / 1e11  # float32 on CPU
+    assert times["dots", "scanned"]["loop"] == pytest.approx(want, rel=1e-12)
+    assert times["dots", "unrolled"]["loop"] == 0
+    assert (times["dots", "scanned"]["total"] - times["dots", "unrolled"]["total"]
+            == pytest.approx(want, rel=1e-9))
+    assert 0 < times["full", "scanned"]["loop"] < want < times["none", "scanned"]["loop"]
+
+
+def test_overlapped_gathers_pay_the_measured_exposed_fraction():
+    cfg = Layout(gtp=8, remat="dots", loop="prefetch").apply(BASE)
+    hidden = timing.step_seconds(cfg, FIXED)
+    half = timing.step_seconds(cfg, dataclasses.replace(FIXED, overlap_exposed=0.5))
+    assert hidden["gtp"] > 0 and hidden["compute"] > 0
+    assert half["total"] - hidden["total"] == pytest.approx(
+        0.5 * min(hidden["compute"], hidden["gtp"]), rel=1e-9)
+    plain = timing.step_seconds(Layout(gtp=8, remat="dots", loop="scanned").apply(BASE), FIXED)
+    assert plain["total"] == pytest.approx(  # the plain scanned loop: back to back
+        plain["compute"] + plain["gtp"] + plain["other"] + plain["loop"], rel=1e-12)
+
+
+def test_calibration_times_collectives_inside_a_program():
+    cal = timing.measure("float32")
+    assert cal.devices == 8 and cal.platform == "cpu"
+    for rate in (cal.gemm_flops, cal.attention_flops, cal.memory_bandwidth,
+                 cal.all_gather_bandwidth, cal.reduce_scatter_bandwidth):
+        assert 0 < rate < float("inf")
+    assert cal.all_gather_latency >= 0 and cal.reduce_scatter_latency >= 0
+    assert 0 <= cal.overlap_exposed <= 1
+
+
 def test_ranking_is_deterministic_and_by_predicted_time():
     space = PlanSpace(mesh={"dp": 2, "gtp": 4}, remat=("none",),
                       loops=("unrolled", "scanned"), offload=(False, True))

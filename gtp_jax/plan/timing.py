@@ -3,13 +3,18 @@
     compute  = matmul FLOPs / GEMM rate + attention FLOPs / attention rate
     gtp      = weight all-gathers (forward and backward) + gradient reduce-scatters
     other    = dp gradient all-reduce + tp activation collectives + cp ring K/V passes
+               + the optimizer update
     offload  = optimizer state to the device and back / host bandwidth
-    step     = max(compute, gtp) + other + offload     (unrolled / prefetching loops: the
-               gathers run a layer ahead, behind the compute)
-             = compute + gtp + other + offload         (plain scanned loop)
+    loop     = the scanned loop's residual stacks: written in the forward, read in the
+               backward / memory bandwidth (0 for the unrolled loop)
+    step     = max(compute, gtp) + exposed * min(compute, gtp) + other + offload + loop
+               (unrolled / prefetching loops: the gathers run a layer ahead, beside the
+               compute, which hides all but the measured fraction `exposed` of them)
+             = compute + gtp + other + offload + loop     (plain scanned loop)
 
 Each collective costs ``latency + bytes moved per device / bandwidth``, with the bandwidth
-and latency of an all-gather / reduce-scatter over all devices (`Calibration`). Matmul
+of an all-gather / reduce-scatter over all devices and its latency inside a program
+(`Calibration`). Matmul
 FLOPs are ``6 * (block + head parameters)`` per token divided over ``tp``; remat "full"
 adds one more forward pass (8 instead of 6), "dots" recomputes no matmul. Attention FLOPs
 are ``6 * n_layers * n_heads * head_dim * seq`` per token (causal), again with a forward
@@ -60,6 +65,9 @@ class Calibration:
       all_gather_bandwidth, reduce_scatter_bandwidth: bytes moved per device per second.
       all_gather_latency, reduce_scatter_latency: seconds per collective.
       host_bandwidth: bytes per second between device and pinned host memory (0: none).
+      memory_bandwidth: bytes read and written per second by an elementwise program.
+      overlap_exposed: the fraction of collectives running beside compute that the compute
+        does not hide (`_exposed_overlap`; 0 on one device).
     """
 
     device_kind: str
@@ -74,6 +82,7 @@ class Calibration:
     reduce_scatter_latency: float
     host_bandwidth: float
     memory_bandwidth: float = 0.0
+    overlap_exposed: float = 0.0
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -87,7 +96,7 @@ def cache_path() -> str:
 
 
 #: Bumped when what `measure` measures changes, so older cached rates are measured again.
-CALIBRATION_VERSION = 2
+CALIBRATION_VERSION = 3
 
 
 def _cache_key(dtype: str) -> str:
@@ -136,8 +145,10 @@ def _seconds(fn: Callable[..., Any], *args: Any, repeats: int = 5) -> float:
 
 def measure(dtype: str) -> Calibration:
     """Measures the rates with small timed programs on the present devices: a square GEMM,
-    causal attention, all-gather and reduce-scatter over all devices at two sizes (latency
-    and bandwidth from the two points), a host round trip."""
+    causal attention, an elementwise pass, all-gather and reduce-scatter over all devices
+    (bandwidth from two sizes; latency from a chain of small collectives inside one program,
+    so that the dispatch of a program is not counted), how much of an all-gather chain a
+    concurrent GEMM chain leaves exposed, a host round trip."""
     gpu = jax.default_backend() != "cpu"
     dt = jnp.dtype(dtype)
     # Shapes of a real layer and random data (zeros and ones run faster than data), several
@@ -172,23 +183,38 @@ def measure(dtype: str) -> Calibration:
     count = devices.size
     sharded = NamedSharding(mesh, P("x"))
 
-    def collective(kind: str, elems: int) -> float:
-        x = jax.device_put(jnp.ones((count * elems,), jnp.float32), sharded)
-        if kind == "ag":
-            body = lambda x: jax.lax.all_gather(x, "x", tiled=True)  # noqa: E731
-        else:
-            body = lambda x: jax.lax.psum_scatter(x, "x", tiled=True)  # noqa: E731
-            x = jax.device_put(jnp.ones((count * count * elems,), jnp.float32), sharded)
+    def collectives(kind: str, elems: int, links: int) -> float:
+        """Seconds of a program of `links` dependent collectives of `elems` float32 per
+        device (all-gather: [elems] -> [count * elems], reduce-scatter: the reverse)."""
+        def body(x: jax.Array) -> jax.Array:
+            for i in range(links):
+                if kind == "ag":
+                    x = jax.lax.all_gather(x, "x", tiled=True)
+                    x = x[:elems] if i < links - 1 else x
+                else:
+                    x = jax.lax.psum_scatter(x, "x", tiled=True)
+                    x = jnp.tile(x, count) if i < links - 1 else x
+            return x
+        per_device = elems if kind == "ag" else count * elems
+        x = jax.device_put(jnp.ones((count * per_device,), jnp.float32), sharded)
         fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P("x")))
         return _seconds(fn, x)
 
-    small, large = 1024, (16 << 20 if gpu else 1 << 20)
+    small, large, links = 1024, (16 << 20 if gpu else 1 << 20), 9
     rates = {}
     for kind in ("ag", "rs"):
-        t_small, t_large = collective(kind, small), collective(kind, large)
+        if count == 1:
+            rates[kind] = (float("inf"), 0.0)
+            continue
+        # Bandwidth from one collective at two sizes (the program's dispatch cancels out);
+        # latency from a chain of small ones inside one program against a single one, i.e.
+        # what a collective costs inside a step, not the dispatch of a program.
+        t_small = collectives(kind, small, 1)
+        t_large = collectives(kind, large, 1)
         moved = (large - small) * 4 * (count - 1)  # bytes received per device
-        rates[kind] = (moved / max(t_large - t_small, 1e-9) if count > 1 else float("inf"),
-                       t_small if count > 1 else 0.0)
+        latency = max(collectives(kind, small, links) - t_small, 0.0) / (links - 1)
+        rates[kind] = (moved / max(t_large - t_small, 1e-9), latency)
+    exposed = _exposed_overlap(mesh, n, dt, large) if count > 1 else 0.0
     host = 0.0
     if host_memory_supported():
         x = jax.device_put(jnp.ones((1 << 22,), jnp.float32), sharded)
@@ -200,7 +226,41 @@ def measure(dtype: str) -> Calibration:
         devices=count, dtype=str(dt), gemm_flops=gemm, attention_flops=attention,
         all_gather_bandwidth=rates["ag"][0], all_gather_latency=rates["ag"][1],
         reduce_scatter_bandwidth=rates["rs"][0], reduce_scatter_latency=rates["rs"][1],
-        host_bandwidth=host, memory_bandwidth=memory)
+        host_bandwidth=host, memory_bandwidth=memory, overlap_exposed=exposed)
+
+
+def _exposed_overlap(mesh: jax.sharding.Mesh, n: int, dtype: Any, elems: int) -> float:
+    """The fraction of the shorter of a GEMM chain and an all-gather chain that running them
+    side by side in one program does not hide: ``(both - max) / min`` (0: fully hidden, 1:
+    back to back). Collectives slow the GEMMs they overlap (they share SMs and memory
+    bandwidth), so a step whose gathers run beside its compute pays this fraction of them."""
+    count = mesh.devices.size
+    sharded = NamedSharding(mesh, P("x"))
+    a = jax.device_put(jax.random.normal(jax.random.key(3), (count * n, n), dtype), sharded)
+    x = jax.device_put(jnp.ones((count * elems,), jnp.float32), sharded)
+
+    def gemms(a: jax.Array) -> jax.Array:
+        for _ in range(4):
+            a = jnp.matmul(a, a) * 0.01
+        return a
+
+    def gathers(x: jax.Array) -> jax.Array:
+        for _ in range(4):
+            x = jax.lax.all_gather(x, "x", tiled=True)[:elems] * 1.0001
+        return x
+
+    def program(fn: Callable[..., Any], n_in: int) -> Callable[..., Any]:
+        specs = (P("x"),) * n_in
+        return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=specs,
+                                     out_specs=specs if n_in > 1 else specs[0]))
+
+    t_gemm = _seconds(program(gemms, 1), a)
+    t_gather = _seconds(program(gathers, 1), x)
+    t_both = _seconds(program(lambda a, x: (gemms(a), gathers(x)), 2), a, x)
+    shorter = min(t_gemm, t_gather)
+    if shorter <= 0:
+        return 0.0
+    return float(min(max((t_both - max(t_gemm, t_gather)) / shorter, 0.0), 1.0))
 
 
 #: Bytes per gathered element of each low-precision format (payload + scales).
@@ -213,7 +273,7 @@ def step_seconds(cfg: TrainConfig, cal: Calibration) -> dict[str, float]:
     """Predicted seconds of one training step of `cfg` (see the module docstring).
 
     Returns:
-      ``{"compute", "gtp", "other", "offload", "total"}``.
+      ``{"compute", "gtp", "other", "offload", "loop", "total"}``.
     """
     cfg = resolve_auto(cfg)
     mc = model_config(cfg)
@@ -273,7 +333,29 @@ def step_seconds(cfg: TrainConfig, cal: Calibration) -> dict[str, float]:
         # next to the transfers, so the step pays about the transfer time
         state = 2 * grads + 4
         offload = 2 * state / cal.host_bandwidth if cal.host_bandwidth else float("inf")
+    loop = 0.0
+    if not mc.unrolled and cal.memory_bandwidth > 0:
+        # The scanned loop stacks each layer's residuals (written in the forward, read back
+        # in the backward): copies the unrolled loop does not make.
+        loop = 2 * tokens * layers * _saved_per_token(mc) * a_item / cfg.tp \
+            / cal.memory_bandwidth
     overlapped = mc.unrolled or cfg.prefetch
-    total = (max(compute, gtp) if overlapped else compute + gtp) + other + offload
+    if overlapped:  # gathers beside the compute, which hides all but a measured fraction
+        total = max(compute, gtp) + cal.overlap_exposed * min(compute, gtp)
+    else:
+        total = compute + gtp
+    total += other + offload + loop
     return {"compute": compute, "gtp": gtp, "other": other, "offload": offload,
-            "total": total}
+            "loop": loop, "total": total}
+
+
+def _saved_per_token(mc: Any) -> int:
+    """Activation values a layer saves per token for its backward pass, by remat policy:
+    "full" its input; "dots" every matmul output (q, k, v, the attention output and its
+    projection, the MLP's gate/up and down) and the residual stream; "none" also the norm
+    outputs and the MLP's activation products."""
+    d, width = mc.d_model, mc.n_heads * mc.head_size
+    kv = mc.kv_heads * mc.head_size
+    ff = mc.moe_top_k * mc.expert_d_ff if mc.moe_experts else mc.d_ff
+    dots = (width + 2 * kv) + width + d + 2 * ff + d
+    return {"full": d, "dots": dots, "none": dots + 4 * d + 2 * ff}[mc.remat]
