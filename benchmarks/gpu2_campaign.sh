@@ -7,9 +7,13 @@
 #     llama3-8b shape (8 layers);
 #   plan_1b / plan_8b: the layout planner's predictions against runs of its top layouts
 #     (benchmarks/plan_accuracy.sh): 1b at seq 2048 and 4096 (8 sequences), llama3-8b
-#     (32 layers) at seq 4096 (2 sequences).
-# Writes $OUT/fp8/ and $OUT/plan/ (tables at the end of the log: plan_accuracy.json).
-# Usage: OUT=dir [BUDGET=seconds] [PARTS="fp8_1b plan_1b plan_8b fp8_8b"]
+#     (32 layers) at seq 4096 (2 sequences);
+#   offload: optimizer state in host memory against on the device over both GPUs
+#     (benchmarks/offload.sh with GTP=2): the 1b step's cost, and the largest preset that
+#     trains at seq 4096 with and without it.
+# Writes $OUT/fp8/, $OUT/plan/ (tables at the end of the log: plan_accuracy.json) and
+# $OUT/offload/.
+# Usage: OUT=dir [BUDGET=seconds] [PARTS="fp8_1b plan_1b plan_8b fp8_8b offload"]
 #   [FP8_VARIANTS=none:none,fp8:delayed,fp8:tensorwise] [TOP=3] bash benchmarks/gpu2_campaign.sh
 set -u
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1 PYTHONPATH="$PWD"
@@ -20,7 +24,7 @@ T0=$(date +%s)
 left() { echo $(( BUDGET - ($(date +%s) - T0) )); }
 log() { echo "== t=$(( $(date +%s) - T0 ))s $*"; }
 nvidia-smi -L 2>&1 | tee "$OUT/gpus.txt"
-for part in ${PARTS:-fp8_1b plan_1b plan_8b fp8_8b}; do
+for part in ${PARTS:-fp8_1b plan_1b plan_8b fp8_8b offload}; do
   if [ "$(left)" -lt 30 ]; then log "skip $part: the budget is spent"; continue; fi
   log "$part ($(left) s left)"
   case $part in
@@ -33,7 +37,9 @@ for part in ${PARTS:-fp8_1b plan_1b plan_8b fp8_8b}; do
     plan_8b)
       OUT="$OUT/plan" PRESETS=llama3-8b SEQS=4096 BATCH=2 TOP=$TOP STEPS=6 TIMEOUT=420 \
         timeout "$(left)" bash benchmarks/plan_accuracy.sh ;;
-    *) echo "unknown part $part (fp8_1b fp8_8b plan_1b plan_8b)"; exit 2 ;;
+    offload)
+      OUT="$OUT/offload" GTP=2 timeout "$(left)" bash benchmarks/offload.sh ;;
+    *) echo "unknown part $part (fp8_1b fp8_8b plan_1b plan_8b offload)"; exit 2 ;;
   esac
 done
 log "tables"

@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# Optimizer state in host memory (--offload-optimizer) against on the device, on ONE GPU,
-# in one call (about 6 to 12 minutes on an H200):
+# Optimizer state in host memory (--offload-optimizer) against on the device, on ONE GPU
+# (GTP=2: on two, the weights and state sharded over both), in one call (about 6 to 12
+# minutes on an H200):
 #   1. the 1b preset at seq 2048 (4 sequences): step time, peak device memory after init and
 #      over the run, and the loss of both runs (the same seed);
-#   2. the largest preset that trains at seq 4096 (1 sequence, remat full) with and without
-#      offload: the presets are tried largest first, the first that completes its steps wins.
+#   2. the largest preset that trains at seq 4096 (1 sequence per GPU, remat full) with and
+#      without offload: the presets are tried largest first, the first that completes its
+#      steps wins.
 # With PROFILE=1, steps 6-8 of the offloaded run of part 1 are traced and its host <-> device
 # copies timed (python -m gtp_jax.bench.trace --host: each direction, both at once, hidden
 # by compute) into $OUT/host_copies.log.
@@ -14,7 +16,8 @@
 set -u
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1 PYTHONPATH="$PWD"
 OUT=${OUT:-runs/offload}; mkdir -p "$OUT"
-SMALL=${SMALL:-1b}; SEQ1=${SEQ1:-2048}; BATCH1=${BATCH1:-4}; STEPS=${STEPS:-15}
+GTP=${GTP:-1}  # the GPUs the runs shard over (gtp; dp 1)
+SMALL=${SMALL:-1b}; SEQ1=${SEQ1:-2048}; BATCH1=${BATCH1:-$((4 * GTP))}; STEPS=${STEPS:-15}
 BIG=${BIG-"llama3-8b llama3.2-3b 1b"}; SEQ2=${SEQ2:-4096}; BIG_STEPS=${BIG_STEPS:-4}
 LIMIT=${LIMIT:-240}  # seconds per run (compile and the host-memory state included; an
 # offloaded llama3-8b builds 52 GB of moments in host memory; out-of-memory runs end sooner)
@@ -31,7 +34,7 @@ for flag in --no-offload-optimizer --offload-optimizer; do
   [ -n "${PROFILE:-}" ] && [ "$flag" = --offload-optimizer ] && \
     trace=(--profile-dir "$OUT/trace" --profile-steps 6:8)
   timeout "$LIMIT" python3 -m gtp_jax train --preset "$SMALL" --seq "$SEQ1" \
-    --batch "$BATCH1" --steps "$STEPS" --gtp 1 --dp 1 $flag "${trace[@]}" \
+    --batch "$BATCH1" --steps "$STEPS" --gtp "$GTP" --dp 1 $flag "${trace[@]}" \
     > "$OUT/small$flag.log" 2>&1
   echo "exit $?"; report "$OUT/small$flag.log"
 done
@@ -61,9 +64,9 @@ echo "loss with offload:    ${b:-none}"
 for flag in --no-offload-optimizer --offload-optimizer; do
   fits=none
   for p in $BIG; do
-    log "$p seq $SEQ2 batch 1 remat full $flag"
+    log "$p seq $SEQ2 batch $GTP remat full $flag"
     timeout "$LIMIT" python3 -m gtp_jax train --preset "$p" --seq "$SEQ2" \
-      --batch 1 --steps "$BIG_STEPS" --remat full --gtp 1 --dp 1 $flag \
+      --batch "$GTP" --steps "$BIG_STEPS" --remat full --gtp "$GTP" --dp 1 $flag \
       > "$OUT/big_$p$flag.log" 2>&1
     rc=$?; echo "exit $rc"; report "$OUT/big_$p$flag.log"
     if [ "$rc" = 0 ]; then fits=$p; break; fi
