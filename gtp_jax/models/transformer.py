@@ -332,20 +332,25 @@ class TransformerConfig:
         emb = self.vocab_size * d * (1 if self.tie_embeddings else 2)
         return self.n_layers * per_layer + emb + d
 
+    def matmul_params(self) -> int:
+        """Weights each trained token is multiplied by: the blocks' q/k/v/o projections as
+        the model has them (grouped-query attention's k and v are smaller), the MLP (the
+        active experts and the router for MoE) and the output head; not the embedding."""
+        d, f = self.d_model, self.d_ff
+        mlp = 3 * d * f
+        if self.moe_experts:  # active experts per token, plus the router
+            mlp = self.moe_top_k * 3 * d * self.expert_d_ff + d * self.moe_experts
+        attn = 2 * d * self.head_size * (self.n_heads + self.kv_heads)
+        return self.n_layers * (attn + mlp) + self.vocab_size * d
+
     def train_flops_per_token(self, seq_len: int) -> float:
         """Matmul FLOPs per trained token: 6*(block + head params) + 6*L*d*T (causal attn).
 
         The same formula as the peer baselines in the benchmarks (embedding lookup not
         counted, causal attention counted at half of 12*L*d*T).
         """
-        d, f = self.d_model, self.d_ff
-        mlp = 3 * d * f
-        if self.moe_experts:  # active experts per token, plus the router
-            mlp = self.moe_top_k * 3 * d * self.expert_d_ff + d * self.moe_experts
-        attn = 2 * d * self.head_size * (self.n_heads + self.kv_heads)
-        block = self.n_layers * (attn + mlp)
         width = self.n_heads * self.head_size  # d_model unless head_dim says otherwise
-        return 6.0 * (block + self.vocab_size * d) + 6.0 * self.n_layers * width * seq_len
+        return 6.0 * self.matmul_params() + 6.0 * self.n_layers * width * seq_len
 
 
 PRESETS: dict[str, TransformerConfig] = {

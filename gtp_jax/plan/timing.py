@@ -29,6 +29,7 @@ absolute accuracy is what `benchmarks/plan_accuracy.sh` measures.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import statistics
@@ -187,13 +188,11 @@ def measure(dtype: str) -> Calibration:
         """Seconds of a program of `links` dependent collectives of `elems` float32 per
         device (all-gather: [elems] -> [count * elems], reduce-scatter: the reverse)."""
         def body(x: jax.Array) -> jax.Array:
+            if kind == "ag":
+                return _all_gather_chain(x, links)
             for i in range(links):
-                if kind == "ag":
-                    x = jax.lax.all_gather(x, "x", tiled=True)
-                    x = x[:elems] if i < links - 1 else x
-                else:
-                    x = jax.lax.psum_scatter(x, "x", tiled=True)
-                    x = jnp.tile(x, count) if i < links - 1 else x
+                x = jax.lax.psum_scatter(x, "x", tiled=True)
+                x = jnp.tile(x, count) if i < links - 1 else x
             return x
         per_device = elems if kind == "ag" else count * elems
         x = jax.device_put(jnp.ones((count * per_device,), jnp.float32), sharded)
@@ -229,6 +228,16 @@ def measure(dtype: str) -> Calibration:
         host_bandwidth=host, memory_bandwidth=memory, overlap_exposed=exposed)
 
 
+def _all_gather_chain(x: jax.Array, links: int) -> jax.Array:
+    """`links` dependent all-gathers over mesh axis "x" of the per-device `x` (each result
+    cut back to its first shard to feed the next; the last one whole)."""
+    elems = x.shape[0]
+    for i in range(links):
+        x = jax.lax.all_gather(x, "x", tiled=True)
+        x = x[:elems] if i < links - 1 else x
+    return x
+
+
 def _exposed_overlap(mesh: jax.sharding.Mesh, n: int, dtype: Any, elems: int) -> float:
     """The fraction of the shorter of a GEMM chain and an all-gather chain that running them
     side by side in one program does not hide: ``(both - max) / min`` (0: fully hidden, 1:
@@ -244,17 +253,13 @@ def _exposed_overlap(mesh: jax.sharding.Mesh, n: int, dtype: Any, elems: int) ->
             a = jnp.matmul(a, a) * 0.01
         return a
 
-    def gathers(x: jax.Array) -> jax.Array:
-        for _ in range(4):
-            x = jax.lax.all_gather(x, "x", tiled=True)[:elems] * 1.0001
-        return x
-
     def program(fn: Callable[..., Any], n_in: int) -> Callable[..., Any]:
         specs = (P("x"),) * n_in
         return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=specs,
                                      out_specs=specs if n_in > 1 else specs[0]))
 
     t_gemm = _seconds(program(gemms, 1), a)
+    gathers = functools.partial(_all_gather_chain, links=4)
     t_gather = _seconds(program(gathers, 1), x)
     t_both = _seconds(program(lambda a, x: (gemms(a), gathers(x)), 2), a, x)
     shorter = min(t_gemm, t_gather)
@@ -277,20 +282,15 @@ def step_seconds(cfg: TrainConfig, cal: Calibration) -> dict[str, float]:
     """
     cfg = resolve_auto(cfg)
     mc = model_config(cfg)
-    d, f, layers = mc.d_model, mc.d_ff, mc.n_layers
+    d, layers = mc.d_model, mc.n_layers
     a_item = np.dtype(mc.dtype).itemsize
     p_item = np.dtype(mc.param_dtype).itemsize
     tokens = cfg.batch_size * cfg.seq_len / (cfg.dp * cfg.ep * cfg.gtp * cfg.cp)
-    mlp = 3 * d * f
-    if mc.moe_experts:
-        mlp = mc.moe_top_k * 3 * d * mc.expert_d_ff + d * mc.moe_experts
-    # q, k, v, o projections as the model has them (grouped-query attention: fewer kv
-    # heads; `head_dim` may differ from d_model / n_heads), as `train_flops_per_token`
+    # The model's own count (`TransformerConfig.train_flops_per_token`), with a forward
+    # pass more under remat "full".
     width = mc.n_heads * mc.head_size
-    attn = 2 * d * mc.head_size * (mc.n_heads + mc.kv_heads)
-    dense = layers * (attn + mlp) + mc.vocab_size * d
     passes = 8.0 if mc.remat == "full" else 6.0
-    matmul = passes * dense * tokens / cfg.tp
+    matmul = passes * mc.matmul_params() * tokens / cfg.tp
     attention = passes * layers * width * cfg.seq_len * tokens / cfg.tp
     compute = matmul / cal.gemm_flops + attention / cal.attention_flops
 
