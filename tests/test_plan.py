@@ -29,6 +29,7 @@ from gtp_jax.plan import (
     MemoryFigure,
     PlanSpace,
     abstract_train_state,
+    compiled_memories,
     compiled_memory,
     memory_bound,
     plan,
@@ -78,6 +79,22 @@ def test_predicted_memory_equals_the_compiled_memory_of_the_trained_program():
     assert predicted == trained  # every field, in bytes
     assert predicted.peak == (trained.argument + trained.output - trained.alias
                               + trained.temp + trained.generated_code)
+
+
+def test_concurrent_compiles_give_each_layout_its_own_figure_and_error():
+    # Compiled together on threads: each figure is the one compiled alone, in the order
+    # asked, a repeated layout is compiled once, and a layout the devices cannot hold gives
+    # its error in its place instead of failing the others.
+    other = Layout(gtp=8, remat="full", loop="scanned")
+    bad = BASE  # one device of the eight
+    plan_memory._CACHE.pop(plan_memory._key(other.apply(BASE)), None)
+    results = compiled_memories([L1.apply(BASE), bad, other.apply(BASE), L1.apply(BASE)])
+    assert isinstance(results[1], ValueError) and "devices" in str(results[1]), results[1]
+    assert results[0] is results[3]
+    assert results[0] == compiled_memory(L1.apply(BASE))
+    plan_memory._CACHE.pop(plan_memory._key(other.apply(BASE)))
+    assert results[2] == compiled_memory(other.apply(BASE))  # compiled again, alone
+    assert results[0].peak != results[2].peak
 
 
 @pytest.mark.parametrize("layout,accum", [(L1, 1), (Layout(gtp=8, remat="full", loop="scanned"), 1),

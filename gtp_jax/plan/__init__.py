@@ -10,11 +10,16 @@ See docs/planning.md.
 """
 
 from gtp_jax.plan.layout import Layout, PlanSpace, enumerate_layouts
-from gtp_jax.plan.memory import MemoryFigure, abstract_train_state, compiled_memory
+from gtp_jax.plan.memory import (
+    MemoryFigure,
+    abstract_train_state,
+    compiled_memories,
+    compiled_memory,
+)
 from gtp_jax.plan.planner import Candidate, Plan, format_table, plan
 from gtp_jax.plan.timing import Calibration, calibration, measure, step_seconds
 from gtp_jax.train.memory import memory_bound  # the trainer's refusal bound, used to prune
 
 __all__ = ["Calibration", "Candidate", "Layout", "MemoryFigure", "Plan", "PlanSpace",
-           "abstract_train_state", "calibration", "compiled_memory", "enumerate_layouts",
-           "format_table", "measure", "memory_bound", "plan", "step_seconds"]
+           "abstract_train_state", "calibration", "compiled_memories", "compiled_memory",
+           "enumerate_layouts", "format_table", "measure", "memory_bound", "plan", "step_seconds"]

@@ -17,8 +17,10 @@ are the GPU compiler's buffers; on a CPU host, the CPU compiler's for the simula
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -28,6 +30,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import gtp_jax
+from gtp_jax.base.errors import UsageError
 from gtp_jax.models import Transformer, lm_loss
 from gtp_jax.sharding.offload import host_shapes
 from gtp_jax.train.config import (
@@ -125,15 +128,51 @@ def compiled_memory(cfg: TrainConfig) -> MemoryFigure:
     Raises:
       UsageError: `cfg`'s mesh does not match the devices or the model (`check_devices`).
     """
-    cfg = resolve_auto(cfg)
-    key = (cfg, jax.default_backend(), jax.device_count())
-    if key in _CACHE:
-        return _CACHE[key]
+    result = compiled_memories([cfg])[0]
+    if isinstance(result, Exception):
+        raise result
+    return result
+
+
+def compiled_memories(cfgs: Sequence[TrainConfig], *,
+                      threads: int | None = None) -> list[MemoryFigure | Exception]:
+    """`compiled_memory` of each of `cfgs`, in order; a config that cannot be built gives
+    its error (``UsageError``, ``ValueError``, ``TypeError``) in its place.
+
+    The programs are traced one after the other (tracing holds Python's lock) and compiled
+    concurrently on `threads` threads (default: one per program, at most 8): XLA's compiler
+    releases the lock, so a plan's few compilations cost about the longest one instead of
+    their sum.
+    """
+    keys = [_key(cfg) for cfg in cfgs]
+    todo: dict[tuple[Any, ...], Any] = {}
+    results: dict[tuple[Any, ...], MemoryFigure | Exception] = {}
+    for key in keys:
+        if key in _CACHE or key in todo or key in results:
+            continue
+        try:
+            todo[key] = _lowered_step(key[0])
+        except (UsageError, ValueError, TypeError) as err:
+            results[key] = err
+    if todo:
+        workers = threads or min(len(todo), 8)
+        with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
+            figures = pool.map(lambda lowered: MemoryFigure.of(lowered.compile()),
+                               todo.values())
+            for key, figure in zip(todo, figures):
+                _CACHE[key] = figure
+    return [_CACHE.get(key) or results[key] for key in keys]
+
+
+def _key(cfg: TrainConfig) -> tuple[Any, ...]:
+    return (resolve_auto(cfg), jax.default_backend(), jax.device_count())
+
+
+def _lowered_step(cfg: TrainConfig) -> Any:
+    """The lowered (not compiled) training step of a resolved `cfg`."""
     check_devices(cfg)
     graphdef, state, batch = abstract_train_state(cfg)
     loss_fn = functools.partial(lm_loss, aux_weight=model_config(cfg).moe_aux_weight)
     program = step_program(graphdef, loss_fn, offload=cfg.offload_optimizer,
                            grad_accum=cfg.grad_accum)
-    figure = MemoryFigure.of(program.lower(state, batch).compile())
-    _CACHE[key] = figure
-    return figure
+    return program.lower(state, batch)

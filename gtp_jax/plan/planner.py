@@ -9,7 +9,7 @@ import jax
 
 from gtp_jax.base.errors import UsageError
 from gtp_jax.plan.layout import Layout, PlanSpace, enumerate_layouts
-from gtp_jax.plan.memory import compiled_memory
+from gtp_jax.plan.memory import compiled_memories
 from gtp_jax.plan.timing import Calibration, calibration, step_seconds
 from gtp_jax.train.config import TrainConfig, resolve_auto
 from gtp_jax.train.memory import memory_bound
@@ -86,8 +86,8 @@ def plan(base: TrainConfig, *, memory_gib: float | None = None,
 
     Every layout of `space` valid for the model and devices is bounded in closed form;
     those whose bound exceeds the budget are rejected without compiling. The rest are
-    compiled (`compiled_memory`, cached) in order of predicted step time until `top` of
-    them fit; the slower ones are left uncompiled.
+    compiled (`compiled_memories`, cached; a few at a time, concurrently) in order of
+    predicted step time until `top` of them fit; the slower ones are left uncompiled.
 
     Args:
       base: the run to plan (its mesh and layout fields are replaced by each layout's).
@@ -121,22 +121,23 @@ def plan(base: TrainConfig, *, memory_gib: float | None = None,
         else:
             pending.append(Candidate(layout, bound, None, seconds))
     pending.sort(key=lambda c: (c.step_seconds, c.bound_bytes, c.layout.sort_key))
-    fitting, uncompiled = [], []
-    for cand in pending:
-        if len(fitting) >= top:
-            uncompiled.append(cand)
-            continue
-        try:
-            peak = compiled_memory(cand.layout.apply(base)).peak
-        except (UsageError, ValueError, TypeError) as err:
-            rejected.append(dataclasses.replace(cand, rejected=f"invalid: {err}"))
-            continue
-        cand = dataclasses.replace(cand, peak_bytes=peak)
-        if budget is not None and peak > budget:
-            rejected.append(dataclasses.replace(
-                cand, rejected=f"compiled {peak / GIB:.2f} GiB > {budget / GIB:.2f} GiB"))
-        else:
-            fitting.append(cand)
+    fitting: list[Candidate] = []
+    uncompiled = list(pending)
+    while uncompiled and len(fitting) < top:
+        # The next few by predicted time, compiled together; more only if some do not fit.
+        batch, uncompiled = uncompiled[:top - len(fitting)], uncompiled[top - len(fitting):]
+        figures = compiled_memories([cand.layout.apply(base) for cand in batch])
+        for cand, figure in zip(batch, figures):
+            if isinstance(figure, Exception):
+                rejected.append(dataclasses.replace(cand, rejected=f"invalid: {figure}"))
+                continue
+            cand = dataclasses.replace(cand, peak_bytes=figure.peak)
+            if budget is not None and figure.peak > budget:
+                rejected.append(dataclasses.replace(
+                    cand, rejected=f"compiled {figure.peak / GIB:.2f} GiB > "
+                                   f"{budget / GIB:.2f} GiB"))
+            else:
+                fitting.append(cand)
     fitting.sort(key=lambda c: (c.step_seconds, c.peak_bytes, c.layout.sort_key))
     rejected.sort(key=lambda c: (c.peak_bytes or c.bound_bytes, c.layout.sort_key))
     return Plan(base=base, devices=devices, budget_bytes=budget, calibration=cal,
