@@ -6,7 +6,8 @@
 #      over the run, and the loss of both runs (the same seed);
 #   2. the largest preset that trains at seq 4096 (1 sequence per GPU, remat full) with and
 #      without offload: the presets are tried largest first, the first that completes its
-#      steps wins.
+#      steps wins. BIG lists them; PRESET:LAYERS is the preset with that many layers
+#      (train --layers), for a model larger than the largest preset.
 # With PROFILE=1, steps 6-8 of the offloaded run of part 1 are traced and its host <-> device
 # copies timed (python -m gtp_jax.bench.trace --host: each direction, both at once, hidden
 # by compute) into $OUT/host_copies.log.
@@ -64,11 +65,13 @@ echo "loss with offload:    ${b:-none}"
 for flag in --no-offload-optimizer --offload-optimizer; do
   fits=none
   for p in $BIG; do
+    layers=()
+    case $p in *:*) layers=(--layers "${p#*:}") ;; esac
     log "$p seq $SEQ2 batch $GTP remat full $flag"
-    timeout "$LIMIT" python3 -m gtp_jax train --preset "$p" --seq "$SEQ2" \
+    timeout "$LIMIT" python3 -m gtp_jax train --preset "${p%%:*}" "${layers[@]}" --seq "$SEQ2" \
       --batch "$GTP" --steps "$BIG_STEPS" --remat full --gtp "$GTP" --dp 1 $flag \
-      > "$OUT/big_$p$flag.log" 2>&1
-    rc=$?; echo "exit $rc"; report "$OUT/big_$p$flag.log"
+      > "$OUT/big_${p/:/_L}$flag.log" 2>&1
+    rc=$?; echo "exit $rc"; report "$OUT/big_${p/:/_L}$flag.log"
     if [ "$rc" = 0 ]; then fits=$p; break; fi
   done
   echo "largest preset at seq $SEQ2 $flag: $fits"

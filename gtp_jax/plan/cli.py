@@ -37,6 +37,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--gpus", type=int, default=None,
                         help="devices to plan for; default: the GPUs present, or 8 simulated "
                         "CPU devices (on a GPU host it must equal the GPU count)")
+    parser.add_argument("--layers", type=int, default=None,
+                        help="replace the preset's number of layers (as train's --layers)")
     parser.add_argument("--seq", type=int, default=128, help="tokens per sequence")
     parser.add_argument("--batch", type=int, default=16, help="global batch in sequences")
     parser.add_argument("--steps", type=int, default=100,
@@ -70,7 +72,7 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """``python -m gtp_jax plan [options]`` (`argv` without the ``plan`` word)."""
     args = _parser().parse_args(argv)
-    for name in ("gpus", "seq", "batch", "top", "steps"):
+    for name in ("gpus", "seq", "batch", "top", "steps", "layers"):
         value = getattr(args, name)
         if value is not None and value < 1:
             print(f"error: --{name} {value} must be >= 1.", file=sys.stderr)
@@ -103,8 +105,9 @@ def _plan(args: argparse.Namespace) -> int:
     space = PlanSpace(gather_formats=(None, *formats),
                       offload={"both": (False, True), "on": (True,), "off": (False,)}[
                           args.offload])
-    base = TrainConfig(preset=args.preset, batch_size=args.batch, seq_len=args.seq,
-                       steps=args.steps, warmup=args.warmup, dtype=args.dtype, dp=1, gtp=1)
+    base = TrainConfig(preset=args.preset, layers=args.layers, batch_size=args.batch,
+                       seq_len=args.seq, steps=args.steps, warmup=args.warmup,
+                       dtype=args.dtype, dp=1, gtp=1)
     t0 = time.perf_counter()
     cal = calibration(resolve_auto(base).dtype, refresh=args.calibrate)
     t1 = time.perf_counter()
@@ -117,8 +120,9 @@ def _plan(args: argparse.Namespace) -> int:
     if result.best is not None:
         schedule = "" if (args.steps, args.warmup) == (100, 10) else (
             f"--steps {args.steps} --warmup {args.warmup} ")
-        print(f"best: python -m gtp_jax train --preset {args.preset} --batch {args.batch} "
-              f"--seq {args.seq} {schedule}{result.best.layout.flags()}")
+        layers = "" if args.layers is None else f"--layers {args.layers} "
+        print(f"best: python -m gtp_jax train --preset {args.preset} {layers}--batch "
+              f"{args.batch} --seq {args.seq} {schedule}{result.best.layout.flags()}")
     else:
         print("no layout fits: lower --batch or --seq, or raise --memory-gib")
     if args.json:

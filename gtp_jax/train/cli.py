@@ -51,7 +51,7 @@ FLAGS = {
     "TrainConfig.lr_schedule": "--lr-schedule", "TrainConfig.decay_steps": "--decay-steps",
     "TrainConfig.clip_grad_norm": "--clip-grad-norm", "TrainConfig.adam_b1": "--adam-b1",
     "TrainConfig.adam_b2": "--adam-b2", "TrainConfig.adam_eps": "--adam-eps",
-    "TrainConfig.grad_accum": "--grad-accum",
+    "TrainConfig.grad_accum": "--grad-accum", "TrainConfig.layers": "--layers",
     "ObserveConfig.log_dir": "--log-dir", "ObserveConfig.log_every": "--log-every",
     "TrainConfig.attention": "--attention",
     "TrainConfig.offload_optimizer": "--[no-]offload-optimizer",
@@ -143,6 +143,8 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--batch", type=int, default=16,
                        help="global batch size in sequences (divisible by dp*ep*gtp)")
     train.add_argument("--seq", type=int, default=128, help="tokens per sequence")
+    train.add_argument("--layers", type=int, default=None,
+                       help="replace the preset's number of layers (default: the preset's)")
     train.add_argument("--dp", type=int, default=None, help="data-parallel size")
     train.add_argument("--gtp", type=int, default=None, help="GTP (weight-sharding) size")
     train.add_argument("--tp", type=int, default=None, help="tensor(+sequence)-parallel size")
@@ -509,7 +511,8 @@ def _run(args: argparse.Namespace, sizes: dict[str, int | None], cpu_sizes: dict
     else:
         mesh = _accelerator_mesh(sizes, jax.device_count())
     try:
-        cfg = TrainConfig(preset=args.preset, steps=args.steps, batch_size=args.batch,
+        cfg = TrainConfig(preset=args.preset, layers=args.layers, steps=args.steps,
+                          batch_size=args.batch,
                           seq_len=args.seq, lr=args.lr, warmup=args.warmup, seed=args.seed,
                           dtype=args.dtype, gather_dtype=args.gather_dtype,
                           pad_for_alignment=args.pad_for_alignment, remat=args.remat,

@@ -52,6 +52,8 @@ class TrainConfig:
     Attributes:
       preset: model preset name (`gtp_jax.models.PRESETS`); its vocabulary is replaced by
         `vocab_size`.
+      layers: the preset's number of layers replaced (a deeper or shallower model of the
+        same width); None: the preset's.
       steps: optimizer steps (the whole run; a resumed run continues up to it).
       batch_size: global batch (sequences), split over the mesh's data axes; a multiple of
         ``dp * ep * gtp``.
@@ -122,6 +124,7 @@ class TrainConfig:
     """
 
     preset: str = "tiny"
+    layers: int | None = None
     steps: int = 100
     batch_size: int = 16
     seq_len: int = 128
@@ -174,8 +177,9 @@ class TrainConfig:
             _check_int(name, getattr(self, name), minimum)
         if self.schedule_steps is not None:
             _check_int("schedule_steps", self.schedule_steps, 1)
-        if self.vocab_size is not None:
-            _check_int("vocab_size", self.vocab_size, 1)
+        for name in ("vocab_size", "layers"):
+            if getattr(self, name) is not None:
+                _check_int(name, getattr(self, name), 1)
         _check_float("lr", self.lr, positive=True)
         _check_float("weight_decay", self.weight_decay, positive=False)
         if self.moe_capacity_factor is not None:
@@ -210,6 +214,10 @@ class TrainConfig:
         if self.init_from_hf is not None and self.init_from is not None:
             raise UsageError("TrainConfig.init_from and TrainConfig.init_from_hf both set the "
                              "initial weights; pass one of them.")
+        if self.init_from_hf is not None and self.layers is not None:
+            raise UsageError(
+                f"TrainConfig.init_from_hf with layers={self.layers}: the checkpoint's "
+                "config.json gives the number of layers; drop layers.")
         if self.init_from_hf is not None and self.moe_experts:
             raise UsageError(
                 f"TrainConfig.init_from_hf with moe_experts={self.moe_experts}: a Hugging Face "
@@ -323,6 +331,8 @@ def model_config(cfg: TrainConfig) -> TransformerConfig:
     vocab_size = cfg.vocab_size if cfg.vocab_size is not None else VOCAB_SIZE
     if cfg.init_from_hf is not None:
         return _hf_model_config(cfg, options, vocab_size)
+    if cfg.layers is not None:
+        options["n_layers"] = cfg.layers
     return preset(cfg.preset, vocab_size=vocab_size, max_seq_len=cfg.seq_len,
                   moe_experts=cfg.moe_experts, moe_top_k=cfg.moe_top_k,
                   moe_capacity_factor=cfg.moe_capacity_factor, **options)
