@@ -4,7 +4,8 @@
 # (delayed and tensorwise), fed by FP8 weight gathers and by bf16 gathers, against PyTorch FSDP2 + torch.compile in
 # bf16 and with torchao float8 training and float8 all-gather (benchmarks/torch_fsdp2.py
 # FLOAT8=1; torchao's wheel carried in .carry/whl), for the 1b preset (seq 2048, 4 sequences per
-# GPU) and the llama3-8b shape (seq 4096, 1 sequence per GPU, remat full, 8 layers).
+# GPU) and the llama3-8b shape (seq 4096, 1 sequence per GPU, 8 layers, remat REMAT_8B:
+# default dots; the torch rows recompute nothing).
 # Writes $OUT/<model>_gtp_<gather>_<compute>.json and $OUT/<model>_torch.jsonl; prints the rows as they finish.
 # Usage: OUT=dir [MODELS="1b 8b"] [VARIANTS="none:none,fp8:delayed,..."] [PEERS=0: no torch rows]
 #   bash benchmarks/fp8_2gpu.sh
@@ -21,7 +22,8 @@ for model in ${MODELS:-1b 8b}; do
   if [ "$model" = 1b ]; then
     A="--preset 1b --seq 2048 --per-device-batch 4"; V=gtp_dots; T="PRESET=1b SEQ=2048 MB=4"
   else
-    A="--preset llama3-8b --layers 8 --seq 4096 --per-device-batch 1 --remat full"; V=gtp
+    A="--preset llama3-8b --layers 8 --seq 4096 --per-device-batch 1 --remat ${REMAT_8B:-dots}"
+    V=gtp
     T="PRESET=llama3-8b LAYERS=8 SEQ=4096 MB=1"
   fi
   A="$A --steps 15 --warmup 3 --timeout ${TIMEOUT:-240} --unroll-layers"

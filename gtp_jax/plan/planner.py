@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 
 import jax
 
@@ -86,8 +87,9 @@ def plan(base: TrainConfig, *, memory_gib: float | None = None,
 
     Every layout of `space` valid for the model and devices is bounded in closed form;
     those whose bound exceeds the budget are rejected without compiling. The rest are
-    compiled (`compiled_memories`, cached; a few at a time, concurrently) in order of
-    predicted step time until `top` of them fit; the slower ones are left uncompiled.
+    compiled (`compiled_memories`, cached; `top` at a time or, on a host of many cores, up
+    to 8, concurrently) in order of predicted step time until at least `top` of them fit;
+    the slower ones are left uncompiled.
 
     Args:
       base: the run to plan (its mesh and layout fields are replaced by each layout's).
@@ -124,8 +126,10 @@ def plan(base: TrainConfig, *, memory_gib: float | None = None,
     fitting: list[Candidate] = []
     uncompiled = list(pending)
     while uncompiled and len(fitting) < top:
-        # The next few by predicted time, compiled together; more only if some do not fit.
-        batch, uncompiled = uncompiled[:top - len(fitting)], uncompiled[top - len(fitting):]
+        # The next few by predicted time, compiled together (as many as the host's cores
+        # allow: a layout that does not fit is common, e.g. remat "none" at long sequences).
+        width = max(top - len(fitting), min(8, (os.cpu_count() or 1) // 4))
+        batch, uncompiled = uncompiled[:width], uncompiled[width:]
         figures = compiled_memories([cand.layout.apply(base) for cand in batch])
         for cand, figure in zip(batch, figures):
             if isinstance(figure, Exception):
@@ -158,7 +162,8 @@ def format_table(result: Plan, limit: int | None = 20) -> str:
         f"{cal.attention_flops / 1e12:.3g} TFLOP/s, all-gather {cal.all_gather_bandwidth / 1e9:.3g}"
         f" GB/s + {cal.all_gather_latency * 1e6:.0f} us, reduce-scatter "
         f"{cal.reduce_scatter_bandwidth / 1e9:.3g} GB/s + {cal.reduce_scatter_latency * 1e6:.0f}"
-        f" us, memory {cal.memory_bandwidth / 1e12:.3g} TB/s, overlapped collectives "
+        f" us, memory {cal.memory_bandwidth / 1e12:.3g} TB/s, optimizer "
+        f"{cal.optimizer_rate / 1e9:.3g} G parameters/s, overlapped collectives "
         f"{cal.overlap_exposed:.0%} exposed",
         f"{'#':>3}  {'layout':<44} {'bound GiB':>9} {'peak GiB':>9} {'step ms':>9}  status",
     ]

@@ -2,8 +2,8 @@
 
     compute  = matmul FLOPs / GEMM rate + attention FLOPs / attention rate
     gtp      = weight all-gathers (forward and backward) + gradient reduce-scatters
-    other    = dp gradient all-reduce + tp activation collectives + cp ring K/V passes
-               + the optimizer update
+    other    = gradient all-reduce over dp and cp + tp activation collectives + cp ring
+               K/V passes + the optimizer update
     offload  = optimizer state to the device and back / host bandwidth
     loop     = the scanned loop's residual stacks: written in the forward, read in the
                backward / memory bandwidth (0 for the unrolled loop)
@@ -21,9 +21,9 @@ are ``6 * n_layers * n_heads * head_dim * seq`` per token (causal), again with a
 more under "full": the model's own `train_flops_per_token` (block parameters as the model
 has them: grouped-query attention's k and v projections are smaller). Not modelled:
 elementwise work, the embedding, kernel efficiency at other shapes than the calibration's.
-The optimizer update is memory-bound: ``bytes of the state read and written / memory
-bandwidth`` (AdamW: 28 bytes per float32 parameter and step). The model ranks layouts; its
-absolute accuracy is what `benchmarks/plan_accuracy.sh` measures.
+The optimizer update costs the parameters of a device's shards over the measured rate of the
+trainer's optimizer (clipping and AdamW). The model ranks layouts; its absolute accuracy is
+what `benchmarks/plan_accuracy.sh` measures.
 """
 
 from __future__ import annotations
@@ -40,12 +40,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from gtp_jax.models.attention import resolve_attention_impl
 from gtp_jax.sharding.offload import HOST_MEMORY_KIND, host_memory_supported
-from gtp_jax.train.config import TrainConfig, model_config, resolve_auto
+from gtp_jax.train.config import TrainConfig, make_optimizer, model_config, resolve_auto
 
 #: Environment variable naming the calibration cache directory (default
 #: ``~/.cache/gtp_jax``).
@@ -66,9 +67,14 @@ class Calibration:
       all_gather_bandwidth, reduce_scatter_bandwidth: bytes moved per device per second.
       all_gather_latency, reduce_scatter_latency: seconds per collective.
       host_bandwidth: bytes per second between device and pinned host memory (0: none).
-      memory_bandwidth: bytes read and written per second by an elementwise program.
+      memory_bandwidth: bytes read and written per second by an elementwise pass (inside a
+        program: its dispatch is not counted).
       overlap_exposed: the fraction of collectives running beside compute that the compute
         does not hide (`_exposed_overlap`; 0 on one device).
+      optimizer_rate: float32 parameters per second that the trainer's optimizer
+        (`gtp_jax.train.config.make_optimizer`: global-norm clipping and AdamW) updates;
+        0: not measured (`step_seconds` then charges 28 bytes per parameter at
+        `memory_bandwidth`).
     """
 
     device_kind: str
@@ -84,6 +90,7 @@ class Calibration:
     host_bandwidth: float
     memory_bandwidth: float = 0.0
     overlap_exposed: float = 0.0
+    optimizer_rate: float = 0.0
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -97,7 +104,7 @@ def cache_path() -> str:
 
 
 #: Bumped when what `measure` measures changes, so older cached rates are measured again.
-CALIBRATION_VERSION = 3
+CALIBRATION_VERSION = 4
 
 
 def _cache_key(dtype: str) -> str:
@@ -177,7 +184,8 @@ def measure(dtype: str) -> Calibration:
     attention = 6 * s * (b * s) * h * d / _seconds(jax.jit(attend), q)
 
     x = jax.random.normal(jax.random.key(2), ((64 << 20) if gpu else (4 << 20),), jnp.float32)
-    memory = 2 * x.nbytes / _seconds(jax.jit(lambda x: x * 1.5 + 1.0), x)  # read + write
+    memory = 2 * x.nbytes / _in_program(_elementwise_passes, x)  # read + write
+    optimizer = _optimizer_rate((64 << 20) if gpu else (1 << 20))
 
     devices = np.array(jax.devices())
     mesh = jax.sharding.Mesh(devices, ("x",))
@@ -225,7 +233,44 @@ def measure(dtype: str) -> Calibration:
         devices=count, dtype=str(dt), gemm_flops=gemm, attention_flops=attention,
         all_gather_bandwidth=rates["ag"][0], all_gather_latency=rates["ag"][1],
         reduce_scatter_bandwidth=rates["rs"][0], reduce_scatter_latency=rates["rs"][1],
-        host_bandwidth=host, memory_bandwidth=memory, overlap_exposed=exposed)
+        host_bandwidth=host, memory_bandwidth=memory, overlap_exposed=exposed,
+        optimizer_rate=optimizer)
+
+
+def _in_program(repeated: Callable[[int], Callable[..., Any]], *args: Any,
+                counts: tuple[int, int] = (1, 5)) -> float:
+    """Seconds of one repetition inside a program: `repeated(k)` is a function doing the
+    work `k` times in a row; the difference of two counts cancels the program's dispatch
+    and synchronization (tens of microseconds, as much as a pass over 256 MB)."""
+    lo, hi = counts
+    t_lo = _seconds(jax.jit(repeated(lo)), *args)
+    t_hi = _seconds(jax.jit(repeated(hi)), *args)
+    return max(t_hi - t_lo, 1e-9) / (hi - lo)
+
+
+def _elementwise_passes(k: int) -> Callable[[jax.Array], jax.Array]:
+    """`k` dependent elementwise passes (each reads and writes the whole array; the barrier
+    keeps XLA from unrolling the loop and fusing the passes into one)."""
+    return lambda x: jax.lax.fori_loop(
+        0, k, lambda _, x: jax.lax.optimization_barrier(x * 1.5 + 1.0), x)
+
+
+def _optimizer_rate(n: int) -> float:
+    """Parameters per second of the trainer's optimizer update on `n` float32 parameters
+    (one leaf: the per-leaf work of the real tree, without its count of leaves)."""
+    tx = make_optimizer(TrainConfig())
+    params = jax.random.normal(jax.random.key(4), (n,), jnp.float32)
+    grads = jax.random.normal(jax.random.key(5), (n,), jnp.float32) * 1e-3
+    state = tx.init(params)
+
+    def updates(k: int) -> Callable[..., Any]:
+        def body(_: Any, carry: tuple[Any, Any]) -> tuple[Any, Any]:
+            p, s = carry
+            u, s = tx.update(grads, s, p)
+            return jax.lax.optimization_barrier((optax.apply_updates(p, u), s))
+        return lambda p, s: jax.lax.fori_loop(0, k, body, (p, s))
+
+    return n / _in_program(updates, params, state)
 
 
 def _all_gather_chain(x: jax.Array, links: int) -> jax.Array:
@@ -313,7 +358,10 @@ def step_seconds(cfg: TrainConfig, cal: Calibration) -> dict[str, float]:
     gtp = (ag(2 * weights * gather_item, cfg.gtp, 2 * collectives)
            + rs(weights * 4, cfg.gtp, collectives))
     grads = mc.num_params() * p_item / (cfg.gtp * cfg.tp * cfg.ep)
-    other = ag(grads, cfg.dp, collectives) + rs(grads, cfg.dp, collectives)  # all-reduce
+    # Every replica of a weight saw other tokens: an all-reduce over dp and cp (context
+    # parallelism splits the sequence, not the weights).
+    replicas = cfg.dp * cfg.cp
+    other = ag(grads, replicas, collectives) + rs(grads, replicas, collectives)
     act = tokens * d * a_item
     other += ag(act * 4 * layers, cfg.tp, 4 * layers) + rs(act * 4 * layers, cfg.tp,
                                                            4 * layers)
@@ -321,10 +369,13 @@ def step_seconds(cfg: TrainConfig, cal: Calibration) -> dict[str, float]:
         kv = 2 * tokens * d * a_item / cfg.tp
         other += 3 * layers * (cfg.cp - 1) * (cal.all_gather_latency
                                               + kv / cal.all_gather_bandwidth)
-    # AdamW on this device's shards: read param, grad, 2 moments; write param, 2 moments
-    # (float32), once per step.
-    if cal.memory_bandwidth > 0:
-        other += 28 * mc.num_params() / (cfg.gtp * cfg.tp * cfg.ep) / cal.memory_bandwidth
+    # The optimizer on this device's shards, once per step: the measured rate, else AdamW's
+    # bytes (read param, grad, 2 moments; write param, 2 moments; float32) at memory speed.
+    shard = mc.num_params() / (cfg.gtp * cfg.tp * cfg.ep)
+    if cal.optimizer_rate > 0:
+        other += shard / cal.optimizer_rate
+    elif cal.memory_bandwidth > 0:
+        other += 28 * shard / cal.memory_bandwidth
     offload = 0.0
     if cfg.offload_optimizer:  # moments in and out, streamed one unit (a layer of the stacked
         # weights, or another weight) at a time after the backward: double buffering hides
