@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import re
 import subprocess
 import sys
 
@@ -156,6 +157,32 @@ def test_scanned_loop_pays_its_residual_copies():
     assert 0 < times["full", "scanned"]["loop"] < want < times["none", "scanned"]["loop"]
 
 
+def test_context_parallel_layouts_pay_the_gradient_all_reduce():
+    # cp splits the sequence, not the weights: each cp replica's gradients are summed, as
+    # over dp. Slower reductions must cost a cp layout as much as a dp layout of the same
+    # replicas (the ring's K/V passes are all-gathers and stay the same).
+    slow = dataclasses.replace(FIXED, all_gather_bandwidth=FIXED.all_gather_bandwidth / 2,
+                               reduce_scatter_bandwidth=FIXED.reduce_scatter_bandwidth / 2)
+    ring = dataclasses.replace(FIXED, reduce_scatter_bandwidth=FIXED.reduce_scatter_bandwidth / 2)
+    cp = Layout(gtp=4, cp=2, remat="dots", loop="unrolled").apply(BASE)
+    dp = Layout(gtp=4, dp=2, remat="dots", loop="unrolled").apply(BASE)
+    cost = {name: timing.step_seconds(cfg, slow)["other"] - timing.step_seconds(cfg, FIXED)["other"]
+            for name, cfg in (("cp", cp), ("dp", dp))}
+    assert cost["dp"] > 0
+    rs_cost = (timing.step_seconds(cp, ring)["other"] - timing.step_seconds(cp, FIXED)["other"])
+    assert rs_cost == pytest.approx(timing.step_seconds(dp, ring)["other"]
+                                    - timing.step_seconds(dp, FIXED)["other"], rel=1e-9)
+    assert rs_cost > 0 and cost["cp"] > cost["dp"]  # and the ring's gathers on top
+
+
+def test_optimizer_update_costs_the_shard_at_the_measured_rate():
+    cfg = Layout(dp=2, gtp=4, remat="dots", loop="unrolled").apply(BASE)
+    shard = model_config(cfg).num_params() / 4
+    fast = timing.step_seconds(cfg, dataclasses.replace(FIXED, optimizer_rate=2e9))
+    slow = timing.step_seconds(cfg, dataclasses.replace(FIXED, optimizer_rate=1e9))
+    assert slow["other"] - fast["other"] == pytest.approx(shard / 2e9, rel=1e-9)
+
+
 def test_overlapped_gathers_pay_the_measured_exposed_fraction():
     cfg = Layout(gtp=8, remat="dots", loop="prefetch").apply(BASE)
     hidden = timing.step_seconds(cfg, FIXED)
@@ -181,7 +208,7 @@ def test_calibration_times_collectives_inside_a_program():
     cal = Calibration(**json.loads(proc.stdout.strip().splitlines()[-1]))
     assert cal.devices == 8 and cal.platform == "cpu"
     for rate in (cal.gemm_flops, cal.attention_flops, cal.memory_bandwidth,
-                 cal.all_gather_bandwidth, cal.reduce_scatter_bandwidth):
+                 cal.all_gather_bandwidth, cal.reduce_scatter_bandwidth, cal.optimizer_rate):
         assert 0 < rate < float("inf")
     assert cal.all_gather_latency >= 0 and cal.reduce_scatter_latency >= 0
     assert 0 <= cal.overlap_exposed <= 1
@@ -232,6 +259,27 @@ def test_layout_over_the_compiled_peak_is_refused_before_training(monkeypatch, c
              "--no-offload-optimizer", "--memory-gib", repr(budget)]
     assert main(["train", "--plan", "auto", *TRAIN_FLAGS, *flags]) == 2
     assert "no layout fits" in capsys.readouterr().err
+
+
+def test_plan_command_prints_the_ranked_table_and_the_command_to_train(capsys, tmp_path,
+                                                                         fixed_rates):
+    path = tmp_path / "plan.json"
+    argv = ["plan", "--preset", "tiny", "--layers", "2", "--gpus", "8", "--seq", "32",
+            "--batch", "8", "--top", "1", "--limit", "4", "--json", str(path)]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"planned in [\d.]+ s: rates [\d.]+ s .*, \d+ layouts compiled in", out)
+    best = [line for line in out.splitlines() if line.startswith("best: ")]
+    assert best and best[0].startswith(
+        "best: python -m gtp_jax train --preset tiny --layers 2 --batch 8 --seq 32 ")
+    saved = json.loads(path.read_text())
+    fits = [c for c in saved["candidates"] if c["status"] == "fits"]
+    assert fits and best[0].endswith(fits[0]["flags"])
+    # The layers replaced are the model planned: less memory than the preset's 4 layers.
+    layout = Layout(**fits[0]["layout"])
+    assert fits[0]["bound_bytes"] == memory_bound(
+        dataclasses.replace(layout.apply(BASE), layers=2))["total"]
+    assert fits[0]["bound_bytes"] < memory_bound(layout.apply(BASE))["total"]
 
 
 def test_plan_auto_trains_with_the_top_layout(capsys, fixed_rates):

@@ -79,7 +79,7 @@ def _linear(mesh: jax.sharding.Mesh, seed: int = 0) -> gtp_jax.ShardedModule:
     ("moe_capacity_factor", 0.0), ("moe_capacity_factor", math.inf), ("moe_top_k", 0),
     ("moe_experts", -1), ("steps", 0), ("seed", -1), ("pad_for_alignment", -8),
     ("schedule_steps", 0), ("preset", "huge"), ("remat", "some"), ("gather_format", "int4"),
-    ("dtype", "float16"),
+    ("dtype", "float16"), ("layers", 0),
 ])
 def test_train_config_rejects_out_of_range_values(field: str, value: object) -> None:
     with pytest.raises(UsageError, match=rf"TrainConfig\.{field}="):
@@ -87,10 +87,18 @@ def test_train_config_rejects_out_of_range_values(field: str, value: object) -> 
 
 
 @pytest.mark.parametrize("field, value", [("steps", True), ("steps", 2.5), ("lr", "0.1"),
-                                          ("prefetch", 1)])
+                                          ("prefetch", 1), ("layers", 2.0)])
 def test_train_config_rejects_wrong_types(field: str, value: object) -> None:
     with pytest.raises(UsageTypeError, match=rf"TrainConfig\.{field}="):
         TrainConfig(**{field: value})
+
+
+def test_layers_replace_the_presets_and_exclude_a_checkpoints_shape() -> None:
+    cfg = TrainConfig(preset="1b", layers=3, batch_size=8)
+    assert model_config(cfg).n_layers == 3
+    assert model_config(dataclasses.replace(cfg, layers=None)).n_layers == 16
+    with pytest.raises(UsageError, match=r"init_from_hf with layers=3.*drop layers"):
+        TrainConfig(layers=3, init_from_hf="/some/checkpoint")
 
 
 def test_train_config_rejects_top_k_above_experts() -> None:
