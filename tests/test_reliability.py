@@ -50,6 +50,7 @@ from gtp_jax.train.config import model_json as _model_json
 from gtp_jax.train.config import resolve_auto
 from gtp_jax.train.fingerprint import fingerprint as _fingerprint
 from gtp_jax.train.lock import LOCK_FILE, CheckpointLockedError, DirectoryLock
+from gtp_jax.train.memory import memory_advice
 from gtp_jax.train.observe import (
     DeviceMemoryError,
     check_writable_dir,
@@ -554,6 +555,29 @@ def test_memory_bound_and_refusal(monkeypatch: pytest.MonkeyPatch) -> None:
                         lambda cfg: pytest.fail("built a model"))
     with pytest.raises(DeviceMemoryError):
         train(RUN, progress=False)
+
+
+def test_memory_advice_names_only_the_changes_that_apply() -> None:
+    # A run at remat "full" is not told to recompute more; one with its moments already in
+    # host memory is not told to offload them; one without a replicating axis is told to
+    # use more devices instead of sharding more.
+    cases = {
+        "none": (dataclasses.replace(RUN, remat="none"), ["'dots' or 'full'", "offload",
+                                                          "larger TrainConfig.gtp"]),
+        "dots": (dataclasses.replace(RUN, remat="dots"), ["remat to 'full'", "offload"]),
+        "full": (dataclasses.replace(RUN, remat="full", dp=1, gtp=8),
+                 ["offload_optimizer", "more devices"]),
+        "offloaded": (dataclasses.replace(RUN, remat="full", offload_optimizer=True), []),
+    }
+    for name, (cfg, wanted) in cases.items():
+        advice = memory_advice(cfg, memory_bound(cfg))
+        assert advice.startswith("lower TrainConfig.batch_size"), advice
+        assert advice.endswith("`python -m gtp_jax plan` ranks the layouts that fit."), advice
+        for text in wanted:
+            assert text in advice, (name, advice)
+    assert "remat" not in memory_advice(cases["full"][0], memory_bound(cases["full"][0]))
+    offloaded = cases["offloaded"][0]
+    assert "offload" not in memory_advice(offloaded, memory_bound(offloaded))
 
 
 def test_xla_out_of_memory_becomes_one_line(monkeypatch: pytest.MonkeyPatch,

@@ -38,11 +38,10 @@ from gtp_jax.train.config import (
     resolve_auto,
 )
 from gtp_jax.train.data_source import DataSource
-from gtp_jax.train.memory import check_memory_fits, memory_bound, memory_parts
+from gtp_jax.train.memory import check_memory_fits, memory_advice, memory_bound, memory_parts
 from gtp_jax.train.metrics_log import MetricsLog, open_metrics_log, step_extras
 from gtp_jax.train.ntp import NonuniformStep, Recovery, SimulatedFailure, check_failure
 from gtp_jax.train.observe import (
-    MEMORY_ADVICE,
     DeviceMemoryError,
     ObserveConfig,
     StepProfiler,
@@ -441,7 +440,7 @@ def _device_memory_errors(cfg: TrainConfig, step: int) -> Iterator[None]:
         raise DeviceMemoryError(
             f"out of device memory at step {step} (the run needs at least "
             f"{bound['total'] / 2**30:.2f} GiB per device: {memory_parts(bound)}); "
-            + MEMORY_ADVICE
+            + memory_advice(cfg, bound)
         ) from err
 
 

@@ -26,7 +26,7 @@ from gtp_jax.models import Transformer
 from gtp_jax.sharding.offload import DEFAULT_GROUP_LAYERS, stream_units
 from gtp_jax.train import host_memory, observe
 from gtp_jax.train.config import TrainConfig, model_config, resolve_auto
-from gtp_jax.train.observe import MEMORY_ADVICE, DeviceMemoryError
+from gtp_jax.train.observe import DeviceMemoryError
 
 
 def memory_bound(cfg: TrainConfig) -> dict[str, int]:
@@ -97,6 +97,29 @@ def _largest_unit(model_cfg: Any) -> int:
     return max(sum(elements(i, span) for i, span in unit) for unit in units)
 
 
+def memory_advice(cfg: TrainConfig, bound: dict[str, int]) -> str:
+    """What to change when `cfg` does not fit, given its `memory_bound`: only the changes
+    that apply (a remat policy that recomputes more than `cfg.remat`; optimizer offload when
+    the optimizer state is on the device and a large part of the bound; more sharding when
+    some axis still replicates the weights), ending with the planner command that
+    searches them all. Fields are named ``TrainConfig.<field>`` (the CLI names its flags)."""
+    cfg = resolve_auto(cfg)
+    changes = ["lower TrainConfig.batch_size or TrainConfig.seq_len"]
+    more_remat = {"none": "'dots' or 'full'", "dots": "'full'"}.get(cfg.remat)
+    if more_remat:
+        changes.append(f"set TrainConfig.remat to {more_remat}")
+    if not cfg.offload_optimizer and bound["optimizer"] >= bound["total"] // 4:
+        changes.append(f"set TrainConfig.offload_optimizer (AdamW's moments, "
+                       f"{bound['optimizer'] / 2**30:.2f} GiB per device, in host memory)")
+    if cfg.dp > 1 or cfg.cp > 1:
+        changes.append("shard the weights over more devices (a larger TrainConfig.gtp or "
+                       "tp, a smaller dp or cp)")
+    else:
+        changes.append("run on more devices")
+    return (", ".join(changes[:-1]) + f" or {changes[-1]}; `python -m gtp_jax plan` ranks the "
+            "layouts that fit.")
+
+
 def memory_parts(bound: dict[str, int]) -> str:
     """``params 0.01, optimizer 0.02, ...`` (GiB) of a `memory_bound`, for messages."""
     return ", ".join(f"{k} {v / 2**30:.2f}" for k, v in bound.items() if k != "total")
@@ -124,7 +147,7 @@ def check_memory_fits(cfg: TrainConfig, bytes_limit: int | None = None) -> dict[
         raise DeviceMemoryError(
             f"the run needs at least {bound['total'] / 2**30:.2f} GiB per device "
             f"({memory_parts(bound)}) but a device has {bytes_limit / 2**30:.2f} GiB; "
-            + MEMORY_ADVICE
+            + memory_advice(cfg, bound)
         )
     if jax.default_backend() == "cpu":
         check_host_memory(cfg, bound)

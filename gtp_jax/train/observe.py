@@ -190,11 +190,6 @@ class DeviceMemoryError(UsageError):
     ``RESOURCE_EXHAUSTED`` during a step)."""
 
 
-#: What to change when a run does not fit (named by TrainConfig field).
-MEMORY_ADVICE = ("lower TrainConfig.batch_size or TrainConfig.seq_len, set TrainConfig.remat "
-                 "to 'dots' or 'full', or shard more (a larger TrainConfig.gtp / tp).")
-
-
 def device_memory_limit(device: jax.Device | None = None) -> int | None:
     """``memory_stats()["bytes_limit"]`` of `device` (default: this process's first device;
     other processes' devices report no statistics), or None where the backend reports no
@@ -272,7 +267,7 @@ def write_json(path: str, payload: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
-__all__ = ["MEMORY_ADVICE", "PEAK_FLOPS", "DeviceMemoryError", "ObserveConfig",
+__all__ = ["PEAK_FLOPS", "DeviceMemoryError", "ObserveConfig",
            "check_writable_dir", "check_writable_file", "device_memory_limit",
            "StepProfiler", "memory_per_device", "parse_steps",
            "peak_flops", "write_json"]
