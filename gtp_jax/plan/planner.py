@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 
 import jax
 
@@ -87,9 +86,9 @@ def plan(base: TrainConfig, *, memory_gib: float | None = None,
 
     Every layout of `space` valid for the model and devices is bounded in closed form;
     those whose bound exceeds the budget are rejected without compiling. The rest are
-    compiled (`compiled_memories`, cached; `top` at a time or, on a host of many cores, up
-    to 8, concurrently) in order of predicted step time until at least `top` of them fit;
-    the slower ones are left uncompiled.
+    compiled (`compiled_memories`, cached; as many at a time, concurrently, as are still
+    needed) in order of predicted step time until `top` of them fit; the slower ones are
+    left uncompiled.
 
     Args:
       base: the run to plan (its mesh and layout fields are replaced by each layout's).
@@ -126,9 +125,10 @@ def plan(base: TrainConfig, *, memory_gib: float | None = None,
     fitting: list[Candidate] = []
     uncompiled = list(pending)
     while uncompiled and len(fitting) < top:
-        # The next few by predicted time, compiled together (as many as the host's cores
-        # allow: a layout that does not fit is common, e.g. remat "none" at long sequences).
-        width = max(top - len(fitting), min(8, (os.cpu_count() or 1) // 4))
+        # The next few by predicted time, compiled together; more only if some do not fit.
+        # (Wider batches did not compile faster: on a 32-core GPU host, 8 at a time took
+        # 6.7 s per layout against 6.2 s for 3 at a time; docs/planning.md.)
+        width = top - len(fitting)
         batch, uncompiled = uncompiled[:width], uncompiled[width:]
         figures = compiled_memories([cand.layout.apply(base) for cand in batch])
         for cand, figure in zip(batch, figures):
