@@ -424,6 +424,30 @@ def test_fp8_gathered_decoder_trains_with_the_bits_of_bf16_gathers(keep, key, se
         np.testing.assert_array_equal(runs["fp8"][1][path], v, err_msg=path)
 
 
+def test_weights_outside_fp8_compute_keep_the_gather_dtype(key, seed):
+    # With FP8 compute, gather_format="fp8" is for the kernels the FP8 GEMMs read: the
+    # embedding, head and norms are gathered as without a format (not rounded to e4m3), so
+    # the whole decoder computes what the run without a gather format computes.
+    mesh = get_mesh("dp2_gtp4")
+    cfg = preset("tiny", d_model=96, n_heads=4, d_ff=200, vocab_size=250, n_layers=2)
+    batch = jax.device_put(jax.random.randint(key, (8, 17), 0, 250),
+                           gtp_jax.data_sharding(mesh))
+    losses, formats = {}, {}
+    for fmt in (None, "fp8"):
+        config = gtp_jax.GTPConfig(fp8_compute="tensorwise", fp8_min_features=64,
+                                   gather_format=fmt)
+        sharded = gtp_jax.shard(Transformer(cfg, rngs=nnx.Rngs(seed)), mesh, config)
+        formats[fmt] = {p.path: (p.spec.gather_format, p.spec.fp8_in_dims)
+                        for p in sharded.plan}
+        losses[fmt] = float(nnx.jit(lm_loss)(sharded, batch))
+    fp8_kernels = {p for p, (f, dims) in formats["fp8"].items() if f == "fp8"}
+    assert fp8_kernels and all(re.search(r"blocks/(attn|mlp)/", p) for p in fp8_kernels)
+    assert all(formats["fp8"][p][1] for p in fp8_kernels)  # read by the GEMMs as gathered
+    for path in ("embed/embedding", "lm_head/kernel"):
+        assert formats["fp8"][path] == (None, 0), (path, formats["fp8"][path])
+    assert losses["fp8"] == pytest.approx(losses[None], rel=1e-6, abs=0)
+
+
 # --------------------------------------------------------------------------- errors
 
 

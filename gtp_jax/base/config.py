@@ -81,6 +81,9 @@ class GTPConfig:
         gradients stay in high precision (straight-through gradient). Weights of per-layer
         rank 1 are gathered unquantized. Over a 1-wide `axis` nothing is gathered, so no
         format applies (weights are not rounded; FP8 GEMMs quantize theirs themselves).
+        With `fp8_compute`, "fp8" applies to the kernels of the FP8 layers only (their
+        GEMMs read the gathered payload, nothing is dequantized); the other weights
+        (embedding, output head, norms) are gathered in `gather_dtype`, not rounded.
       quant_backend: None (default: the `gtp_jax.pallas` kernels when the default JAX
         backend is a GPU, else the pure-JAX reference, which gives the kernels' bits),
         "pallas" (the kernels; run by the Pallas interpreter off GPUs, slowly: for tests)

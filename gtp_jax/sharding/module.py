@@ -505,7 +505,11 @@ def plan_placement(module: nnx.Module, mesh: Mesh, config: GTPConfig) -> Placeme
             elif plan is not None and path in fp8_direct and plan.spec.quantized and not splits:
                 plan = dataclasses.replace(plan, spec=dataclasses.replace(
                     plan.spec, fp8_in_dims=fp8_direct[path]))
-            elif plan is not None and plan.spec.quantized and one_wide:
+            elif plan is not None and plan.spec.quantized and (
+                    one_wide or (config.fp8_compute is not None and path not in fp8_direct)):
+                # Under FP8 compute the fp8 format is for the kernels the FP8 GEMMs read
+                # as gathered; another weight (embedding, head, norms) would only be
+                # rounded to e4m3, so it is gathered in the gather dtype.
                 plan = dataclasses.replace(plan, spec=dataclasses.replace(
                     plan.spec, gather_format=None))
         elif any(k in meta for k in SPLIT_AXES) and any(
