@@ -198,14 +198,19 @@ def test_overlapped_gathers_pay_the_measured_exposed_fraction():
 def test_calibration_times_collectives_inside_a_program():
     # In its own process: the calibration runs collectives beside GEMMs on the simulated
     # devices, which the other tests of this worker should not share a runtime with.
-    code = ("import json, dataclasses; from gtp_jax.plan import timing; "
-            "print(json.dumps(dataclasses.asdict(timing.measure('float32'))))")
+    code = ("import json, dataclasses; from gtp_jax.plan import timing; t = {}; "
+            "c = dataclasses.asdict(timing.measure('float32', timings=t)); "
+            "print(json.dumps(sorted(t))); print(json.dumps(c))")
     env = cli_env()
     env["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    cal = Calibration(**json.loads(proc.stdout.strip().splitlines()[-1]))
+    lines = proc.stdout.strip().splitlines()
+    cal = Calibration(**json.loads(lines[-1]))
+    # What each part took, for a calibration that takes long (printed by `plan`).
+    assert json.loads(lines[-2]) == sorted(["gemm", "attention", "memory", "optimizer", "ag",
+                                            "rs", "exposed", "host"])
     assert cal.devices == 8 and cal.platform == "cpu"
     for rate in (cal.gemm_flops, cal.attention_flops, cal.memory_bandwidth,
                  cal.all_gather_bandwidth, cal.reduce_scatter_bandwidth, cal.optimizer_rate):

@@ -109,14 +109,17 @@ def _plan(args: argparse.Namespace) -> int:
                        seq_len=args.seq, steps=args.steps, warmup=args.warmup,
                        dtype=args.dtype, dp=1, gtp=1)
     t0 = time.perf_counter()
-    cal = calibration(resolve_auto(base).dtype, refresh=args.calibrate)
+    parts: dict[str, float] = {}
+    cal = calibration(resolve_auto(base).dtype, refresh=args.calibrate, timings=parts)
     t1 = time.perf_counter()
     result = plan(base, memory_gib=args.memory_gib, space=space, top=args.top, cal=cal)
     t2 = time.perf_counter()
     print(format_table(result, limit=args.limit or None), flush=True)
     compiled = sum(c.peak_bytes is not None for c in result.candidates)
-    print(f"planned in {t2 - t0:.1f} s: rates {t1 - t0:.1f} s (cached after the first plan on "
-          f"this device kind), {compiled} layouts compiled in {t2 - t1:.1f} s")
+    rates = (" (measured: " + ", ".join(f"{k} {v:.1f} s" for k, v in parts.items()) + ")"
+             if parts else " (cached)")
+    print(f"planned in {t2 - t0:.1f} s: rates {t1 - t0:.1f} s{rates}, {compiled} layouts "
+          f"compiled in {t2 - t1:.1f} s")
     if result.best is not None:
         schedule = "" if (args.steps, args.warmup) == (100, 10) else (
             f"--steps {args.steps} --warmup {args.warmup} ")

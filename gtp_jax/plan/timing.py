@@ -113,9 +113,11 @@ def _cache_key(dtype: str) -> str:
             f"|v{CALIBRATION_VERSION}")
 
 
-def calibration(dtype: str, *, refresh: bool = False) -> Calibration:
+def calibration(dtype: str, *, refresh: bool = False,
+                timings: dict[str, float] | None = None) -> Calibration:
     """The cached `Calibration` of the present devices for compute `dtype`, measured (and
-    cached) on first use or when `refresh` (a few seconds)."""
+    cached) on first use or when `refresh` (seconds to a minute; `timings` receives the
+    parts' seconds when it is measured, see `measure`)."""
     path = cache_path()
     cached: dict[str, Any] = {}
     if os.path.exists(path):
@@ -130,7 +132,7 @@ def calibration(dtype: str, *, refresh: bool = False) -> Calibration:
             return Calibration(**cached[key])
         except TypeError:
             pass  # an older format: measure again
-    measured = measure(dtype)
+    measured = measure(dtype, timings=timings)
     cached[key] = measured.to_json()
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = f"{path}.tmp{os.getpid()}"
@@ -154,12 +156,14 @@ def _seconds(fn: Callable[..., Any], *args: Any, repeats: int = 5,
     return min(times) if fastest else statistics.median(times)
 
 
-def measure(dtype: str) -> Calibration:
+def measure(dtype: str, *, timings: dict[str, float] | None = None) -> Calibration:
     """Measures the rates with small timed programs on the present devices: a square GEMM,
-    causal attention, an elementwise pass, all-gather and reduce-scatter over all devices
-    (bandwidth from two sizes; latency from a chain of small collectives inside one program,
-    so that the dispatch of a program is not counted), how much of an all-gather chain a
-    concurrent GEMM chain leaves exposed, a host round trip."""
+    causal attention, an elementwise pass, the trainer's optimizer, all-gather and
+    reduce-scatter over all devices (bandwidth from chains of large against small ones,
+    latency from a chain of small ones against a single one, inside one program, so that
+    the dispatch of a program is not counted), how much of an all-gather chain a concurrent
+    GEMM chain leaves exposed, a host round trip. `timings`, when given, receives the
+    seconds each part took (compiles included)."""
     gpu = jax.default_backend() != "cpu"
     dt = jnp.dtype(dtype)
     # Shapes of a real layer and random data (zeros and ones run faster than data), several
@@ -172,7 +176,9 @@ def measure(dtype: str) -> Calibration:
             x = jnp.matmul(x, a) * 0.01
         return x
 
+    laps = _Laps()
     gemm = chain * 2 * n**3 / _seconds(jax.jit(chained), a)
+    laps("gemm")
 
     b, s, h, d = (4, 2048, 16, 128) if gpu else (1, 256, 4, 64)
     q = jax.random.normal(jax.random.key(1), (b, s, h, d), dt)
@@ -185,10 +191,13 @@ def measure(dtype: str) -> Calibration:
         return jax.grad(loss)(q)
 
     attention = 6 * s * (b * s) * h * d / _seconds(jax.jit(attend), q)
+    laps("attention")
 
     x = jax.random.normal(jax.random.key(2), ((64 << 20) if gpu else (4 << 20),), jnp.float32)
     memory = 2 * x.nbytes / _in_program(_elementwise_passes, x)  # read + write
+    laps("memory")
     optimizer = _optimizer_rate((64 << 20) if gpu else (1 << 20))
+    laps("optimizer")
 
     devices = np.array(jax.devices())
     mesh = jax.sharding.Mesh(devices, ("x",))
@@ -218,22 +227,28 @@ def measure(dtype: str) -> Calibration:
         if count == 1:
             rates[kind] = (float("inf"), 0.0)
             continue
-        # Bandwidth from one collective at two sizes (the program's dispatch cancels out);
-        # latency from a chain of small ones inside one program against a single one, i.e.
-        # what a collective costs inside a step, not the dispatch of a program.
-        t_small = collectives(kind, small, 1)
-        t_large = collectives(kind, large, 1)
-        moved = (large - small) * 4 * (count - 1)  # bytes received per device
+        # Bandwidth from chains of 4 large against 4 small collectives (dispatch and
+        # latency cancel out; one 64 MB collective alone takes about 0.4 ms, within the
+        # host's noise); latency from a chain of small ones inside one program against a
+        # single one, i.e. what a collective costs inside a step, not a program's dispatch.
+        t_small4 = collectives(kind, small, 4, fastest=True)
+        t_large4 = collectives(kind, large, 4, fastest=True)
+        moved = 4 * (large - small) * 4 * (count - 1)  # bytes received per device
         latency = max(collectives(kind, small, links, fastest=True)
                       - collectives(kind, small, 1, fastest=True), 0.0) / (links - 1)
-        rates[kind] = (moved / max(t_large - t_small, 1e-9), latency)
+        rates[kind] = (moved / max(t_large4 - t_small4, 1e-9), latency)
+        laps(kind)
     exposed = _exposed_overlap(mesh, n, dt, large, links=8 if gpu else 4) if count > 1 else 0.0
+    laps("exposed")
     host = 0.0
     if host_memory_supported():
         x = jax.device_put(jnp.ones((1 << 22,), jnp.float32), sharded)
         to_host = sharded.with_memory_kind(HOST_MEMORY_KIND)
         host = 2 * x.nbytes / count / _seconds(
             lambda x: jax.device_put(jax.device_put(x, to_host), sharded), x)
+    laps("host")
+    if timings is not None:
+        timings.update(laps.seconds)
     return Calibration(
         device_kind=jax.devices()[0].device_kind, platform=jax.default_backend(),
         devices=count, dtype=str(dt), gemm_flops=gemm, attention_flops=attention,
@@ -241,6 +256,19 @@ def measure(dtype: str) -> Calibration:
         reduce_scatter_bandwidth=rates["rs"][0], reduce_scatter_latency=rates["rs"][1],
         host_bandwidth=host, memory_bandwidth=memory, overlap_exposed=exposed,
         optimizer_rate=optimizer)
+
+
+class _Laps:
+    """Seconds since the previous call, by name (what each part of `measure` took)."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self._last = time.perf_counter()
+
+    def __call__(self, name: str) -> None:
+        now = time.perf_counter()
+        self.seconds[name] = now - self._last
+        self._last = now
 
 
 def _in_program(repeated: Callable[[int], Callable[..., Any]], *args: Any,
