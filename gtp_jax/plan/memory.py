@@ -141,8 +141,7 @@ def compiled_memories(cfgs: Sequence[TrainConfig], *,
 
     The programs are traced one after the other (tracing holds Python's lock) and compiled
     concurrently on `threads` threads (default: one per program, at most 8): XLA's compiler
-    releases the lock, so a plan's few compilations cost about the longest one instead of
-    their sum.
+    releases the lock, so the compilations overlap (docs/planning.md has the timings).
     """
     keys = [_key(cfg) for cfg in cfgs]
     todo: dict[tuple[Any, ...], Any] = {}
