@@ -140,8 +140,11 @@ def compiled_memories(cfgs: Sequence[TrainConfig], *,
     its error (``UsageError``, ``ValueError``, ``TypeError``) in its place.
 
     The programs are traced one after the other (tracing holds Python's lock) and compiled
-    concurrently on `threads` threads (default: one per program, at most 8): XLA's compiler
-    releases the lock, so the compilations overlap (docs/planning.md has the timings).
+    concurrently on `threads` threads (default: one per program, at most 3): XLA's compiler
+    releases the lock, so the compilations overlap. At most 3 because on a GPU host the
+    compiler autotunes its kernels on the device while it compiles: 3 at a time gave the
+    peaks of compiling alone, 8 at a time gave 1b layouts 0.6-1.5 GiB larger ones
+    (docs/planning.md), and the peak predicted must be the one a run compiles to.
     """
     keys = [_key(cfg) for cfg in cfgs]
     todo: dict[tuple[Any, ...], Any] = {}
@@ -154,7 +157,7 @@ def compiled_memories(cfgs: Sequence[TrainConfig], *,
         except (UsageError, ValueError, TypeError) as err:
             results[key] = err
     if todo:
-        workers = threads or min(len(todo), 8)
+        workers = threads or min(len(todo), 3)
         with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
             figures = pool.map(lambda lowered: MemoryFigure.of(lowered.compile()),
                                todo.values())

@@ -127,7 +127,8 @@ def plan(base: TrainConfig, *, memory_gib: float | None = None,
     while uncompiled and len(fitting) < top:
         # The next few by predicted time, compiled together; more only if some do not fit.
         # (Wider batches did not compile faster: on a 32-core GPU host, 8 at a time took
-        # 6.7 s per layout against 6.2 s for 3 at a time; docs/planning.md.)
+        # 6.7 s per layout against 6.2 s for 3 at a time, and changed the compiled peaks;
+        # docs/planning.md.)
         width = top - len(fitting)
         batch, uncompiled = uncompiled[:width], uncompiled[width:]
         figures = compiled_memories([cand.layout.apply(base) for cand in batch])
