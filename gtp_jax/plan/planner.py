@@ -86,9 +86,9 @@ def plan(base: TrainConfig, *, memory_gib: float | None = None,
 
     Every layout of `space` valid for the model and devices is bounded in closed form;
     those whose bound exceeds the budget are rejected without compiling. The rest are
-    compiled (`compiled_memories`, cached; as many at a time, concurrently, as are still
-    needed) in order of predicted step time until `top` of them fit; the slower ones are
-    left uncompiled.
+    compiled (`compiled_memories`, cached; as many at a time as are still needed, up to 3
+    concurrently) in order of predicted step time until `top` of them fit; the slower ones
+    are left uncompiled.
 
     Args:
       base: the run to plan (its mesh and layout fields are replaced by each layout's).
