@@ -14,6 +14,7 @@ Usage (all GPUs of the host; on a CPU it runs over 8 simulated devices to check 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import statistics
 import sys
@@ -41,19 +42,22 @@ def _seconds(fn, x, repeats=20):
 
 
 def chain(kind: str, links: int, count: int, elems: int):
-    """`links` dependent collectives of `kind` on a per-device float32 vector."""
+    """`links` dependent collectives of `kind` on a per-device float32 vector (ag_slice and
+    rs_tile are the calibration's own chains)."""
+    from gtp_jax.plan.timing import _all_gather_chain, _reduce_scatter_chain
+
+    if kind == "ag_slice":
+        return functools.partial(_all_gather_chain, links=links)
+    if kind == "rs_tile":
+        return functools.partial(_reduce_scatter_chain, links=links, count=count)
+
     def body(x):
         for i in range(links):
-            last = i == links - 1
-            if kind == "ag_slice":
-                x = jax.lax.all_gather(x, "x", tiled=True)
-                x = x if last else x[:elems]
-            elif kind in ("rs_tile", "rs_broadcast"):
+            if kind == "rs_broadcast":
                 x = jax.lax.psum_scatter(x, "x", tiled=True)
-                if not last:
-                    x = (jnp.tile(x, count) if kind == "rs_tile" else
-                         jnp.broadcast_to(x * 1.0001, (count, elems)).reshape(-1))
-            elif kind == "ar":
+                if i < links - 1:
+                    x = jnp.broadcast_to(x * 1.0001, (count, elems)).reshape(-1)
+            else:  # "ar"
                 x = jax.lax.psum(x, "x") * 0.5
         return x
     return body

@@ -134,13 +134,12 @@ def compiled_memory(cfg: TrainConfig) -> MemoryFigure:
     return result
 
 
-def compiled_memories(cfgs: Sequence[TrainConfig], *,
-                      threads: int | None = None) -> list[MemoryFigure | Exception]:
+def compiled_memories(cfgs: Sequence[TrainConfig]) -> list[MemoryFigure | Exception]:
     """`compiled_memory` of each of `cfgs`, in order; a config that cannot be built gives
     its error (``UsageError``, ``ValueError``, ``TypeError``) in its place.
 
     The programs are traced one after the other (tracing holds Python's lock) and compiled
-    concurrently on `threads` threads (default: one per program, at most 3): XLA's compiler
+    concurrently, one thread per program and at most 3 at a time: XLA's compiler
     releases the lock, so the compilations overlap. At most 3 because on a GPU host the
     compiler autotunes its kernels on the device while it compiles: 3 at a time gave the
     peaks of compiling alone, 8 at a time gave 1b layouts 0.6-1.5 GiB larger ones
@@ -157,8 +156,7 @@ def compiled_memories(cfgs: Sequence[TrainConfig], *,
         except (UsageError, ValueError, TypeError) as err:
             results[key] = err
     if todo:
-        workers = threads or min(len(todo), 3)
-        with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
+        with concurrent.futures.ThreadPoolExecutor(max_workers=min(len(todo), 3)) as pool:
             figures = pool.map(lambda lowered: MemoryFigure.of(lowered.compile()),
                                todo.values())
             for key, figure in zip(todo, figures):

@@ -207,13 +207,8 @@ def measure(dtype: str, *, timings: dict[str, float] | None = None) -> Calibrati
     def collectives(kind: str, elems: int, links: int, fastest: bool = False) -> float:
         """Seconds of a program of `links` dependent collectives of `elems` float32 per
         device (all-gather: [elems] -> [count * elems], reduce-scatter: the reverse)."""
-        def body(x: jax.Array) -> jax.Array:
-            if kind == "ag":
-                return _all_gather_chain(x, links)
-            for i in range(links):
-                x = jax.lax.psum_scatter(x, "x", tiled=True)
-                x = jnp.tile(x, count) if i < links - 1 else x
-            return x
+        body = (functools.partial(_all_gather_chain, links=links) if kind == "ag" else
+                functools.partial(_reduce_scatter_chain, links=links, count=count))
         per_device = elems if kind == "ag" else count * elems
         x = jax.device_put(jnp.ones((count * per_device,), jnp.float32), sharded)
         fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P("x")))
@@ -317,6 +312,16 @@ def _all_gather_chain(x: jax.Array, links: int) -> jax.Array:
     return x
 
 
+def _reduce_scatter_chain(x: jax.Array, links: int, count: int) -> jax.Array:
+    """`links` dependent reduce-scatters over mesh axis "x" (of `count` devices) of the
+    per-device `x` (each result tiled back to `x`'s size to feed the next; the last one
+    scattered)."""
+    for i in range(links):
+        x = jax.lax.psum_scatter(x, "x", tiled=True)
+        x = jnp.tile(x, count) if i < links - 1 else x
+    return x
+
+
 def _exposed_overlap(mesh: jax.sharding.Mesh, n: int, dtype: Any, elems: int,
                      links: int = 4) -> float:
     """The fraction of the shorter of a GEMM chain and an all-gather chain that running them
@@ -395,7 +400,8 @@ def step_seconds(cfg: TrainConfig, cal: Calibration) -> dict[str, float]:
     collectives = layers * _WEIGHTS_PER_LAYER + 2
     gtp = (ag(2 * weights * gather_item, cfg.gtp, 2 * collectives)
            + rs(weights * 4, cfg.gtp, collectives))
-    grads = mc.num_params() * p_item / (cfg.gtp * cfg.tp * cfg.ep)
+    shard = mc.num_params() / (cfg.gtp * cfg.tp * cfg.ep)  # parameters on this device
+    grads = shard * p_item
     # Every replica of a weight saw other tokens: an all-reduce over dp and cp (context
     # parallelism splits the sequence, not the weights).
     replicas = cfg.dp * cfg.cp
@@ -409,7 +415,6 @@ def step_seconds(cfg: TrainConfig, cal: Calibration) -> dict[str, float]:
                                               + kv / cal.all_gather_bandwidth)
     # The optimizer on this device's shards, once per step: the measured rate, else AdamW's
     # bytes (read param, grad, 2 moments; write param, 2 moments; float32) at memory speed.
-    shard = mc.num_params() / (cfg.gtp * cfg.tp * cfg.ep)
     if cal.optimizer_rate > 0:
         other += shard / cal.optimizer_rate
     elif cal.memory_bandwidth > 0:
