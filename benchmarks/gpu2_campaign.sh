@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Two-GPU checks in one call, parts in the order given (a part starts only while BUDGET
 # seconds have not run out, and is stopped when they do):
+#   latency: what a small collective costs inside a program (benchmarks/collective_latency.py;
+#     $OUT/collective_latency.log), beside the planner's calibration;
 #   fp8_1b / fp8_8b: FP8 compute fed by FP8 gathers against gtp_jax's bf16 step and against
 #     PyTorch FSDP2 + torch.compile with torchao float8 and float8 all-gather
 #     (benchmarks/fp8_2gpu.sh; torchao's wheel in .carry/whl), the 1b preset and the
@@ -14,7 +16,7 @@
 #     tried largest first; OFFLOAD_BIG overrides the list).
 # Writes $OUT/fp8/, $OUT/plan/ (tables at the end of the log: plan_accuracy.json) and
 # $OUT/offload/.
-# Usage: OUT=dir [BUDGET=seconds] [PARTS="fp8_1b plan_1b plan_8b fp8_8b offload"]
+# Usage: OUT=dir [BUDGET=seconds] [PARTS="latency fp8_1b plan_1b plan_8b fp8_8b offload"]
 #   [FP8_VARIANTS=none:none,fp8:delayed,fp8:tensorwise] [TOP=3] bash benchmarks/gpu2_campaign.sh
 set -u
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1 PYTHONPATH="$PWD"
@@ -29,6 +31,9 @@ for part in ${PARTS:-fp8_1b plan_1b plan_8b fp8_8b offload}; do
   if [ "$(left)" -lt 30 ]; then log "skip $part: the budget is spent"; continue; fi
   log "$part ($(left) s left)"
   case $part in
+    latency)
+      timeout "$(left)" python3 benchmarks/collective_latency.py 2>&1 \
+        | tee "$OUT/collective_latency.log" ;;
     fp8_1b|fp8_8b)
       OUT="$OUT/fp8" MODELS=${part#fp8_} VARIANTS="$FP8_VARIANTS" \
         timeout "$(left)" bash benchmarks/fp8_2gpu.sh ;;
@@ -42,7 +47,7 @@ for part in ${PARTS:-fp8_1b plan_1b plan_8b fp8_8b offload}; do
       OUT="$OUT/offload" GTP=2 BIG_STEPS=3 LIMIT=300 \
         BIG="${OFFLOAD_BIG:-llama3-8b:64 llama3-8b:48 llama3-8b:40 llama3-8b}" \
         timeout "$(left)" bash benchmarks/offload.sh ;;
-    *) echo "unknown part $part (fp8_1b fp8_8b plan_1b plan_8b offload)"; exit 2 ;;
+    *) echo "unknown part $part (latency fp8_1b fp8_8b plan_1b plan_8b offload)"; exit 2 ;;
   esac
 done
 log "tables"

@@ -15,6 +15,8 @@ import re
 import subprocess
 import sys
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -23,6 +25,7 @@ from helpers import cli_env
 import gtp_jax.plan.memory as plan_memory
 import gtp_jax.train.loop as train_loop
 from gtp_jax.__main__ import main
+from gtp_jax.base.errors import UsageError
 from gtp_jax.models import lm_loss
 from gtp_jax.plan import (
     Calibration,
@@ -38,7 +41,7 @@ from gtp_jax.plan import (
 )
 from gtp_jax.plan.layout import enumerate_layouts
 from gtp_jax.train import TrainConfig
-from gtp_jax.train.config import model_config
+from gtp_jax.train.config import make_optimizer, model_config
 from gtp_jax.train.loop import build_model_and_optimizer
 from gtp_jax.train.memory import check_memory_fits
 from gtp_jax.train.observe import DeviceMemoryError
@@ -49,7 +52,7 @@ BASE = TrainConfig(preset="tiny", batch_size=8, seq_len=32, steps=2, warmup=1, d
 L1 = Layout(dp=2, gtp=4, remat="none", loop="unrolled")
 #: Fixed rates, so rankings do not depend on this machine's timings.
 FIXED = Calibration(device_kind="cpu", platform="cpu", devices=8, dtype="float32",
-                    gemm_flops=5e10, attention_flops=1e10, all_gather_bandwidth=1e9,
+                    gemm_flops=5e10, attention_rates=((256, 1e10),), all_gather_bandwidth=1e9,
                     all_gather_latency=1e-4, reduce_scatter_bandwidth=1e9,
                     reduce_scatter_latency=1e-4, host_bandwidth=1e9)
 TRAIN_FLAGS = ["--steps", "2", "--batch", "8", "--seq", "32", "--warmup", "1"]
@@ -212,7 +215,7 @@ def test_calibration_times_collectives_inside_a_program():
     assert json.loads(lines[-2]) == sorted(["gemm", "attention", "memory", "optimizer", "ag",
                                             "rs", "exposed", "host"])
     assert cal.devices == 8 and cal.platform == "cpu"
-    for rate in (cal.gemm_flops, cal.attention_flops, cal.memory_bandwidth,
+    for rate in (cal.gemm_flops, *dict(cal.attention_rates).values(), cal.memory_bandwidth,
                  cal.all_gather_bandwidth, cal.reduce_scatter_bandwidth, cal.optimizer_rate):
         assert 0 < rate < float("inf")
     assert cal.all_gather_latency >= 0 and cal.reduce_scatter_latency >= 0
@@ -330,7 +333,40 @@ def test_predicted_compute_counts_the_models_own_matmul_flops(preset):
     # has them (grouped-query attention in the llama presets), not four d_model x d_model
     # matrices.
     rate = 1e12
-    cal = dataclasses.replace(FIXED, gemm_flops=rate, attention_flops=rate, devices=1)
+    cal = dataclasses.replace(FIXED, gemm_flops=rate, attention_rates=((64, rate),), devices=1)
     cfg = TrainConfig(preset=preset, batch_size=2, seq_len=64, dp=1, gtp=1, remat="dots")
     want = model_config(cfg).train_flops_per_token(64) * 2 * 64 / rate
     assert timing.step_seconds(cfg, cal)["compute"] == pytest.approx(want, rel=1e-12)
+
+
+def test_attention_rate_follows_the_sequence_length():
+    # Attention kernels run far faster at long sequences: the rate at a run's sequence
+    # length is the measured one, interpolated in log(seq) between lengths and held at
+    # the nearest end outside them.
+    cal = dataclasses.replace(FIXED, attention_rates=[[1024, 1e14], [4096, 3e14]])
+    assert cal.attention_rates == ((1024, 1e14), (4096, 3e14))  # JSON lists read back
+    assert cal.attention_flops(1024) == 1e14 and cal.attention_flops(4096) == 3e14
+    assert cal.attention_flops(2048) == pytest.approx(2e14, rel=1e-12)
+    assert cal.attention_flops(256) == 1e14 and cal.attention_flops(65536) == 3e14
+    assert Calibration(**json.loads(json.dumps(cal.to_json()))) == cal
+    for bad in ((), ((2048, 1e14), (1024, 2e14))):
+        with pytest.raises(UsageError, match="attention_rates"):
+            dataclasses.replace(FIXED, attention_rates=bad)
+    # A step at seq 64 is charged the rate measured at 64, not the one at 32.
+    cfg = TrainConfig(preset="tiny", batch_size=8, seq_len=64, dp=1, gtp=1, remat="dots")
+    two = dataclasses.replace(FIXED, attention_rates=((32, 1e9), (64, 4e9)))
+    one = dataclasses.replace(FIXED, attention_rates=((64, 4e9),))
+    assert timing.step_seconds(cfg, two)["compute"] == timing.step_seconds(cfg, one)["compute"]
+    slower = dataclasses.replace(FIXED, attention_rates=((64, 1e9),))
+    assert timing.step_seconds(cfg, slower)["compute"] > timing.step_seconds(cfg, one)["compute"]
+
+
+def test_the_optimizer_calibration_compiles_no_array_into_its_program():
+    # An array closed over by a traced function becomes a constant that XLA folds while
+    # compiling: the 64M-parameter optimizer calibration took 103 s to compile that way.
+    n = 1 << 16
+    tx = make_optimizer(TrainConfig())
+    p = jnp.ones((n,), jnp.float32)
+    text = jax.jit(timing._optimizer_updates(tx, 2)).lower(p, tx.init(p), p).as_text()
+    big = [line for line in text.splitlines() if "constant" in line and f"{n}x" in line]
+    assert big == [], big[:2]

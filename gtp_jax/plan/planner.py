@@ -160,7 +160,8 @@ def format_table(result: Plan, limit: int | None = 20) -> str:
         f"({jax.default_backend()}, {cal.device_kind}) batch={result.base.batch_size} "
         f"seq={result.base.seq_len} dtype={result.base.dtype} budget {budget}",
         f"rates: GEMM {cal.gemm_flops / 1e12:.3g} TFLOP/s, attention "
-        f"{cal.attention_flops / 1e12:.3g} TFLOP/s, all-gather {cal.all_gather_bandwidth / 1e9:.3g}"
+        f"{cal.attention_flops(result.base.seq_len) / 1e12:.3g} TFLOP/s at seq "
+        f"{result.base.seq_len}, all-gather {cal.all_gather_bandwidth / 1e9:.3g}"
         f" GB/s + {cal.all_gather_latency * 1e6:.0f} us, reduce-scatter "
         f"{cal.reduce_scatter_bandwidth / 1e9:.3g} GB/s + {cal.reduce_scatter_latency * 1e6:.0f}"
         f" us, memory {cal.memory_bandwidth / 1e12:.3g} TB/s, optimizer "

@@ -1,6 +1,6 @@
 """A layout's step time: a roofline-style model whose rates are measured on the machine.
 
-    compute  = matmul FLOPs / GEMM rate + attention FLOPs / attention rate
+    compute  = matmul FLOPs / GEMM rate + attention FLOPs / attention rate at the sequence
     gtp      = weight all-gathers (forward and backward) + gradient reduce-scatters
     other    = gradient all-reduce over dp and cp + tp activation collectives + cp ring
                K/V passes + the optimizer update
@@ -19,8 +19,10 @@ FLOPs are ``6 * (block + head parameters)`` per token divided over ``tp``; remat
 adds one more forward pass (8 instead of 6), "dots" recomputes no matmul. Attention FLOPs
 are ``6 * n_layers * n_heads * head_dim * seq`` per token (causal), again with a forward
 more under "full": the model's own `train_flops_per_token` (block parameters as the model
-has them: grouped-query attention's k and v projections are smaller). Not modelled:
-elementwise work, the embedding, kernel efficiency at other shapes than the calibration's.
+has them: grouped-query attention's k and v projections are smaller), at the attention
+rate measured nearest the run's sequence length (`Calibration.attention_flops`). Not
+modelled: elementwise work, the embedding, GEMM efficiency at other shapes than the
+calibration's.
 The optimizer update costs the parameters of a device's shards over the measured rate of the
 trainer's optimizer (clipping and AdamW). The model ranks layouts; its absolute accuracy is
 what `benchmarks/plan_accuracy.sh` measures.
@@ -44,6 +46,7 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from gtp_jax.base.errors import UsageError
 from gtp_jax.models.attention import resolve_attention_impl
 from gtp_jax.sharding.offload import HOST_MEMORY_KIND, host_memory_supported
 from gtp_jax.train.config import TrainConfig, make_optimizer, model_config, resolve_auto
@@ -62,8 +65,12 @@ class Calibration:
         the backend, the device count).
       dtype: the compute dtype of the GEMM / attention measurements.
       gemm_flops: dense matmul FLOP/s.
-      attention_flops: causal attention FLOP/s of a forward + backward pass, counted as
-        ``6 * seq * tokens * heads * head_dim`` (what `step_seconds` charges).
+      attention_rates: ``((seq, FLOP/s), ...)`` by increasing sequence length: causal
+        attention FLOP/s of a forward + backward pass at that sequence length (same tokens
+        per call), counted as ``6 * seq * tokens * heads * head_dim`` (what `step_seconds`
+        charges). Attention kernels run far faster at long sequences (on one H100, 175
+        TFLOP/s at 2048 tokens), so one rate would misprice every other length;
+        `attention_flops` interpolates.
       all_gather_bandwidth, reduce_scatter_bandwidth: bytes moved per device per second.
       all_gather_latency, reduce_scatter_latency: seconds per collective.
       host_bandwidth: bytes per second between device and pinned host memory (0: none).
@@ -82,7 +89,7 @@ class Calibration:
     devices: int
     dtype: str
     gemm_flops: float
-    attention_flops: float
+    attention_rates: tuple[tuple[int, float], ...]
     all_gather_bandwidth: float
     all_gather_latency: float
     reduce_scatter_bandwidth: float
@@ -91,6 +98,25 @@ class Calibration:
     memory_bandwidth: float = 0.0
     overlap_exposed: float = 0.0
     optimizer_rate: float = 0.0
+
+    def __post_init__(self) -> None:
+        rates = tuple((int(s), float(r)) for s, r in self.attention_rates)  # JSON: lists
+        if not rates or any(b[0] <= a[0] for a, b in zip(rates, rates[1:])):
+            raise UsageError(f"Calibration.attention_rates={self.attention_rates!r} must be "
+                             "(seq, FLOP/s) pairs by increasing seq, at least one.")
+        object.__setattr__(self, "attention_rates", rates)
+
+    def attention_flops(self, seq: int) -> float:
+        """Causal attention FLOP/s at sequence length `seq`: `attention_rates` interpolated
+        linearly in log(seq) (the rate of the nearest measured length outside them)."""
+        rates = self.attention_rates
+        if seq <= rates[0][0]:
+            return rates[0][1]
+        for (s0, r0), (s1, r1) in zip(rates, rates[1:]):
+            if seq <= s1:
+                t = (np.log(seq) - np.log(s0)) / (np.log(s1) - np.log(s0))
+                return float(r0 + t * (r1 - r0))
+        return rates[-1][1]
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -103,8 +129,11 @@ def cache_path() -> str:
     return os.path.join(root, "calibration.json")
 
 
+#: Sequence lengths the attention rate is measured at on a GPU (16384 tokens per call each).
+ATTENTION_SEQS = (1024, 2048, 4096, 8192)
+
 #: Bumped when what `measure` measures changes, so older cached rates are measured again.
-CALIBRATION_VERSION = 5
+CALIBRATION_VERSION = 6
 
 
 def _cache_key(dtype: str) -> str:
@@ -171,17 +200,19 @@ def measure(dtype: str, *, timings: dict[str, float] | None = None) -> Calibrati
     n, chain = (8192, 4) if gpu else (512, 2)
     a = jax.random.normal(jax.random.key(0), (n, n), dt)
 
-    def chained(x: jax.Array) -> jax.Array:
+    # Every operand is an argument: an array a traced function closes over becomes a
+    # constant of the program, which XLA folds at compile time (a 64M-element optimizer
+    # calibration took 103 s to compile that way on a GPU host).
+    def chained(x: jax.Array, a: jax.Array) -> jax.Array:
         for _ in range(chain):
             x = jnp.matmul(x, a) * 0.01
         return x
 
     laps = _Laps()
-    gemm = chain * 2 * n**3 / _seconds(jax.jit(chained), a)
+    gemm = chain * 2 * n**3 / _seconds(jax.jit(chained), a, a)
     laps("gemm")
 
-    b, s, h, d = (4, 2048, 16, 128) if gpu else (1, 256, 4, 64)
-    q = jax.random.normal(jax.random.key(1), (b, s, h, d), dt)
+    tokens, h, d = (16384, 16, 128) if gpu else (512, 4, 64)
     impl = resolve_attention_impl("auto", dt, d)
 
     def attend(q: jax.Array) -> jax.Array:
@@ -190,7 +221,10 @@ def measure(dtype: str, *, timings: dict[str, float] | None = None) -> Calibrati
             return jnp.sum(out.astype(jnp.float32))
         return jax.grad(loss)(q)
 
-    attention = 6 * s * (b * s) * h * d / _seconds(jax.jit(attend), q)
+    attention = []
+    for s in ATTENTION_SEQS if gpu else (128, 256):
+        q = jax.random.normal(jax.random.key(1), (tokens // s, s, h, d), dt)
+        attention.append((s, 6 * s * tokens * h * d / _seconds(jax.jit(attend), q)))
     laps("attention")
 
     x = jax.random.normal(jax.random.key(2), ((64 << 20) if gpu else (4 << 20),), jnp.float32)
@@ -246,7 +280,7 @@ def measure(dtype: str, *, timings: dict[str, float] | None = None) -> Calibrati
         timings.update(laps.seconds)
     return Calibration(
         device_kind=jax.devices()[0].device_kind, platform=jax.default_backend(),
-        devices=count, dtype=str(dt), gemm_flops=gemm, attention_flops=attention,
+        devices=count, dtype=str(dt), gemm_flops=gemm, attention_rates=tuple(attention),
         all_gather_bandwidth=rates["ag"][0], all_gather_latency=rates["ag"][1],
         reduce_scatter_bandwidth=rates["rs"][0], reduce_scatter_latency=rates["rs"][1],
         host_bandwidth=host, memory_bandwidth=memory, overlap_exposed=exposed,
@@ -290,16 +324,20 @@ def _optimizer_rate(n: int) -> float:
     tx = make_optimizer(TrainConfig())
     params = jax.random.normal(jax.random.key(4), (n,), jnp.float32)
     grads = jax.random.normal(jax.random.key(5), (n,), jnp.float32) * 1e-3
-    state = tx.init(params)
+    return n / _in_program(functools.partial(_optimizer_updates, tx), params,
+                           tx.init(params), grads)
 
-    def updates(k: int) -> Callable[..., Any]:
+
+def _optimizer_updates(tx: optax.GradientTransformation, k: int) -> Callable[..., Any]:
+    """``(params, state, grads) -> (params, state)`` after `k` dependent updates of `tx`
+    (the gradients an argument, not a constant XLA would fold while compiling)."""
+    def run(p: Any, s: Any, g: jax.Array) -> tuple[Any, Any]:
         def body(_: Any, carry: tuple[Any, Any]) -> tuple[Any, Any]:
             p, s = carry
-            u, s = tx.update(grads, s, p)
+            u, s = tx.update(g, s, p)
             return jax.lax.optimization_barrier((optax.apply_updates(p, u), s))
-        return lambda p, s: jax.lax.fori_loop(0, k, body, (p, s))
-
-    return n / _in_program(updates, params, state)
+        return jax.lax.fori_loop(0, k, body, (p, s))
+    return run
 
 
 def _all_gather_chain(x: jax.Array, links: int) -> jax.Array:
@@ -380,7 +418,7 @@ def step_seconds(cfg: TrainConfig, cal: Calibration) -> dict[str, float]:
     passes = 8.0 if mc.remat == "full" else 6.0
     matmul = passes * mc.matmul_params() * tokens / cfg.tp
     attention = passes * layers * width * cfg.seq_len * tokens / cfg.tp
-    compute = matmul / cal.gemm_flops + attention / cal.attention_flops
+    compute = matmul / cal.gemm_flops + attention / cal.attention_flops(cfg.seq_len)
 
     def ag(nbytes: float, size: int, count: int = 1) -> float:
         if size == 1:
