@@ -172,11 +172,15 @@ def calibration(dtype: str, *, refresh: bool = False,
 
 
 def _seconds(fn: Callable[..., Any], *args: Any, repeats: int = 5,
-             fastest: bool = False) -> float:
+             fastest: bool = False, warm_s: float = 0.0) -> float:
     """Median (or with `fastest`, the least) wall seconds of `fn(*args)` after one warm-up
-    call (compiles). The least is for differences of short programs: the host's noise
-    (about 0.1 ms per call on a GPU host) only ever adds time."""
+    call (compiles), or after as many calls as take `warm_s` seconds. The least is for
+    differences of short programs and for compute rates: the host's noise (about 0.1 ms
+    per call on a GPU host) and a GPU's clocks still ramping up only ever add time."""
     jax.block_until_ready(fn(*args))
+    start = time.perf_counter()
+    while time.perf_counter() - start < warm_s:
+        jax.block_until_ready(fn(*args))
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
@@ -209,7 +213,11 @@ def measure(dtype: str, *, timings: dict[str, float] | None = None) -> Calibrati
         return x
 
     laps = _Laps()
-    gemm = chain * 2 * n**3 / _seconds(jax.jit(chained), a, a)
+    # The GEMMs are the first work the devices see: half a second of them first, so that an
+    # idle GPU's clocks have ramped up (one such calibration measured 617 TFLOP/s where
+    # other machines of the kind gave 740-746), then the fastest of 9 calls.
+    gemm = chain * 2 * n**3 / _seconds(jax.jit(chained), a, a, repeats=9, fastest=True,
+                                       warm_s=0.5 if gpu else 0.0)
     laps("gemm")
 
     tokens, h, d = (16384, 16, 128) if gpu else (512, 4, 64)
@@ -224,7 +232,8 @@ def measure(dtype: str, *, timings: dict[str, float] | None = None) -> Calibrati
     attention = []
     for s in ATTENTION_SEQS if gpu else (128, 256):
         q = jax.random.normal(jax.random.key(1), (tokens // s, s, h, d), dt)
-        attention.append((s, 6 * s * tokens * h * d / _seconds(jax.jit(attend), q)))
+        attention.append((s, 6 * s * tokens * h * d / _seconds(jax.jit(attend), q, repeats=9,
+                                                               fastest=True)))
     laps("attention")
 
     x = jax.random.normal(jax.random.key(2), ((64 << 20) if gpu else (4 << 20),), jnp.float32)
