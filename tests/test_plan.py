@@ -370,3 +370,24 @@ def test_the_optimizer_calibration_compiles_no_array_into_its_program():
     text = jax.jit(timing._optimizer_updates(tx, 2)).lower(p, tx.init(p), p).as_text()
     big = [line for line in text.splitlines() if "constant" in line and f"{n}x" in line]
     assert big == [], big[:2]
+
+
+def test_plan_replay_predicts_recorded_runs_again_with_other_rates(capsys):
+    # benchmarks/plan_replay.py re-predicts a GPU accuracy run offline: every measured
+    # layout of the committed run, from plans of the current and of an older calibration
+    # format (one attention rate), and a slower GEMM rate predicts every step slower.
+    import runpy
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    replay = runpy.run_path(str(root / "benchmarks" / "plan_replay.py"),
+                            run_name="plan_replay")
+    results = root / "docs" / "results" / "2026-11-26_2xH100"
+    rows = replay["replay"](str(results / "plan_calibration_v5"))
+    assert [r["case"] for r in rows] == ["1b_s2048"] * 3 + ["1b_s4096"] * 3 + \
+        ["llama3-8b_s4096"] * 3
+    slow = replay["replay"](str(results / "plan_calibration_v5"), gemm_tflops=100.0)
+    assert all(s["predicted_ms"] > r["predicted_ms"] for s, r in zip(slow, rows))
+    assert len(replay["replay"](str(results / "plan_calibration_v3"))) == 9
+    assert replay["main"]([str(results / "plan_calibration_v5"), "--attention",
+                           "2048:175", "4096:210"]) == 0
+    assert "of 9 replayed step times within 10%" in capsys.readouterr().out

@@ -137,8 +137,9 @@ def _plan(args: argparse.Namespace) -> int:
 def plan_json(result: Any) -> dict[str, Any]:
     """A `gtp_jax.plan.Plan` as JSON values."""
     return {
-        "preset": result.base.preset, "batch": result.base.batch_size,
-        "seq": result.base.seq_len, "dtype": result.base.dtype, "devices": result.devices,
+        "preset": result.base.preset, "layers": result.base.layers,
+        "batch": result.base.batch_size, "seq": result.base.seq_len,
+        "dtype": result.base.dtype, "devices": result.devices,
         "budget_bytes": result.budget_bytes, "calibration": result.calibration.to_json(),
         "candidates": [{"layout": dataclasses.asdict(c.layout), "flags": c.layout.flags(),
                         "bound_bytes": c.bound_bytes, "peak_bytes": c.peak_bytes,

@@ -276,7 +276,8 @@ def measure(dtype: str, *, timings: dict[str, float] | None = None) -> Calibrati
                       - collectives(kind, small, 1, fastest=True), 0.0) / (links - 1)
         rates[kind] = (moved / max(t_large4 - t_small4, 1e-9), latency)
         laps(kind)
-    exposed = _exposed_overlap(mesh, n, dt, large, links=8 if gpu else 4) if count > 1 else 0.0
+    exposed = (_exposed_overlap(mesh, n, dt, rates["ag"][0], links=8 if gpu else 4)
+               if count > 1 else 0.0)
     laps("exposed")
     host = 0.0
     if host_memory_supported():
@@ -369,19 +370,23 @@ def _reduce_scatter_chain(x: jax.Array, links: int, count: int) -> jax.Array:
     return x
 
 
-def _exposed_overlap(mesh: jax.sharding.Mesh, n: int, dtype: Any, elems: int,
+def _exposed_overlap(mesh: jax.sharding.Mesh, n: int, dtype: Any, bandwidth: float,
                      links: int = 4) -> float:
     """The fraction of the shorter of a GEMM chain and an all-gather chain that running them
     side by side in one program does not hide: ``(both - max) / min`` (0: fully hidden, 1:
     back to back). Collectives slow the GEMMs they overlap (they share SMs and memory
-    bandwidth), so a step whose gathers run beside its compute pays this fraction of them."""
+    bandwidth), so a step whose gathers run beside its compute pays this fraction of them.
+
+    Shaped like a layer loop's prefetch: as many gathers as GEMMs (`links` of each), each
+    gather sized (from the all-gather `bandwidth`) to take about half a GEMM, so that each
+    can hide behind one. (Twice as many gathers as GEMMs, as before, left half of them
+    nothing to hide behind whatever the hardware does: 84% exposed on 2x H100.)"""
     count = mesh.devices.size
     sharded = NamedSharding(mesh, P("x"))
     a = jax.device_put(jax.random.normal(jax.random.key(3), (count * n, n), dtype), sharded)
-    x = jax.device_put(jnp.ones((count * elems,), jnp.float32), sharded)
 
     def gemms(a: jax.Array) -> jax.Array:
-        for _ in range(4):
+        for _ in range(links):
             a = jnp.matmul(a, a) * 0.01
         return a
 
@@ -390,10 +395,13 @@ def _exposed_overlap(mesh: jax.sharding.Mesh, n: int, dtype: Any, elems: int,
         return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=specs,
                                      out_specs=specs if n_in > 1 else specs[0]))
 
-    # Gathers about half the GEMMs' time (as in a step), the least of 9 calls: the
-    # fraction divides a difference of milliseconds by the shorter chain.
+    # The least of 9 calls: the fraction divides a difference of milliseconds by the
+    # shorter chain.
     timed = functools.partial(_seconds, repeats=9, fastest=True)
     t_gemm = timed(program(gemms, 1), a)
+    received = 0.5 * t_gemm / links * bandwidth  # bytes per gather and device
+    elems = int(min(max(received / (4 * (count - 1)), 1024), 1 << 26))
+    x = jax.device_put(jnp.ones((count * elems,), jnp.float32), sharded)
     gathers = functools.partial(_all_gather_chain, links=links)
     t_gather = timed(program(gathers, 1), x)
     t_both = timed(program(lambda a, x: (gemms(a), gathers(x)), 2), a, x)
