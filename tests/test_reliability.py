@@ -136,6 +136,53 @@ def test_fingerprint_changes_with_every_single_bit_flip() -> None:
                                   np.asarray(_fingerprint(logical)))
 
 
+def test_digest_of_a_sharded_array_is_the_fingerprint_of_its_logical_array() -> None:
+    # The checksum a checkpoint stores is computed per device (no collective) and summed
+    # on the host: it must equal the fingerprint of the logical array (padding dropped,
+    # tp split undone) whatever the sharding, replication and dtype, so checkpoints of
+    # every mesh (and of earlier versions) verify.
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from gtp_jax.sharding.plan import DimSplit
+    from gtp_jax.train.fingerprint import digest
+
+    mesh = jax.make_mesh((2, 2, 2), ("dp", "gtp", "tp"))
+    split = DimSplit(axis="tp", axis_size=2, dim=1, size=9, parts=3)  # fused, padded parts
+    logical = jax.random.normal(jax.random.key(3), (5, 9), jnp.float32)
+    stored = jnp.pad(split.to_stored(logical, 1), ((0, 3), (0, 0)))  # GTP rows 5 -> 8
+    cases = {
+        "split_padded": (stored, P("gtp", "tp"), {
+            "shape": [8, 12], "logical_shape": [5, 9], "padded": True,
+            "split_layout": [["tp", 2, 1, 3]], "dtype": "float32"}, logical),
+        "padded_rows_dp_replicated": (jnp.pad(logical, ((0, 3), (0, 0))),
+                                      P(("gtp", "tp")), {
+            "shape": [8, 9], "logical_shape": [5, 9], "padded": True, "split_layout": [],
+            "dtype": "float32"}, logical),
+        "replicated_bf16": (logical.astype(jnp.bfloat16), P(), {
+            "shape": [5, 9], "logical_shape": [5, 9], "padded": False, "split_layout": [],
+            "dtype": "bfloat16"}, logical.astype(jnp.bfloat16)),
+        "int32_by_dp": (jnp.arange(16, dtype=jnp.int32).reshape(4, 4), P("dp"), {
+            "shape": [4, 4], "logical_shape": [4, 4], "padded": False, "split_layout": [],
+            "dtype": "int32"}, jnp.arange(16, dtype=jnp.int32).reshape(4, 4)),
+    }
+    values = {k: jax.device_put(x, NamedSharding(mesh, spec))
+              for k, (x, spec, _, _) in cases.items()}
+    got, nonfinite = digest(values, {k: c[2] for k, c in cases.items()}, mesh)
+    assert nonfinite == []
+    for k, (_, _, _, want) in cases.items():
+        a, b = (int(v) for v in np.asarray(_fingerprint(want)))
+        assert got[k] == f"{a:08x}{b:08x}", k
+    # NaN in the logical array is reported; in the padding it is not part of the state.
+    bad = stored.at[1, 2].set(jnp.nan)
+    pad_nan = stored.at[6, 0].set(jnp.nan)
+    info = cases["split_padded"][2]
+    _, nonfinite = digest({"bad": jax.device_put(bad, NamedSharding(mesh, P("gtp", "tp"))),
+                           "pad": jax.device_put(pad_nan, NamedSharding(mesh, P("gtp", "tp")))},
+                          {"bad": info, "pad": info}, mesh)
+    assert nonfinite == ["bad"]
+
+
 def _data_files(step_dir: Path) -> list[Path]:
     """The array data files of a step's model item, largest first."""
     files = [p for p in (step_dir / "model").rglob("*") if p.is_file() and "/d/" in str(p)]
