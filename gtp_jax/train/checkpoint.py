@@ -321,11 +321,9 @@ class Checkpointer:
         flat = _flat_arrays(model, optimizer)
         infos = {path: array_info(var, value) for path, (var, value) in flat.items()}
         arrays = {path: savable(value) for path, (_, value) in flat.items()}
-        # The previous save's background writes finish first, so that the checksum
-        # programs (run on every device) never overlap them: on simulated CPU devices the
-        # process aborted inside `digest` in 3 of 13 test runs, each time in a save that
-        # followed another. Saves are many steps apart, so this rarely waits; it also
-        # makes that save visible to `latest_step` below.
+        # The previous save's background writes finish first: that makes it visible to
+        # `latest_step` below (named by the NaN refusal), and saves are many steps apart,
+        # so this rarely waits.
         self._manager.wait_until_finished()
         checksums, nonfinite = digest(arrays, infos, _mesh_of_model(model))
         if nonfinite:
