@@ -110,12 +110,14 @@ def digest(values: Mapping[str, Any], infos: Mapping[str, Mapping[str, Any]],
 
     The programs run no collective: each device sums its own block, hashing every element
     with its logical index (the split layout is undone in the index, not by moving data),
-    and the host adds the blocks of one replica of each. (The earlier programs summed
-    across devices inside the program; on simulated CPU devices the XLA runtime ran those
-    collectives on its small intra-op thread pool, where they could wait for each other
-    past its 40 s rendezvous limit and abort the process.)
+    and the host adds the blocks of one replica of each.
     """
     keys = sorted(values)
+    # The programs that produced the arrays (a training step, a re-layout) finish first:
+    # compiling these programs while a collective program still ran on simulated CPU
+    # devices is when the XLA runtime stalled that program's collectives past its 40 s
+    # rendezvous limit and aborted the process (every time so far).
+    jax.block_until_ready([v for v in values.values() if isinstance(v, jax.Array)])
     replicated = NamedSharding(mesh, P()) if mesh is not None else None
     results = []
     for k in keys:
