@@ -12,8 +12,10 @@ import dataclasses
 import functools
 import json
 import re
+import runpy
 import subprocess
 import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -376,8 +378,6 @@ def test_plan_replay_predicts_recorded_runs_again_with_other_rates(capsys):
     # benchmarks/plan_replay.py re-predicts a GPU accuracy run offline: every measured
     # layout of the committed run, from plans of the current and of an older calibration
     # format (one attention rate), and a slower GEMM rate predicts every step slower.
-    import runpy
-    from pathlib import Path
     root = Path(__file__).resolve().parents[1]
     replay = runpy.run_path(str(root / "benchmarks" / "plan_replay.py"),
                             run_name="plan_replay")

@@ -22,12 +22,15 @@ import numpy as np
 import pytest
 from flax import nnx
 from helpers import assert_unchanged, snapshot
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import gtp_jax
 import gtp_jax.train as train_module
 import gtp_jax.train.loop as loop_module
 import gtp_jax.train.observe as observe_module
 from gtp_jax.base.errors import UsageError, UsageTypeError
+from gtp_jax.sharding.plan import DimSplit
 from gtp_jax.train import (
     MODEL_MAY_DIFFER,
     RESUME_MAY_DIFFER,
@@ -48,6 +51,7 @@ from gtp_jax.train.checkpoint import (
 from gtp_jax.train.cli import main as cli_main
 from gtp_jax.train.config import model_json as _model_json
 from gtp_jax.train.config import resolve_auto
+from gtp_jax.train.fingerprint import digest
 from gtp_jax.train.fingerprint import fingerprint as _fingerprint
 from gtp_jax.train.lock import LOCK_FILE, CheckpointLockedError, DirectoryLock
 from gtp_jax.train.memory import memory_advice
@@ -141,12 +145,6 @@ def test_digest_of_a_sharded_array_is_the_fingerprint_of_its_logical_array() -> 
     # on the host: it must equal the fingerprint of the logical array (padding dropped,
     # tp split undone) whatever the sharding, replication and dtype, so checkpoints of
     # every mesh (and of earlier versions) verify.
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
-
-    from gtp_jax.sharding.plan import DimSplit
-    from gtp_jax.train.fingerprint import digest
-
     mesh = jax.make_mesh((2, 2, 2), ("dp", "gtp", "tp"))
     split = DimSplit(axis="tp", axis_size=2, dim=1, size=9, parts=3)  # fused, padded parts
     logical = jax.random.normal(jax.random.key(3), (5, 9), jnp.float32)

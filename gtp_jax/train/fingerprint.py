@@ -51,8 +51,7 @@ def fingerprint(x: jax.Array, extent: tuple[int, ...] | None = None) -> jax.Arra
     """
     b = _bits(x)
     logical = tuple(extent) if extent is not None else tuple(x.shape)
-    tables = [None] * len(logical)
-    lanes, _ = _block_sums(b, x, [0] * b.ndim, logical, tables)
+    lanes, _ = _block_sums(b, x, [0] * b.ndim, logical, [])
     return lanes
 
 
