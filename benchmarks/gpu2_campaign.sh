@@ -12,8 +12,8 @@
 #     (32 layers) at seq 4096 (2 sequences);
 #   offload: optimizer state in host memory against on the device over both GPUs
 #     (benchmarks/offload.sh with GTP=2): the 1b step's cost, and the largest model that
-#     trains at seq 4096 with and without it (llama3-8b with 64, 48, 40 or its 32 layers,
-#     tried largest first; OFFLOAD_BIG overrides the list).
+#     trains at seq 4096 with and without it (llama3-8b with 96, 80, 64, 56, 48, 40 or its
+#     32 layers, tried largest first; OFFLOAD_BIG overrides the list).
 # Writes $OUT/fp8/, $OUT/plan/ (tables at the end of the log: plan_accuracy.json) and
 # $OUT/offload/.
 # Usage: OUT=dir [BUDGET=seconds] [PARTS="latency fp8_1b plan_1b plan_8b fp8_8b offload"]
@@ -45,7 +45,7 @@ for part in ${PARTS:-fp8_1b plan_1b plan_8b fp8_8b offload}; do
         timeout "$(left)" bash benchmarks/plan_accuracy.sh ;;
     offload)
       OUT="$OUT/offload" GTP=2 BIG_STEPS=3 LIMIT=300 \
-        BIG="${OFFLOAD_BIG:-llama3-8b:64 llama3-8b:48 llama3-8b:40 llama3-8b}" \
+        BIG="${OFFLOAD_BIG:-llama3-8b:96 llama3-8b:80 llama3-8b:64 llama3-8b:56 llama3-8b:48 llama3-8b:40 llama3-8b}" \
         timeout "$(left)" bash benchmarks/offload.sh ;;
     *) echo "unknown part $part (latency fp8_1b fp8_8b plan_1b plan_8b offload)"; exit 2 ;;
   esac

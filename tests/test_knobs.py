@@ -30,7 +30,13 @@ from gtp_jax.train.cli import _parser
 from gtp_jax.train.cli import main as cli_main
 from gtp_jax.train.config import model_json, resolve_auto
 from gtp_jax.train.job_file import expand_job_file
-from gtp_jax.train.memory import check_host_memory, memory_bound
+from gtp_jax.train.memory import (
+    check_host_memory,
+    check_pinned_host,
+    memory_bound,
+    pinned_host_bound,
+    pinned_host_problem,
+)
 from gtp_jax.train.optim import lr_schedule
 from gtp_jax.train.resume import check_resume
 from gtp_jax.train.step import accumulate_grads
@@ -238,6 +244,24 @@ def test_host_memory_refusal() -> None:
     text = str(err.value)
     assert "x 8 simulated CPU devices" in text and "TrainConfig.batch_size" in text
     assert "such as '100m'" in text  # the largest smaller preset that fits
+
+
+def test_pinned_host_refusal_names_the_pool_and_the_fix() -> None:
+    cfg = TrainConfig(preset="1b", steps=2, gtp=8, dp=1, offload_optimizer=True)
+    need = pinned_host_bound(cfg)
+    # AdamW's two float32 moments of every parameter, an eighth per device
+    assert need == 2 * 4 * model_config(cfg).num_params() // 8
+    assert pinned_host_bound(dataclasses.replace(cfg, offload_optimizer=False)) == 0
+    assert pinned_host_problem(dataclasses.replace(cfg, offload_optimizer=False), pool_bytes=0,
+                               available_bytes=0, local_devices=8) is None
+    check_pinned_host(cfg, pool_bytes=need, available=8 * need)  # exactly enough: accepted
+    with pytest.raises(DeviceMemoryError) as err:
+        check_pinned_host(cfg, pool_bytes=need - 1, available=8 * need)
+    text = str(err.value)
+    assert f"XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB={-(-need // 2**30)}" in text
+    assert "TrainConfig.gtp" in text and "offload_optimizer=False" in text
+    with pytest.raises(DeviceMemoryError, match="x 8 devices in this process"):
+        check_pinned_host(cfg, pool_bytes=need, available=8 * need - 1)
 
 
 def test_host_memory_refusal_at_the_cli(monkeypatch, capsys) -> None:

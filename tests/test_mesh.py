@@ -12,6 +12,14 @@ from jax.sharding import PartitionSpec as P
 
 import gtp_jax
 from gtp_jax.base.mesh import AXES, axis_groups, data_size
+from gtp_jax.base.xla_flags import (
+    DEFAULT_XLA_FLAGS,
+    OPT_OUT,
+    PINNED_POOL_ENV,
+    XLA_PINNED_POOL_GIB,
+    apply_default_xla_flags,
+    pinned_pool_bytes,
+)
 
 
 @pytest.mark.parametrize("sizes", [
@@ -173,15 +181,26 @@ def test_shard_key_reaches_modules_inside_sharded_call(key) -> None:
 
 
 def test_default_xla_flags_are_explicit_and_escapable() -> None:
-    from gtp_jax.base.xla_flags import DEFAULT_XLA_FLAGS, OPT_OUT, apply_default_xla_flags
-
     flag = next(iter(DEFAULT_XLA_FLAGS))
     env: dict[str, str] = {}
-    assert apply_default_xla_flags(env) == [f"{flag}={DEFAULT_XLA_FLAGS[flag]}"]
-    assert flag in env["XLA_FLAGS"]
+    assert apply_default_xla_flags(env, host_bytes=16 * 2**30) == [
+        f"{flag}={DEFAULT_XLA_FLAGS[flag]}"]  # a host smaller than XLA's pool: left as is
+    assert flag in env["XLA_FLAGS"] and PINNED_POOL_ENV not in env
     user = {"XLA_FLAGS": f"{flag}=false"}  # the user's value wins, either way
-    assert apply_default_xla_flags(user) == [] and user["XLA_FLAGS"] == f"{flag}=false"
-    assert apply_default_xla_flags({OPT_OUT: "1"}) == []
+    assert apply_default_xla_flags(user, host_bytes=16 * 2**30) == []
+    assert user["XLA_FLAGS"] == f"{flag}=false"
+    assert apply_default_xla_flags({OPT_OUT: "1"}, host_bytes=512 * 2**30) == []
     lines: list[str] = []
     gtp_jax.describe_mesh(gtp_jax.make_mesh(gtp=8), print_fn=lines.append)
-    assert "XLA flags" in lines[-1]
+    assert "XLA settings" in lines[-1]
+
+
+def test_the_pinned_host_pool_defaults_to_the_hosts_memory_unless_the_user_set_it() -> None:
+    env = {"XLA_FLAGS": " ".join(f"{f}={v}" for f, v in DEFAULT_XLA_FLAGS.items())}
+    assert pinned_pool_bytes(env) == XLA_PINNED_POOL_GIB * 2**30  # XLA's default
+    assert apply_default_xla_flags(env, host_bytes=251 * 2**30 + 5) == [f"{PINNED_POOL_ENV}=251"]
+    assert pinned_pool_bytes(env) == 251 * 2**30
+    user = {PINNED_POOL_ENV: "100"}
+    apply_default_xla_flags(user, host_bytes=251 * 2**30)
+    assert user[PINNED_POOL_ENV] == "100" and pinned_pool_bytes(user) == 100 * 2**30
+    assert pinned_pool_bytes({PINNED_POOL_ENV: "lots"}) == XLA_PINNED_POOL_GIB * 2**30

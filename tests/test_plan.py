@@ -25,6 +25,7 @@ from flax import nnx
 from helpers import cli_env
 
 import gtp_jax.plan.memory as plan_memory
+import gtp_jax.plan.planner as planner
 import gtp_jax.train.loop as train_loop
 from gtp_jax.__main__ import main
 from gtp_jax.base.errors import UsageError
@@ -236,6 +237,23 @@ def test_ranking_is_deterministic_and_by_predicted_time():
     assert [c.status for c in first.candidates] == ["fits"] + ["not compiled"] * 3
 
 
+def test_offloaded_layouts_over_the_pinned_host_pool_are_rejected_without_compiling(
+        monkeypatch):
+    # On a GPU host (the backend is faked: the CPU backend has no pinned pool) an offloaded
+    # state larger than XLA's pinned host pool is rejected by its bound; the on-device
+    # layouts are unaffected.
+    monkeypatch.setattr(planner.jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(planner, "pinned_pool_bytes", lambda: 1024)
+    monkeypatch.setattr(planner, "available_host_bytes", lambda: None)
+    space = PlanSpace(mesh={"dp": 2, "gtp": 4}, remat=("none",), loops=("unrolled",),
+                      offload=(False, True))
+    result = plan(BASE, space=space, top=1, cal=FIXED, memory_gib=1000.0)
+    status = {c.layout.offload: c.status for c in result.candidates}
+    assert status[False] == "fits"
+    assert status[True].startswith("rejected: host: the offloaded optimizer state needs")
+    assert "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=1" in status[True]
+
+
 def _refuse_training(monkeypatch):
     def no_step(*args, **kwargs):
         raise AssertionError("the training step was built")
@@ -391,3 +409,9 @@ def test_plan_replay_predicts_recorded_runs_again_with_other_rates(capsys):
     assert replay["main"]([str(results / "plan_calibration_v5"), "--attention",
                            "2048:175", "4096:210"]) == 0
     assert "of 9 replayed step times within 10%" in capsys.readouterr().out
+    # A run of the current calibration format replays to the predictions it recorded.
+    h200 = replay["replay"](str(root / "docs" / "results" / "2026-11-26_2xH200" /
+                                "plan_calibration_v6"))
+    assert len(h200) == 9
+    assert all(abs(r["predicted_ms"] - r["recorded_ms"]) < 1e-6 * r["recorded_ms"]
+               for r in h200)

@@ -1,10 +1,12 @@
-"""XLA flags gtp_jax sets by default, because compute/communication overlap depends on them.
+"""XLA settings gtp_jax makes by default: flags that compute/communication overlap depends
+on, and a pinned host memory pool as large as the host's memory.
 
 ``import gtp_jax`` calls `apply_default_xla_flags` before anything can start the XLA backend
-(which reads ``XLA_FLAGS`` once). A flag the user already set, to either value, is left
-alone. Set ``GTP_JAX_NO_DEFAULT_XLA_FLAGS=1`` to add none. `added_xla_flags` tells what was
-added; `gtp_jax.describe_mesh` and the command line's run header print it. Why each flag is
-there, with measurements: ``docs/overlap.md``.
+(which reads ``XLA_FLAGS`` and ``XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB`` once). A setting the
+user already made, to any value, is left alone. Set ``GTP_JAX_NO_DEFAULT_XLA_FLAGS=1`` to add
+none. `added_xla_flags` tells what was added; `gtp_jax.describe_mesh` and the command line's
+run header print it. Why each flag is there, with measurements: ``docs/overlap.md``; why the
+pool: `PINNED_POOL_ENV`.
 """
 
 from __future__ import annotations
@@ -18,13 +20,49 @@ DEFAULT_XLA_FLAGS: dict[str, str] = {
     "--xla_gpu_enable_latency_hiding_scheduler": "true",
 }
 
+#: XLA's cap on the pinned host memory a GPU process allocates for each device (GiB; memory
+#: kind ``"pinned_host"``, where an offloaded optimizer state lives). XLA's default is
+#: `XLA_PINNED_POOL_GIB`: on a 2x H200 host with 256 GiB of memory an offloaded state of
+#: 70 GB per GPU failed with "Out of host memory" at that cap (docs/planning.md). The pool
+#: grows on demand, so gtp_jax sets the cap to the host's memory; nothing is reserved.
+PINNED_POOL_ENV = "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"
+XLA_PINNED_POOL_GIB = 64
+
 _ADDED: list[str] = []
 
 
-def apply_default_xla_flags(environ: dict[str, str] | None = None) -> list[str]:
-    """Appends `DEFAULT_XLA_FLAGS` to ``XLA_FLAGS`` in `environ` (default: ``os.environ``).
+def meminfo_bytes(field: str) -> int | None:
+    """Bytes of a Linux ``/proc/meminfo`` field (``"MemTotal"``, ``"MemAvailable"``); None
+    where the file or field is missing."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith(f"{field}:"):
+                    return int(line.split()[1]) * 1024  # the file says kB, meaning KiB
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
-    Returns the flags added (empty when `OPT_OUT` is set or the user set them all).
+
+def pinned_pool_bytes(environ: dict[str, str] | None = None) -> int:
+    """The pinned host pool per device that XLA's GPU client uses: `PINNED_POOL_ENV` of
+    `environ` (default ``os.environ``) in GiB, else XLA's default (`XLA_PINNED_POOL_GIB`);
+    an unreadable value counts as the default, as XLA reads it."""
+    env = os.environ if environ is None else environ
+    try:
+        gib = int(env.get(PINNED_POOL_ENV, XLA_PINNED_POOL_GIB))
+    except ValueError:
+        gib = XLA_PINNED_POOL_GIB
+    return gib * 2**30
+
+
+def apply_default_xla_flags(environ: dict[str, str] | None = None,
+                            host_bytes: int | None = None) -> list[str]:
+    """Appends `DEFAULT_XLA_FLAGS` to ``XLA_FLAGS`` in `environ` (default: ``os.environ``),
+    and sets `PINNED_POOL_ENV` to the host's memory in GiB (`host_bytes`; default the host's
+    ``MemTotal``) when it is unset and larger than XLA's default.
+
+    Returns the settings added (empty when `OPT_OUT` is set or the user made them all).
     """
     env = os.environ if environ is None else environ
     if env.get(OPT_OUT):
@@ -34,6 +72,10 @@ def apply_default_xla_flags(environ: dict[str, str] | None = None) -> list[str]:
              if flag not in current]
     if added:
         env["XLA_FLAGS"] = " ".join([current, *added]).strip()
+    host_bytes = meminfo_bytes("MemTotal") if host_bytes is None else host_bytes
+    if PINNED_POOL_ENV not in env and host_bytes and host_bytes // 2**30 > XLA_PINNED_POOL_GIB:
+        env[PINNED_POOL_ENV] = str(host_bytes // 2**30)
+        added.append(f"{PINNED_POOL_ENV}={env[PINNED_POOL_ENV]}")
     if environ is None:
         _ADDED[:] = added
     return added
@@ -50,14 +92,15 @@ def simulate_cpu_devices(count: int, environ: dict[str, str] | None = None) -> N
 
 
 def added_xla_flags() -> list[str]:
-    """The flags ``import gtp_jax`` added to this process's ``XLA_FLAGS``."""
+    """The settings ``import gtp_jax`` added to this process's environment (``XLA_FLAGS``
+    flags, `PINNED_POOL_ENV`)."""
     return list(_ADDED)
 
 
 def describe_xla_flags() -> str:
-    """One line saying which XLA flags gtp_jax added and how to opt out."""
+    """One line saying which XLA settings gtp_jax added and how to opt out."""
     if os.environ.get(OPT_OUT):
-        return f"XLA flags: gtp_jax added none ({OPT_OUT} is set)"
+        return f"XLA settings: gtp_jax added none ({OPT_OUT} is set)"
     if not _ADDED:
-        return "XLA flags: gtp_jax added none (set by the user already)"
-    return f"XLA flags added by gtp_jax: {' '.join(_ADDED)} (opt out: {OPT_OUT}=1)"
+        return "XLA settings: gtp_jax added none (set by the user already)"
+    return f"XLA settings added by gtp_jax: {' '.join(_ADDED)} (opt out: {OPT_OUT}=1)"

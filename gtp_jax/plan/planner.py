@@ -8,11 +8,13 @@ import math
 import jax
 
 from gtp_jax.base.errors import UsageError
+from gtp_jax.base.xla_flags import pinned_pool_bytes
 from gtp_jax.plan.layout import Layout, PlanSpace, enumerate_layouts
 from gtp_jax.plan.memory import compiled_memories
 from gtp_jax.plan.timing import Calibration, calibration, step_seconds
 from gtp_jax.train.config import TrainConfig, resolve_auto
-from gtp_jax.train.memory import memory_bound
+from gtp_jax.train.host_memory import available_host_bytes
+from gtp_jax.train.memory import memory_bound, pinned_host_problem
 from gtp_jax.train.observe import device_memory_limit
 
 GIB = 2**30
@@ -85,7 +87,9 @@ def plan(base: TrainConfig, *, memory_gib: float | None = None,
     """Plans `base` (its preset, batch, sequence and dtypes) on the present devices.
 
     Every layout of `space` valid for the model and devices is bounded in closed form;
-    those whose bound exceeds the budget are rejected without compiling. The rest are
+    those whose bound exceeds the budget are rejected without compiling, and so (on a GPU
+    host) are offloaded layouts whose optimizer state cannot fit in pinned host memory
+    (`gtp_jax.train.memory.pinned_host_problem`). The rest are
     compiled (`compiled_memories`, cached; as many at a time as are still needed, up to 3
     concurrently) in order of predicted step time until `top` of them fit; the slower ones
     are left uncompiled.
@@ -111,14 +115,21 @@ def plan(base: TrainConfig, *, memory_gib: float | None = None,
     cal = calibration(base.dtype) if cal is None else cal
     devices = jax.device_count()
     layouts, skipped = enumerate_layouts(base, devices, space)
+    # The CPU backend's pinned host memory is its ordinary memory: no pool to fit.
+    host = None if jax.default_backend() == "cpu" else (
+        pinned_pool_bytes(), available_host_bytes(), jax.local_device_count())
     pending, rejected = [], []
     for layout in layouts:
         cfg = layout.apply(base)
         bound = memory_bound(cfg)["total"]
         seconds = step_seconds(cfg, cal)["total"]
+        host_problem = host and pinned_host_problem(
+            cfg, pool_bytes=host[0], available_bytes=host[1], local_devices=host[2])
         if budget is not None and bound > budget:
             rejected.append(Candidate(layout, bound, None, seconds,
                                       f"bound {bound / GIB:.2f} GiB > {budget / GIB:.2f} GiB"))
+        elif host_problem:
+            rejected.append(Candidate(layout, bound, None, seconds, f"host: {host_problem}"))
         else:
             pending.append(Candidate(layout, bound, None, seconds))
     pending.sort(key=lambda c: (c.step_seconds, c.bound_bytes, c.layout.sort_key))

@@ -6,18 +6,16 @@ from __future__ import annotations
 
 import os
 
+from gtp_jax.base.xla_flags import meminfo_bytes
+
 
 def available_host_bytes() -> int | None:
     """Bytes of memory the host can give a new allocation without swapping: Linux's
     ``MemAvailable`` (/proc/meminfo), else free pages (``os.sysconf``); None where neither
     is known."""
-    try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024  # the file says kB, meaning KiB
-    except (OSError, ValueError, IndexError):
-        pass
+    available = meminfo_bytes("MemAvailable")
+    if available is not None:
+        return available
     try:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):

@@ -1,6 +1,7 @@
 """The memory a run needs per device, before anything is built: a closed-form lower bound
 (`memory_bound`) and the refusals that use it (`check_memory_fits` for device memory,
-`check_host_memory` for simulated CPU devices, which all live in this process).
+`check_host_memory` for simulated CPU devices, which all live in this process,
+`check_pinned_host` for an offloaded optimizer state in a GPU process's pinned host memory).
 
 A refusal must never turn away a run that fits, so both check the lower bound, not an
 estimate: the bound is at most the compiled training step's peak
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any
 
 import jax
@@ -22,6 +24,7 @@ from flax import nnx
 
 from gtp_jax.base.errors import UsageError, UsageTypeError
 from gtp_jax.base.metadata import STACKED
+from gtp_jax.base.xla_flags import PINNED_POOL_ENV, pinned_pool_bytes
 from gtp_jax.models import Transformer
 from gtp_jax.sharding.offload import DEFAULT_GROUP_LAYERS, stream_units
 from gtp_jax.train import host_memory, observe
@@ -77,6 +80,65 @@ def memory_bound(cfg: TrainConfig) -> dict[str, int]:
             "activations": activations, "total": total}
 
 
+def pinned_host_bound(cfg: TrainConfig) -> int:
+    """A lower bound of the pinned host bytes per device the run holds: with
+    ``offload_optimizer``, AdamW's two moments in the parameter dtype divided over
+    ``gtp * tp * ep`` (padding only adds); 0 without offload."""
+    cfg = resolve_auto(cfg)
+    if not cfg.offload_optimizer:
+        return 0
+    mc = model_config(cfg)
+    return 2 * mc.num_params() * np.dtype(mc.param_dtype).itemsize // (
+        cfg.gtp * cfg.tp * cfg.ep)
+
+
+def pinned_host_problem(cfg: TrainConfig, *, pool_bytes: int, available_bytes: int | None,
+                        local_devices: int) -> str | None:
+    """Why `cfg`'s offloaded optimizer state cannot fit in pinned host memory, or None.
+
+    Args:
+      cfg: the run.
+      pool_bytes: XLA's pinned host pool per device (`gtp_jax.base.xla_flags.pinned_pool_bytes`).
+      available_bytes: the host's available memory (None: unknown, not checked).
+      local_devices: this process's devices, whose state shares the host.
+    """
+    need = pinned_host_bound(cfg)
+    if need == 0:
+        return None
+    gib = 2**30
+    more = ("shard the state over more devices (a larger TrainConfig.gtp or tp) or keep it "
+            "on the device (TrainConfig.offload_optimizer=False)")
+    if need > pool_bytes:
+        return (f"the offloaded optimizer state needs at least {need / gib:.2f} GiB of pinned "
+                f"host memory per device but XLA's pinned host pool is {pool_bytes / gib:.2f} "
+                f"GiB per device; set {PINNED_POOL_ENV}={math.ceil(need / gib)} (or more) "
+                f"before the process starts JAX, or {more}")
+    if available_bytes is not None and need * local_devices > available_bytes:
+        return (f"the offloaded optimizer state needs at least {need / gib:.2f} GiB of pinned "
+                f"host memory per device x {local_devices} devices in this process = "
+                f"{need * local_devices / gib:.2f} GiB but the host has "
+                f"{available_bytes / gib:.2f} GiB available; {more}")
+    return None
+
+
+def check_pinned_host(cfg: TrainConfig, pool_bytes: int | None = None,
+                      available: int | None = None) -> None:
+    """Refuses an offloaded run on a GPU whose optimizer state cannot fit in pinned host
+    memory (`pinned_host_problem`; defaults: this process's pool and the host's available
+    memory), before anything is built: XLA would fail only while building the state, after
+    minutes.
+
+    Raises:
+      DeviceMemoryError: it cannot fit.
+    """
+    problem = pinned_host_problem(
+        cfg, pool_bytes=pinned_pool_bytes() if pool_bytes is None else pool_bytes,
+        available_bytes=host_memory.available_host_bytes() if available is None else available,
+        local_devices=jax.local_device_count())
+    if problem:
+        raise DeviceMemoryError(problem)
+
+
 @functools.cache
 def _largest_unit(model_cfg: Any) -> int:
     """Parameter elements of the largest unit the offloaded step streams
@@ -127,7 +189,9 @@ def memory_parts(bound: dict[str, int]) -> str:
 
 def check_memory_fits(cfg: TrainConfig, bytes_limit: int | None = None) -> dict[str, int]:
     """Refuses a run whose memory per device cannot fit: its `memory_bound` exceeds the
-    device's limit (so no run that fits is refused).
+    device's limit (so no run that fits is refused); on simulated CPU devices, the host's
+    memory (`check_host_memory`); on GPUs, an offloaded optimizer state over the pinned
+    host memory (`check_pinned_host`).
 
     Args:
       cfg: the run.
@@ -138,7 +202,7 @@ def check_memory_fits(cfg: TrainConfig, bytes_limit: int | None = None) -> dict[
       The `memory_bound` of `cfg`.
 
     Raises:
-      DeviceMemoryError: the bound exceeds the limit.
+      DeviceMemoryError: the bound exceeds a limit.
     """
     bound = memory_bound(cfg)
     if bytes_limit is None:
@@ -151,6 +215,8 @@ def check_memory_fits(cfg: TrainConfig, bytes_limit: int | None = None) -> dict[
         )
     if jax.default_backend() == "cpu":
         check_host_memory(cfg, bound)
+    else:  # the CPU backend's pinned host memory is its ordinary memory, checked above
+        check_pinned_host(cfg)
     return bound
 
 
