@@ -24,11 +24,14 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+import gtp_jax
 from gtp_jax.base.errors import UsageError
 from gtp_jax.base.metadata import STACKED
 from gtp_jax.models import lm_loss
 from gtp_jax.sharding.offload import (
     HOST_MEMORY_KIND,
+    check_pinned_pool,
+    host_bytes_per_device,
     host_memory_supported,
     init_streamed_on_host,
     stream_units,
@@ -222,6 +225,20 @@ def test_offloaded_optimizer_state_is_built_and_restored_in_host_memory(tmp_path
     assert {x.sharding.memory_kind for x in restored} == {HOST_MEMORY_KIND}
     for a, b in zip(restored, trained):
         np.testing.assert_array_equal(np.asarray(a), b)
+
+
+def test_a_state_over_the_pinned_host_pool_is_refused_before_it_is_built():
+    mesh = gtp_jax.make_mesh(gtp=8)
+    abstract = {"mu": jax.ShapeDtypeStruct((8, 16), np.float32),
+                "count": jax.ShapeDtypeStruct((), np.int32)}
+    shardings = {"mu": NamedSharding(mesh, P("gtp", None), memory_kind=HOST_MEMORY_KIND),
+                 "count": NamedSharding(mesh, P(), memory_kind=HOST_MEMORY_KIND)}
+    need = 16 * 4 + 4  # one row of mu per device, and the replicated count
+    assert host_bytes_per_device(abstract, shardings) == need
+    check_pinned_pool(abstract, shardings, platform="gpu", pool_bytes=need)
+    with pytest.raises(UsageError, match="XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=1 "):
+        check_pinned_pool(abstract, shardings, platform="gpu", pool_bytes=need - 1)
+    check_pinned_pool(abstract, shardings, pool_bytes=0)  # CPU devices: no pool to fit
 
 
 def test_offload_group_layers_is_validated():

@@ -56,6 +56,20 @@ def pinned_pool_bytes(environ: dict[str, str] | None = None) -> int:
     return gib * 2**30
 
 
+def pinned_pool_problem(need_bytes: int, pool_bytes: int | None = None) -> str | None:
+    """Why `need_bytes` of pinned host memory per device do not fit XLA's pool
+    (`pool_bytes`, default `pinned_pool_bytes`), naming the setting and the value that
+    would fit; None if they fit."""
+    pool_bytes = pinned_pool_bytes() if pool_bytes is None else pool_bytes
+    if need_bytes <= pool_bytes:
+        return None
+    gib = 2**30
+    return (f"the offloaded optimizer state needs at least {need_bytes / gib:.2f} GiB of "
+            f"pinned host memory per device but XLA's pinned host pool is "
+            f"{pool_bytes / gib:.2f} GiB per device; set {PINNED_POOL_ENV}="
+            f"{-(-need_bytes // gib)} (or more) before the process starts JAX")
+
+
 def apply_default_xla_flags(environ: dict[str, str] | None = None,
                             host_bytes: int | None = None) -> list[str]:
     """Appends `DEFAULT_XLA_FLAGS` to ``XLA_FLAGS`` in `environ` (default: ``os.environ``),

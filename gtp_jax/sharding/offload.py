@@ -30,6 +30,7 @@ import optax
 from jax.sharding import NamedSharding
 
 from gtp_jax.base.errors import UsageError
+from gtp_jax.base.xla_flags import pinned_pool_problem
 
 #: The memory kind offloaded state lives in (page-locked host memory: the device copies
 #: from and to it directly).
@@ -58,6 +59,43 @@ def place_on_host(tree: Any) -> Any:
     return jax.tree.map(place, tree)
 
 
+def host_bytes_per_device(abstract: Any, shardings: Any) -> int:
+    """The most bytes any one device's shards of `abstract` (``jax.ShapeDtypeStruct``
+    leaves) take when placed with `shardings` (a tree of ``NamedSharding`` matching it)."""
+    per_device: dict[Any, int] = {}
+    for x, sharding in zip(jax.tree.leaves(abstract), jax.tree.leaves(shardings)):
+        nbytes = int(np.prod(sharding.shard_shape(x.shape))) * np.dtype(x.dtype).itemsize
+        for device in sharding.device_set:
+            per_device[device] = per_device.get(device, 0) + nbytes
+    return max(per_device.values(), default=0)
+
+
+def check_pinned_pool(abstract: Any, shardings: Any, *, platform: str | None = None,
+                      pool_bytes: int | None = None) -> None:
+    """Refuses, before anything is allocated, an optimizer state for GPUs whose pinned host
+    bytes per device (`host_bytes_per_device`) exceed XLA's pinned host pool: XLA would
+    fail only part way through building it. Other platforms have no such pool.
+
+    Args:
+      abstract, shardings: the state's ``jax.ShapeDtypeStruct`` leaves and their
+        ``NamedSharding`` placements (trees of one structure).
+      platform: the devices' platform; None: the shardings' devices'.
+      pool_bytes: the pool per device; None: `gtp_jax.base.xla_flags.pinned_pool_bytes`.
+
+    Raises:
+      UsageError: over the pool; names ``XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB`` and the value
+        that fits.
+    """
+    leaves = jax.tree.leaves(shardings)
+    if platform is None and leaves:
+        platform = next(iter(leaves[0].device_set)).platform
+    if platform != "gpu":
+        return
+    problem = pinned_pool_problem(host_bytes_per_device(abstract, shardings), pool_bytes)
+    if problem:
+        raise UsageError(f"{problem}, or shard the parameters over more devices.")
+
+
 def init_on_host(init: Callable[[Any], Any], params: Any) -> Any:
     """``init(params)`` (an optimizer's state) computed by one jitted program whose outputs
     are placed in host memory: no whole state is ever built in device memory first.
@@ -72,7 +110,8 @@ def init_on_host(init: Callable[[Any], Any], params: Any) -> Any:
         memory, e.g. a `gtp_jax.shard`-ed model's parameters).
 
     Raises:
-      UsageError: `params` holds no array with a ``NamedSharding``.
+      UsageError: `params` holds no array with a ``NamedSharding``; the state does not fit
+        the pinned host pool (`check_pinned_pool`).
     """
     p_leaves, p_def = jax.tree.flatten(params)
     replicated = _host_replicated(p_leaves)
@@ -86,6 +125,7 @@ def init_on_host(init: Callable[[Any], Any], params: Any) -> Any:
     shardings = jax.tree.map(
         lambda x: p_shardings if param_shaped(x) else jax.tree.map(lambda _: replicated, x),
         abstract, is_leaf=param_shaped)
+    check_pinned_pool(abstract, shardings)
     return jax.jit(init, out_shardings=shardings)(params)
 
 
@@ -345,6 +385,9 @@ def init_streamed_on_host(tx: StreamableChain, params: Any, stacked: Any, *,
     Returns:
       ``tx.init(params)``'s tree, its arrays in `HOST_MEMORY_KIND` with the shardings
       `init_on_host` gives them.
+
+    Raises:
+      UsageError: the moments do not fit the pinned host pool (`check_pinned_pool`).
     """
     units = stream_units(params, stacked, group_layers)
     p_leaves, p_def = jax.tree.flatten(params)
@@ -359,9 +402,10 @@ def init_streamed_on_host(tx: StreamableChain, params: Any, stacked: Any, *,
     shapes = {(j, i): x for j in moment_parts for i, x in enumerate(p_def.flatten_up_to(parts[j]))}
     if not units or any(x.shape != p_leaves[i].shape for (_, i), x in shapes.items()):
         return init_on_host(tx.init, params)
-    global_state = init_on_host(tx.global_part.init, params)
     sharding = {key: p_leaves[key[1]].sharding.with_memory_kind(HOST_MEMORY_KIND)
                 for key in shapes}
+    check_pinned_pool(shapes, sharding)  # the moments: the rest is scalars
+    global_state = init_on_host(tx.global_part.init, params)
     other_shardings = {j: jax.tree.map(lambda _: replicated, parts[j])
                        for j in range(len(parts)) if j not in moment_parts}
 

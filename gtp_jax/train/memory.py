@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from typing import Any
 
 import jax
@@ -24,7 +23,7 @@ from flax import nnx
 
 from gtp_jax.base.errors import UsageError, UsageTypeError
 from gtp_jax.base.metadata import STACKED
-from gtp_jax.base.xla_flags import PINNED_POOL_ENV, pinned_pool_bytes
+from gtp_jax.base.xla_flags import pinned_pool_bytes, pinned_pool_problem
 from gtp_jax.models import Transformer
 from gtp_jax.sharding.offload import DEFAULT_GROUP_LAYERS, stream_units
 from gtp_jax.train import host_memory, observe
@@ -108,11 +107,9 @@ def pinned_host_problem(cfg: TrainConfig, *, pool_bytes: int, available_bytes: i
     gib = 2**30
     more = ("shard the state over more devices (a larger TrainConfig.gtp or tp) or keep it "
             "on the device (TrainConfig.offload_optimizer=False)")
-    if need > pool_bytes:
-        return (f"the offloaded optimizer state needs at least {need / gib:.2f} GiB of pinned "
-                f"host memory per device but XLA's pinned host pool is {pool_bytes / gib:.2f} "
-                f"GiB per device; set {PINNED_POOL_ENV}={math.ceil(need / gib)} (or more) "
-                f"before the process starts JAX, or {more}")
+    problem = pinned_pool_problem(need, pool_bytes)
+    if problem:
+        return f"{problem}, or {more}"
     if available_bytes is not None and need * local_devices > available_bytes:
         return (f"the offloaded optimizer state needs at least {need / gib:.2f} GiB of pinned "
                 f"host memory per device x {local_devices} devices in this process = "
