@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import os
 
+from gtp_jax.base.host import total_bytes
+
 #: Environment variable that switches the defaults off.
 OPT_OUT = "GTP_JAX_NO_DEFAULT_XLA_FLAGS"
 #: flag -> value added to XLA_FLAGS unless the user set that flag already.
@@ -29,19 +31,6 @@ PINNED_POOL_ENV = "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"
 XLA_PINNED_POOL_GIB = 64
 
 _ADDED: list[str] = []
-
-
-def meminfo_bytes(field: str) -> int | None:
-    """Bytes of a Linux ``/proc/meminfo`` field (``"MemTotal"``, ``"MemAvailable"``); None
-    where the file or field is missing."""
-    try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            for line in f:
-                if line.startswith(f"{field}:"):
-                    return int(line.split()[1]) * 1024  # the file says kB, meaning KiB
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
 
 
 def pinned_pool_bytes(environ: dict[str, str] | None = None) -> int:
@@ -73,8 +62,9 @@ def pinned_pool_problem(need_bytes: int, pool_bytes: int | None = None) -> str |
 def apply_default_xla_flags(environ: dict[str, str] | None = None,
                             host_bytes: int | None = None) -> list[str]:
     """Appends `DEFAULT_XLA_FLAGS` to ``XLA_FLAGS`` in `environ` (default: ``os.environ``),
-    and sets `PINNED_POOL_ENV` to the host's memory in GiB (`host_bytes`; default the host's
-    ``MemTotal``) when it is unset and larger than XLA's default.
+    and sets `PINNED_POOL_ENV` to the host's memory in GiB (`host_bytes`; default
+    `gtp_jax.base.host.total_bytes`: ``MemTotal`` or the cgroup's limit) when it is unset
+    and larger than XLA's default.
 
     Returns the settings added (empty when `OPT_OUT` is set or the user made them all).
     """
@@ -86,7 +76,7 @@ def apply_default_xla_flags(environ: dict[str, str] | None = None,
              if flag not in current]
     if added:
         env["XLA_FLAGS"] = " ".join([current, *added]).strip()
-    host_bytes = meminfo_bytes("MemTotal") if host_bytes is None else host_bytes
+    host_bytes = total_bytes() if host_bytes is None else host_bytes
     if PINNED_POOL_ENV not in env and host_bytes and host_bytes // 2**30 > XLA_PINNED_POOL_GIB:
         env[PINNED_POOL_ENV] = str(host_bytes // 2**30)
         added.append(f"{PINNED_POOL_ENV}={env[PINNED_POOL_ENV]}")
