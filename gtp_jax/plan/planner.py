@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -116,15 +117,15 @@ def plan(base: TrainConfig, *, memory_gib: float | None = None,
     devices = jax.device_count()
     layouts, skipped = enumerate_layouts(base, devices, space)
     # The CPU backend's pinned host memory is its ordinary memory: no pool to fit.
-    host = None if jax.default_backend() == "cpu" else (
-        pinned_pool_bytes(), available_host_bytes(), jax.local_device_count())
+    host_problem_of = None if jax.default_backend() == "cpu" else functools.partial(
+        pinned_host_problem, pool_bytes=pinned_pool_bytes(),
+        available_bytes=available_host_bytes(), local_devices=jax.local_device_count())
     pending, rejected = [], []
     for layout in layouts:
         cfg = layout.apply(base)
         bound = memory_bound(cfg)["total"]
         seconds = step_seconds(cfg, cal)["total"]
-        host_problem = host and pinned_host_problem(
-            cfg, pool_bytes=host[0], available_bytes=host[1], local_devices=host[2])
+        host_problem = host_problem_of(cfg) if host_problem_of else None
         if budget is not None and bound > budget:
             rejected.append(Candidate(layout, bound, None, seconds,
                                       f"bound {bound / GIB:.2f} GiB > {budget / GIB:.2f} GiB"))

@@ -81,14 +81,11 @@ def memory_bound(cfg: TrainConfig) -> dict[str, int]:
 
 def pinned_host_bound(cfg: TrainConfig) -> int:
     """A lower bound of the pinned host bytes per device the run holds: with
-    ``offload_optimizer``, AdamW's two moments in the parameter dtype divided over
-    ``gtp * tp * ep`` (padding only adds); 0 without offload."""
-    cfg = resolve_auto(cfg)
+    ``offload_optimizer``, AdamW's two moments per device as the on-device `memory_bound`
+    counts them (padding only adds); 0 without offload."""
     if not cfg.offload_optimizer:
         return 0
-    mc = model_config(cfg)
-    return 2 * mc.num_params() * np.dtype(mc.param_dtype).itemsize // (
-        cfg.gtp * cfg.tp * cfg.ep)
+    return memory_bound(dataclasses.replace(cfg, offload_optimizer=False))["optimizer"]
 
 
 def pinned_host_problem(cfg: TrainConfig, *, pool_bytes: int, available_bytes: int | None,
@@ -128,6 +125,8 @@ def check_pinned_host(cfg: TrainConfig, pool_bytes: int | None = None,
     Raises:
       DeviceMemoryError: it cannot fit.
     """
+    if not cfg.offload_optimizer:  # nothing pinned: no host figures to read
+        return
     problem = pinned_host_problem(
         cfg, pool_bytes=pinned_pool_bytes() if pool_bytes is None else pool_bytes,
         available_bytes=host_memory.available_host_bytes() if available is None else available,
