@@ -237,6 +237,32 @@ def test_ranking_is_deterministic_and_by_predicted_time():
     assert [c.status for c in first.candidates] == ["fits"] + ["not compiled"] * 3
 
 
+@pytest.mark.parametrize("backend,batches", [("cpu", [1, 1, 1, 1]), ("gpu", [3, 1])])
+def test_compile_batches_are_as_wide_as_the_compiles_that_run_at_once(monkeypatch, backend,
+                                                                       batches):
+    # top=1 under a budget that the three fastest layouts exceed: on a GPU host the first
+    # batch compiles 3 at once (CONCURRENT_COMPILES), not one after another; on the CPU
+    # backend one at a time. The compiler is faked: the figures, not the compiles, matter.
+    monkeypatch.setattr(planner.jax, "default_backend", lambda: backend)
+    monkeypatch.setattr(planner, "pinned_pool_bytes", lambda: 2**60)
+    monkeypatch.setattr(planner, "available_host_bytes", lambda: None)
+    seen: list[int] = []
+
+    def fake_compiled(cfgs):
+        seen.append(len(cfgs))
+        done = sum(seen) - len(cfgs)
+        return [MemoryFigure(0, 0, 0, (2 if done + i < 3 else 0) * 2**30, 0)
+                for i in range(len(cfgs))]
+
+    monkeypatch.setattr(planner, "compiled_memories", fake_compiled)
+    space = PlanSpace(mesh={"dp": 2, "gtp": 4}, remat=("none",),
+                      loops=("unrolled", "scanned"), offload=(False, True))
+    result = plan(BASE, space=space, top=1, cal=FIXED, memory_gib=1.0)
+    assert seen == batches
+    assert [c.status for c in result.candidates][0] == "fits"
+    assert sum(c.status.startswith("rejected: compiled") for c in result.candidates) == 3
+
+
 def test_offloaded_layouts_over_the_pinned_host_pool_are_rejected_without_compiling(
         monkeypatch):
     # On a GPU host (the backend is faked: the CPU backend has no pinned pool) an offloaded

@@ -43,6 +43,9 @@ from gtp_jax.train.config import (
 )
 from gtp_jax.train.step import map_opt_state, step_program
 
+#: Programs compiled at a time on a GPU host (`compiled_memories`).
+CONCURRENT_COMPILES = 3
+
 #: Compiled figures by resolved `TrainConfig` (and backend): planning again (another
 #: budget, the `--plan auto` of a planned run) compiles nothing twice.
 _CACHE: dict[tuple[Any, ...], MemoryFigure] = {}
@@ -139,7 +142,8 @@ def compiled_memories(cfgs: Sequence[TrainConfig]) -> list[MemoryFigure | Except
     its error (``UsageError``, ``ValueError``, ``TypeError``) in its place.
 
     The programs are traced one after the other (tracing holds Python's lock) and compiled
-    concurrently, one thread per program and at most 3 at a time: XLA's compiler
+    concurrently, one thread per program and at most `CONCURRENT_COMPILES` (3) at a time:
+    XLA's compiler
     releases the lock, so the compilations overlap. At most 3 because on a GPU host the
     compiler autotunes its kernels on the device while it compiles: 3 at a time gave the
     peaks of compiling alone, 8 at a time gave 1b layouts 0.6-1.5 GiB larger ones
@@ -156,7 +160,8 @@ def compiled_memories(cfgs: Sequence[TrainConfig]) -> list[MemoryFigure | Except
         except (UsageError, ValueError, TypeError) as err:
             results[key] = err
     if todo:
-        with concurrent.futures.ThreadPoolExecutor(max_workers=min(len(todo), 3)) as pool:
+        with concurrent.futures.ThreadPoolExecutor(max_workers=min(len(todo), CONCURRENT_COMPILES)
+                                                   ) as pool:
             figures = pool.map(lambda lowered: MemoryFigure.of(lowered.compile()),
                                todo.values())
             for key, figure in zip(todo, figures):

@@ -11,7 +11,7 @@ import jax
 from gtp_jax.base.errors import UsageError
 from gtp_jax.base.xla_flags import pinned_pool_bytes
 from gtp_jax.plan.layout import Layout, PlanSpace, enumerate_layouts
-from gtp_jax.plan.memory import compiled_memories
+from gtp_jax.plan.memory import CONCURRENT_COMPILES, compiled_memories
 from gtp_jax.plan.timing import Calibration, calibration, step_seconds
 from gtp_jax.train.config import TrainConfig, resolve_auto
 from gtp_jax.train.host_memory import available_host_bytes
@@ -91,9 +91,9 @@ def plan(base: TrainConfig, *, memory_gib: float | None = None,
     those whose bound exceeds the budget are rejected without compiling, and so (on a GPU
     host) are offloaded layouts whose optimizer state cannot fit in pinned host memory
     (`gtp_jax.train.memory.pinned_host_problem`). The rest are
-    compiled (`compiled_memories`, cached; as many at a time as are still needed, up to 3
-    concurrently) in order of predicted step time until `top` of them fit; the slower ones
-    are left uncompiled.
+    compiled (`compiled_memories`, cached) in order of predicted step time, in batches of as
+    many as are still needed (on a GPU host at least the 3 that compile at once), until
+    `top` of them fit; the slower ones are left uncompiled.
 
     Args:
       base: the run to plan (its mesh and layout fields are replaced by each layout's).
@@ -136,12 +136,16 @@ def plan(base: TrainConfig, *, memory_gib: float | None = None,
     pending.sort(key=lambda c: (c.step_seconds, c.bound_bytes, c.layout.sort_key))
     fitting: list[Candidate] = []
     uncompiled = list(pending)
+    # On a GPU host a batch is as wide as the compiles that run at once, so a tight budget
+    # (most of the fastest layouts over it) does not compile them one after another; the
+    # CPU backend's compiles do not overlap on a small host, so there only what is needed.
+    parallel = 1 if jax.default_backend() == "cpu" else CONCURRENT_COMPILES
     while uncompiled and len(fitting) < top:
         # The next few by predicted time, compiled together; more only if some do not fit.
         # (Wider batches did not compile faster: on a 32-core GPU host, 8 at a time took
         # 6.7 s per layout against 6.2 s for 3 at a time, and changed the compiled peaks;
         # docs/planning.md.)
-        width = top - len(fitting)
+        width = max(top - len(fitting), parallel)
         batch, uncompiled = uncompiled[:width], uncompiled[width:]
         figures = compiled_memories([cand.layout.apply(base) for cand in batch])
         for cand, figure in zip(batch, figures):
