@@ -1,13 +1,19 @@
 """How fast optimizer moments stream between pinned host memory and one GPU, by layout.
 
 An AdamW step over `--layers` layer groups of `--elements` float32 parameters each, with
-both moments in host memory, in four forms (each one jitted program, state donated):
+both moments in host memory, in six forms (each one jitted program; the state donated,
+except in ``mixed``):
 
 * ``stacked``: `gtp_jax.sharding.offload.streamed_update`, moments as one ``[layers, n]``
   host buffer each, copied per group with dynamic slices (the trainer's layout);
 * ``static``: the same layout and order with static slice bounds;
 * ``grouped``: moments as one host array per layer group, each copied whole (a DMA
   transfer each way), same double-buffered order;
+* ``mixed``: moments read from the stacked host buffers by dynamic-slice kernels (compute
+  stream) and written back as one new host array per group (DMA on the copy stream): whether
+  the two directions overlap on different engines (they did not: docs/planning.md);
+* ``padded``: the same with one host array per group, ``PAD`` elements longer than its
+  moments, so the layout after the step is the layout before it;
 * ``in`` / ``out`` / ``both``: the copies alone (whole arrays host -> device,
   device -> host, or both at once), the link's rates for comparison.
 
@@ -40,21 +46,26 @@ from gtp_jax.sharding.offload import (
 B1, B2, LR, EPS = 0.9, 0.95, 1e-3, 1e-8
 
 
-def _time(fn, args, steps: int, *fixed) -> float:
+def _time(fn, args, steps: int, *fixed, feed: bool = True) -> float:
     """Median seconds per call of ``fn(*args, *fixed)``, which returns the next call's
-    `args` (donated). Nothing donated is returned as a non-donated input: JAX pairs donated
-    buffers with outputs by shape, and a host buffer must not meet a device output."""
+    `args` (donated; with ``feed=False`` every call gets the same `args`, nothing donated).
+    Nothing donated is returned as a non-donated input: JAX pairs donated buffers with
+    outputs by shape, and a host buffer must not meet a device output."""
     hlo = fn.lower(*args, *fixed).compile().as_text()
     ops = {op: hlo.count(f" {op}(") for op in ("copy-start", "dynamic-slice",
                                                   "dynamic-update-slice")}
     print(f"  compiled: {ops}", flush=True)
+    def call(args):
+        out = fn(*args, *fixed)
+        return out if feed else (jax.block_until_ready(out), args)[1]
+
     for _ in range(2):
-        args = fn(*args, *fixed)
+        args = call(args)
     jax.block_until_ready(args)
     times = []
     for _ in range(steps):
         t0 = time.perf_counter()
-        args = fn(*args, *fixed)
+        args = call(args)
         jax.block_until_ready(args)
         times.append(time.perf_counter() - t0)
     return float(np.median(times))
@@ -68,22 +79,34 @@ def _adam(p, g, m, v, count):
     return p - LR * mh / (jnp.sqrt(vh) + EPS), m, v
 
 
-def grouped_step(params, ms, vs, grads):
-    """The grouped layout's update: group k's moments come in while group k-1 updates;
-    every copy is a whole array."""
-    n = len(ms)
+def _per_group(params, grads, read, write):
+    """The double-buffered update of one group at a time: group k's moments come in
+    (``read(k, gate) -> (m, v)`` on the device, once `gate` exists) while group k-1 updates;
+    its new moments go out as ``write(m, v) -> (host m, host v)``, one new array each."""
     out_p, out_m, out_v, done = [], [], [], []
-    for k in range(n):
-        gate = done[k - 2] if k >= 2 else [grads[k]]
-        (m_h, v_h), _ = jax.lax.optimization_barrier(((ms[k], vs[k]), gate))
-        m = jax.device_put(m_h, jax.memory.Space.Device)
-        v = jax.device_put(v_h, jax.memory.Space.Device)
+    for k in range(len(params)):
+        m, v = read(k, done[k - 2] if k >= 2 else [grads[k]])
         p, m, v = _adam(params[k], grads[k], m, v, 2.0)
         done.append([p, m, v])
         out_p.append(p)
-        out_m.append(jax.device_put(m, jax.memory.Space.Host))
-        out_v.append(jax.device_put(v, jax.memory.Space.Host))
+        m, v = write(m, v)
+        out_m.append(m)
+        out_v.append(v)
     return jnp.stack(out_p), out_m, out_v
+
+
+def _to_host(m, v):
+    return jax.device_put(m, jax.memory.Space.Host), jax.device_put(v, jax.memory.Space.Host)
+
+
+def grouped_step(params, ms, vs, grads):
+    """One host array per group, each copied whole both ways (DMA transfers)."""
+    def read(k, gate):
+        (m, v), _ = jax.lax.optimization_barrier(((ms[k], vs[k]), gate))
+        return (jax.device_put(m, jax.memory.Space.Device),
+                jax.device_put(v, jax.memory.Space.Device))
+
+    return _per_group(params, grads, read, _to_host)
 
 
 def stacked_static_step(params, ms, vs, grads, *, group: int):
@@ -110,6 +133,44 @@ def stacked_static_step(params, ms, vs, grads, *, group: int):
     ms = ms.at[ps:ps + group].set(jax.device_put(pm, jax.memory.Space.Host))
     vs = vs.at[ps:ps + group].set(jax.device_put(pv, jax.memory.Space.Host))
     return jnp.concatenate(out_p), ms, vs
+
+
+PAD = 128  # elements beyond a group's moments in its padded host array
+
+
+def _read_kernel(h, start, size):
+    """Host -> device of ``h[start:start + size]`` with `start` known only at run time:
+    XLA reads the host buffer with a dynamic-slice kernel on the compute stream."""
+    return jax.device_put(jax.lax.dynamic_slice_in_dim(h, start, size, 0),
+                          jax.memory.Space.Device)
+
+
+def mixed_step(params, ms, vs, grads, start):
+    """Moments read from one ``[layers, n]`` host buffer each by dynamic-slice kernels
+    (compute stream), written back as one new host array per group (DMA on the copy
+    stream): the two directions on different engines."""
+    def read(k, gate):
+        (m, v, st), _ = jax.lax.optimization_barrier(((ms, vs, start + k), gate))
+        return _read_kernel(m, st, 1)[0], _read_kernel(v, st, 1)[0]
+
+    return _per_group(params, grads, read, _to_host)
+
+
+def padded_step(params, ms, vs, grads, start):
+    """One host array per group, ``PAD`` elements longer than its moments: read by a
+    dynamic-slice kernel of the first n elements (start 0 through a barrier), written back
+    whole (padded, DMA). The layout is the same after the step (the state can be donated)."""
+    n = params.shape[1]
+    pad = jnp.zeros((PAD,), jnp.float32)
+
+    def read(k, gate):
+        (m, v, st), _ = jax.lax.optimization_barrier(((ms[k], vs[k], start), gate))
+        return _read_kernel(m, st, n), _read_kernel(v, st, n)
+
+    def write(m, v):
+        return _to_host(jnp.concatenate([m, pad]), jnp.concatenate([v, pad]))
+
+    return _per_group(params, grads, read, write)
 
 
 def main() -> None:
@@ -167,6 +228,26 @@ def main() -> None:
                      donate_argnums=(0, 1, 2), out_shardings=out_shardings)
         rows.append(("grouped (one host array per group)",
                      _time(fn, (p, ms, vs), args.steps, g), 2 * moment_gb))
+        del p, g, ms, vs, fn
+
+    if "mixed" in forms:
+        p, g = params_and_grads()
+        ms = jax.device_put(np.zeros((L, N), np.float32), host)
+        vs = jax.device_put(np.zeros((L, N), np.float32), host)
+        fn = jax.jit(mixed_step, out_shardings=(dev, [host] * L, [host] * L))
+        rows.append(("mixed: kernel reads, DMA writes",
+                     _time(fn, (p, ms, vs, g, jnp.int32(0)), args.steps, feed=False),
+                     2 * moment_gb))
+        del p, g, ms, vs, fn
+
+    if "padded" in forms:
+        p, g = params_and_grads()
+        ms = [jax.device_put(np.zeros(N + PAD, np.float32), host) for _ in range(L)]
+        vs = [jax.device_put(np.zeros(N + PAD, np.float32), host) for _ in range(L)]
+        fn = jax.jit(lambda p, m, v, g, st: padded_step(p, m, v, list(g), st),
+                     donate_argnums=(0, 1, 2), out_shardings=(dev, [host] * L, [host] * L))
+        rows.append(("padded groups: kernel reads, DMA writes",
+                     _time(fn, (p, ms, vs), args.steps, g, jnp.int32(0)), 2 * moment_gb))
         del p, g, ms, vs, fn
 
     if {"in", "out", "both"} & set(forms):
