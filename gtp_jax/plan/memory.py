@@ -143,10 +143,9 @@ def compiled_memories(cfgs: Sequence[TrainConfig]) -> list[MemoryFigure | Except
 
     The programs are traced one after the other (tracing holds Python's lock) and compiled
     concurrently, one thread per program and at most `CONCURRENT_COMPILES` (3) at a time:
-    XLA's compiler
-    releases the lock, so the compilations overlap. At most 3 because on a GPU host the
-    compiler autotunes its kernels on the device while it compiles: 3 at a time gave the
-    peaks of compiling alone, 8 at a time gave 1b layouts 0.6-1.5 GiB larger ones
+    XLA's compiler releases the lock, so the compilations overlap. At most 3 because on a
+    GPU host the compiler autotunes its kernels on the device while it compiles: 3 at a time
+    gave the peaks of compiling alone, 8 at a time gave 1b layouts 0.6-1.5 GiB larger ones
     (docs/planning.md), and the peak predicted must be the one a run compiles to.
     """
     keys = [_key(cfg) for cfg in cfgs]
@@ -160,8 +159,8 @@ def compiled_memories(cfgs: Sequence[TrainConfig]) -> list[MemoryFigure | Except
         except (UsageError, ValueError, TypeError) as err:
             results[key] = err
     if todo:
-        with concurrent.futures.ThreadPoolExecutor(max_workers=min(len(todo), CONCURRENT_COMPILES)
-                                                   ) as pool:
+        workers = min(len(todo), CONCURRENT_COMPILES)
+        with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
             figures = pool.map(lambda lowered: MemoryFigure.of(lowered.compile()),
                                todo.values())
             for key, figure in zip(todo, figures):
