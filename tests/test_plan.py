@@ -38,10 +38,13 @@ from gtp_jax.plan import (
     abstract_train_state,
     compiled_memories,
     compiled_memory,
+    format_table,
     memory_bound,
     plan,
+    plan_fitting,
     timing,
 )
+from gtp_jax.plan.cli import auto_layout
 from gtp_jax.plan.layout import enumerate_layouts
 from gtp_jax.train import TrainConfig
 from gtp_jax.train.config import make_optimizer, model_config
@@ -261,6 +264,53 @@ def test_compile_batches_are_as_wide_as_the_compiles_that_run_at_once(monkeypatc
     assert seen == batches
     assert [c.status for c in result.candidates][0] == "fits"
     assert sum(c.status.startswith("rejected: compiled") for c in result.candidates) == 3
+
+
+def _fake_compiles(monkeypatch, device_gib: float, offloaded_gib: float) -> list[bool]:
+    """Fakes the compiler: a peak of `device_gib` with the optimizer state on the device,
+    `offloaded_gib` offloaded; returns the offload flags of the configs compiled."""
+    compiled: list[bool] = []
+
+    def fake_compiled(cfgs):
+        compiled.extend(cfg.offload_optimizer for cfg in cfgs)
+        return [MemoryFigure(0, 0, 0, int((offloaded_gib if cfg.offload_optimizer
+                                           else device_gib) * 2**30), 0) for cfg in cfgs]
+
+    monkeypatch.setattr(planner, "compiled_memories", fake_compiled)
+    return compiled
+
+
+def test_offload_is_planned_only_when_nothing_fits_on_the_device(monkeypatch):
+    space = PlanSpace(mesh={"dp": 2, "gtp": 4}, remat=("none",), loops=("unrolled",))
+    compiled = _fake_compiles(monkeypatch, device_gib=2.0, offloaded_gib=0.5)
+    roomy = plan_fitting(BASE, space=space, top=1, cal=FIXED, memory_gib=4.0)
+    assert not roomy.best.layout.offload and not roomy.offload_fallback
+    assert compiled == [False]  # nothing offloaded was even compiled
+
+    tight = plan_fitting(BASE, space=space, top=1, cal=FIXED, memory_gib=1.0)
+    assert tight.best.layout.offload and tight.offload_fallback
+    assert [c.layout.offload for c in tight.candidates] == [True, False]
+    assert tight.candidates[1].status == "rejected: compiled 2.00 GiB > 1.00 GiB"
+    assert "no layout fits with the optimizer state on the device" in format_table(tight)
+
+    hopeless = plan_fitting(BASE, space=space, top=1, cal=FIXED, memory_gib=0.25)
+    assert hopeless.best is None and not hopeless.offload_fallback
+    with pytest.raises(UsageError, match="PlanSpace.offload"):
+        plan_fitting(BASE, space=PlanSpace(offload=(True,)), cal=FIXED)
+
+
+def test_plan_auto_offloads_only_a_run_that_does_not_fit_otherwise(monkeypatch, capsys,
+                                                                  fixed_rates):
+    _fake_compiles(monkeypatch, device_gib=2.0, offloaded_gib=0.5)
+    fixed = {"dp": 2, "gtp": 4, "remat": "none", "unroll_layers": True}
+    cfg = auto_layout(BASE, fixed, 4.0)
+    assert not cfg.offload_optimizer
+    cfg = auto_layout(BASE, fixed, 1.0)
+    assert cfg.offload_optimizer
+    assert "nothing fits with the optimizer state on the device" in capsys.readouterr().out
+    # The user's own choice is kept: no fallback.
+    with pytest.raises(UsageError, match="no layout fits in 1.00 GiB per device;"):
+        auto_layout(BASE, {**fixed, "offload_optimizer": False}, 1.0)
 
 
 def test_offloaded_layouts_over_the_pinned_host_pool_are_rejected_without_compiling(

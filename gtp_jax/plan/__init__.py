@@ -6,6 +6,7 @@ closed-form memory bound exceeds the budget, compiles the others' training step 
 time for their exact peak memory (`compiled_memory`), and ranks the ones that fit by a
 step time predicted from measured rates (`calibration`). ``python -m gtp_jax plan`` prints
 the table; ``python -m gtp_jax train --plan auto`` trains with the top layout.
+`plan_fitting` plans optimizer offload only for a run that fits no other way.
 See docs/planning.md.
 """
 
@@ -16,10 +17,11 @@ from gtp_jax.plan.memory import (
     compiled_memories,
     compiled_memory,
 )
-from gtp_jax.plan.planner import Candidate, Plan, format_table, plan
+from gtp_jax.plan.planner import Candidate, Plan, format_table, plan, plan_fitting
 from gtp_jax.plan.timing import Calibration, calibration, measure, step_seconds
 from gtp_jax.train.memory import memory_bound  # the trainer's refusal bound, used to prune
 
 __all__ = ["Calibration", "Candidate", "Layout", "MemoryFigure", "Plan", "PlanSpace",
            "abstract_train_state", "calibration", "compiled_memories", "compiled_memory",
-           "enumerate_layouts", "format_table", "measure", "memory_bound", "plan", "step_seconds"]
+           "enumerate_layouts", "format_table", "measure", "memory_bound", "plan", "plan_fitting",
+           "step_seconds"]

@@ -55,9 +55,10 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--gather-formats", default="",
                         help="also try these low-precision gather formats (comma-separated "
                         "fp8,mxfp8,nvfp4; they change the numerics)")
-    parser.add_argument("--offload", choices=("both", "on", "off"), default="off",
-                        help="optimizer offload choices to try (default off: it costs step "
-                        "time in host transfers; docs/planning.md)")
+    parser.add_argument("--offload", choices=("auto", "both", "on", "off"), default="auto",
+                        help="optimizer offload choices to try (auto: only when no layout "
+                        "fits with the state on the device, since it costs step time in host "
+                        "transfers; docs/planning.md)")
     parser.add_argument("--top", type=int, default=5,
                         help="compile until this many layouts fit (the rest stay uncompiled)")
     parser.add_argument("--limit", type=int, default=20, help="rows to print (0: all)")
@@ -91,7 +92,13 @@ def main(argv: list[str] | None = None) -> int:
 def _plan(args: argparse.Namespace) -> int:
     import jax  # noqa: PLC0415
 
-    from gtp_jax.plan import PlanSpace, calibration, format_table, plan  # noqa: PLC0415
+    from gtp_jax.plan import (  # noqa: PLC0415
+        PlanSpace,
+        calibration,
+        format_table,
+        plan,
+        plan_fitting,
+    )
     from gtp_jax.train import TrainConfig  # noqa: PLC0415
     from gtp_jax.train.config import resolve_auto  # noqa: PLC0415
 
@@ -103,8 +110,8 @@ def _plan(args: argparse.Namespace) -> int:
             f"{jax.device_count()}.")
     formats = tuple(f for f in args.gather_formats.split(",") if f)
     space = PlanSpace(gather_formats=(None, *formats),
-                      offload={"both": (False, True), "on": (True,), "off": (False,)}[
-                          args.offload])
+                      offload={"both": (False, True), "on": (True,), "off": (False,),
+                               "auto": (False,)}[args.offload])
     base = TrainConfig(preset=args.preset, layers=args.layers, batch_size=args.batch,
                        seq_len=args.seq, steps=args.steps, warmup=args.warmup,
                        dtype=args.dtype, dp=1, gtp=1)
@@ -112,7 +119,8 @@ def _plan(args: argparse.Namespace) -> int:
     parts: dict[str, float] = {}
     cal = calibration(resolve_auto(base).dtype, refresh=args.calibrate, timings=parts)
     t1 = time.perf_counter()
-    result = plan(base, memory_gib=args.memory_gib, space=space, top=args.top, cal=cal)
+    planner = plan_fitting if args.offload == "auto" else plan
+    result = planner(base, memory_gib=args.memory_gib, space=space, top=args.top, cal=cal)
     t2 = time.perf_counter()
     print(format_table(result, limit=args.limit or None), flush=True)
     compiled = sum(c.peak_bytes is not None for c in result.candidates)
@@ -127,7 +135,8 @@ def _plan(args: argparse.Namespace) -> int:
         print(f"best: python -m gtp_jax train --preset {args.preset} {layers}--batch "
               f"{args.batch} --seq {args.seq} {schedule}{result.best.layout.flags()}")
     else:
-        print("no layout fits: lower --batch or --seq, or raise --memory-gib")
+        tried = " (with or without optimizer offload)" if args.offload == "auto" else ""
+        print(f"no layout fits{tried}: lower --batch or --seq, or raise --memory-gib")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(plan_json(result), f, indent=1)
@@ -154,13 +163,15 @@ def auto_layout(base: Any, fixed: dict[str, Any], memory_gib: float | None) -> A
     Args:
       base: the run (its mesh sizes and layout fields are replaced).
       fixed: the layout fields the user set (`LAYOUT_FLAGS` keys -> values): only layouts
-        with these values are considered.
+        with these values are considered. Without ``offload_optimizer``, offloaded layouts
+        are planned only when none fits with the optimizer state on the device
+        (`plan_fitting`).
       memory_gib: budget per device (None: the device's memory).
 
     Raises:
       UsageError: no layout fits (naming the flags to change), before anything is built.
     """
-    from gtp_jax.plan import PlanSpace, plan  # noqa: PLC0415
+    from gtp_jax.plan import PlanSpace, plan, plan_fitting  # noqa: PLC0415
     from gtp_jax.plan.layout import LOOPS, REMATS  # noqa: PLC0415
 
     loops: tuple[str, ...] = LOOPS
@@ -172,9 +183,11 @@ def auto_layout(base: Any, fixed: dict[str, Any], memory_gib: float | None) -> A
         mesh={a: fixed[a] for a in ("dp", "gtp", "tp", "cp", "ep") if a in fixed},
         remat=(fixed["remat"],) if "remat" in fixed else REMATS, loops=loops,
         gather_formats=(fixed.get("gather_format"),),
-        offload=(fixed["offload_optimizer"],) if "offload_optimizer" in fixed
-        else (False,))  # offload costs host transfers (docs/planning.md): only when asked
-    result = plan(base, memory_gib=memory_gib, space=space, top=1)
+        offload=(fixed["offload_optimizer"],) if "offload_optimizer" in fixed else (False,))
+    # Offload costs host transfers every step (docs/planning.md): unless the user chose,
+    # it is planned only when nothing fits with the optimizer state on the device.
+    planner = plan if "offload_optimizer" in fixed else plan_fitting
+    result = planner(base, memory_gib=memory_gib, space=space, top=1)
     best = result.best
     if best is None:
         smallest = min(result.candidates, key=lambda c: c.peak_bytes or c.bound_bytes,
@@ -185,10 +198,13 @@ def auto_layout(base: Any, fixed: dict[str, Any], memory_gib: float | None) -> A
                 if smallest is not None else "")
         budget = (f"{result.budget_bytes / 2**30:.2f} GiB per device"
                   if result.budget_bytes else "the devices")
+        tried = "" if "offload_optimizer" in fixed else ", with or without optimizer offload"
         raise UsageError(
-            f"--plan auto: no layout fits in {budget}{need}; lower --batch or --seq, raise "
-            "--memory-gib" + (f", or fix fewer of {given}" if given else "") + ".")
+            f"--plan auto: no layout fits in {budget}{tried}{need}; lower --batch or --seq, "
+            "raise --memory-gib" + (f", or fix fewer of {given}" if given else "") + ".")
+    why = ("; nothing fits with the optimizer state on the device"
+           if result.offload_fallback else "")
     print(f"gtp_jax train: --plan auto chose {best.layout.describe()} (predicted "
           f"{best.peak_bytes / 2**30:.3f} GiB per device, {best.step_seconds * 1e3:.1f} ms per "
-          f"step; {best.layout.flags()})", flush=True)
+          f"step{why}; {best.layout.flags()})", flush=True)
     return best.layout.apply(base)

@@ -57,7 +57,9 @@ class Candidate:
 @dataclasses.dataclass(frozen=True)
 class Plan:
     """The ranked candidates of one planning: those that fit by predicted step time, then
-    those not compiled, then the rejected ones (each group in a fixed order)."""
+    those not compiled, then the rejected ones (each group in a fixed order).
+    `offload_fallback`: no layout fitted with the optimizer state on the device, and these
+    are the same layouts with it offloaded, then the on-device ones (`plan_fitting`)."""
 
     base: TrainConfig
     devices: int
@@ -65,6 +67,7 @@ class Plan:
     calibration: Calibration
     candidates: tuple[Candidate, ...]
     skipped: int
+    offload_fallback: bool = False
 
     @property
     def best(self) -> Candidate | None:
@@ -165,6 +168,44 @@ def plan(base: TrainConfig, *, memory_gib: float | None = None,
                 candidates=(*fitting, *uncompiled, *rejected), skipped=skipped)
 
 
+def plan_fitting(base: TrainConfig, *, memory_gib: float | None = None,
+                 space: PlanSpace | None = None, top: int = 5,
+                 cal: Calibration | None = None) -> Plan:
+    """`plan` with the optimizer state on the device, and, when no layout fits there, the
+    same layouts with it in host memory (`TrainConfig.offload_optimizer`): offload costs
+    host transfers every step (docs/planning.md), so it is planned only for a run that
+    does not fit without it.
+
+    Args:
+      base, memory_gib, top, cal: as in `plan`.
+      space: the layouts (default `PlanSpace()`); its ``offload`` must be ``(False,)``,
+        the on-device choice the fallback widens.
+
+    Returns:
+      The on-device `Plan` when one of its layouts fits (or none fits offloaded either);
+      else the offloaded plan's candidates followed by the on-device ones, with
+      ``offload_fallback`` set.
+
+    Raises:
+      UsageError: `space` already chooses offload; bad `memory_gib` or `top`.
+    """
+    space = PlanSpace() if space is None else space
+    if space.offload != (False,):
+        raise UsageError(f"plan_fitting: PlanSpace.offload={space.offload!r}; it plans "
+                         "offload itself: pass (False,), or call plan with the offload "
+                         "choices to try.")
+    on_device = plan(base, memory_gib=memory_gib, space=space, top=top, cal=cal)
+    if on_device.best is not None:
+        return on_device
+    offloaded = plan(base, memory_gib=memory_gib,
+                     space=dataclasses.replace(space, offload=(True,)), top=top,
+                     cal=on_device.calibration)
+    if offloaded.best is None:
+        return on_device
+    return dataclasses.replace(offloaded, offload_fallback=True,
+                               candidates=offloaded.candidates + on_device.candidates)
+
+
 def format_table(result: Plan, limit: int | None = 20) -> str:
     """The ranked table: rank, layout, bound and compiled peak GiB, predicted step ms,
     status (fits / not compiled / rejected: why)."""
@@ -185,6 +226,10 @@ def format_table(result: Plan, limit: int | None = 20) -> str:
         f"{cal.overlap_exposed:.0%} exposed",
         f"{'#':>3}  {'layout':<44} {'bound GiB':>9} {'peak GiB':>9} {'step ms':>9}  status",
     ]
+    if result.offload_fallback:
+        lines.insert(2, "no layout fits with the optimizer state on the device: the first "
+                        "layouts keep it in host memory (--offload-optimizer), at the cost of "
+                        "host transfers every step")
     shown = result.candidates if limit is None else result.candidates[:limit]
     for i, c in enumerate(shown, 1):
         peak = f"{c.peak_bytes / GIB:9.3f}" if c.peak_bytes is not None else f"{'-':>9}"
