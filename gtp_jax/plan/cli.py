@@ -150,6 +150,7 @@ def plan_json(result: Any) -> dict[str, Any]:
         "batch": result.base.batch_size, "seq": result.base.seq_len,
         "dtype": result.base.dtype, "devices": result.devices,
         "budget_bytes": result.budget_bytes, "calibration": result.calibration.to_json(),
+        "offload_fallback": result.offload_fallback,
         "candidates": [{"layout": dataclasses.asdict(c.layout), "flags": c.layout.flags(),
                         "bound_bytes": c.bound_bytes, "peak_bytes": c.peak_bytes,
                         "step_seconds": c.step_seconds, "status": c.status}
