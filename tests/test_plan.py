@@ -222,7 +222,8 @@ def test_calibration_times_collectives_inside_a_program():
                                             "rs", "exposed", "host"])
     assert cal.devices == 8 and cal.platform == "cpu"
     for rate in (cal.gemm_flops, *dict(cal.attention_rates).values(), cal.memory_bandwidth,
-                 cal.all_gather_bandwidth, cal.reduce_scatter_bandwidth, cal.optimizer_rate):
+                 cal.host_bandwidth, cal.all_gather_bandwidth, cal.reduce_scatter_bandwidth,
+                 cal.optimizer_rate):
         assert 0 < rate < float("inf")
     assert cal.all_gather_latency >= 0 and cal.reduce_scatter_latency >= 0
     assert 0 <= cal.overlap_exposed <= 1

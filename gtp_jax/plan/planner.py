@@ -222,7 +222,8 @@ def format_table(result: Plan, limit: int | None = 20) -> str:
         f" GB/s + {cal.all_gather_latency * 1e6:.0f} us, reduce-scatter "
         f"{cal.reduce_scatter_bandwidth / 1e9:.3g} GB/s + {cal.reduce_scatter_latency * 1e6:.0f}"
         f" us, memory {cal.memory_bandwidth / 1e12:.3g} TB/s, optimizer "
-        f"{cal.optimizer_rate / 1e9:.3g} G parameters/s, overlapped collectives "
+        f"{cal.optimizer_rate / 1e9:.3g} G parameters/s, host <-> device "
+        f"{cal.host_bandwidth / 1e9:.3g} GB/s, overlapped collectives "
         f"{cal.overlap_exposed:.0%} exposed",
         f"{'#':>3}  {'layout':<44} {'bound GiB':>9} {'peak GiB':>9} {'step ms':>9}  status",
     ]
