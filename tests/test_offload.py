@@ -47,9 +47,14 @@ CFG = TrainConfig(preset="tiny", batch_size=8, seq_len=32, dp=2, gtp=4, steps=3,
 LOSS = functools.partial(lm_loss, aux_weight=0.0)
 
 
-def _run(offload: bool, group: int | None = None
+#: Partial offload: these parameters' moments stay on the device (a layer-stacked weight
+#: and a whole one), the others are streamed.
+KEEP = ("mlp/down", "lm_head")
+
+
+def _run(offload: bool, group: int | None = None, keep: tuple[str, ...] = ()
          ) -> tuple[list[np.ndarray], list[np.ndarray], TrainStep]:
-    cfg = dataclasses.replace(CFG, offload_optimizer=offload)
+    cfg = dataclasses.replace(CFG, offload_optimizer=offload, offload_exclude=keep)
     model, optimizer = build_model_and_optimizer(cfg)
     step = TrainStep(model, optimizer, LOSS, offload_group_layers=group)
     rng = np.random.default_rng(0)
@@ -69,21 +74,34 @@ def test_offloaded_optimizer_state_trains_bit_identically():
     # preset's 4: a full group and a remainder of one layer.
     for group in (None, 3):
         _check_bit_identical(_run(True, group=group), ref_losses, ref_state)
+    # Partial offload: the kept moments are updated on the device, the others streamed.
+    _check_bit_identical(_run(True, keep=KEEP), ref_losses, ref_state, keep=KEEP)
 
 
-def _check_bit_identical(run: tuple, ref_losses: list, ref_state: list) -> None:
+def _check_bit_identical(run: tuple, ref_losses: list, ref_state: list,
+                         keep: tuple[str, ...] = ()) -> None:
     losses, state, step = run
     # Same arithmetic on the device; the moments only travel: bit-identical, no tolerance.
     assert [float(x) for x in losses] == [float(x) for x in ref_losses]
     assert len(state) == len(ref_state)
     for a, b in zip(state, ref_state):
         np.testing.assert_array_equal(a, b)
-    # The optimizer state stays in host memory across steps; the parameters do not.
-    opt = nnx.state(step.objects[1], nnx.OptState)
-    kinds = {x.sharding.memory_kind for x in jax.tree.leaves(opt)}
-    assert kinds == {HOST_MEMORY_KIND}
+    # The optimizer state stays in host memory across steps (but the moments of the kept
+    # parameters, on the device); the parameters do not.
+    _check_memory_kinds(step.objects[1], keep)
     params = nnx.state(step.objects[0], nnx.Param)
     assert HOST_MEMORY_KIND not in {x.sharding.memory_kind for x in jax.tree.leaves(params)}
+
+
+def _check_memory_kinds(optimizer: nnx.Optimizer, keep: tuple[str, ...]) -> None:
+    """Every optimizer state leaf in host memory but the moments of the parameters whose
+    path matches `keep`, in device memory; `keep` matches some."""
+    kinds = {"/".join(map(str, p)): v.get_value().sharding.memory_kind
+             for p, v in nnx.to_flat_state(nnx.state(optimizer, nnx.OptState))}
+    kept = {p for p in kinds if any(k in p for k in keep)}
+    assert len(kept) == 2 * len(keep)  # AdamW's mu and nu of each
+    assert {kinds[p] for p in kept} <= {"device"}
+    assert {kinds[p] for p in kinds if p not in kept} == {HOST_MEMORY_KIND}
 
 
 def _traced_step(group: int | None) -> tuple[list, list[tuple[int, ...]], list]:
@@ -191,17 +209,19 @@ def _assert_at_most_two_units_in_flight(units: list[list[int]],
                 assert ordered(a, b) or ordered(a, c) or ordered(b, c), (i, j)
 
 
-def test_offloaded_optimizer_state_is_built_and_restored_in_host_memory(tmp_path):
-    cfg = dataclasses.replace(CFG, offload_optimizer=True)
+@pytest.mark.parametrize("keep", [(), KEEP], ids=["all", "partial"])
+def test_offloaded_optimizer_state_is_built_and_restored_in_host_memory(tmp_path, keep):
+    cfg = dataclasses.replace(CFG, offload_optimizer=True, offload_exclude=keep)
     model, optimizer = build_model_and_optimizer(cfg)
 
     def opt_values(opt: nnx.Optimizer) -> list:
         return [v.get_value() for _, v in nnx.to_flat_state(nnx.state(opt, nnx.OptState))]
 
-    # Built in host memory (no device copy of the moments first), with the shardings and
-    # values nnx.Optimizer builds on the device: the same zeros and counters.
+    # Built in host memory (no device copy of the moments first; the kept ones straight
+    # into device memory), with the shardings and values nnx.Optimizer builds on the
+    # device: the same zeros and counters.
     built = opt_values(optimizer)
-    assert {x.sharding.memory_kind for x in built} == {HOST_MEMORY_KIND}
+    _check_memory_kinds(optimizer, keep)
     assert optimizer.tx is make_optimizer(cfg)
     reference = opt_values(nnx.Optimizer(model, optimizer.tx, wrt=nnx.Param))
     assert len(built) == len(reference)
@@ -220,9 +240,10 @@ def test_offloaded_optimizer_state_is_built_and_restored_in_host_memory(tmp_path
         ckpt.save(1, model, optimizer)
         fresh_model, fresh_opt = build_model_and_optimizer(cfg)
         ckpt.restore(fresh_model, fresh_opt)
-    # A resume restores the moments straight into host memory, bit for bit.
+    # A resume restores the moments straight into host memory (the kept ones into device
+    # memory), bit for bit.
     restored = opt_values(fresh_opt)
-    assert {x.sharding.memory_kind for x in restored} == {HOST_MEMORY_KIND}
+    _check_memory_kinds(fresh_opt, keep)
     for a, b in zip(restored, trained):
         np.testing.assert_array_equal(np.asarray(a), b)
 
@@ -247,6 +268,26 @@ def test_offload_group_layers_is_validated():
     units = stream_units({"a": np.zeros((5, 2)), "b": np.zeros(3)},
                          {"a": True, "b": False}, 2)
     assert units == [[(1, None)], [(0, (0, 2))], [(0, (2, 4))], [(0, (4, 5))]]
+    # Leaves whose state stays on the device belong to no unit.
+    assert stream_units({"a": np.zeros((5, 2)), "b": np.zeros(3)}, {"a": True, "b": False},
+                        2, {"a": False, "b": True}) == [[(0, (0, 2))], [(0, (2, 4))],
+                                                        [(0, (4, 5))]]
+    assert stream_units({"a": np.zeros((5, 2)), "b": np.zeros(3)}, {"a": True, "b": False},
+                        2, {"a": True, "b": False}) == [[(1, None)]]
+
+
+def test_partial_offload_is_validated_before_anything_is_placed():
+    with pytest.raises(UsageError, match="offload_exclude.*offload_optimizer"):
+        gtp_jax.GTPConfig(offload_exclude=("mlp",))
+    with pytest.raises(UsageError, match="offload_exclude.*offload_optimizer=True"):
+        dataclasses.replace(CFG, offload_exclude=("mlp",))
+    with pytest.raises(UsageError, match="invalid regular expression"):
+        gtp_jax.GTPConfig(offload_optimizer=True, offload_exclude=("(",))
+    # A pattern that matches no parameter would silently offload everything: refused, with
+    # the path form to use, before the optimizer state is built.
+    cfg = dataclasses.replace(CFG, offload_optimizer=True, offload_exclude=("mlp/dwon",))
+    with pytest.raises(UsageError, match="'mlp/dwon' matches no parameter.*blocks/"):
+        build_model_and_optimizer(cfg)
 
 
 def test_streamed_init_builds_each_unit_alone_with_the_values_of_tx_init():
@@ -277,4 +318,12 @@ def test_streamed_init_builds_each_unit_alone_with_the_values_of_tx_init():
         assert a.dtype == b.dtype and a.shape == b.shape
         if a.ndim:  # moments and the traced state: their parameter's sharding
             assert a.sharding.with_memory_kind("device").is_equivalent_to(b.sharding, a.ndim)
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    # The head's state kept on the device: built there by its own program, same values.
+    partial = init_streamed_on_host(tx, params, stacked, group_layers=2,
+                                    resident={"stack": False, "head": True})
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(partial),
+                            jax.tree.leaves(built)):
+        on_device = a.ndim == 2 and "head" in jax.tree_util.keystr(path)
+        assert a.sharding.memory_kind == ("device" if on_device else HOST_MEMORY_KIND), path
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -123,6 +123,10 @@ class GTPConfig:
         computation. The arithmetic is unchanged (bit-identical training); device memory
         drops by the state's bytes on backends whose host memory is separate (GPUs; on
         the CPU backend host and device memory are the same RAM).
+      offload_exclude: with ``offload_optimizer``: regular expressions on parameter paths
+        (as `include`) whose optimizer state stays in device memory (partial offload):
+        their moments are updated in place with no copy, so each step moves only the
+        others' (`python -m gtp_jax plan` picks what spare device memory can keep).
     """
 
     axis: str = "gtp"
@@ -143,6 +147,7 @@ class GTPConfig:
     fp8_include: tuple[str, ...] = ()
     fp8_exclude: tuple[str, ...] = DEFAULT_FP8_EXCLUDE
     offload_optimizer: bool = False
+    offload_exclude: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.axis, str) or not self.axis:
@@ -157,7 +162,7 @@ class GTPConfig:
         if (isinstance(self.min_elements, bool) or not isinstance(self.min_elements, int)
                 or self.min_elements < 0):
             raise UsageError(f"GTPConfig.min_elements={self.min_elements!r} must be an int >= 0.")
-        for field in ("include", "exclude", "fp8_include", "fp8_exclude"):
+        for field in ("include", "exclude", "fp8_include", "fp8_exclude", "offload_exclude"):
             patterns = getattr(self, field)
             if patterns is None:
                 patterns = ()  # no patterns: the same as the default
@@ -221,6 +226,12 @@ class GTPConfig:
             if not isinstance(getattr(self, field), bool):
                 raise UsageTypeError(
                     f"GTPConfig.{field}={getattr(self, field)!r} must be True or False.")
+        if self.offload_exclude and not self.offload_optimizer:
+            raise UsageError(
+                f"GTPConfig.offload_exclude={self.offload_exclude!r} keeps some optimizer state "
+                "in device memory out of an offloaded one, but offload_optimizer is False "
+                "(all of it is on the device); set offload_optimizer=True or drop "
+                "offload_exclude.")
 
     def alignment(self, axis_size: int) -> int:
         """The multiple that a sharded dimension is padded to on a mesh axis of `axis_size`."""

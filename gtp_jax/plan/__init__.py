@@ -6,7 +6,8 @@ closed-form memory bound exceeds the budget, compiles the others' training step 
 time for their exact peak memory (`compiled_memory`), and ranks the ones that fit by a
 step time predicted from measured rates (`calibration`). ``python -m gtp_jax plan`` prints
 the table; ``python -m gtp_jax train --plan auto`` trains with the top layout.
-`plan_fitting` plans optimizer offload only for a run that fits no other way.
+`plan_fitting` plans optimizer offload only for a run that fits no other way, and then
+keeps on the device what fits of the optimizer state (`keep_what_fits`).
 See docs/planning.md.
 """
 
@@ -17,11 +18,19 @@ from gtp_jax.plan.memory import (
     compiled_memories,
     compiled_memory,
 )
-from gtp_jax.plan.planner import Candidate, Plan, format_table, plan, plan_fitting
+from gtp_jax.plan.planner import (
+    Candidate,
+    Plan,
+    format_table,
+    keep_on_device,
+    keep_what_fits,
+    plan,
+    plan_fitting,
+)
 from gtp_jax.plan.timing import Calibration, calibration, measure, step_seconds
 from gtp_jax.train.memory import memory_bound  # the trainer's refusal bound, used to prune
 
 __all__ = ["Calibration", "Candidate", "Layout", "MemoryFigure", "Plan", "PlanSpace",
            "abstract_train_state", "calibration", "compiled_memories", "compiled_memory",
-           "enumerate_layouts", "format_table", "measure", "memory_bound", "plan", "plan_fitting",
-           "step_seconds"]
+           "enumerate_layouts", "format_table", "keep_on_device", "keep_what_fits", "measure",
+           "memory_bound", "plan", "plan_fitting", "step_seconds"]

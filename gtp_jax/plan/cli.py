@@ -96,6 +96,7 @@ def _plan(args: argparse.Namespace) -> int:
         PlanSpace,
         calibration,
         format_table,
+        keep_what_fits,
         plan,
         plan_fitting,
     )
@@ -119,8 +120,12 @@ def _plan(args: argparse.Namespace) -> int:
     parts: dict[str, float] = {}
     cal = calibration(resolve_auto(base).dtype, refresh=args.calibrate, timings=parts)
     t1 = time.perf_counter()
-    planner = plan_fitting if args.offload == "auto" else plan
-    result = planner(base, memory_gib=args.memory_gib, space=space, top=args.top, cal=cal)
+    if args.offload == "auto":
+        result = plan_fitting(base, memory_gib=args.memory_gib, space=space, top=args.top,
+                              cal=cal)
+    else:  # offloaded layouts also keep what fits of their state on the device
+        result = keep_what_fits(plan(base, memory_gib=args.memory_gib, space=space,
+                                     top=args.top, cal=cal), args.top)
     t2 = time.perf_counter()
     print(format_table(result, limit=args.limit or None), flush=True)
     compiled = sum(c.peak_bytes is not None for c in result.candidates)
@@ -172,7 +177,7 @@ def auto_layout(base: Any, fixed: dict[str, Any], memory_gib: float | None) -> A
     Raises:
       UsageError: no layout fits (naming the flags to change), before anything is built.
     """
-    from gtp_jax.plan import PlanSpace, plan, plan_fitting  # noqa: PLC0415
+    from gtp_jax.plan import PlanSpace, keep_what_fits, plan, plan_fitting  # noqa: PLC0415
     from gtp_jax.plan.layout import LOOPS, REMATS  # noqa: PLC0415
 
     loops: tuple[str, ...] = LOOPS
@@ -187,8 +192,10 @@ def auto_layout(base: Any, fixed: dict[str, Any], memory_gib: float | None) -> A
         offload=(fixed["offload_optimizer"],) if "offload_optimizer" in fixed else (False,))
     # Offload costs host transfers every step (docs/planning.md): unless the user chose,
     # it is planned only when nothing fits with the optimizer state on the device.
-    planner = plan if "offload_optimizer" in fixed else plan_fitting
-    result = planner(base, memory_gib=memory_gib, space=space, top=1)
+    if "offload_optimizer" in fixed:
+        result = keep_what_fits(plan(base, memory_gib=memory_gib, space=space, top=1), 1)
+    else:
+        result = plan_fitting(base, memory_gib=memory_gib, space=space, top=1)
     best = result.best
     if best is None:
         smallest = min(result.candidates, key=lambda c: c.peak_bytes or c.bound_bytes,

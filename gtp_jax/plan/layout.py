@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import shlex
 from typing import Any
 
 from gtp_jax.base.errors import UsageError, UsageTypeError
@@ -28,6 +29,8 @@ class Layout:
       loop: "unrolled", "scanned" or "prefetch" (scanned with `TrainConfig.prefetch`).
       gather_format: `TrainConfig.gather_format` (None: gathers in the gather dtype).
       offload: `TrainConfig.offload_optimizer`.
+      offload_exclude: `TrainConfig.offload_exclude` (with `offload`: the parameters whose
+        optimizer state stays on the device).
     """
 
     dp: int = 1
@@ -39,6 +42,7 @@ class Layout:
     loop: str = "unrolled"
     gather_format: str | None = None
     offload: bool = False
+    offload_exclude: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         for axis in MESH_AXES:
@@ -50,6 +54,13 @@ class Layout:
             if getattr(self, name) not in allowed:
                 raise UsageError(f"Layout.{name}={getattr(self, name)!r}: use one of "
                                  f"{list(allowed)}.")
+        if not isinstance(self.offload_exclude, (tuple, list)) or not all(
+                isinstance(p, str) for p in self.offload_exclude):
+            raise UsageTypeError(f"Layout.offload_exclude={self.offload_exclude!r} must be a "
+                                 "tuple of regular expressions.")
+        object.__setattr__(self, "offload_exclude", tuple(self.offload_exclude))
+        if self.offload_exclude and not self.offload:
+            raise UsageError("Layout.offload_exclude needs offload=True.")
 
     @property
     def devices(self) -> int:
@@ -59,7 +70,7 @@ class Layout:
     def sort_key(self) -> tuple[Any, ...]:
         """A total order (None gather format first) for deterministic tie-breaks."""
         return (self.dp, self.gtp, self.tp, self.cp, self.ep, self.remat, self.loop,
-                self.gather_format or "", self.offload)
+                self.gather_format or "", self.offload, self.offload_exclude)
 
     def apply(self, cfg: TrainConfig) -> TrainConfig:
         """`cfg` laid out this way (its model, batch, dtypes and schedule unchanged)."""
@@ -67,14 +78,15 @@ class Layout:
             cfg, dp=self.dp, gtp=self.gtp, tp=self.tp, cp=self.cp, ep=self.ep,
             remat=self.remat, unroll_layers=self.loop == "unrolled",
             prefetch=self.loop == "prefetch", gather_format=self.gather_format,
-            offload_optimizer=self.offload)
+            offload_optimizer=self.offload, offload_exclude=self.offload_exclude)
 
     def describe(self) -> str:
         """``dp2 gtp4 tp1 cp1 remat=dots unrolled`` (+ gather format, offload)."""
         mesh = " ".join(f"{a}{getattr(self, a)}" for a in MESH_AXES
                         if a != "ep" or self.ep > 1)
         extra = (f" {self.gather_format}" if self.gather_format else "") + (
-            " offload" if self.offload else "")
+            " offload" if self.offload else "") + (
+            f" but {len(self.offload_exclude)} weights" if self.offload_exclude else "")
         return f"{mesh} remat={self.remat} {self.loop}{extra}"
 
     def flags(self) -> str:
@@ -88,6 +100,9 @@ class Layout:
             out.append(f"--gather-format {self.gather_format}")
         if self.offload:
             out.append("--offload-optimizer")
+        if self.offload_exclude:
+            out.append("--offload-exclude " + " ".join(shlex.quote(p)
+                                                      for p in self.offload_exclude))
         return " ".join(out)
 
 

@@ -41,7 +41,7 @@ from gtp_jax.train.config import (
     model_config,
     resolve_auto,
 )
-from gtp_jax.train.step import map_opt_state, step_program
+from gtp_jax.train.step import map_opt_state, resident_paths, step_program
 
 #: Programs compiled at a time on a GPU host (`compiled_memories`).
 CONCURRENT_COMPILES = 3
@@ -103,7 +103,7 @@ def abstract_train_state(cfg: TrainConfig) -> tuple[Any, nnx.State, jax.ShapeDty
             value.shape, value.dtype, sharding=sharding))))
     state = nnx.from_flat_state(flat)
     if cfg.offload_optimizer:
-        state = map_opt_state(state, host_shapes)
+        state = map_opt_state(state, host_shapes, keep=resident_paths(model))
     batch = jax.ShapeDtypeStruct((cfg.batch_size, cfg.seq_len + 1), np.int32,
                                  sharding=gtp_jax.data_sharding(mesh))
     return graphdef, state, batch

@@ -5,17 +5,19 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import re
 
 import jax
+import numpy as np
 
 from gtp_jax.base.errors import UsageError
 from gtp_jax.base.xla_flags import pinned_pool_bytes
 from gtp_jax.plan.layout import Layout, PlanSpace, enumerate_layouts
 from gtp_jax.plan.memory import CONCURRENT_COMPILES, compiled_memories
 from gtp_jax.plan.timing import Calibration, calibration, step_seconds
-from gtp_jax.train.config import TrainConfig, resolve_auto
+from gtp_jax.train.config import TrainConfig, model_config, resolve_auto
 from gtp_jax.train.host_memory import available_host_bytes
-from gtp_jax.train.memory import memory_bound, pinned_host_problem
+from gtp_jax.train.memory import memory_bound, param_sizes, pinned_host_problem
 from gtp_jax.train.observe import device_memory_limit
 
 GIB = 2**30
@@ -202,8 +204,81 @@ def plan_fitting(base: TrainConfig, *, memory_gib: float | None = None,
                      cal=on_device.calibration)
     if offloaded.best is None:
         return on_device
+    offloaded = keep_what_fits(offloaded, top)
     return dataclasses.replace(offloaded, offload_fallback=True,
                                candidates=offloaded.candidates + on_device.candidates)
+
+
+def keep_what_fits(result: Plan, top: int = 5) -> Plan:
+    """`result` with partial offload added: for each of its `top` fitting offloaded
+    candidates, the same layout with as many of its moments kept on the device
+    (`Layout.offload_exclude`, `keep_on_device`) as its spare memory (budget minus compiled
+    peak) holds, compiled and ranked among the others where it fits (it moves fewer bytes
+    each step, so it ranks above its fully offloaded layout). A choice that compiles over
+    the budget is tried once more, with its kept bytes less what it was over. Unchanged
+    without a budget."""
+    found = _kept_candidates(result, top)
+    fitting = sorted((*found, *(c for c in result.candidates if c.fits)),
+                     key=lambda c: (c.step_seconds, c.peak_bytes, c.layout.sort_key))
+    rest = tuple(c for c in result.candidates if not c.fits)
+    return dataclasses.replace(result, candidates=(*fitting, *rest))
+
+
+def _kept_candidates(result: Plan, top: int) -> list[Candidate]:
+    """The partially offloaded candidates of `keep_what_fits` that fit."""
+    budget = result.budget_bytes
+    if budget is None:
+        return []
+    todo = {c.layout: budget - c.peak_bytes for c in result.candidates
+            if c.fits and c.layout.offload and not c.layout.offload_exclude}
+    todo = dict(list(todo.items())[:top])
+    found: list[Candidate] = []
+    for _ in range(2):
+        tries, used = {}, {}
+        for layout, spare in todo.items():
+            keep, used[layout] = _choose(layout.apply(result.base), spare)
+            if keep:
+                tries[layout] = dataclasses.replace(layout, offload_exclude=keep)
+        figures = compiled_memories([t.apply(result.base) for t in tries.values()])
+        retry = {}
+        for (layout, tried), figure in zip(tries.items(), figures):
+            if isinstance(figure, Exception):
+                continue
+            if figure.peak <= budget:
+                cfg = tried.apply(result.base)
+                found.append(Candidate(tried, memory_bound(cfg)["total"], figure.peak,
+                                       step_seconds(cfg, result.calibration)["total"]))
+            else:
+                # The compiler needed more than the moments' bytes: keep that much less.
+                retry[layout] = used[layout] - (figure.peak - budget)
+        todo = retry
+    return found
+
+
+def keep_on_device(cfg: TrainConfig, spare: int) -> tuple[str, ...]:
+    """The parameters of `cfg`'s model whose optimizer state (AdamW's two moments, in the
+    parameter dtype, split like the parameters over ``gtp * tp * ep``) fills at most
+    `spare` bytes per device the most, as ``offload_exclude`` patterns (``^path$``);
+    ``()`` when none fits.
+
+    The largest parameters are tried exhaustively (an exact subset sum over the 16
+    largest; the rest, norms and biases, are too small to matter)."""
+    return _choose(cfg, spare)[0]
+
+
+def _choose(cfg: TrainConfig, spare: int) -> tuple[tuple[str, ...], int]:
+    """`keep_on_device`'s patterns and the bytes per device their moments take."""
+    cfg = resolve_auto(cfg)
+    mc = model_config(cfg)
+    per = 2 * np.dtype(mc.param_dtype).itemsize / (cfg.gtp * cfg.tp * cfg.ep)
+    sizes = sorted(((math.ceil(n * per), path) for path, n in param_sizes(mc)), reverse=True)
+    best: dict[int, tuple[str, ...]] = {0: ()}
+    for nbytes, path in sizes[:16]:
+        for total, chosen in list(best.items()):
+            if total + nbytes <= spare and total + nbytes not in best:
+                best[total + nbytes] = (*chosen, path)
+    total = max(best)
+    return tuple(f"^{re.escape(p)}$" for p in sorted(best[total])), total
 
 
 def format_table(result: Plan, limit: int | None = 20) -> str:
@@ -225,16 +300,18 @@ def format_table(result: Plan, limit: int | None = 20) -> str:
         f"{cal.optimizer_rate / 1e9:.3g} G parameters/s, host <-> device "
         f"{cal.host_bandwidth / 1e9:.3g} GB/s, overlapped collectives "
         f"{cal.overlap_exposed:.0%} exposed",
-        f"{'#':>3}  {'layout':<44} {'bound GiB':>9} {'peak GiB':>9} {'step ms':>9}  status",
     ]
+    shown = result.candidates if limit is None else result.candidates[:limit]
+    width = max([44, *(len(c.layout.describe()) for c in shown)])
+    lines.append(f"{'#':>3}  {'layout':<{width}} {'bound GiB':>9} {'peak GiB':>9} "
+                 f"{'step ms':>9}  status")
     if result.offload_fallback:
         lines.insert(2, "no layout fits with the optimizer state on the device: the first "
                         "layouts keep it in host memory (--offload-optimizer), at the cost of "
                         "host transfers every step")
-    shown = result.candidates if limit is None else result.candidates[:limit]
     for i, c in enumerate(shown, 1):
         peak = f"{c.peak_bytes / GIB:9.3f}" if c.peak_bytes is not None else f"{'-':>9}"
-        lines.append(f"{i:>3}  {c.layout.describe():<44} {c.bound_bytes / GIB:9.3f} {peak} "
+        lines.append(f"{i:>3}  {c.layout.describe():<{width}} {c.bound_bytes / GIB:9.3f} {peak} "
                      f"{c.step_seconds * 1e3:9.2f}  {c.status}")
     more = len(result.candidates) - len(shown)
     if more > 0:

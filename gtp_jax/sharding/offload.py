@@ -9,6 +9,10 @@ and written back in place. `init_streamed_on_host` builds the state in host memo
 way, one unit at a time. The update runs on the device with the on-device run's
 arithmetic: training is bit-identical.
 
+Partial offload: the moments of *resident* parameters (`GTPConfig.offload_exclude`) stay
+in device memory and are updated there with no copy; only the others cross, so the
+transfers shrink by the resident share (what spare device memory buys back).
+
 Streaming needs the optimizer split into a whole-tree part (global-norm clipping: it reads
 every gradient) and a leaf-wise part (AdamW: each output element depends only on the same
 element of the gradient, moments and parameter, and on scalar state such as the step count):
@@ -61,9 +65,12 @@ def place_on_host(tree: Any) -> Any:
 
 def host_bytes_per_device(abstract: Any, shardings: Any) -> int:
     """The most bytes any one device's shards of `abstract` (``jax.ShapeDtypeStruct``
-    leaves) take when placed with `shardings` (a tree of ``NamedSharding`` matching it)."""
+    leaves) take in `HOST_MEMORY_KIND` when placed with `shardings` (a tree of
+    ``NamedSharding`` matching it; leaves placed in device memory count nothing)."""
     per_device: dict[Any, int] = {}
     for x, sharding in zip(jax.tree.leaves(abstract), jax.tree.leaves(shardings)):
+        if sharding.memory_kind != HOST_MEMORY_KIND:
+            continue
         nbytes = int(np.prod(sharding.shard_shape(x.shape))) * np.dtype(x.dtype).itemsize
         for device in sharding.device_set:
             per_device[device] = per_device.get(device, 0) + nbytes
@@ -96,18 +103,21 @@ def check_pinned_pool(abstract: Any, shardings: Any, *, platform: str | None = N
         raise UsageError(f"{problem}, or shard the parameters over more devices.")
 
 
-def init_on_host(init: Callable[[Any], Any], params: Any) -> Any:
+def init_on_host(init: Callable[[Any], Any], params: Any, resident: Any = None) -> Any:
     """``init(params)`` (an optimizer's state) computed by one jitted program whose outputs
     are placed in host memory: no whole state is ever built in device memory first.
 
     Shardings of the outputs: a subtree with the structure of `params` (AdamW's moments) gets
     the parameters' shardings leaf for leaf; every other leaf (step counts, injected
-    hyperparameters) is replicated on the parameters' mesh. All in `HOST_MEMORY_KIND`.
+    hyperparameters) is replicated on the parameters' mesh. All in `HOST_MEMORY_KIND`, but
+    the moments of `resident` parameters, which stay in device memory.
 
     Args:
       init: e.g. ``optax.GradientTransformation.init``.
       params: a tree of arrays with ``NamedSharding`` shardings on one mesh (in device
         memory, e.g. a `gtp_jax.shard`-ed model's parameters).
+      resident: bools with the structure of `params` (None: none): parameters whose
+        state stays in device memory (partial offload).
 
     Raises:
       UsageError: `params` holds no array with a ``NamedSharding``; the state does not fit
@@ -115,8 +125,10 @@ def init_on_host(init: Callable[[Any], Any], params: Any) -> Any:
     """
     p_leaves, p_def = jax.tree.flatten(params)
     replicated = _host_replicated(p_leaves)
-    p_shardings = p_def.unflatten([x.sharding.with_memory_kind(HOST_MEMORY_KIND)
-                                   for x in p_leaves])
+    keep = _flags(p_def, resident)
+    p_shardings = p_def.unflatten([x.sharding if k else
+                                   x.sharding.with_memory_kind(HOST_MEMORY_KIND)
+                                   for x, k in zip(p_leaves, keep)])
 
     def param_shaped(x: Any) -> bool:
         return x is not None and jax.tree.structure(x) == p_def
@@ -196,7 +208,8 @@ def streamable_chain(global_part: optax.GradientTransformation,
     return StreamableChain(chained.init, chained.update, global_part, leafwise_part)
 
 
-def stream_units(params: Any, stacked: Any, group_layers: int) -> list[list[tuple[int, Any]]]:
+def stream_units(params: Any, stacked: Any, group_layers: int,
+                 resident: Any = None) -> list[list[tuple[int, Any]]]:
     """The units `streamed_update` moves to the device one at a time, in order.
 
     Args:
@@ -205,6 +218,8 @@ def stream_units(params: Any, stacked: Any, group_layers: int) -> list[list[tupl
         layer stack (``gtp_stacked`` metadata; that dim must not be sharded).
       group_layers: layers per unit of the stacked leaves (>= 1; the last unit holds the
         remainder when the layer count is not a multiple).
+      resident: bools with the structure of `params` (None: none): leaves whose state
+        stays in device memory; they belong to no unit.
 
     Returns:
       A list of units, each a list of ``(leaf index, (start, stop) | None)``: leaf index in
@@ -220,9 +235,12 @@ def stream_units(params: Any, stacked: Any, group_layers: int) -> list[list[tupl
                          "(layers whose optimizer state is updated together).")
     leaves, treedef = jax.tree.flatten(params)
     flags = treedef.flatten_up_to(stacked)
+    keep = _flags(treedef, resident)
     units: list[list[tuple[int, Any]]] = [[(i, None)] for i, f in enumerate(flags)
-                                          if not (f and len(leaves[i].shape) >= 1)]
-    layered = [i for i, f in enumerate(flags) if f and len(leaves[i].shape) >= 1]
+                                          if not (f and len(leaves[i].shape) >= 1)
+                                          and not keep[i]]
+    layered = [i for i, f in enumerate(flags) if f and len(leaves[i].shape) >= 1
+               and not keep[i]]
     depth = max((leaves[i].shape[0] for i in layered), default=0)
     for start in range(0, depth, group_layers):
         unit = [(i, (start, min(start + group_layers, leaves[i].shape[0])))
@@ -232,7 +250,8 @@ def stream_units(params: Any, stacked: Any, group_layers: int) -> list[list[tupl
 
 
 def streamed_update(tx: StreamableChain, grads: Any, opt_state: Any, params: Any,
-                    stacked: Any, *, group_layers: int = 1) -> tuple[Any, Any]:
+                    stacked: Any, *, group_layers: int = 1,
+                    resident: Any = None) -> tuple[Any, Any]:
     """Inside ``jit``: one step of `tx` with its state in host memory, streamed per unit.
 
     Returns what ``optax.apply_updates(params, tx.update(grads, opt_state, params)[0])`` and
@@ -261,6 +280,9 @@ def streamed_update(tx: StreamableChain, grads: Any, opt_state: Any, params: Any
     buffer after that write. About four units' moments are in device memory at once: those
     being updated, its new ones, the next unit's coming in and the last unit's going out.
 
+    The `resident` parameters' moments are in device memory already: they are updated
+    together, in place of a unit, with no copy.
+
     Args:
       tx: the optimizer's transformation (`streamable_chain`).
       grads, params: trees of device arrays (equal structure); params may be sharded, but
@@ -268,6 +290,8 @@ def streamed_update(tx: StreamableChain, grads: Any, opt_state: Any, params: Any
       opt_state: ``tx``'s state, its arrays in host memory.
       stacked: bools with the structure of `params` (see `stream_units`).
       group_layers: layers per unit (`stream_units`).
+      resident: bools with the structure of `params` (None: none): parameters whose
+        moments in `opt_state` are in device memory (they stay there).
     """
     global_state, leaf_state = opt_state
     updates, new_global = tx.global_part.update(grads, to_device(global_state), params)
@@ -281,19 +305,45 @@ def streamed_update(tx: StreamableChain, grads: Any, opt_state: Any, params: Any
         return x is not None and jax.tree.structure(x) == p_def
 
     parts, s_def = jax.tree.flatten(leaf_state, is_leaf=param_shaped)
-    # The current version of each host moment buffer, by (state part, leaf).
+    keep = _flags(p_def, resident)
+    # The current version of each moment buffer, by (state part, leaf): in host memory,
+    # or in device memory for a resident leaf.
     host = {(j, i): x for j, part in enumerate(parts) if param_shaped(part)
             for i, x in enumerate(p_def.flatten_up_to(part))}
     moment_parts = sorted({j for j, _ in host})
     others = {j: to_device(x) for j, x in enumerate(parts) if not param_shaped(x)}
-    new_others: dict[int, Any] = {}
+    new_others: dict[int, Any] | None = None
 
     def cut(x: Any, span: Any) -> Any:
         return x if span is None else x[span[0]:span[1]]
 
+    def leafwise(unit_leaves: list[int], g: dict, p: dict, moments: dict
+                 ) -> tuple[list[Any], dict, list[Any]]:
+        """``tx.leafwise_part`` on the unit's leaves (the others ``None``): the new
+        parameters (leaf order), new moments by key, and the new state's parts."""
+        s_tree = s_def.unflatten([
+            _masked(p_def, {i: moments[(j, i)] for i in unit_leaves}) if j in moment_parts
+            else others[j] for j in range(len(parts))])
+        p_tree = _masked(p_def, p)
+        out_u, out_s = tx.leafwise_part.update(_masked(p_def, g), s_tree, p_tree)
+        new_p = p_def.flatten_up_to(optax.apply_updates(p_tree, out_u))
+        out_parts = s_def.flatten_up_to(out_s)
+        return new_p, {(j, i): p_def.flatten_up_to(out_parts[j])[i] for j in moment_parts
+                       for i in unit_leaves}, out_parts
+
+    on_device = [i for i, k in enumerate(keep) if k]
+    if on_device:  # no copies: updated where they are
+        new_p, new_moments, out_parts = leafwise(
+            on_device, {i: u_leaves[i] for i in on_device}, {i: p_cur[i] for i in on_device},
+            host)
+        for i in on_device:
+            p_cur[i] = new_p[i]
+        host.update(new_moments)
+        new_others = {j: out_parts[j] for j in others}
+
     results: list[list[jax.Array]] = []
     pending: tuple[list[tuple[int, Any]], jax.Array, dict] | None = None
-    for k, unit in enumerate(stream_units(params, stacked, group_layers)):
+    for k, unit in enumerate(stream_units(params, stacked, group_layers, resident)):
         # Copy-in gate: unit k-2's update (double buffering), or the unit's own gradients.
         gate = results[k - 2] if k >= 2 else [g_leaves[i] for i, _ in unit]
         span0 = unit[0][1]
@@ -311,15 +361,9 @@ def streamed_update(tx: StreamableChain, grads: Any, opt_state: Any, params: Any
             dev_in[key] = jax.device_put(piece, jax.memory.Space.Device)
         if pending is not None:
             _write_back(host, *pending, after=list(dev_in.values()))
-        g_tree = _masked(p_def, {i: cut(u_leaves[i], span) for i, span in unit})
-        p_tree = _masked(p_def, {i: cut(p_cur[i], span) for i, span in unit})
-        s_tree = s_def.unflatten([
-            _masked(p_def, {i: dev_in[(j, i)] for i, _ in unit}) if j in moment_parts
-            else others[j] for j in range(len(parts))])
-        out_u, out_s = tx.leafwise_part.update(g_tree, s_tree, p_tree)
-        new_p = p_def.flatten_up_to(optax.apply_updates(p_tree, out_u))
-        out_parts = s_def.flatten_up_to(out_s)
-        new_moments = {(j, i): p_def.flatten_up_to(out_parts[j])[i] for j, i in keys}
+        new_p, new_moments, out_parts = leafwise(
+            [i for i, _ in unit], {i: cut(u_leaves[i], span) for i, span in unit},
+            {i: cut(p_cur[i], span) for i, span in unit}, dev_in)
 
         for i, span in unit:
             p_cur[i] = (new_p[i] if span is None else
@@ -330,7 +374,7 @@ def streamed_update(tx: StreamableChain, grads: Any, opt_state: Any, params: Any
             pending = None
         else:  # written after the next unit's copy-in from the same buffers
             pending = (unit, start, new_moments)
-        if k == 0:  # scalar state (step counts): every unit computes the same new value
+        if new_others is None:  # scalar state (step counts): every unit computes the same
             new_others = {j: out_parts[j] for j in others}
         results.append([new_p[i] for i, _ in unit] + list(new_moments.values()))
     if pending is not None:
@@ -338,7 +382,7 @@ def streamed_update(tx: StreamableChain, grads: Any, opt_state: Any, params: Any
 
     new_leaf_state = s_def.unflatten([
         p_def.unflatten([host[(j, i)] for i in range(len(p_cur))]) if j in moment_parts
-        else to_host(new_others[j]) for j in range(len(parts))])
+        else to_host((new_others or {})[j]) for j in range(len(parts))])
     return p_def.unflatten(p_cur), (new_global, new_leaf_state)
 
 
@@ -357,7 +401,8 @@ def _write_back(host: dict[tuple[int, int], Any], unit: list[tuple[int, Any]],
 
 
 def init_streamed_on_host(tx: StreamableChain, params: Any, stacked: Any, *,
-                          group_layers: int = DEFAULT_GROUP_LAYERS) -> Any:
+                          group_layers: int = DEFAULT_GROUP_LAYERS,
+                          resident: Any = None) -> Any:
     """``tx.init(params)`` built in host memory one unit at a time: the device never holds
     more than one unit's state (`stream_units`: one not-stacked leaf, or `group_layers`
     layers of every stacked leaf), and no host buffer is copied whole.
@@ -372,6 +417,9 @@ def init_streamed_on_host(tx: StreamableChain, params: Any, stacked: Any, *,
     step count) comes from the first unit's init. Same values as ``tx.init(params)``: the
     leaf-wise part treats every element alike (see `StreamableChain`).
 
+    The `resident` parameters' moments are built by one program straight into device
+    memory, where they stay (partial offload).
+
     Falls back to `init_on_host` (one program for the whole state) when a param-shaped
     state leaf does not have its parameter's shape.
 
@@ -381,17 +429,21 @@ def init_streamed_on_host(tx: StreamableChain, params: Any, stacked: Any, *,
         stacked leaf's leading (layer) dim must not be sharded.
       stacked: bools with the structure of `params` (see `stream_units`).
       group_layers: layers per unit.
+      resident: bools with the structure of `params` (None: none): parameters whose
+        moments stay in device memory.
 
     Returns:
-      ``tx.init(params)``'s tree, its arrays in `HOST_MEMORY_KIND` with the shardings
-      `init_on_host` gives them.
+      ``tx.init(params)``'s tree, its arrays in `HOST_MEMORY_KIND` (the resident moments
+      in device memory) with the shardings `init_on_host` gives them.
 
     Raises:
       UsageError: the moments do not fit the pinned host pool (`check_pinned_pool`).
     """
-    units = stream_units(params, stacked, group_layers)
+    units = stream_units(params, stacked, group_layers, resident)
     p_leaves, p_def = jax.tree.flatten(params)
     replicated = _host_replicated(p_leaves)
+    keep = _flags(p_def, resident)
+    on_device = [i for i, k in enumerate(keep) if k]
 
     def param_shaped(x: Any) -> bool:
         return x is not None and jax.tree.structure(x) == p_def
@@ -400,9 +452,11 @@ def init_streamed_on_host(tx: StreamableChain, params: Any, stacked: Any, *,
     parts, s_def = jax.tree.flatten(template, is_leaf=param_shaped)
     moment_parts = [j for j, x in enumerate(parts) if param_shaped(x)]
     shapes = {(j, i): x for j in moment_parts for i, x in enumerate(p_def.flatten_up_to(parts[j]))}
-    if not units or any(x.shape != p_leaves[i].shape for (_, i), x in shapes.items()):
-        return init_on_host(tx.init, params)
-    sharding = {key: p_leaves[key[1]].sharding.with_memory_kind(HOST_MEMORY_KIND)
+    if not (units or on_device) or any(x.shape != p_leaves[i].shape
+                                       for (_, i), x in shapes.items()):
+        return init_on_host(tx.init, params, resident)
+    sharding = {key: p_leaves[key[1]].sharding if keep[key[1]] else
+                p_leaves[key[1]].sharding.with_memory_kind(HOST_MEMORY_KIND)
                 for key in shapes}
     check_pinned_pool(shapes, sharding)  # the moments: the rest is scalars
     global_state = init_on_host(tx.global_part.init, params)
@@ -430,6 +484,11 @@ def init_streamed_on_host(tx: StreamableChain, params: Any, stacked: Any, *,
 
     values: dict[tuple[int, int], jax.Array] = {}
     others: dict[int, Any] | None = None
+    if on_device:
+        keys = [(j, i) for j in moment_parts for i in on_device]
+        values, others = jax.jit(unit_state, out_shardings=(
+            {key: sharding[key] for key in keys}, other_shardings))(
+            {i: p_leaves[i] for i in on_device})
     programs: dict[tuple, Callable[..., Any]] = {}  # layer groups of one shape share one
     for unit in units:
         leaves = tuple(i for i, _ in unit)
@@ -468,6 +527,14 @@ def _host_zeros(shape: jax.ShapeDtypeStruct, sharding: NamedSharding) -> jax.Arr
         return np.zeros(dims, shape.dtype)
 
     return jax.make_array_from_callback(shape.shape, sharding, shard)
+
+
+def _flags(treedef: Any, tree: Any) -> list[bool]:
+    """`tree` (bools with the structure of `treedef`, or None: all False) as a flat list in
+    leaf order."""
+    if tree is None:
+        return [False] * treedef.num_leaves
+    return [bool(f) for f in treedef.flatten_up_to(tree)]
 
 
 def _masked(treedef: Any, leaves: dict[int, Any]) -> Any:

@@ -40,6 +40,7 @@ FLAGS = {
     "GTPConfig.gather_format": "--gather-format", "GTPConfig.prefetch": "--prefetch",
     "GTPConfig.pad_for_alignment": "--pad-for-alignment",
     "GTPConfig.offload_optimizer": "--[no-]offload-optimizer",
+    "GTPConfig.offload_exclude": "--offload-exclude",
     "GTPConfig.fp8_include": "fp8_include (no flag)",
     "GTPConfig.fp8_exclude": "fp8_exclude (no flag)",
     "GTPConfig.fp8_history_len": "fp8_history_len (no flag; 16)",
@@ -55,6 +56,7 @@ FLAGS = {
     "ObserveConfig.log_dir": "--log-dir", "ObserveConfig.log_every": "--log-every",
     "TrainConfig.attention": "--attention",
     "TrainConfig.offload_optimizer": "--[no-]offload-optimizer",
+    "TrainConfig.offload_exclude": "--offload-exclude",
     "TrainConfig.unroll_layers": "--[no-]unroll-layers",
     "TrainConfig.schedule_steps": "schedule_steps (no flag; kept from the checkpoint)",
     "TrainConfig.init_from_hf": "--init-from-hf", "TrainConfig.export_hf": "--export-hf",
@@ -219,6 +221,10 @@ def _parser() -> argparse.ArgumentParser:
                        help="keep the optimizer state in host memory (pinned_host), copied "
                        "to the devices for the update (default: off; with --plan auto the "
                        "planner chooses)")
+    train.add_argument("--offload-exclude", nargs="+", default=(), metavar="REGEX",
+                       help="with --offload-optimizer: parameters (regular expressions on "
+                       "paths such as blocks/mlp/down/kernel) whose optimizer state stays "
+                       "on the device, so fewer bytes cross each step")
     train.add_argument("--plan", choices=("off", "auto"), default="off",
                        help="auto: plan the layout (mesh sizes, remat, layer loop, offload; "
                        "the ones given as flags stay fixed), print it and train with the "
@@ -432,6 +438,10 @@ def main(argv: list[str] | None = None, *, planner: Planner | None = None) -> in
         print("error: --memory-gib needs --plan auto (the planner checks the budget).",
               file=sys.stderr)
         return 2
+    if args.offload_exclude and args.plan == "auto":
+        print("error: --offload-exclude with --plan auto: the planner chooses which optimizer "
+              "state stays on the device; drop one of them.", file=sys.stderr)
+        return 2
     sizes = _mesh_sizes(args)
     for name, size in sizes.items():  # before any default is derived from them
         if size is not None and size < 1:
@@ -527,6 +537,7 @@ def _run(args: argparse.Namespace, sizes: dict[str, int | None], cpu_sizes: dict
                           init_from=args.init_from,
                           eval_every=args.eval_every, eval_batches=args.eval_batches,
                           offload_optimizer=bool(args.offload_optimizer),
+                          offload_exclude=tuple(args.offload_exclude),
                           weight_decay=args.weight_decay, lr_schedule=args.lr_schedule,
                           decay_steps=args.decay_steps, clip_grad_norm=args.clip_grad_norm,
                           adam_b1=args.adam_b1, adam_b2=args.adam_b2, adam_eps=args.adam_eps,

@@ -30,8 +30,8 @@ from gtp_jax.train.optim import check_optimizer_settings
 RESUME_MAY_DIFFER = frozenset({"steps", "dp", "gtp", "tp", "ep", "cp", "pad_for_alignment",
                                "gather_dtype", "gather_format", "prefetch", "remat", "overlap",
                                "attention", "unroll_layers", "export_hf", "eval_every",
-                               "eval_batches", "offload_optimizer", "fp8_compute",
-                               "fp8_min_features", "grad_accum"})
+                               "eval_batches", "offload_optimizer", "offload_exclude",
+                               "fp8_compute", "fp8_min_features", "grad_accum"})
 #: Fields whose default, "auto", is resolved for the backend (`resolve_auto`): the fast path
 #: on GPUs, exact float32 on CPUs. A resumed run keeps the saved run's values for those left
 #: on "auto" (`adopt_saved`).
@@ -94,6 +94,8 @@ class TrainConfig:
       prefetch: `GTPConfig.prefetch` (the scanned loop's double buffering; the unrolled loop
         always gathers one layer ahead).
       offload_optimizer: `GTPConfig.offload_optimizer` (optimizer state in host memory).
+      offload_exclude: `GTPConfig.offload_exclude` (regular expressions on parameter paths,
+        e.g. ``"blocks/mlp/down"``, whose optimizer state stays on the device).
       overlap: ring collective matmuls for the tp GEMMs (`TransformerConfig.tp_overlap`).
       moe_experts: experts per MoE layer (0: dense MLP); `moe_top_k`, `moe_capacity_factor`
         (None: dropless) as in `TransformerConfig`.
@@ -148,6 +150,7 @@ class TrainConfig:
     fp8_min_features: int | None = None
     prefetch: bool = False
     offload_optimizer: bool = False
+    offload_exclude: tuple[str, ...] = ()
     overlap: bool = False
     moe_experts: int = 0
     moe_top_k: int = 2
@@ -199,6 +202,16 @@ class TrainConfig:
         for name in ("prefetch", "overlap", "offload_optimizer"):
             if not isinstance(getattr(self, name), bool):
                 raise UsageTypeError(f"TrainConfig.{name}={getattr(self, name)!r} must be a bool.")
+        exclude = self.offload_exclude
+        exclude = (exclude,) if isinstance(exclude, str) else exclude
+        if not isinstance(exclude, (tuple, list)) or not all(isinstance(p, str) for p in exclude):
+            raise UsageTypeError(f"TrainConfig.offload_exclude={self.offload_exclude!r} must be "
+                                 "a sequence of regular expressions, e.g. ('blocks/mlp/down',).")
+        object.__setattr__(self, "offload_exclude", tuple(exclude))
+        if self.offload_exclude and not self.offload_optimizer:
+            raise UsageError(f"TrainConfig.offload_exclude={self.offload_exclude!r} needs "
+                             "offload_optimizer=True (it keeps some of an offloaded optimizer "
+                             "state on the device); set it or drop offload_exclude.")
         if self.unroll_layers is not None and not isinstance(self.unroll_layers, bool):
             raise UsageTypeError(f"TrainConfig.unroll_layers={self.unroll_layers!r} must be "
                                  "True, False or None (unrolled unless remat 'full').")
@@ -361,7 +374,8 @@ def gtp_config(cfg: TrainConfig) -> GTPConfig:
     cfg = resolve_auto(cfg)
     return GTPConfig(gather_dtype=cfg.gather_dtype, pad_for_alignment=cfg.pad_for_alignment,
                      gather_format=cfg.gather_format, prefetch=cfg.prefetch,
-                     offload_optimizer=cfg.offload_optimizer, fp8_compute=cfg.fp8_compute,
+                     offload_optimizer=cfg.offload_optimizer,
+                     offload_exclude=cfg.offload_exclude, fp8_compute=cfg.fp8_compute,
                      **({} if cfg.fp8_min_features is None
                         else {"fp8_min_features": cfg.fp8_min_features}))
 
@@ -386,6 +400,8 @@ def describe_choices(cfg: TrainConfig, model_cfg: TransformerConfig) -> str:
         loop = "layers scanned" + (" with prefetch (double-buffered gathers)" if cfg.prefetch
                                    else "")
     offload = ", optimizer state in host memory" if cfg.offload_optimizer else ""
+    if cfg.offload_exclude:
+        offload += f" (but {', '.join(cfg.offload_exclude)})"
     fp8 = ""
     if cfg.fp8_compute is not None:
         emulated = "" if jax.default_backend() == "gpu" else ", emulated on this backend"

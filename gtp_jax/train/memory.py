@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 from typing import Any
 
 import jax
@@ -54,7 +55,9 @@ def memory_bound(cfg: TrainConfig) -> dict[str, int]:
     peak is at least ``parameters + max(grads, activations + logits, moments of the largest
     unit)``, and "optimizer" is those moments: the unit that must be in device memory while
     it is updated (the step holds up to about four units at once when its copies overlap
-    the updates; the bound counts the one it cannot do without).
+    the updates; the bound counts the one it cannot do without). Moments kept on the
+    device (`TrainConfig.offload_exclude`, `resident_params`) count in full, beside the
+    parameters, and belong to no unit.
 
     Returns:
       ``{"params", "optimizer", "grads", "activations", "total"}`` in bytes.
@@ -66,13 +69,16 @@ def memory_bound(cfg: TrainConfig) -> dict[str, int]:
     shards = cfg.gtp * cfg.tp * cfg.ep
     params = mc.num_params() * p_item // shards
     optimizer = 2 * params
+    kept = 0
     if cfg.offload_optimizer:  # at least the unit being updated: its moments
-        optimizer = 2 * _largest_unit(mc) * p_item // shards
+        kept = 2 * resident_params(cfg) * p_item // shards
+        unit = 2 * _largest_unit(mc, cfg.offload_exclude) * p_item // shards
+        optimizer = kept + unit
     tokens = (cfg.batch_size // cfg.grad_accum) * cfg.seq_len // (
         cfg.dp * cfg.ep * cfg.gtp * cfg.cp)
     activations = tokens * (mc.n_layers * mc.d_model + mc.vocab_size) * a_item // cfg.tp
     if cfg.offload_optimizer:
-        total = params + max(params, activations, optimizer)
+        total = params + kept + max(params, activations, unit)
     else:
         total = params + optimizer + max(params, activations)
     return {"params": params, "optimizer": optimizer, "grads": params,
@@ -85,7 +91,33 @@ def pinned_host_bound(cfg: TrainConfig) -> int:
     counts them (padding only adds); 0 without offload."""
     if not cfg.offload_optimizer:
         return 0
-    return memory_bound(dataclasses.replace(cfg, offload_optimizer=False))["optimizer"]
+    cfg = resolve_auto(cfg)
+    mc = model_config(cfg)
+    host = mc.num_params() - resident_params(cfg)
+    return 2 * host * np.dtype(mc.param_dtype).itemsize // (cfg.gtp * cfg.tp * cfg.ep)
+
+
+def resident_params(cfg: TrainConfig) -> int:
+    """Parameter elements (unsharded, unpadded) whose optimizer state an offloaded run
+    keeps in device memory: those whose path (e.g. ``blocks/mlp/down/kernel``) matches a
+    `TrainConfig.offload_exclude` pattern; 0 without offload."""
+    if not cfg.offload_optimizer or not cfg.offload_exclude:
+        return 0
+    return sum(n for path, n in param_sizes(model_config(resolve_auto(cfg)))
+               if _matches(path, cfg.offload_exclude))
+
+
+@functools.cache
+def param_sizes(model_cfg: Any) -> tuple[tuple[str, int], ...]:
+    """``("blocks/mlp/down/kernel", elements)`` of every parameter of the decoder of
+    `model_cfg` (a stacked weight counts all its layers), unsharded and unpadded, from
+    ``nnx.eval_shape``: nothing is allocated."""
+    return tuple(("/".join(str(k) for k in path), int(np.prod(shape)))
+                 for path, shape, _ in _param_shapes(model_cfg))
+
+
+def _matches(path: str, patterns: tuple[str, ...]) -> bool:
+    return any(re.search(p, path) for p in patterns)
 
 
 def pinned_host_problem(cfg: TrainConfig, *, pool_bytes: int, available_bytes: int | None,
@@ -136,23 +168,33 @@ def check_pinned_host(cfg: TrainConfig, pool_bytes: int | None = None,
 
 
 @functools.cache
-def _largest_unit(model_cfg: Any) -> int:
+def _param_shapes(model_cfg: Any) -> tuple[tuple[tuple[Any, ...], tuple[int, ...], bool], ...]:
+    """(path, shape, layer-stacked) of each parameter of the decoder of `model_cfg`."""
+    model = nnx.eval_shape(lambda: Transformer(model_cfg, rngs=nnx.Rngs(0)))
+    return tuple((tuple(path), tuple(v.get_value().shape),
+                  bool(v.get_metadata().get(STACKED, False)))
+                 for path, v in nnx.to_flat_state(nnx.state(model, nnx.Param)))
+
+
+@functools.cache
+def _largest_unit(model_cfg: Any, resident: tuple[str, ...] = ()) -> int:
     """Parameter elements of the largest unit the offloaded step streams
     (`gtp_jax.sharding.offload.stream_units` with its default layers per unit: a weight that
-    is not layer-stacked, or that many layers of every stacked weight), unsharded and
-    unpadded, from ``nnx.eval_shape``: nothing is allocated."""
-    model = nnx.eval_shape(lambda: Transformer(model_cfg, rngs=nnx.Rngs(0)))
-    flat = nnx.to_flat_state(nnx.state(model, nnx.Param))
-    values = [v.get_value() for _, v in flat]  # jax.ShapeDtypeStruct
-    stacked = [bool(v.get_metadata().get(STACKED, False)) for _, v in flat]
-    units = stream_units(values, stacked, DEFAULT_GROUP_LAYERS)
+    is not layer-stacked, or that many layers of every stacked weight; the weights matching
+    a `resident` pattern stay on the device and belong to none), unsharded and unpadded."""
+    shapes = _param_shapes(model_cfg)
+    values = [jax.ShapeDtypeStruct(s, np.float32)
+              for _, s, _ in shapes]
+    stacked = [st for _, _, st in shapes]
+    keep = [_matches("/".join(str(k) for k in p), resident) for p, _, _ in shapes]
+    units = stream_units(values, stacked, DEFAULT_GROUP_LAYERS, keep)
 
     def elements(i: int, span: tuple[int, int] | None) -> int:
         shape = values[i].shape
         return int(np.prod(shape)) if span is None else (
             (span[1] - span[0]) * int(np.prod(shape[1:])))
 
-    return max(sum(elements(i, span) for i, span in unit) for unit in units)
+    return max((sum(elements(i, span) for i, span in unit) for unit in units), default=0)
 
 
 def memory_advice(cfg: TrainConfig, bound: dict[str, int]) -> str:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import re
 from collections.abc import Callable, Hashable
 from typing import Any
 
@@ -37,6 +38,7 @@ from gtp_jax.sharding.fp8_update import (
     layer_prefix,
     next_fp8_history,
 )
+from gtp_jax.sharding.module import ShardedModule
 from gtp_jax.sharding.offload import (
     DEFAULT_GROUP_LAYERS,
     StreamableChain,
@@ -117,12 +119,14 @@ class TrainStep:
                                  "(loss_fn(model, batch) -> scalar).")
         check_optimizer_of(model, optimizer)
         offload = offloads_optimizer(model)
+        resident: frozenset[tuple[Any, ...]] = frozenset()
         if offload:  # validated before any placement
             stream_units({}, {}, _group_layers(offload_group_layers))
+            resident = resident_paths(model, optimizer.wrt)
         self._objects = (model, optimizer)
         self.graphdef, state = nnx.split((model, optimizer))
         state = _replicate_strays(state)
-        self.state = map_opt_state(state, place_on_host) if offload else state
+        self.state = map_opt_state(state, place_on_host, keep=resident) if offload else state
         self._program = _program(self.graphdef, loss_fn, bool(grad_norm),
                                  _offload_mode(offload, offload_group_layers),
                                  int(grad_accum))
@@ -207,6 +211,42 @@ def offloads_optimizer(model: nnx.Module) -> bool:
     return bool(getattr(config, "offload_optimizer", False))
 
 
+def resident_paths(model: nnx.Module, wrt: Any = nnx.Param) -> frozenset[tuple[Any, ...]]:
+    """Paths (in ``nnx.state(model, wrt)``) of the parameters whose optimizer state stays in
+    device memory when it is offloaded: those whose ``/``-joined path (below a
+    `gtp_jax.ShardedModule`'s wrapper, as `GTPConfig.include` sees it) matches a
+    ``GTPConfig.offload_exclude`` pattern (``re.search``).
+
+    Raises:
+      UsageError: a pattern matches no parameter (a typo would offload everything).
+    """
+    patterns = tuple(getattr(getattr(model, "config", None), "offload_exclude", ()) or ())
+    if not patterns:
+        return frozenset()
+    paths = [tuple(p) for p, _ in nnx.to_flat_state(nnx.state(model, wrt))]
+
+    def name(path: tuple[Any, ...]) -> str:
+        inner = path[1:] if isinstance(model, ShardedModule) and path[:1] == ("module",) \
+            else path
+        return "/".join(str(k) for k in inner)
+
+    for pattern in patterns:
+        if not any(re.search(pattern, name(p)) for p in paths):
+            raise UsageError(
+                f"GTPConfig.offload_exclude pattern {pattern!r} matches no parameter of "
+                f"{type(model).__name__}; parameter paths look like {name(paths[0])!r}. "
+                "Fix the pattern or drop it.")
+    return frozenset(p for p in paths if any(re.search(q, name(p)) for q in patterns))
+
+
+def _resident_flags(param_state: nnx.State, resident: frozenset[tuple[Any, ...]]) -> Any:
+    """Bools with the structure of ``nnx.as_pure(param_state)``: whether each parameter's
+    path is in `resident` (`resident_paths`)."""
+    flat = nnx.to_flat_state(param_state)
+    return nnx.as_pure(nnx.from_flat_state(
+        [(p, v.replace(value=tuple(p) in resident)) for p, v in flat]))
+
+
 def make_nnx_optimizer(model: nnx.Module, tx: optax.GradientTransformation, *,
                        wrt: Any = nnx.Param) -> nnx.Optimizer:
     """``nnx.Optimizer(model, tx, wrt=wrt)``; for a model sharded with
@@ -223,15 +263,18 @@ def make_nnx_optimizer(model: nnx.Module, tx: optax.GradientTransformation, *,
     with others."""
     if not offloads_optimizer(model):
         return nnx.Optimizer(model, tx, wrt=wrt)
+    resident = resident_paths(model, wrt)
 
     def host_init(state: nnx.State) -> Any:
         # optax sees the same tree nnx.Optimizer would give it (Variables keep their
         # metadata, e.g. the sharding plan); only the values come from the host programs.
         template = jax.eval_shape(tx.init, state)
+        keep = _resident_flags(state, resident)
         if isinstance(tx, StreamableChain):
-            values = init_streamed_on_host(tx, nnx.as_pure(state), _stacked_flags(state))
+            values = init_streamed_on_host(tx, nnx.as_pure(state), _stacked_flags(state),
+                                           resident=keep)
         else:
-            values = init_on_host(tx.init, nnx.as_pure(state))
+            values = init_on_host(tx.init, nnx.as_pure(state), keep)
         return jax.tree.structure(template).unflatten(jax.tree.leaves(values))
 
     optimizer = nnx.Optimizer(model, optax.GradientTransformation(host_init, tx.update),
@@ -240,15 +283,23 @@ def make_nnx_optimizer(model: nnx.Module, tx: optax.GradientTransformation, *,
     mesh = next(x.sharding.mesh for x in jax.tree.leaves(nnx.state(model, wrt))
                 if isinstance(getattr(x, "sharding", None), jax.sharding.NamedSharding))
     replicate_stray_leaves(optimizer, mesh)
-    nnx.update(optimizer, map_opt_state(nnx.state(optimizer), place_on_host))
+    nnx.update(optimizer, map_opt_state(nnx.state(optimizer), place_on_host, keep=resident))
     return optimizer
 
 
-def map_opt_state(state: nnx.State, fn: Callable[[Any], Any]) -> nnx.State:
+def map_opt_state(state: nnx.State, fn: Callable[[Any], Any], *,
+                  keep: frozenset[tuple[Any, ...]] = frozenset()) -> nnx.State:
     """`state` (of ``(model, optimizer)`` or an optimizer) with ``fn(value)`` in place of
-    the value of every ``nnx.OptState`` variable (the optimizer's moments and step)."""
-    flat = [(path, var.replace(value=fn(var.get_value())) if isinstance(var, nnx.OptState)
-             else var) for path, var in nnx.to_flat_state(state)]
+    the value of every ``nnx.OptState`` variable (the optimizer's moments and step), but
+    the moments of the parameters whose paths are in `keep` (`resident_paths`: a moment's
+    path ends with its parameter's), which are left as they are."""
+
+    def kept(path: tuple[Any, ...]) -> bool:
+        return any(len(path) > len(q) and path[-len(q):] == q for q in keep)
+
+    flat = [(path, var.replace(value=fn(var.get_value()))
+             if isinstance(var, nnx.OptState) and not kept(tuple(path)) else var)
+            for path, var in nnx.to_flat_state(state)]
     return nnx.from_flat_state(flat)
 
 
@@ -318,7 +369,8 @@ def _program(graphdef: Any, loss_fn: Callable[..., jax.Array], grad_norm: bool,
         elif offload:  # the whole state to the device and back (any optax optimizer)
             nnx.update(optimizer, to_device(nnx.state(optimizer, nnx.OptState)))
             optimizer.update(model, grads)
-            nnx.update(optimizer, to_host(nnx.state(optimizer, nnx.OptState)))
+            nnx.update(optimizer, map_opt_state(nnx.state(optimizer, nnx.OptState), to_host,
+                                                keep=resident_paths(model, optimizer.wrt)))
         else:
             optimizer.update(model, grads)
         metrics = {"loss": loss.astype(jnp.float32)}
@@ -377,7 +429,8 @@ def _streamed_optimizer_update(model: nnx.Module, optimizer: nnx.Optimizer, grad
     new_params, new_opt_state = streamed_update(
         optimizer.tx, nnx.as_pure(nnx.state(grads, optimizer.wrt, **graph)),
         nnx.as_pure(optimizer.opt_state), params, _stacked_flags(param_state),
-        group_layers=group_layers)
+        group_layers=group_layers,
+        resident=_resident_flags(param_state, resident_paths(model, optimizer.wrt)))
     nnx.update(model, new_params)
     nnx.update(optimizer.opt_state, nnx.state(new_opt_state, **graph))
     optimizer.step[...] = to_host(to_device(optimizer.step[...]) + 1)
