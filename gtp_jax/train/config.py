@@ -210,8 +210,9 @@ class TrainConfig:
         object.__setattr__(self, "offload_exclude", tuple(exclude))
         if self.offload_exclude and not self.offload_optimizer:
             raise UsageError(f"TrainConfig.offload_exclude={self.offload_exclude!r} needs "
-                             "offload_optimizer=True (it keeps some of an offloaded optimizer "
-                             "state on the device); set it or drop offload_exclude.")
+                             "TrainConfig.offload_optimizer (it keeps some of an offloaded "
+                             "optimizer state on the device); set it or drop "
+                             "TrainConfig.offload_exclude.")
         if self.unroll_layers is not None and not isinstance(self.unroll_layers, bool):
             raise UsageTypeError(f"TrainConfig.unroll_layers={self.unroll_layers!r} must be "
                                  "True, False or None (unrolled unless remat 'full').")
