@@ -277,14 +277,14 @@ def _recorded(history: jax.Array, amax: jax.Array, axes: tuple[str, ...]) -> jax
     return new
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _fp8_matmul_delayed(x, w, history, impl, axes):
-    return _delayed_fwd(x, w, history, impl, axes)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _fp8_matmul_delayed(x, w, history, sx, impl, axes):
+    return _delayed_fwd(x, w, history, sx, impl, axes)[0]
 
 
-def _delayed_fwd(x, w, history, impl, axes):
+def _delayed_fwd(x, w, history, sx, impl, axes):
     e4 = jnp.float8_e4m3fn
-    sx, sw, sg = history_scales(history)
+    _, sw, sg = history_scales(history)
     # The amaxes are recorded only (no cast waits for them), read in the casts' own pass.
     x8, xt8, amax_x = _quantize_amax(x, sx, e4, "both", impl)
     _, wt8, amax_w = _quantize_amax(w, sw, e4, "columnwise", impl)
@@ -302,7 +302,7 @@ def _delayed_bwd(impl, axes, res, dy):
     new = _recorded(history, jnp.concatenate([amax_xw, amax_g[None]]), axes)
     dx = _product(g8, w8, sg, sw, dy.dtype)
     dw = _product(xt8, gt8, sx, sg, w.dtype)
-    return dx, dw, new
+    return dx, dw, new, jnp.zeros_like(sx)
 
 
 _fp8_matmul_delayed.defvjp(_delayed_fwd, _delayed_bwd)
@@ -310,7 +310,8 @@ _fp8_matmul_delayed.defvjp(_delayed_fwd, _delayed_bwd)
 
 def fp8_matmul_delayed(x: jax.Array, w: jax.Array, history: jax.Array, *,
                        axes: tuple[str, ...] = (), backend: str | None = None,
-                       interpret: bool | None = None) -> jax.Array:
+                       interpret: bool | None = None,
+                       x_scale: jax.Array | None = None) -> jax.Array:
     """``x @ w`` as `fp8_matmul`, with delayed scaling from an amax history.
 
     Args:
@@ -323,6 +324,9 @@ def fp8_matmul_delayed(x: jax.Array, w: jax.Array, history: jax.Array, *,
         every axis over which the replicated history's cotangent is summed; the history
         cotangent is then returned on the first device only). () outside ``shard_map``.
       backend, interpret: as in `fp8_matmul`.
+      x_scale: float32[]: x's scale, in place of the history's (another layer's history
+        of the same x: `gtp_jax.sharding.fp8` passes it so that an input two layers read
+        is quantized once); None: the history's. Not differentiated (zero cotangent).
 
     Returns:
       ``[M, N]`` in x's dtype. Differentiable: ``dx``, ``dw`` are FP8 products with the
@@ -342,8 +346,14 @@ def fp8_matmul_delayed(x: jax.Array, w: jax.Array, history: jax.Array, *,
         raise UsageError(f"fp8_matmul_delayed: history has shape "
                          f"{getattr(history, 'shape', None)}; it takes float32 [H, 3] with "
                          "H >= 1 (amax of x, w, dy per step), or [H, 4] with a use count.")
+    if x_scale is not None and jnp.shape(x_scale) != ():
+        raise UsageError(f"fp8_matmul_delayed: x_scale must be a scalar, got shape "
+                         f"{jnp.shape(x_scale)}.")
     impl = _impl("fp8_matmul_delayed", backend, interpret)
-    return _fp8_matmul_delayed(x, w, history.astype(jnp.float32), impl, tuple(axes))
+    history = history.astype(jnp.float32)
+    sx = history_scales(history)[0] if x_scale is None else x_scale
+    return _fp8_matmul_delayed(x, w, history, jax.lax.stop_gradient(sx).astype(jnp.float32),
+                               impl, tuple(axes))
 
 
 def quantize_with_scale(x: jax.Array, s: jax.Array, dtype: jnp.dtype) -> jax.Array:

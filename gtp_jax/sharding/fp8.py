@@ -49,6 +49,7 @@ from gtp_jax.pallas.fp8_matmul import (
     fp8_matmul,
     fp8_matmul_delayed,
     fp8_matmul_prequantized,
+    history_scales,
 )
 from gtp_jax.sharding.contract import key_name
 from gtp_jax.sharding.fp8_gather import is_fp8_gathered
@@ -62,17 +63,46 @@ _AMAX_AXES: contextvars.ContextVar[tuple[str, ...]] = contextvars.ContextVar(
     "gtp_jax_fp8_amax_axes", default=())
 
 
+#: The inputs delayed-scaling matmuls have quantized in the sharded call being traced, with
+#: the x scale each was quantized with (`_shared_x_scale`).
+_X_SCALES: contextvars.ContextVar[list[tuple[Any, jax.Array]] | None] = contextvars.ContextVar(
+    "gtp_jax_fp8_x_scales", default=None)
+
+
 @contextlib.contextmanager
 def amax_axes(axes: Sequence[str]) -> Iterator[None]:
     """While tracing inside ``jax.shard_map``: the mesh axes over which a replicated
     variable's cotangent is summed (every axis of the mesh for ``P()``). Delayed-scaling
     matmuls traced meanwhile take their recorded amax's maximum over them and return the
-    next history from the first device only (`fp8_matmul_delayed`)."""
+    next history from the first device only (`fp8_matmul_delayed`), and share the scale of
+    an input several of them read (`_shared_x_scale`)."""
     token = _AMAX_AXES.set(tuple(axes))
+    scales = _X_SCALES.set([])
     try:
         yield
     finally:
+        _X_SCALES.reset(scales)
         _AMAX_AXES.reset(token)
+
+
+def _shared_x_scale(lhs: Any, history: jax.Array) -> jax.Array | None:
+    """The x scale of the first delayed-scaling matmul of this trace that read `lhs` (the
+    same array: q and k/v projections of one normed input, an MLP's gate and up), or None
+    when this is the first, whose own history's scale is then recorded for the next ones.
+
+    Why: each layer's history records the amax of the same x, so their x scales are equal
+    in value; but XLA cannot know it, and with two scales it quantizes x twice (two cast
+    passes, and two GEMMs where one with the concatenated weights would do). One scale lets
+    it merge them, as the tensorwise recipe's equal amaxes do. Each layer still records x's
+    amax in its own history."""
+    seen = _X_SCALES.get()
+    if seen is None:
+        return None
+    for obj, scale in seen:
+        if obj is lhs:
+            return scale
+    seen.append((lhs, history_scales(history.astype(jnp.float32))[0]))
+    return None
 
 
 def fp8_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any,
@@ -112,7 +142,8 @@ def fp8_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any,
     x = jnp.transpose(lhs, (*lfree, *lc)).reshape(-1, k)
     w = jnp.transpose(rhs, (*rc, *rfree)).reshape(k, -1)
     y = (fp8_matmul(x, w) if history is None
-         else fp8_matmul_delayed(x, w, history, axes=_AMAX_AXES.get()))
+         else fp8_matmul_delayed(x, w, history, axes=_AMAX_AXES.get(),
+                                 x_scale=_shared_x_scale(lhs, history)))
     y = y.reshape(*(lhs.shape[d] for d in lfree),
                                  *(rhs.shape[d] for d in rfree))
     return y if preferred_element_type is None else y.astype(preferred_element_type)
