@@ -150,16 +150,20 @@ class _TwoReaders(nnx.Module):
         return self.a(x), self.b(x)
 
 
-def test_an_input_two_layers_read_is_quantized_once_with_the_first_layers_scale(key):
+@pytest.mark.parametrize("gather_format", [None, "fp8"])
+def test_an_input_two_layers_read_is_quantized_once_with_the_first_layers_scale(
+        key, gather_format):
     # Each layer's history records the same x amax, so their x scales are equal in value;
     # the second layer takes the first's, so XLA quantizes x once. Pinned here with
     # histories that differ (they never do in training): b's own x column has no effect
-    # on b, a's does.
+    # on b, a's does. Also when the kernels are gathered in FP8 (their payloads feed the
+    # GEMMs).
     x = jax.random.normal(key, (8, 16))
     mesh = gtp_jax.make_mesh(gtp=8)
+    config = dataclasses.replace(DELAYED, gather_format=gather_format)
 
     def outputs(a_x: float, b_x: float) -> tuple[np.ndarray, np.ndarray]:
-        model = gtp_jax.shard(_TwoReaders(nnx.Rngs(0)), mesh, DELAYED)
+        model = gtp_jax.shard(_TwoReaders(nnx.Rngs(0)), mesh, config)
         for name, amax in (("a", a_x), ("b", b_x)):
             var = getattr(model.module, name).dot_general.amax_history
             var[...] = var[...].at[0, 0].set(amax)

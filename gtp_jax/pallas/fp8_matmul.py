@@ -404,26 +404,26 @@ def cast_weight(w: jax.Array, s: jax.Array, *, backend: str | None = None,
 
 
 def _quantize_operand(t: jax.Array, dtype: jnp.dtype, history: jax.Array | None,
-                      column: int, impl: tuple) -> tuple:
+                      column: int, impl: tuple, scale: jax.Array | None = None) -> tuple:
     """``(scale, row-wise payload, column-wise payload, amax or None)`` of `t` in both
     layouts: current scaling without a `history`, else the scale of the history's `column`
-    (its amax recorded in the same pass)."""
+    or the given `scale` (its amax recorded in the same pass)."""
     if history is None:
         s = _scale(_amax_of(t, impl), LIMITS[np.dtype(dtype)])
         return (s, *_quantize(t, s, dtype, "both", impl), None)
-    s = history_scales(history)[column]
+    s = history_scales(history)[column] if scale is None else scale
     return (s, *_quantize_amax(t, s, dtype, "both", impl))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
-def _fp8_matmul_prequantized(x, w, w8, w8t, sw, amax_w, history, impl, axes):
-    return _pre_fwd(x, w, w8, w8t, sw, amax_w, history, impl, axes)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9))
+def _fp8_matmul_prequantized(x, w, w8, w8t, sw, amax_w, history, sx, impl, axes):
+    return _pre_fwd(x, w, w8, w8t, sw, amax_w, history, sx, impl, axes)[0]
 
 
-def _pre_fwd(x, w, w8, w8t, sw, amax_w, history, impl, axes):
+def _pre_fwd(x, w, w8, w8t, sw, amax_w, history, sx, impl, axes):
     # `w` is not read: the GEMM takes the given payload; w only receives the gradient.
     e4 = jnp.float8_e4m3fn
-    sx, x8, xt8, amax_x = _quantize_operand(x, e4, history, 0, impl)
+    sx, x8, xt8, amax_x = _quantize_operand(x, e4, history, 0, impl, sx)
     y = _product(x8, jax.lax.bitcast_convert_type(w8t, e4), sx, sw, x.dtype)
     return y, (jax.lax.bitcast_convert_type(xt8, jnp.uint8), sx, w8, sw, amax_x, amax_w,
                history)
@@ -438,7 +438,7 @@ def _pre_bwd(impl, axes, res, dy):
     dx = _product(g8, jax.lax.bitcast_convert_type(w8, e4), sg, sw, dy.dtype)
     # w has x's dtype, which is y's and so dy's.
     dw = _product(jax.lax.bitcast_convert_type(xt8, e4), gt8, sx, sg, dy.dtype)
-    return dx, dw, None, None, None, None, new
+    return dx, dw, None, None, None, None, new, None
 
 
 _fp8_matmul_prequantized.defvjp(_pre_fwd, _pre_bwd)
@@ -447,7 +447,8 @@ _fp8_matmul_prequantized.defvjp(_pre_fwd, _pre_bwd)
 def fp8_matmul_prequantized(x: jax.Array, w: jax.Array, w8: jax.Array, w8t: jax.Array,
                             sw: jax.Array, *, amax_w: jax.Array | None = None,
                             history: jax.Array | None = None, axes: tuple[str, ...] = (),
-                            backend: str | None = None, interpret: bool | None = None
+                            backend: str | None = None, interpret: bool | None = None,
+                            x_scale: jax.Array | None = None
                             ) -> jax.Array:
     """``x @ w`` as `fp8_matmul` (or `fp8_matmul_delayed` with a `history`), with the
     weight's e4m3 payload given instead of computed: the forward GEMM reads `w8t`, the
@@ -464,7 +465,8 @@ def fp8_matmul_prequantized(x: jax.Array, w: jax.Array, w8: jax.Array, w8t: jax.
       amax_w: float32[], the weight's amax, recorded in the history (delayed only).
       history: float32 ``[H, 3]`` or ``[H, 4]``: delayed scaling of x and dy as in
         `fp8_matmul_delayed`, whose cotangent is the next history; None: current scaling.
-      axes, backend, interpret: as in `fp8_matmul_delayed`.
+      axes, backend, interpret, x_scale: as in `fp8_matmul_delayed` (x_scale with a
+        history only).
 
     Returns:
       ``[M, N]`` in x's dtype. With ``sw = weight_scale(amax(w))`` and ``w8`` the payload
@@ -491,7 +493,12 @@ def fp8_matmul_prequantized(x: jax.Array, w: jax.Array, w8: jax.Array, w8t: jax.
     sw = jnp.asarray(sw, jnp.float32)
     amax_w = None if amax_w is None else jnp.asarray(amax_w, jnp.float32)
     history = None if history is None else history.astype(jnp.float32)
-    return _fp8_matmul_prequantized(x, w, w8, w8t, sw, amax_w, history, impl, tuple(axes))
+    if x_scale is not None and (history is None or jnp.shape(x_scale) != ()):
+        raise UsageError("fp8_matmul_prequantized: x_scale (a float32 scalar) replaces the "
+                         "history's x scale; pass it with a history only.")
+    sx = None if x_scale is None else jax.lax.stop_gradient(x_scale).astype(jnp.float32)
+    return _fp8_matmul_prequantized(x, w, w8, w8t, sw, amax_w, history, sx, impl,
+                                    tuple(axes))
 
 
 def _impl(name: str, backend: str | None, interpret: bool | None) -> tuple:

@@ -159,7 +159,8 @@ def _gathered_dot(lhs: jax.Array, rhs: Any, lc: Sequence[int], preferred_element
     x = jnp.transpose(lhs, (*lfree, *lc)).reshape(-1, w.shape[0])
     y = fp8_matmul_prequantized(
         x, w, w8, w8t, rhs.scale, amax_w=rhs.amax, history=history,
-        axes=_AMAX_AXES.get() if history is not None else ())
+        axes=_AMAX_AXES.get() if history is not None else (),
+        x_scale=None if history is None else _shared_x_scale(lhs, history))
     y = y.reshape(*(lhs.shape[d] for d in lfree), *rhs.shape[rhs.in_dims:])
     return y if preferred_element_type is None else y.astype(preferred_element_type)
 
