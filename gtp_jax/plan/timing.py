@@ -55,7 +55,7 @@ from gtp_jax.sharding.offload import (
     streamed_update,
 )
 from gtp_jax.train.config import TrainConfig, make_optimizer, model_config, resolve_auto
-from gtp_jax.train.memory import resident_params
+from gtp_jax.train.memory import pinned_host_bound
 
 #: Environment variable naming the calibration cache directory (default
 #: ``~/.cache/gtp_jax``).
@@ -519,8 +519,7 @@ def step_seconds(cfg: TrainConfig, cal: Calibration) -> dict[str, float]:
         # one's copy-out, but the update itself is short
         # next to the transfers, so the step pays about the transfer time. Moments kept
         # on the device (offload_exclude) do not travel.
-        host = (mc.num_params() - resident_params(cfg)) / (cfg.gtp * cfg.tp * cfg.ep)
-        state = 2 * host * p_item + 4
+        state = pinned_host_bound(cfg) + 4
         offload = 2 * state / cal.host_bandwidth if cal.host_bandwidth else float("inf")
     loop = 0.0
     if not mc.unrolled and cal.memory_bandwidth > 0:

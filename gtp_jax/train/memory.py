@@ -71,7 +71,7 @@ def memory_bound(cfg: TrainConfig) -> dict[str, int]:
     optimizer = 2 * params
     kept = 0
     if cfg.offload_optimizer:  # at least the unit being updated: its moments
-        kept = 2 * resident_params(cfg) * p_item // shards
+        kept = _kept_bytes(cfg)
         unit = 2 * _largest_unit(mc, cfg.offload_exclude) * p_item // shards
         optimizer = kept + unit
     tokens = (cfg.batch_size // cfg.grad_accum) * cfg.seq_len // (
@@ -91,10 +91,15 @@ def pinned_host_bound(cfg: TrainConfig) -> int:
     counts them (padding only adds); 0 without offload."""
     if not cfg.offload_optimizer:
         return 0
-    cfg = resolve_auto(cfg)
-    mc = model_config(cfg)
-    host = mc.num_params() - resident_params(cfg)
-    return 2 * host * np.dtype(mc.param_dtype).itemsize // (cfg.gtp * cfg.tp * cfg.ep)
+    on_device = dataclasses.replace(cfg, offload_optimizer=False, offload_exclude=())
+    return memory_bound(on_device)["optimizer"] - _kept_bytes(resolve_auto(cfg))
+
+
+def _kept_bytes(cfg: TrainConfig) -> int:
+    """Bytes per device of the moments a resolved offloaded `cfg` keeps on the device
+    (`resident_params`, split like the parameters over ``gtp * tp * ep``)."""
+    p_item = np.dtype(model_config(cfg).param_dtype).itemsize
+    return 2 * resident_params(cfg) * p_item // (cfg.gtp * cfg.tp * cfg.ep)
 
 
 def resident_params(cfg: TrainConfig) -> int:
@@ -112,8 +117,7 @@ def param_sizes(model_cfg: Any) -> tuple[tuple[str, int], ...]:
     """``("blocks/mlp/down/kernel", elements)`` of every parameter of the decoder of
     `model_cfg` (a stacked weight counts all its layers), unsharded and unpadded, from
     ``nnx.eval_shape``: nothing is allocated."""
-    return tuple(("/".join(str(k) for k in path), int(np.prod(shape)))
-                 for path, shape, _ in _param_shapes(model_cfg))
+    return tuple((path, int(np.prod(shape))) for path, shape, _ in _param_shapes(model_cfg))
 
 
 def _matches(path: str, patterns: tuple[str, ...]) -> bool:
@@ -168,10 +172,11 @@ def check_pinned_host(cfg: TrainConfig, pool_bytes: int | None = None,
 
 
 @functools.cache
-def _param_shapes(model_cfg: Any) -> tuple[tuple[tuple[Any, ...], tuple[int, ...], bool], ...]:
-    """(path, shape, layer-stacked) of each parameter of the decoder of `model_cfg`."""
+def _param_shapes(model_cfg: Any) -> tuple[tuple[str, tuple[int, ...], bool], ...]:
+    """(``/``-joined path, shape, layer-stacked) of each parameter of the decoder of
+    `model_cfg`."""
     model = nnx.eval_shape(lambda: Transformer(model_cfg, rngs=nnx.Rngs(0)))
-    return tuple((tuple(path), tuple(v.get_value().shape),
+    return tuple(("/".join(str(k) for k in path), tuple(v.get_value().shape),
                   bool(v.get_metadata().get(STACKED, False)))
                  for path, v in nnx.to_flat_state(nnx.state(model, nnx.Param)))
 
@@ -183,10 +188,9 @@ def _largest_unit(model_cfg: Any, resident: tuple[str, ...] = ()) -> int:
     is not layer-stacked, or that many layers of every stacked weight; the weights matching
     a `resident` pattern stay on the device and belong to none), unsharded and unpadded."""
     shapes = _param_shapes(model_cfg)
-    values = [jax.ShapeDtypeStruct(s, np.float32)
-              for _, s, _ in shapes]
+    values = [jax.ShapeDtypeStruct(s, np.float32) for _, s, _ in shapes]
     stacked = [st for _, _, st in shapes]
-    keep = [_matches("/".join(str(k) for k in p), resident) for p, _, _ in shapes]
+    keep = [_matches(p, resident) for p, _, _ in shapes]
     units = stream_units(values, stacked, DEFAULT_GROUP_LAYERS, keep)
 
     def elements(i: int, span: tuple[int, int] | None) -> int:
