@@ -9,7 +9,7 @@
 #     llama3-8b shape (8 layers);
 #   plan_1b / plan_8b: the layout planner's predictions against runs of its top layouts
 #     (benchmarks/plan_accuracy.sh): 1b at seq 2048 and 4096 (8 sequences), llama3-8b
-#     (32 layers) at seq 4096 (2 sequences);
+#     (32 layers) at seq 4096 (2 sequences; SEQS_8B="2048 4096" adds a second length);
 #   offload: optimizer state in host memory against on the device over both GPUs
 #     (benchmarks/offload.sh with GTP=2): the 1b step's cost, and the largest model that
 #     trains at seq 4096 with and without it (llama3-8b with 96, 80, 64, 56, 48, 40 or its
@@ -17,7 +17,7 @@
 # Writes $OUT/fp8/, $OUT/plan/ (tables at the end of the log: plan_accuracy.json) and
 # $OUT/offload/.
 # Usage: OUT=dir [BUDGET=seconds] [PARTS="latency fp8_1b plan_1b plan_8b fp8_8b offload"]
-#   [FP8_VARIANTS=none:none,fp8:delayed,fp8:tensorwise] [TOP=5] bash benchmarks/gpu2_campaign.sh
+#   [FP8_VARIANTS=none:none,fp8:delayed,fp8:tensorwise] [TOP=5] [SEQS_8B="2048 4096"] bash benchmarks/gpu2_campaign.sh
 set -u
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1 PYTHONPATH="$PWD"
 OUT=${OUT:-runs/gpu2}; mkdir -p "$OUT"
@@ -41,7 +41,7 @@ for part in ${PARTS:-fp8_1b plan_1b plan_8b fp8_8b offload}; do
       OUT="$OUT/plan" PRESETS=1b SEQS="2048 4096" BATCH=8 TOP=$TOP STEPS=8 TIMEOUT=300 \
         timeout "$(left)" bash benchmarks/plan_accuracy.sh ;;
     plan_8b)
-      OUT="$OUT/plan" PRESETS=llama3-8b SEQS=4096 BATCH=2 TOP=$TOP STEPS=6 TIMEOUT=420 \
+      OUT="$OUT/plan" PRESETS=llama3-8b SEQS="${SEQS_8B:-4096}" BATCH=2 TOP=$TOP STEPS=6 TIMEOUT=420 \
         timeout "$(left)" bash benchmarks/plan_accuracy.sh ;;
     offload)
       OUT="$OUT/offload" GTP=2 BIG_STEPS=3 LIMIT=300 \
