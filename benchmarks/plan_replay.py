@@ -11,9 +11,10 @@ Usage:
     python benchmarks/plan_replay.py docs/results/2026-11-26_2xH100/plan_calibration_v5
     python benchmarks/plan_replay.py DIR --gemm-tflops 745 --attention 2048:175 4096:210
 
-DIR holds the plan JSON files and the run table (`summary.json` or `plan_accuracy.json`,
-as the campaign scripts write it). Calibrations of older formats are read as they were
-measured: a single attention rate was measured at 2048 tokens.
+DIR holds the plan JSON files (or a plan_accuracy/ folder of them) and the run table
+(`summary.json` or `plan_accuracy.json`, as the campaign scripts write it). Calibrations of
+older formats are read as they were measured: a single attention rate was measured at 2048
+tokens.
 """
 
 from __future__ import annotations
@@ -55,7 +56,11 @@ def replay(directory: str, *, gemm_tflops: float | None = None,
     measured = {(r["case"], r["flags"]): r["measured_step_s"]
                 for r in json.load(open(table))["rows"] if r.get("measured_step_s")}
     rows = []
-    for path in sorted(glob.glob(os.path.join(directory, "plan_*.json"))):
+    # The plans lie beside the table, or in the plan_accuracy/ folder the script writes.
+    plans = [p for pattern in ("plan_*.json", os.path.join("plan_accuracy", "plan_*.json"))
+             for p in sorted(glob.glob(os.path.join(directory, pattern)))
+             if os.path.basename(p) != "plan_accuracy.json"]
+    for path in plans:
         case = os.path.basename(path)[len("plan_"):-len(".json")]
         plan = json.load(open(path))
         cal = calibration_of(plan)

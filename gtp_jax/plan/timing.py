@@ -2,8 +2,8 @@
 
     compute  = matmul FLOPs / GEMM rate + attention FLOPs / attention rate at the sequence
     gtp      = weight all-gathers (forward and backward) + gradient reduce-scatters
-    other    = gradient all-reduce over dp and cp + tp activation collectives + cp ring
-               K/V passes + the optimizer update
+    other    = gradient all-reduce over dp and cp + tp activation collectives (those the
+               remat policy recomputes included) + cp ring K/V passes + the optimizer update
     offload  = optimizer state to the device and back / host bandwidth
     loop     = the scanned loop's residual stacks: written in the forward, read in the
                backward / memory bandwidth (0 for the unrolled loop)
@@ -500,8 +500,9 @@ def step_seconds(cfg: TrainConfig, cal: Calibration) -> dict[str, float]:
     replicas = cfg.dp * cfg.cp
     other = ag(grads, replicas, collectives) + rs(grads, replicas, collectives)
     act = tokens * d * a_item
-    other += ag(act * 4 * layers, cfg.tp, 4 * layers) + rs(act * 4 * layers, cfg.tp,
-                                                           4 * layers)
+    gathers, scatters = tp_collectives_per_layer(mc.remat)
+    other += (ag(act * gathers * layers, cfg.tp, gathers * layers)
+              + rs(act * scatters * layers, cfg.tp, scatters * layers))
     if cfg.cp > 1:  # K and V around the ring: forward, and K, V, dK, dV backward
         kv = 2 * tokens * d * a_item / cfg.tp
         other += 3 * layers * (cfg.cp - 1) * (cal.all_gather_latency
@@ -535,6 +536,22 @@ def step_seconds(cfg: TrainConfig, cal: Calibration) -> dict[str, float]:
     total += other + offload + loop
     return {"compute": compute, "gtp": gtp, "other": other, "offload": offload,
             "loop": loop, "total": total}
+
+
+def tp_collectives_per_layer(remat: str) -> tuple[int, int]:
+    """Activation all-gathers and reduce-scatters over ``tp`` per layer and training step,
+    by remat policy: ``(all-gathers, reduce-scatters)``.
+
+    Sequence parallelism gathers the normed sequence before the attention's and the MLP's
+    input projections and scatters their output projections' sums: 2 + 2 in the forward,
+    and as many transposed in the backward. Under "dots" and "full" the backward pass
+    recomputes what it did not save: both gathers (a gathered input is no matmul output,
+    and the weight gradients read it) and the attention's scatter (the MLP's input is built
+    on it); the MLP's scatter feeds only the next layer, so nothing recomputes it. The
+    compiled bfloat16 step has exactly these counts (`tests/test_plan.py`; in float32 XLA
+    keeps the attention's scatter under "dots": one fewer).
+    """
+    return (4, 4) if remat == "none" else (6, 5)
 
 
 def _saved_per_token(mc: Any) -> int:
