@@ -495,6 +495,54 @@ def test_plan_command_prints_the_ranked_table_and_the_command_to_train(capsys, t
     assert fits[0]["bound_bytes"] < memory_bound(layout.apply(BASE))["total"]
 
 
+def test_train_after_plan_reads_the_plans_compiled_step_from_the_compile_cache(tmp_path,
+                                                                              fixed_rates):
+    # Two processes, as a user runs them: `plan`, then the `train` command it printed. With
+    # a compile cache the run's step is the planner's executable read back (a GPU compile
+    # can autotune to other kernels, so a second compile may not have the planned peak):
+    # the run adds no step program to the cache.
+    cache = tmp_path / "cache"
+    common = ["--preset", "tiny", *TRAIN_FLAGS, "--compile-cache", str(cache)]
+    env = cli_env()
+
+    def run(*args):
+        proc = subprocess.run([sys.executable, "-m", "gtp_jax", *args, *common],
+                              capture_output=True, text=True, env=env, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        return proc.stdout
+
+    out = run("plan", "--top", "1", "--memory-gib", "1")
+    flags = re.search(r"^best: python -m gtp_jax train .*?(--dp .*)$", out, re.M).group(1)
+    steps = sorted(p.name for p in cache.glob("jit_step-*-cache"))
+    assert len(steps) == 1
+    run("train", *flags.split())
+    assert sorted(p.name for p in cache.glob("jit_step-*-cache")) == steps
+
+
+def test_compile_cache_directory_precedence(tmp_path, monkeypatch):
+    from gtp_jax.base import compile_cache
+
+    monkeypatch.setattr(compile_cache, "DEFAULT_DIR", str(tmp_path / "default"))
+    own, jax_dir = str(tmp_path / "own"), str(tmp_path / "jax")
+    pick = compile_cache.compile_cache_dir
+    assert pick(str(tmp_path / "flag"), {"GTP_JAX_COMPILE_CACHE": own}) == str(tmp_path / "flag")
+    assert pick("off", {"GTP_JAX_COMPILE_CACHE": own}) is None
+    assert pick(None, {"GTP_JAX_COMPILE_CACHE": own, "JAX_COMPILATION_CACHE_DIR": jax_dir}) == own
+    assert pick(None, {"GTP_JAX_COMPILE_CACHE": "OFF"}) is None
+    assert pick(None, {"JAX_COMPILATION_CACHE_DIR": jax_dir}) is None  # JAX reads its own
+    assert pick(None, {}) == str(tmp_path / "default")
+    assert (tmp_path / "default").is_dir()
+
+
+def test_compile_cache_flag_is_checked_before_anything_runs(tmp_path, capsys):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    assert main(["train", "--preset", "tiny", *TRAIN_FLAGS, "--compile-cache",
+                 str(blocker / "cache")]) == 2
+    err = capsys.readouterr().err
+    assert "--compile-cache" in err and "cannot be created" in err
+
+
 def test_plan_auto_trains_with_the_top_layout(capsys, fixed_rates):
     flags = ["--dp", "2", "--gtp", "4", "--remat", "none", "--unroll-layers"]
     assert main(["train", "--plan", "auto", *TRAIN_FLAGS, *flags]) == 0

@@ -15,6 +15,8 @@ import sys
 import time
 from typing import Any
 
+from gtp_jax.base.compile_cache import HELP as COMPILE_CACHE_HELP
+from gtp_jax.base.compile_cache import compile_cache_dir, use_compile_cache
 from gtp_jax.base.errors import UsageError
 from gtp_jax.base.xla_flags import simulate_cpu_devices
 
@@ -50,6 +52,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--memory-gib", type=float, default=None,
                         help="budget per device in GiB; default: the device's memory "
                         "(none on CPU)")
+    parser.add_argument("--compile-cache", default=None, metavar="DIR",
+                        help=COMPILE_CACHE_HELP)
     parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
                         help="compute dtype (auto: bfloat16 on GPUs, float32 on CPUs)")
     parser.add_argument("--gather-formats", default="",
@@ -78,7 +82,13 @@ def main(argv: list[str] | None = None) -> int:
         if value is not None and value < 1:
             print(f"error: --{name} {value} must be >= 1.", file=sys.stderr)
             return 2
+    try:
+        cache = compile_cache_dir(args.compile_cache)
+    except UsageError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     simulate_cpu_devices(args.gpus or 8)
+    use_compile_cache(cache)
     # XLA_FLAGS are set: JAX may start a backend from here on.
     try:
         return _plan(args)

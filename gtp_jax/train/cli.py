@@ -15,6 +15,8 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from gtp_jax.base.compile_cache import HELP as COMPILE_CACHE_HELP
+from gtp_jax.base.compile_cache import compile_cache_dir, use_compile_cache
 from gtp_jax.base.errors import UsageError
 from gtp_jax.base.xla_flags import simulate_cpu_devices
 from gtp_jax.train.job_file import expand_job_file
@@ -232,6 +234,8 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--memory-gib", type=float, default=None,
                        help="with --plan auto: the budget per device in GiB (default: the "
                        "device's memory)")
+    train.add_argument("--compile-cache", default=None, metavar="DIR",
+                       help=COMPILE_CACHE_HELP)
 
     hf = train.add_argument_group("Hugging Face checkpoints (Llama family; docs/models.md)")
     hf.add_argument("--init-from-hf", default=None, metavar="DIR",
@@ -452,6 +456,7 @@ def main(argv: list[str] | None = None, *, planner: Planner | None = None) -> in
         dist, checkpoint, observe = _configs(args)
         failure = _failure(args)
         data = _text_data(args)
+        cache = compile_cache_dir(args.compile_cache)
     except UsageError as err:  # other exceptions are bugs: they keep their traceback
         return _fail(err, 2)
     total = math.prod(cpu_sizes.values())
@@ -476,6 +481,7 @@ def main(argv: list[str] | None = None, *, planner: Planner | None = None) -> in
     if total % processes:
         return _processes_error(processes, total)
     simulate_cpu_devices(total // processes)
+    use_compile_cache(cache)
     # XLA_FLAGS are set: JAX may start a backend from here on.
     code = _run(args, sizes, cpu_sizes, checkpoint, observe, failure, data, planner)
     # Not in a `finally`: after an exception the shutdown barrier would wait for processes
