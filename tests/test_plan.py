@@ -532,6 +532,13 @@ def test_compile_cache_directory_precedence(tmp_path, monkeypatch):
     assert pick(None, {"JAX_COMPILATION_CACHE_DIR": jax_dir}) is None  # JAX reads its own
     assert pick(None, {}) == str(tmp_path / "default")
     assert (tmp_path / "default").is_dir()
+    # A default that cannot be made (a read-only home) means no cache, not a refused run;
+    # a directory the user named must work.
+    (tmp_path / "file").write_text("")
+    monkeypatch.setattr(compile_cache, "DEFAULT_DIR", str(tmp_path / "file" / "cache"))
+    assert pick(None, {}) is None
+    with pytest.raises(UsageError, match="GTP_JAX_COMPILE_CACHE"):
+        pick(None, {"GTP_JAX_COMPILE_CACHE": str(tmp_path / "file" / "cache")})
 
 
 def test_compile_cache_flag_is_checked_before_anything_runs(tmp_path, capsys):

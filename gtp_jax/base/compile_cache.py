@@ -12,9 +12,10 @@ the run's.
 
 Where: ``--compile-cache DIR`` (``off`` for none); else ``$GTP_JAX_COMPILE_CACHE``; else
 JAX's own setting if the user made one (``JAX_COMPILATION_CACHE_DIR``, left alone); else
-`DEFAULT_DIR`. Entries are capped at `MAX_BYTES` in all (JAX evicts the least recently
-used). The library itself (``gtp_jax.shard``, `gtp_jax.train.train`, `gtp_jax.plan.plan`)
-changes no JAX setting; this is the command line's choice, as a program's.
+`DEFAULT_DIR` (none if that cannot be written). Entries are capped at `MAX_BYTES` in all
+(JAX evicts the least recently used). The library itself (``gtp_jax.shard``,
+`gtp_jax.train.train`, `gtp_jax.plan.plan`) changes no JAX setting; this is the command
+line's choice, as a program's.
 """
 
 from __future__ import annotations
@@ -44,29 +45,34 @@ def compile_cache_dir(flag: str | None, environ: dict[str, str] | None = None) -
     None for ``off``, or when only JAX's own ``JAX_COMPILATION_CACHE_DIR`` is set (JAX
     reads that itself).
 
+    The default directory, when it cannot be created or written (a read-only home), gives
+    None: the run compiles as without a cache.
+
     Raises:
-      UsageError: the directory exists as a file or cannot be created or written.
+      UsageError: a directory the user named (flag or `CACHE_ENV`) exists as a file or
+        cannot be created or written.
     """
     env = os.environ if environ is None else environ
     value = flag if flag is not None else env.get(CACHE_ENV)
     if value is None and env.get(_JAX_ENV):
         return None
+    chosen = value is not None
     value = DEFAULT_DIR if value is None else value
     if value.strip().lower() == "off":
         return None
-    where = "--compile-cache" if flag is not None else (
-        f"${CACHE_ENV}" if env.get(CACHE_ENV) is not None else "the default compile cache")
+    where = "--compile-cache" if flag is not None else f"${CACHE_ENV}"
     path = os.path.abspath(os.path.expanduser(value))
     try:
         os.makedirs(path, exist_ok=True)
+        problem = None if os.access(path, os.W_OK) else "is not writable"
     except OSError as err:
-        raise UsageError(f"{where}={value!r} cannot be created ({err.strerror}); pass "
-                         "--compile-cache DIR with a writable directory, or --compile-cache "
-                         "off.") from None
-    if not os.access(path, os.W_OK):
-        raise UsageError(f"{where}={value!r} is not writable; pass --compile-cache DIR with a "
-                         "writable directory, or --compile-cache off.")
-    return path
+        problem = f"cannot be created ({err.strerror})"
+    if problem is None:
+        return path
+    if not chosen:
+        return None
+    raise UsageError(f"{where}={value!r} {problem}; pass --compile-cache DIR with a writable "
+                     "directory, or --compile-cache off.")
 
 
 def use_compile_cache(directory: str | None) -> None:
