@@ -15,7 +15,7 @@
 #     trains at seq 4096 with and without it (llama3-8b with 96, 80, 64, 56, 48, 40 or its
 #     32 layers, tried largest first; OFFLOAD_BIG overrides the list).
 # Writes $OUT/fp8/, $OUT/plan/ (tables at the end of the log: plan_accuracy.json) and
-# $OUT/offload/.
+# $OUT/offload/, and all of it again as $OUT/campaign.tgz.
 # Usage: OUT=dir [BUDGET=seconds] [PARTS="latency fp8_1b plan_1b plan_8b fp8_8b offload"]
 #   [FP8_VARIANTS=none:none,fp8:delayed,fp8:tensorwise] [TOP=5] [SEQS_8B="2048 4096"] bash benchmarks/gpu2_campaign.sh
 set -u
@@ -67,4 +67,7 @@ for path in sorted(glob.glob(f"{out}/*_torch.jsonl")):
 for name, ms, gib in rows:
     print(f"{name:<42} {ms:8.1f} ms {gib:7.2f} GiB")
 PY
+# One archive of everything written, beside the folders: a harness that brings back only a
+# few files, or none from deep folders, still returns every plan and run.
+tar czf "$OUT/campaign.tgz" -C "$OUT" --exclude campaign.tgz . 2>/dev/null
 log "done"
