@@ -213,7 +213,7 @@ def test_tp_collectives_are_those_the_compiled_step_runs(remat):
     # included; the compiled bfloat16 program (what a GPU trains) of the layout (tp over 2
     # devices, dp over 4) has them.
     cfg = Layout(dp=4, tp=2, remat=remat, loop="unrolled").apply(
-        dataclasses.replace(BASE, dtype="bfloat16"))
+        dataclasses.replace(BASE, dtype="bfloat16", layers=2))
     hlo = plan_memory._lowered_step(cfg).compile().as_text()
     layers = model_config(cfg).n_layers
     gathers, scatters = timing.tp_collectives_per_layer(remat)
