@@ -87,8 +87,9 @@ def amax_axes(axes: Sequence[str]) -> Iterator[None]:
 
 def _shared_x_scale(lhs: Any, history: jax.Array) -> jax.Array | None:
     """The x scale of the first delayed-scaling matmul of this trace that read `lhs` (the
-    same array: q and k/v projections of one normed input, an MLP's gate and up), or None
-    when this is the first, whose own history's scale is then recorded for the next ones.
+    same array: q and k/v projections of one normed input, an MLP's gate and up); the first
+    one's is its own history's, recorded here for the next ones. None outside `amax_axes`
+    (each matmul then takes its own history's).
 
     Why: each layer's history records the amax of the same x, so their x scales are equal
     in value; but XLA cannot know it, and with two scales it quantizes x twice (two cast
@@ -101,8 +102,9 @@ def _shared_x_scale(lhs: Any, history: jax.Array) -> jax.Array | None:
     for obj, scale in seen:
         if obj is lhs:
             return scale
-    seen.append((lhs, history_scales(history.astype(jnp.float32))[0]))
-    return None
+    scale = history_scales(history.astype(jnp.float32))[0]
+    seen.append((lhs, scale))
+    return scale
 
 
 def fp8_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any,
