@@ -17,7 +17,10 @@
 # Writes $OUT/fp8/, $OUT/plan/ (tables at the end of the log: plan_accuracy.json) and
 # $OUT/offload/, and all of it again as $OUT/campaign.tgz.
 # Usage: OUT=dir [BUDGET=seconds] [PARTS="latency fp8_1b plan_1b plan_8b fp8_8b offload"]
-#   [FP8_VARIANTS=none:none,fp8:delayed,fp8:tensorwise] [TOP=5] [SEQS_8B="2048 4096"] bash benchmarks/gpu2_campaign.sh
+#   [FP8_VARIANTS=none:none,fp8:delayed,fp8:tensorwise] [TOP=5] [SEQS_8B="2048 4096"]
+#   [REQUIRE_GPU=H200] bash benchmarks/gpu2_campaign.sh
+# REQUIRE_GPU: run nothing (status 3) unless every GPU's name contains it, so a campaign
+# meant for one GPU model costs seconds, not minutes, on another.
 set -u
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1 PYTHONPATH="$PWD"
 OUT=${OUT:-runs/gpu2}; mkdir -p "$OUT"
@@ -27,6 +30,9 @@ T0=$(date +%s)
 left() { echo $(( BUDGET - ($(date +%s) - T0) )); }
 log() { echo "== t=$(( $(date +%s) - T0 ))s $*"; }
 nvidia-smi -L 2>&1 | tee "$OUT/gpus.txt"
+if [ -n "${REQUIRE_GPU:-}" ] && grep -v -q -- "$REQUIRE_GPU" "$OUT/gpus.txt"; then
+  echo "not run: REQUIRE_GPU=$REQUIRE_GPU, and not every GPU above is one"; exit 3
+fi
 for part in ${PARTS:-fp8_1b plan_1b plan_8b fp8_8b offload}; do
   if [ "$(left)" -lt 30 ]; then log "skip $part: the budget is spent"; continue; fi
   log "$part ($(left) s left)"
