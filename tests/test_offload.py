@@ -354,3 +354,16 @@ def test_streamed_init_builds_each_unit_alone_with_the_values_of_tx_init():
         on_device = a.ndim == 2 and "head" in jax.tree_util.keystr(path)
         assert a.sharding.memory_kind == ("device" if on_device else HOST_MEMORY_KIND), path
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_offload_with_a_simulated_failure_is_refused_before_training():
+    # The nonuniform step after a failure updates a device-resident optimizer state: an
+    # offloaded one is refused up front, not mid-run.
+    from gtp_jax.train import train
+    from gtp_jax.train.ntp import SimulatedFailure
+
+    cfg = dataclasses.replace(CFG, offload_optimizer=True, dp=2, gtp=1, tp=4, steps=4)
+    for master in (False, True):
+        with pytest.raises(UsageError, match="offload_optimizer with a SimulatedFailure"):
+            train(dataclasses.replace(cfg, offload_master_weights=master), progress=False,
+                  failure=SimulatedFailure(step=2, devices=(5,)))

@@ -123,6 +123,14 @@ class GTPConfig:
         computation. The arithmetic is unchanged (bit-identical training); device memory
         drops by the state's bytes on backends whose host memory is separate (GPUs; on
         the CPU backend host and device memory are the same RAM).
+      offload_master_weights: with ``offload_optimizer``: the float32 parameters (the
+        master weights) move to host memory with the moments, and the device keeps them in
+        bfloat16: 2 bytes less of device memory per parameter, 4 more each way over the
+        host link per step. The optimizer updates the float32 master exactly as on the
+        device; the forward and backward passes see it rounded to bfloat16 (the usual
+        mixed-precision recipe: a float32-compute run gives other losses than without).
+        Needs float32 parameters, and an optimizer built by
+        `gtp_jax.train.make_nnx_optimizer`, trained by `gtp_jax.train.TrainStep`.
       offload_exclude: with ``offload_optimizer``: regular expressions on parameter paths
         (as `include`) whose optimizer state stays in device memory (partial offload):
         their moments are updated in place with no copy, so each step moves only the
@@ -148,6 +156,7 @@ class GTPConfig:
     fp8_exclude: tuple[str, ...] = DEFAULT_FP8_EXCLUDE
     offload_optimizer: bool = False
     offload_exclude: tuple[str, ...] = ()
+    offload_master_weights: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.axis, str) or not self.axis:
@@ -222,7 +231,7 @@ class GTPConfig:
                 "(steps of amax history of the delayed recipe; 16 is TransformerEngine's "
                 "default).")
         for field in ("prefetch", "remat_gathered", "keep_gathered_layers",
-                      "offload_optimizer"):
+                      "offload_optimizer", "offload_master_weights"):
             if not isinstance(getattr(self, field), bool):
                 raise UsageTypeError(
                     f"GTPConfig.{field}={getattr(self, field)!r} must be True or False.")
@@ -232,6 +241,12 @@ class GTPConfig:
                 "in device memory out of an offloaded one, but offload_optimizer is False "
                 "(all of it is on the device); set offload_optimizer=True or drop "
                 "offload_exclude.")
+
+        if self.offload_master_weights and not self.offload_optimizer:
+            raise UsageError(
+                "GTPConfig.offload_master_weights=True moves the float32 parameters to host "
+                "memory with the optimizer state, but offload_optimizer is False; set "
+                "offload_optimizer=True too, or drop offload_master_weights.")
 
     def alignment(self, axis_size: int) -> int:
         """The multiple that a sharded dimension is padded to on a mesh axis of `axis_size`."""

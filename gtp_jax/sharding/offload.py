@@ -13,6 +13,12 @@ Partial offload: the moments of *resident* parameters (`GTPConfig.offload_exclud
 in device memory and are updated there with no copy; only the others cross, so the
 transfers shrink by the resident share (what spare device memory buys back).
 
+Master weights (`GTPConfig.offload_master_weights`): the float32 parameters move to host
+memory too, as a parameter-shaped part of the streamed state (`with_master_weights`), and
+the device keeps them in bfloat16. Each unit's update runs the optimizer on its float32
+master slice, exactly as an on-device float32 run would, and writes the new master back to
+the host and ``bfloat16(new master)`` into the device parameter.
+
 Streaming needs the optimizer split into a whole-tree part (global-norm clipping: it reads
 every gradient) and a leaf-wise part (AdamW: each output element depends only on the same
 element of the gradient, moments and parameter, and on scalar state such as the step count):
@@ -192,12 +198,72 @@ class StreamableChain(NamedTuple):
       leafwise_part: a transformation whose every output element depends only on the same
         element of its inputs and on scalar state (AdamW, schedules, weight decay); applied
         per unit (a slice of layers of the stacked weights, or other whole weights).
+      master: the leaf-wise part keeps float32 master weights (`with_master_weights`): its
+        state is a `MasterState`, and a parameter's new value is its new master cast to
+        the parameter's dtype, not ``params + updates``.
     """
 
     init: Callable[..., Any]
     update: Callable[..., Any]
     global_part: optax.GradientTransformation
     leafwise_part: optax.GradientTransformation
+    master: bool = False
+
+
+class MasterState(NamedTuple):
+    """The leaf-wise state of a `with_master_weights` optimizer.
+
+    Attributes:
+      master: float32 copies of the parameters (the tree of the parameters): the values
+        the optimizer updates; the model holds them rounded to bfloat16.
+      inner: the wrapped leaf-wise transformation's state, updated on `master`.
+    """
+
+    master: Any
+    inner: Any
+
+
+#: The dtype a `with_master_weights` model keeps its parameters in on the device.
+MASTER_DEVICE_DTYPE = jnp.bfloat16
+
+
+@functools.cache
+def with_master_weights(tx: StreamableChain) -> StreamableChain:
+    """`tx` keeping float32 master weights in its (offloaded) state: its leaf-wise part
+    runs on ``MasterState.master`` instead of the model's parameters, which hold the master
+    rounded to `MASTER_DEVICE_DTYPE`.
+
+    Only an offloaded training step applies it (`streamed_update`, which sets each
+    parameter to its new master cast to the parameter's dtype); the returned chain's
+    ``update`` raises, since ``params + updates`` in bfloat16 would not be the rounded
+    master. Cached: the same `tx` gives the same object (a step program's cache key).
+
+    Raises:
+      UsageError: `tx` keeps master weights already.
+    """
+    if tx.master:
+        raise UsageError("with_master_weights: the optimizer keeps master weights already.")
+    inner = tx.leafwise_part
+
+    def init(params: Any) -> MasterState:
+        master = jax.tree.map(lambda p: jnp.asarray(p, jnp.float32), params)
+        return MasterState(master, inner.init(master))
+
+    def update(updates: Any, state: MasterState, params: Any = None) -> tuple[Any, Any]:
+        del params  # the master is what is optimized (weight decay included)
+        u, new_inner = inner.update(updates, state.inner, state.master)
+        return u, MasterState(optax.apply_updates(state.master, u), new_inner)
+
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise UsageError(
+            "optimizer.update with offloaded master weights "
+            "(GTPConfig.offload_master_weights): the parameters are set from the float32 "
+            "master in host memory by the training step; train with "
+            "gtp_jax.train.TrainStep, or drop offload_master_weights for a loop of one's own.")
+
+    leafwise = optax.GradientTransformation(init, update)
+    chained = optax.chain(tx.global_part, leafwise)
+    return StreamableChain(chained.init, refuse, tx.global_part, leafwise, master=True)
 
 
 def streamable_chain(global_part: optax.GradientTransformation,
@@ -326,7 +392,11 @@ def streamed_update(tx: StreamableChain, grads: Any, opt_state: Any, params: Any
             else others[j] for j in range(len(parts))])
         p_tree = _masked(p_def, p)
         out_u, out_s = tx.leafwise_part.update(_masked(p_def, g), s_tree, p_tree)
-        new_p = p_def.flatten_up_to(optax.apply_updates(p_tree, out_u))
+        if tx.master:  # the parameter is its master, rounded
+            new_p = [None if m is None else m.astype(p_leaf.dtype) for m, p_leaf in
+                     zip(p_def.flatten_up_to(out_s.master), p_cur)]
+        else:
+            new_p = p_def.flatten_up_to(optax.apply_updates(p_tree, out_u))
         out_parts = s_def.flatten_up_to(out_s)
         return new_p, {(j, i): p_def.flatten_up_to(out_parts[j])[i] for j in moment_parts
                        for i in unit_leaves}, out_parts

@@ -640,6 +640,17 @@ def _check_compatible(meta: Mapping[str, Any], flat: Mapping[str, tuple[nnx.Vari
             f"{FORMAT_VERSION}. Restore it with the gtp_jax version that wrote it."
         )
     stored = meta["arrays"]
+    saved_master = _keeps_master(stored)
+    if (any(path.startswith("optimizer/") for path in flat)
+            and saved_master != _keeps_master(flat)):
+        # Restoring across this setting would read bfloat16 parameters as the model and
+        # drop the float32 master (or find none to fill).
+        raise UsageError(
+            f"{where} was saved {'with' if saved_master else 'without'} float32 master weights "
+            f"in the optimizer state (GTPConfig.offload_master_weights={saved_master}), but the "
+            f"target optimizer {'keeps none' if saved_master else 'keeps them'}; restore it "
+            f"with offload_master_weights={saved_master} ("
+            f"{'add' if saved_master else 'drop'} --offload-master-weights).")
     if not any(path.startswith("optimizer/") for path in flat):
         # Restoring a model alone (e.g. for evaluation) skips the saved optimizer state.
         stored = {k: v for k, v in stored.items() if not k.startswith("optimizer/")}
@@ -656,9 +667,12 @@ def _check_compatible(meta: Mapping[str, Any], flat: Mapping[str, tuple[nnx.Vari
         info = array_info(var, value)
         saved = stored[path]
         if saved["dtype"] != info["dtype"]:
+            hint = (" (the run saved its float32 master weights in the optimizer state, "
+                    "GTPConfig.offload_master_weights: restore the model with them)"
+                    if saved_master else "")
             raise UsageError(
                 f"{where}: {path} was saved as {saved['dtype']} but the target is "
-                f"{info['dtype']}; use the same parameter dtype as the saved run."
+                f"{info['dtype']}; use the same parameter dtype as the saved run{hint}."
             )
         if list(saved["logical_shape"]) != info["logical_shape"]:
             raise UsageError(
@@ -676,6 +690,12 @@ def _check_compatible(meta: Mapping[str, Any], flat: Mapping[str, tuple[nnx.Vari
                 f"{where}: {path} is stored as {tuple(old)} and cannot be restored into "
                 f"{tuple(new)} (only GTP padding may differ); the model config differs."
             )
+
+
+def _keeps_master(paths: Any) -> bool:
+    """Whether checkpoint array `paths` hold a `gtp_jax.sharding.offload.MasterState`'s
+    float32 master weights (its ``master`` field in the optimizer state)."""
+    return any(p.startswith("optimizer/") and "/master/" in p for p in paths)
 
 
 def _nest(flat: Mapping[str, Any]) -> dict[str, Any]:

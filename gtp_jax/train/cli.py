@@ -43,6 +43,7 @@ FLAGS = {
     "GTPConfig.pad_for_alignment": "--pad-for-alignment",
     "GTPConfig.offload_optimizer": "--[no-]offload-optimizer",
     "GTPConfig.offload_exclude": "--offload-exclude",
+    "GTPConfig.offload_master_weights": "--offload-master-weights",
     "GTPConfig.fp8_include": "fp8_include (no flag)",
     "GTPConfig.fp8_exclude": "fp8_exclude (no flag)",
     "GTPConfig.fp8_history_len": "fp8_history_len (no flag; 16)",
@@ -59,6 +60,7 @@ FLAGS = {
     "TrainConfig.attention": "--attention",
     "TrainConfig.offload_optimizer": "--[no-]offload-optimizer",
     "TrainConfig.offload_exclude": "--offload-exclude",
+    "TrainConfig.offload_master_weights": "--offload-master-weights",
     "TrainConfig.unroll_layers": "--[no-]unroll-layers",
     "TrainConfig.schedule_steps": "schedule_steps (no flag; kept from the checkpoint)",
     "TrainConfig.init_from_hf": "--init-from-hf", "TrainConfig.export_hf": "--export-hf",
@@ -227,6 +229,10 @@ def _parser() -> argparse.ArgumentParser:
                        help="with --offload-optimizer: parameters (regular expressions on "
                        "paths such as blocks/mlp/down/kernel) whose optimizer state stays "
                        "on the device, so fewer bytes cross each step")
+    train.add_argument("--offload-master-weights", action="store_true",
+                       help="with --offload-optimizer: the float32 parameters in host memory "
+                       "too, bfloat16 ones on the devices (2 bytes less device memory per "
+                       "parameter, 4 more each way over the host link per step)")
     train.add_argument("--plan", choices=("off", "auto"), default="off",
                        help="auto: plan the layout (mesh sizes, remat, layer loop, offload; "
                        "the ones given as flags stay fixed), print it and train with the "
@@ -446,6 +452,11 @@ def main(argv: list[str] | None = None, *, planner: Planner | None = None) -> in
         print("error: --offload-exclude with --plan auto: the planner chooses which optimizer "
               "state stays on the device; drop one of them.", file=sys.stderr)
         return 2
+    if args.offload_master_weights and args.plan == "auto":
+        print("error: --offload-master-weights with --plan auto: the planner does not plan "
+              "master-weight offload; choose the layout's flags yourself, or drop it.",
+              file=sys.stderr)
+        return 2
     sizes = _mesh_sizes(args)
     for name, size in sizes.items():  # before any default is derived from them
         if size is not None and size < 1:
@@ -544,6 +555,7 @@ def _run(args: argparse.Namespace, sizes: dict[str, int | None], cpu_sizes: dict
                           eval_every=args.eval_every, eval_batches=args.eval_batches,
                           offload_optimizer=bool(args.offload_optimizer),
                           offload_exclude=tuple(args.offload_exclude),
+                          offload_master_weights=bool(args.offload_master_weights),
                           weight_decay=args.weight_decay, lr_schedule=args.lr_schedule,
                           decay_steps=args.decay_steps, clip_grad_norm=args.clip_grad_norm,
                           adam_b1=args.adam_b1, adam_b2=args.adam_b2, adam_eps=args.adam_eps,

@@ -96,6 +96,9 @@ class TrainConfig:
       offload_optimizer: `GTPConfig.offload_optimizer` (optimizer state in host memory).
       offload_exclude: `GTPConfig.offload_exclude` (regular expressions on parameter paths,
         e.g. ``"blocks/mlp/down"``, whose optimizer state stays on the device).
+      offload_master_weights: `GTPConfig.offload_master_weights` (with
+        ``offload_optimizer``: the float32 parameters in host memory too, bfloat16 ones on
+        the device).
       overlap: ring collective matmuls for the tp GEMMs (`TransformerConfig.tp_overlap`).
       moe_experts: experts per MoE layer (0: dense MLP); `moe_top_k`, `moe_capacity_factor`
         (None: dropless) as in `TransformerConfig`.
@@ -151,6 +154,7 @@ class TrainConfig:
     prefetch: bool = False
     offload_optimizer: bool = False
     offload_exclude: tuple[str, ...] = ()
+    offload_master_weights: bool = False
     overlap: bool = False
     moe_experts: int = 0
     moe_top_k: int = 2
@@ -199,7 +203,7 @@ class TrainConfig:
             if getattr(self, name) not in allowed:
                 raise UsageError(f"TrainConfig.{name}={getattr(self, name)!r}: use one of "
                                  f"{list(allowed)}.")
-        for name in ("prefetch", "overlap", "offload_optimizer"):
+        for name in ("prefetch", "overlap", "offload_optimizer", "offload_master_weights"):
             if not isinstance(getattr(self, name), bool):
                 raise UsageTypeError(f"TrainConfig.{name}={getattr(self, name)!r} must be a bool.")
         exclude = self.offload_exclude
@@ -213,6 +217,11 @@ class TrainConfig:
                              "TrainConfig.offload_optimizer (it keeps some of an offloaded "
                              "optimizer state on the device); set it or drop "
                              "TrainConfig.offload_exclude.")
+        if self.offload_master_weights and not self.offload_optimizer:
+            raise UsageError("TrainConfig.offload_master_weights moves the float32 parameters "
+                             "to host memory with the optimizer state; it needs "
+                             "TrainConfig.offload_optimizer: set it or drop "
+                             "TrainConfig.offload_master_weights.")
         if self.unroll_layers is not None and not isinstance(self.unroll_layers, bool):
             raise UsageTypeError(f"TrainConfig.unroll_layers={self.unroll_layers!r} must be "
                                  "True, False or None (unrolled unless remat 'full').")
@@ -376,7 +385,9 @@ def gtp_config(cfg: TrainConfig) -> GTPConfig:
     return GTPConfig(gather_dtype=cfg.gather_dtype, pad_for_alignment=cfg.pad_for_alignment,
                      gather_format=cfg.gather_format, prefetch=cfg.prefetch,
                      offload_optimizer=cfg.offload_optimizer,
-                     offload_exclude=cfg.offload_exclude, fp8_compute=cfg.fp8_compute,
+                     offload_exclude=cfg.offload_exclude,
+                     offload_master_weights=cfg.offload_master_weights,
+                     fp8_compute=cfg.fp8_compute,
                      **({} if cfg.fp8_min_features is None
                         else {"fp8_min_features": cfg.fp8_min_features}))
 
@@ -403,6 +414,8 @@ def describe_choices(cfg: TrainConfig, model_cfg: TransformerConfig) -> str:
     offload = ", optimizer state in host memory" if cfg.offload_optimizer else ""
     if cfg.offload_exclude:
         offload += f" (but {', '.join(cfg.offload_exclude)})"
+    if cfg.offload_master_weights:
+        offload += ", float32 master weights too (bfloat16 on the device)"
     fp8 = ""
     if cfg.fp8_compute is not None:
         emulated = "" if jax.default_backend() == "gpu" else ", emulated on this backend"

@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -129,6 +130,11 @@ def train(cfg: TrainConfig, *, on_step: OnStep | None = None,
     if cfg.grad_accum > 1 and failure is not None:
         raise UsageError("TrainConfig.grad_accum with a SimulatedFailure: the nonuniform step "
                          "does not accumulate microbatches; use grad_accum=1.")
+    if cfg.offload_optimizer and failure is not None:
+        # The nonuniform step updates a device-resident state with its own program.
+        raise UsageError("TrainConfig.offload_optimizer with a SimulatedFailure: the "
+                         "nonuniform step keeps the optimizer state in device memory; drop "
+                         "one of them.")
     if cfg.eval_every and failure is not None:
         raise UsageError("TrainConfig.eval_every with a SimulatedFailure: the held-out loss is "
                          "not computed on the nonuniform layout; drop one of them.")
@@ -188,12 +194,14 @@ def replicated_bytes(model: nnx.Module, cfg: TrainConfig) -> tuple[int, int]:
     """Bytes of the parameters, and of parameters plus optimizer state, without sharding:
     from the logical (unpadded, unsplit) shapes `gtp_jax.shard` records on the sharded
     weights, and the optimizer's state for those shapes (``jax.eval_shape``: nothing is
-    allocated)."""
+    allocated). With `TrainConfig.offload_master_weights` the parameters count as the
+    float32 ones a run without it holds."""
     params = {}
     for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
         value = var.get_value()
         shape = var.get_metadata().get(LOGICAL_SHAPE, value.shape)
-        params[path] = jax.ShapeDtypeStruct(tuple(shape), value.dtype)
+        dtype = jnp.float32 if cfg.offload_master_weights else value.dtype
+        params[path] = jax.ShapeDtypeStruct(tuple(shape), dtype)
     param_bytes = _tree_bytes(params)
     return param_bytes, param_bytes + _tree_bytes(jax.eval_shape(make_optimizer(cfg).init,
                                                                  params))

@@ -26,7 +26,7 @@ from gtp_jax.base.errors import UsageError, UsageTypeError
 from gtp_jax.base.metadata import STACKED
 from gtp_jax.base.xla_flags import pinned_pool_bytes, pinned_pool_problem
 from gtp_jax.models import Transformer
-from gtp_jax.sharding.offload import DEFAULT_GROUP_LAYERS, stream_units
+from gtp_jax.sharding.offload import DEFAULT_GROUP_LAYERS, MASTER_DEVICE_DTYPE, stream_units
 from gtp_jax.train import host_memory, observe
 from gtp_jax.train.config import TrainConfig, model_config, resolve_auto
 from gtp_jax.train.observe import DeviceMemoryError
@@ -57,7 +57,9 @@ def memory_bound(cfg: TrainConfig) -> dict[str, int]:
     it is updated (the step holds up to about four units at once when its copies overlap
     the updates; the bound counts the one it cannot do without). Moments kept on the
     device (`TrainConfig.offload_exclude`, `resident_params`) count in full, beside the
-    parameters, and belong to no unit.
+    parameters, and belong to no unit. With `TrainConfig.offload_master_weights` the
+    device's parameters are bfloat16 (the gradients stay float32) and every unit, and every
+    resident parameter, carries its float32 master beside its moments.
 
     Returns:
       ``{"params", "optimizer", "grads", "activations", "total"}`` in bytes.
@@ -67,39 +69,52 @@ def memory_bound(cfg: TrainConfig) -> dict[str, int]:
     p_item = np.dtype(mc.param_dtype).itemsize
     a_item = np.dtype(mc.dtype).itemsize
     shards = cfg.gtp * cfg.tp * cfg.ep
-    params = mc.num_params() * p_item // shards
+    grads = mc.num_params() * p_item // shards
+    params = grads
     optimizer = 2 * params
     kept = 0
-    if cfg.offload_optimizer:  # at least the unit being updated: its moments
+    if cfg.offload_optimizer:  # at least the unit being updated: its moments (and master)
+        if cfg.offload_master_weights:
+            params = mc.num_params() * np.dtype(MASTER_DEVICE_DTYPE).itemsize // shards
         kept = _kept_bytes(cfg)
-        unit = 2 * _largest_unit(mc, cfg.offload_exclude) * p_item // shards
+        unit = _state_parts(cfg) * _largest_unit(mc, cfg.offload_exclude) * p_item // shards
         optimizer = kept + unit
     tokens = (cfg.batch_size // cfg.grad_accum) * cfg.seq_len // (
         cfg.dp * cfg.ep * cfg.gtp * cfg.cp)
     activations = tokens * (mc.n_layers * mc.d_model + mc.vocab_size) * a_item // cfg.tp
     if cfg.offload_optimizer:
-        total = params + kept + max(params, activations, unit)
+        total = params + kept + max(grads, activations, unit)
     else:
         total = params + optimizer + max(params, activations)
-    return {"params": params, "optimizer": optimizer, "grads": params,
+    return {"params": params, "optimizer": optimizer, "grads": grads,
             "activations": activations, "total": total}
 
 
 def pinned_host_bound(cfg: TrainConfig) -> int:
     """A lower bound of the pinned host bytes per device the run holds: with
     ``offload_optimizer``, AdamW's two moments per device as the on-device `memory_bound`
-    counts them (padding only adds); 0 without offload."""
+    counts them (padding only adds), and the float32 parameters with
+    ``offload_master_weights``; 0 without offload."""
     if not cfg.offload_optimizer:
         return 0
-    on_device = dataclasses.replace(cfg, offload_optimizer=False, offload_exclude=())
-    return memory_bound(on_device)["optimizer"] - _kept_bytes(resolve_auto(cfg))
+    on_device = dataclasses.replace(cfg, offload_optimizer=False, offload_exclude=(),
+                                    offload_master_weights=False)
+    bound = memory_bound(on_device)
+    moved = bound["optimizer"] * _state_parts(cfg) // 2
+    return moved - _kept_bytes(resolve_auto(cfg))
+
+
+def _state_parts(cfg: TrainConfig) -> int:
+    """Parameter-shaped float32 arrays an offloaded step streams per parameter: AdamW's two
+    moments, and the master weights with ``offload_master_weights``."""
+    return 3 if cfg.offload_master_weights else 2
 
 
 def _kept_bytes(cfg: TrainConfig) -> int:
-    """Bytes per device of the moments a resolved offloaded `cfg` keeps on the device
-    (`resident_params`, split like the parameters over ``gtp * tp * ep``)."""
+    """Bytes per device of the moments (and masters) a resolved offloaded `cfg` keeps on
+    the device (`resident_params`, split like the parameters over ``gtp * tp * ep``)."""
     p_item = np.dtype(model_config(cfg).param_dtype).itemsize
-    return 2 * resident_params(cfg) * p_item // (cfg.gtp * cfg.tp * cfg.ep)
+    return _state_parts(cfg) * resident_params(cfg) * p_item // (cfg.gtp * cfg.tp * cfg.ep)
 
 
 def resident_params(cfg: TrainConfig) -> int:

@@ -41,6 +41,7 @@ from gtp_jax.sharding.fp8_update import (
 from gtp_jax.sharding.module import ShardedModule
 from gtp_jax.sharding.offload import (
     DEFAULT_GROUP_LAYERS,
+    MASTER_DEVICE_DTYPE,
     StreamableChain,
     init_on_host,
     init_streamed_on_host,
@@ -49,6 +50,7 @@ from gtp_jax.sharding.offload import (
     streamed_update,
     to_device,
     to_host,
+    with_master_weights,
 )
 from gtp_jax.train.optim import current_lr
 
@@ -118,6 +120,7 @@ class TrainStep:
             raise UsageTypeError(f"TrainStep: loss_fn={loss_fn!r} must be callable "
                                  "(loss_fn(model, batch) -> scalar).")
         check_optimizer_of(model, optimizer)
+        _check_master_weights(model, optimizer)
         offload = offloads_optimizer(model)
         resident: frozenset[tuple[Any, ...]] = frozenset()
         if offload:  # validated before any placement
@@ -211,6 +214,31 @@ def offloads_optimizer(model: nnx.Module) -> bool:
     return bool(getattr(config, "offload_optimizer", False))
 
 
+def offloads_master_weights(model: nnx.Module) -> bool:
+    """Whether `model` is sharded with ``GTPConfig(offload_master_weights=True)``: its
+    float32 parameters live in host memory in the optimizer state, and the model holds
+    them in bfloat16 (`gtp_jax.sharding.offload.with_master_weights`)."""
+    config = getattr(model, "config", None)
+    return bool(getattr(config, "offload_master_weights", False))
+
+
+def _check_master_weights(model: nnx.Module, optimizer: nnx.Optimizer) -> None:
+    """Refuses a model and optimizer that disagree on master weights: one sharded with
+    ``offload_master_weights`` needs the optimizer `make_nnx_optimizer` builds for it (a
+    plain ``nnx.Optimizer`` would update the bfloat16 parameters themselves)."""
+    tx = getattr(optimizer, "tx", None)
+    keeps = isinstance(tx, StreamableChain) and tx.master
+    if offloads_master_weights(model) and not keeps:
+        raise UsageError(
+            "TrainStep: the model is sharded with GTPConfig(offload_master_weights=True) but "
+            "its optimizer keeps no master weights; build it with "
+            "gtp_jax.train.make_nnx_optimizer(model, tx), tx from gtp_jax.train.make_optimizer.")
+    if keeps and not offloads_master_weights(model):
+        raise UsageError(
+            "TrainStep: the optimizer keeps master weights but the model is not sharded with "
+            "GTPConfig(offload_master_weights=True); build both from the same config.")
+
+
 def resident_paths(model: nnx.Module, wrt: Any = nnx.Param) -> frozenset[tuple[Any, ...]]:
     """Paths (in ``nnx.state(model, wrt)``) of the parameters whose optimizer state stays in
     device memory when it is offloaded: those whose ``/``-joined path (below a
@@ -260,10 +288,37 @@ def make_nnx_optimizer(model: nnx.Module, tx: optax.GradientTransformation, *,
     (`gtp_jax.sharding.offload.init_on_host`: the device may hold the whole state while it
     runs). The step count (a scalar) is replicated on the model's mesh in host memory too.
     Same values, same object (``optimizer.tx is tx``): a `TrainStep` of it shares programs
-    with others."""
+    with others.
+
+    With ``GTPConfig(offload_master_weights=True)`` (`offloads_master_weights`) the
+    optimizer is ``with_master_weights(tx)`` (``optimizer.tx``, the same object for the same
+    `tx`): its state holds a float32 copy of every parameter, built in host memory with the
+    moments, and then the model's parameters are cast to bfloat16 in place (the model is
+    changed: its float32 values live on in the optimizer's state).
+
+    Raises:
+      UsageError: master weights with a `tx` that is not a `streamable_chain`, or with a
+        parameter that is not float32 (nothing to keep a master of).
+    """
     if not offloads_optimizer(model):
         return nnx.Optimizer(model, tx, wrt=wrt)
     resident = resident_paths(model, wrt)
+    master = offloads_master_weights(model)
+    if master:  # validated before anything is built or cast
+        if not isinstance(tx, StreamableChain):
+            raise UsageError(
+                "make_nnx_optimizer: GTPConfig(offload_master_weights=True) streams the master "
+                f"weights with the optimizer state, which needs a streamable chain; tx is "
+                f"{type(tx).__name__}. Build it with gtp_jax.train.make_optimizer (or "
+                "gtp_jax.sharding.offload.streamable_chain(clip, adamw)).")
+        for path, var in nnx.to_flat_state(nnx.state(model, wrt)):
+            dtype = jnp.dtype(var.get_value().dtype)
+            if dtype != jnp.float32:
+                raise UsageError(
+                    f"make_nnx_optimizer: GTPConfig(offload_master_weights=True) keeps float32 "
+                    f"master weights, but parameter {'/'.join(map(str, path))} is {dtype}; use "
+                    "float32 parameters (param_dtype) or drop offload_master_weights.")
+        tx = with_master_weights(tx)
 
     def host_init(state: nnx.State) -> Any:
         # optax sees the same tree nnx.Optimizer would give it (Variables keep their
@@ -284,6 +339,9 @@ def make_nnx_optimizer(model: nnx.Module, tx: optax.GradientTransformation, *,
                 if isinstance(getattr(x, "sharding", None), jax.sharding.NamedSharding))
     replicate_stray_leaves(optimizer, mesh)
     nnx.update(optimizer, map_opt_state(nnx.state(optimizer), place_on_host, keep=resident))
+    if master:  # the float32 values are in the state now: the device keeps them rounded
+        nnx.update(model, jax.tree.map(lambda x: x.astype(MASTER_DEVICE_DTYPE),
+                                       nnx.state(model, wrt)))
     return optimizer
 
 
@@ -352,6 +410,14 @@ def _program(graphdef: Any, loss_fn: Callable[..., jax.Array], grad_norm: bool,
         state_before = jax.tree.leaves(state)
         uses = None
         model, optimizer = nnx.merge(graphdef, state)
+        stored = None
+        if isinstance(optimizer.tx, StreamableChain) and optimizer.tx.master:
+            # Differentiated as float32 values (the bfloat16 ones, exactly): the gradients,
+            # their reduction and the global norm stay float32, as without master weights.
+            # The update then sets the bfloat16 parameters (no float32 copy outlives the
+            # backward pass).
+            stored = nnx.as_pure(nnx.state(model, optimizer.wrt))
+            nnx.update(model, jax.tree.map(lambda x: x.astype(jnp.float32), stored))
         if not _has_history(model):
             if grad_accum == 1:
                 loss, grads = nnx.value_and_grad(loss_fn)(model, batch)
@@ -364,6 +430,8 @@ def _program(graphdef: Any, loss_fn: Callable[..., jax.Array], grad_norm: bool,
             loss, grads, history = _grads_and_history(model, loss_fn, batch, grad_accum)
             uses = history_uses(history, layer_prefix(model))
             nnx.update(model, next_fp8_history(nnx.state(model, Fp8History), history))
+        if stored is not None:
+            nnx.update(model, stored)
         if offload and isinstance(optimizer.tx, StreamableChain):
             _streamed_optimizer_update(model, optimizer, grads, offload)
         elif offload:  # the whole state to the device and back (any optax optimizer)

@@ -1,0 +1,223 @@
+"""Master weights in host memory (`GTPConfig.offload_master_weights`): the float32
+parameters travel with the offloaded optimizer state, the device holds them in bfloat16.
+
+The reference is the same sharded model trained on the device by the textbook
+mixed-precision recipe, written out here: AdamW updates a float32 master, and the forward
+and backward passes see the master rounded to bfloat16 (held in float32 parameters). The
+offloaded step must give the same losses, master, moments and (rounded) parameters bit
+for bit: the arithmetic is the same, only where the values live differs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from helpers import cli_env
+
+import gtp_jax
+from gtp_jax.base.errors import UsageError
+from gtp_jax.models import lm_loss
+from gtp_jax.sharding.offload import (
+    HOST_MEMORY_KIND,
+    MasterState,
+    StreamableChain,
+    host_bytes_per_device,
+    with_master_weights,
+)
+from gtp_jax.train import TrainConfig
+from gtp_jax.train.checkpoint import CheckpointConfig, Checkpointer
+from gtp_jax.train.config import make_optimizer
+from gtp_jax.train.loop import build_model_and_optimizer
+from gtp_jax.train.memory import memory_bound, pinned_host_bound
+from gtp_jax.train.step import TrainStep, make_nnx_optimizer
+
+CFG = TrainConfig(preset="tiny", batch_size=8, seq_len=32, dp=2, gtp=4, steps=3, warmup=1,
+                  offload_optimizer=True, offload_master_weights=True)
+LOSS = functools.partial(lm_loss, aux_weight=0.0)
+BF16 = jnp.bfloat16
+
+
+def _batches(cfg: TrainConfig) -> list[np.ndarray]:
+    rng = np.random.default_rng(0)
+    return [rng.integers(0, 256, (cfg.batch_size, cfg.seq_len + 1), dtype=np.int32)
+            for _ in range(cfg.steps)]
+
+
+def _rounded(x: jax.Array) -> jax.Array:
+    return x.astype(BF16).astype(x.dtype)
+
+
+def _reference_tx(tx: StreamableChain) -> optax.GradientTransformation:
+    """`tx` on a float32 master kept in the state; the float32 parameters are set to the
+    new master rounded to bfloat16 (an exact difference: both are bfloat16 values)."""
+
+    def init(params):
+        return tx.init(params), params
+
+    def update(grads, state, params):
+        inner, master = state
+        u, inner = tx.update(grads, inner, master)
+        master = optax.apply_updates(master, u)
+        return jax.tree.map(lambda m, p: _rounded(m) - p, master, params), (inner, master)
+
+    return optax.GradientTransformation(init, update)
+
+
+def _reference(cfg: TrainConfig) -> tuple[list[float], nnx.Module, nnx.Optimizer]:
+    on_device = dataclasses.replace(cfg, offload_optimizer=False, offload_master_weights=False)
+    model, _ = build_model_and_optimizer(on_device)
+    optimizer = nnx.Optimizer(model, _reference_tx(make_optimizer(on_device)), wrt=nnx.Param)
+    nnx.update(model, jax.tree.map(_rounded, nnx.state(model, nnx.Param)))
+    step = TrainStep(model, optimizer, LOSS)
+    losses = [float(step(tokens)["loss"]) for tokens in _batches(cfg)]
+    step.sync()
+    return losses, model, optimizer
+
+
+def _flat(state: nnx.State) -> dict[str, np.ndarray]:
+    return {"/".join(map(str, p)): np.asarray(v.get_value())
+            for p, v in nnx.to_flat_state(state)}
+
+
+def _master_of(optimizer: nnx.Optimizer) -> MasterState:
+    (_, leaf_state) = optimizer.opt_state
+    assert isinstance(leaf_state, MasterState)
+    return leaf_state
+
+
+def test_master_weights_offloaded_train_bit_identically_to_the_mixed_precision_reference():
+    ref_losses, ref_model, ref_opt = _reference(CFG)
+    model, optimizer = build_model_and_optimizer(CFG)
+    assert optimizer.tx is with_master_weights(make_optimizer(CFG))
+    step = TrainStep(model, optimizer, LOSS)
+    losses = [float(step(tokens)["loss"]) for tokens in _batches(CFG)]
+    step.sync()
+
+    assert losses == ref_losses
+    assert step.traces == 1  # the parameters stay bfloat16 from step to step
+    # The device holds bfloat16 parameters, the host the float32 master and the moments.
+    params = nnx.state(model, nnx.Param)
+    assert {x.dtype for x in jax.tree.leaves(params)} == {jnp.dtype(BF16)}
+    assert {x.sharding.memory_kind for x in jax.tree.leaves(params)} == {"device"}
+    state = _master_of(optimizer)
+    assert {x.sharding.memory_kind for x in jax.tree.leaves(state)} == {HOST_MEMORY_KIND}
+    ref_params = _flat(nnx.state(ref_model, nnx.Param))
+    ref_inner, ref_master = ref_opt.opt_state
+    masters = _flat(nnx.state(state.master))
+    assert masters.keys() == _flat(nnx.state(ref_master)).keys() == ref_params.keys()
+    for path, want in _flat(nnx.state(ref_master)).items():
+        assert masters[path].dtype == np.float32
+        np.testing.assert_array_equal(masters[path], want, err_msg=path)
+    for path, value in _flat(params).items():
+        np.testing.assert_array_equal(value.astype(np.float32), ref_params[path], err_msg=path)
+    # AdamW's moments and counts: those of the reference's inner state.
+    moments = [np.asarray(x) for x in jax.tree.leaves(nnx.state(state.inner))]
+    ref_moments = [np.asarray(x) for x in jax.tree.leaves(nnx.state(ref_inner[1]))]
+    assert len(moments) == len(ref_moments)
+    for a, b in zip(moments, ref_moments):
+        np.testing.assert_array_equal(a, b)
+    # Training moved the master off its rounded value: bfloat16 parameters alone would
+    # have lost these updates.
+    assert any(not np.array_equal(m, _rounded(jnp.asarray(m))) for m in masters.values())
+
+
+def test_master_weights_halve_the_parameters_and_add_them_to_the_host():
+    without = dataclasses.replace(CFG, offload_master_weights=False)
+    bound, base = memory_bound(CFG), memory_bound(without)
+    assert bound["params"] * 2 == base["params"]
+    assert bound["grads"] == base["grads"]  # float32 gradients, as without
+    assert pinned_host_bound(CFG) * 2 == pinned_host_bound(without) * 3
+    # What the built state holds in host memory: the moments and the float32 parameters.
+    model, optimizer = build_model_and_optimizer(CFG)
+    state = nnx.state(optimizer, nnx.OptState)
+    leaves = [v.get_value() for _, v in nnx.to_flat_state(state)]
+    abstract = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves]
+    host = host_bytes_per_device(abstract, [x.sharding for x in leaves])
+    device_params = sum(x.addressable_shards[0].data.nbytes
+                        for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    # Each device's bfloat16 shards are half its float32 shards; the host holds three
+    # float32 arrays per parameter (master, two moments) and a few scalars.
+    assert 6 * device_params <= host <= 6 * device_params + 64
+
+
+def test_master_weights_are_refused_where_they_cannot_work():
+    with pytest.raises(UsageError, match="offload_optimizer"):
+        gtp_jax.GTPConfig(offload_master_weights=True)
+    with pytest.raises(UsageError, match="offload_optimizer"):
+        dataclasses.replace(CFG, offload_optimizer=False)
+
+    model, _ = build_model_and_optimizer(dataclasses.replace(CFG, offload_master_weights=False))
+    mesh = next(iter(jax.tree.leaves(nnx.state(model, nnx.Param)))).sharding.mesh
+
+    def master_model():
+        from gtp_jax.models import Transformer
+        from gtp_jax.train.config import gtp_config, model_config
+        return gtp_jax.shard_init(
+            lambda: Transformer(model_config(CFG), rngs=nnx.Rngs(0)), mesh, gtp_config(CFG))
+
+    # An optimizer that cannot stream the master: refused before anything is cast.
+    fresh = master_model()
+    with pytest.raises(UsageError, match="streamable chain"):
+        make_nnx_optimizer(fresh, optax.adamw(1e-3), wrt=nnx.Param)
+    assert {x.dtype for x in jax.tree.leaves(nnx.state(fresh, nnx.Param))} == {
+        jnp.dtype(jnp.float32)}
+    # A plain nnx.Optimizer would update the bfloat16 parameters themselves.
+    with pytest.raises(UsageError, match="make_nnx_optimizer"):
+        TrainStep(fresh, nnx.Optimizer(fresh, make_optimizer(CFG), wrt=nnx.Param), LOSS)
+    # Nothing to keep a master of: parameters already in bfloat16.
+    nnx.update(fresh, jax.tree.map(lambda x: x.astype(BF16), nnx.state(fresh, nnx.Param)))
+    with pytest.raises(UsageError, match="float32 parameters"):
+        make_nnx_optimizer(fresh, make_optimizer(CFG), wrt=nnx.Param)
+    # A loop of one's own would add bfloat16 updates to bfloat16 parameters.
+    model, optimizer = build_model_and_optimizer(CFG)
+    grads = jax.tree.map(jnp.zeros_like, nnx.state(model, nnx.Param))
+    with pytest.raises(UsageError, match="TrainStep"):
+        optimizer.update(model, grads)
+
+
+def test_a_checkpoint_restores_only_into_the_same_master_weight_setting(tmp_path):
+    model, optimizer = build_model_and_optimizer(CFG)
+    step = TrainStep(model, optimizer, LOSS)
+    step(_batches(CFG)[0])
+    step.sync()
+    saved = _flat(nnx.state((model, optimizer)))
+    with Checkpointer(CheckpointConfig(str(tmp_path / "master"), async_save=False)) as ckpt:
+        ckpt.save(1, model, optimizer)
+        fresh = build_model_and_optimizer(CFG)
+        ckpt.restore(*fresh)
+        for path, value in _flat(nnx.state(fresh)).items():
+            np.testing.assert_array_equal(value, saved[path], err_msg=path)
+        # Without master weights the bfloat16 parameters would be read as the model and
+        # the float32 master dropped: refused, naming the setting.
+        other = build_model_and_optimizer(dataclasses.replace(CFG, offload_master_weights=False))
+        before = _flat(nnx.state(other))
+        with pytest.raises(UsageError, match="offload_master_weights"):
+            ckpt.restore(*other)
+        for path, value in _flat(nnx.state(other)).items():
+            np.testing.assert_array_equal(value, before[path], err_msg=path)
+    # And the other way round.
+    plain = build_model_and_optimizer(dataclasses.replace(CFG, offload_master_weights=False))
+    with Checkpointer(CheckpointConfig(str(tmp_path / "plain"), async_save=False)) as ckpt:
+        ckpt.save(1, *plain)
+        with pytest.raises(UsageError, match="offload_master_weights"):
+            ckpt.restore(*build_model_and_optimizer(CFG))
+
+
+def test_cli_needs_optimizer_offload_for_master_weights():
+    base = [sys.executable, "-m", "gtp_jax", "train", "--steps", "1"]
+    for extra, needle in ((["--offload-master-weights"], "offload-optimizer"),
+                          (["--offload-master-weights", "--offload-optimizer", "--plan",
+                            "auto"], "--plan auto")):
+        proc = subprocess.run(base + extra, capture_output=True, text=True, timeout=300,
+                              env=cli_env())
+        assert proc.returncode == 2, proc.stderr[-2000:]
+        assert needle in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]
