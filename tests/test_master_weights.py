@@ -1,11 +1,12 @@
 """Master weights in host memory (`GTPConfig.offload_master_weights`): the float32
-parameters travel with the offloaded optimizer state, the device holds them in bfloat16.
+parameters travel with the offloaded optimizer state, the device holds them (and their
+gradients) in bfloat16.
 
-The reference is the same sharded model trained on the device by the textbook
-mixed-precision recipe, written out here: AdamW updates a float32 master, and the forward
-and backward passes see the master rounded to bfloat16 (held in float32 parameters). The
-offloaded step must give the same losses, master, moments and (rounded) parameters bit
-for bit: the arithmetic is the same, only where the values live differs.
+The reference is the same sharded model trained on the device by that mixed-precision
+recipe, written out here: bfloat16 parameters and gradients on the device, AdamW updating
+a float32 master kept beside them, the parameters set to the new master rounded to
+bfloat16. The offloaded step must give the same losses, master, moments and parameters
+bit for bit: the arithmetic is the same, only where the values live differs.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from helpers import cli_env
 import gtp_jax
 from gtp_jax.base.errors import UsageError
 from gtp_jax.models import lm_loss
+from gtp_jax.sharding.module import hold_params_in
 from gtp_jax.sharding.offload import (
     HOST_MEMORY_KIND,
     MasterState,
@@ -57,17 +59,19 @@ def _rounded(x: jax.Array) -> jax.Array:
 
 
 def _reference_tx(tx: StreamableChain) -> optax.GradientTransformation:
-    """`tx` on a float32 master kept in the state; the float32 parameters are set to the
-    new master rounded to bfloat16 (an exact difference: both are bfloat16 values)."""
+    """`tx` on a float32 master kept in the state; the bfloat16 parameters are set to the
+    new master rounded to bfloat16 (a float32 update ``rounded - p``: both are bfloat16
+    values, so the difference and ``p + update`` are exact in float32)."""
 
     def init(params):
-        return tx.init(params), params
+        return tx.init(params), jax.tree.map(lambda p: p.astype(jnp.float32), params)
 
     def update(grads, state, params):
         inner, master = state
         u, inner = tx.update(grads, inner, master)
         master = optax.apply_updates(master, u)
-        return jax.tree.map(lambda m, p: _rounded(m) - p, master, params), (inner, master)
+        return (jax.tree.map(lambda m, p: _rounded(m) - p.astype(m.dtype), master, params),
+                (inner, master))
 
     return optax.GradientTransformation(init, update)
 
@@ -76,7 +80,7 @@ def _reference(cfg: TrainConfig) -> tuple[list[float], nnx.Module, nnx.Optimizer
     on_device = dataclasses.replace(cfg, offload_optimizer=False, offload_master_weights=False)
     model, _ = build_model_and_optimizer(on_device)
     optimizer = nnx.Optimizer(model, _reference_tx(make_optimizer(on_device)), wrt=nnx.Param)
-    nnx.update(model, jax.tree.map(_rounded, nnx.state(model, nnx.Param)))
+    hold_params_in(model, BF16)
     step = TrainStep(model, optimizer, LOSS)
     losses = [float(step(tokens)["loss"]) for tokens in _batches(cfg)]
     step.sync()
@@ -118,13 +122,18 @@ def test_master_weights_offloaded_train_bit_identically_to_the_mixed_precision_r
         assert masters[path].dtype == np.float32
         np.testing.assert_array_equal(masters[path], want, err_msg=path)
     for path, value in _flat(params).items():
-        np.testing.assert_array_equal(value.astype(np.float32), ref_params[path], err_msg=path)
+        assert value.dtype == ref_params[path].dtype
+        np.testing.assert_array_equal(value, ref_params[path], err_msg=path)
     # AdamW's moments and counts: those of the reference's inner state.
     moments = [np.asarray(x) for x in jax.tree.leaves(nnx.state(state.inner))]
     ref_moments = [np.asarray(x) for x in jax.tree.leaves(nnx.state(ref_inner[1]))]
     assert len(moments) == len(ref_moments)
     for a, b in zip(moments, ref_moments):
         np.testing.assert_array_equal(a, b)
+    # Every gradient is bfloat16 (the GTP-sharded ones reduced in float32 first), none
+    # float32: the device never holds a float32 gradient tree.
+    grads = nnx.grad(LOSS)(model, _batches(CFG)[0])
+    assert {x.dtype for x in jax.tree.leaves(grads)} == {jnp.dtype(BF16)}
     # Training moved the master off its rounded value: bfloat16 parameters alone would
     # have lost these updates.
     assert any(not np.array_equal(m, _rounded(jnp.asarray(m))) for m in masters.values())
@@ -134,7 +143,7 @@ def test_master_weights_halve_the_parameters_and_add_them_to_the_host():
     without = dataclasses.replace(CFG, offload_master_weights=False)
     bound, base = memory_bound(CFG), memory_bound(without)
     assert bound["params"] * 2 == base["params"]
-    assert bound["grads"] == base["grads"]  # float32 gradients, as without
+    assert bound["grads"] * 2 == base["grads"]  # bfloat16 gradients
     assert pinned_host_bound(CFG) * 2 == pinned_host_bound(without) * 3
     # What the built state holds in host memory: the moments and the float32 parameters.
     model, optimizer = build_model_and_optimizer(CFG)

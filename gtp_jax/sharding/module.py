@@ -567,6 +567,29 @@ def assemble(placement: Placement, values: Sequence[Any]) -> ShardedModule:
                                                placement.config, placement.mesh))
 
 
+def hold_params_in(model: ShardedModule, dtype: Any, wrt: Any = nnx.Param) -> None:
+    """Casts `model`'s floating-point `wrt` variables to `dtype` in place, one at a time
+    (the device holds at most one variable twice), and records `dtype` as the stored
+    dtype of its GTP-sharded ones (``GatherSpec.param_dtype``), so their gradients come
+    back reduce-scattered in ``reduce_dtype`` and then cast to `dtype`, like every other
+    parameter's gradient. Used for master weights held elsewhere
+    (`GTPConfig.offload_master_weights`).
+
+    Args:
+      model: a `gtp_jax.shard`-ed module (its mesh and shardings are kept).
+      dtype: a floating-point dtype, e.g. ``jnp.bfloat16``.
+      wrt: an NNX filter of the variables to cast (default: the parameters).
+    """
+    dtype = jnp.dtype(dtype)
+    wanted = nnx.filterlib.to_predicate(wrt)
+    for path, node in nnx.iter_graph(model):
+        if (isinstance(node, nnx.Variable) and wanted(path, node)
+                and jnp.issubdtype(node.get_value().dtype, jnp.floating)):
+            node.set_value(node.get_value().astype(dtype))
+    model.plan = tuple(dataclasses.replace(p, spec=dataclasses.replace(p.spec, param_dtype=dtype))
+                       for p in model.plan)
+
+
 def unshard(module: ShardedModule) -> nnx.Module:
     """Returns the wrapped module with full (unpadded, replicated) weights.
 

@@ -58,8 +58,8 @@ def memory_bound(cfg: TrainConfig) -> dict[str, int]:
     the updates; the bound counts the one it cannot do without). Moments kept on the
     device (`TrainConfig.offload_exclude`, `resident_params`) count in full, beside the
     parameters, and belong to no unit. With `TrainConfig.offload_master_weights` the
-    device's parameters are bfloat16 (the gradients stay float32) and every unit, and every
-    resident parameter, carries its float32 master beside its moments.
+    device's parameters and gradients are bfloat16 and every unit, and every resident
+    parameter, carries its float32 master beside its moments.
 
     Returns:
       ``{"params", "optimizer", "grads", "activations", "total"}`` in bytes.
@@ -75,7 +75,7 @@ def memory_bound(cfg: TrainConfig) -> dict[str, int]:
     kept = 0
     if cfg.offload_optimizer:  # at least the unit being updated: its moments (and master)
         if cfg.offload_master_weights:
-            params = mc.num_params() * np.dtype(MASTER_DEVICE_DTYPE).itemsize // shards
+            params = grads = mc.num_params() * np.dtype(MASTER_DEVICE_DTYPE).itemsize // shards
         kept = _kept_bytes(cfg)
         unit = _state_parts(cfg) * _largest_unit(mc, cfg.offload_exclude) * p_item // shards
         optimizer = kept + unit

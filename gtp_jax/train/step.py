@@ -38,7 +38,7 @@ from gtp_jax.sharding.fp8_update import (
     layer_prefix,
     next_fp8_history,
 )
-from gtp_jax.sharding.module import ShardedModule
+from gtp_jax.sharding.module import ShardedModule, hold_params_in
 from gtp_jax.sharding.offload import (
     DEFAULT_GROUP_LAYERS,
     MASTER_DEVICE_DTYPE,
@@ -293,8 +293,10 @@ def make_nnx_optimizer(model: nnx.Module, tx: optax.GradientTransformation, *,
     With ``GTPConfig(offload_master_weights=True)`` (`offloads_master_weights`) the
     optimizer is ``with_master_weights(tx)`` (``optimizer.tx``, the same object for the same
     `tx`): its state holds a float32 copy of every parameter, built in host memory with the
-    moments, and then the model's parameters are cast to bfloat16 in place (the model is
-    changed: its float32 values live on in the optimizer's state).
+    moments, and then the model's parameters are cast to bfloat16 in place
+    (`gtp_jax.sharding.module.hold_params_in`: the model is changed, its float32 values
+    live on in the optimizer's state, and its gradients come back in bfloat16, reduced in
+    float32).
 
     Raises:
       UsageError: master weights with a `tx` that is not a `streamable_chain`, or with a
@@ -340,8 +342,7 @@ def make_nnx_optimizer(model: nnx.Module, tx: optax.GradientTransformation, *,
     replicate_stray_leaves(optimizer, mesh)
     nnx.update(optimizer, map_opt_state(nnx.state(optimizer), place_on_host, keep=resident))
     if master:  # the float32 values are in the state now: the device keeps them rounded
-        nnx.update(model, jax.tree.map(lambda x: x.astype(MASTER_DEVICE_DTYPE),
-                                       nnx.state(model, wrt)))
+        hold_params_in(model, MASTER_DEVICE_DTYPE, wrt)
     return optimizer
 
 
@@ -410,14 +411,6 @@ def _program(graphdef: Any, loss_fn: Callable[..., jax.Array], grad_norm: bool,
         state_before = jax.tree.leaves(state)
         uses = None
         model, optimizer = nnx.merge(graphdef, state)
-        stored = None
-        if isinstance(optimizer.tx, StreamableChain) and optimizer.tx.master:
-            # Differentiated as float32 values (the bfloat16 ones, exactly): the gradients,
-            # their reduction and the global norm stay float32, as without master weights.
-            # The update then sets the bfloat16 parameters (no float32 copy outlives the
-            # backward pass).
-            stored = nnx.as_pure(nnx.state(model, optimizer.wrt))
-            nnx.update(model, jax.tree.map(lambda x: x.astype(jnp.float32), stored))
         if not _has_history(model):
             if grad_accum == 1:
                 loss, grads = nnx.value_and_grad(loss_fn)(model, batch)
@@ -430,8 +423,6 @@ def _program(graphdef: Any, loss_fn: Callable[..., jax.Array], grad_norm: bool,
             loss, grads, history = _grads_and_history(model, loss_fn, batch, grad_accum)
             uses = history_uses(history, layer_prefix(model))
             nnx.update(model, next_fp8_history(nnx.state(model, Fp8History), history))
-        if stored is not None:
-            nnx.update(model, stored)
         if offload and isinstance(optimizer.tx, StreamableChain):
             _streamed_optimizer_update(model, optimizer, grads, offload)
         elif offload:  # the whole state to the device and back (any optax optimizer)
