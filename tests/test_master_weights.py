@@ -230,3 +230,20 @@ def test_cli_needs_optimizer_offload_for_master_weights():
                               env=cli_env())
         assert proc.returncode == 2, proc.stderr[-2000:]
         assert needle in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+
+
+def test_the_planner_compiles_the_master_weight_step_the_trainer_runs():
+    # The planner's abstract state (its compiled memory figure) is the trained one: the
+    # same program structure, bfloat16 parameters, float32 master in host memory.
+    from gtp_jax.plan.memory import abstract_train_state
+
+    graphdef, abstract, _ = abstract_train_state(CFG)
+    model, optimizer = build_model_and_optimizer(CFG)
+    step = TrainStep(model, optimizer, LOSS)
+    assert graphdef == step.graphdef
+
+    def described(state):
+        return [(x.shape, jnp.dtype(x.dtype), x.sharding.memory_kind)
+                for x in jax.tree.leaves(state)]
+
+    assert described(abstract) == described(step.state)

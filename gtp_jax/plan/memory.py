@@ -32,7 +32,8 @@ from jax.sharding import PartitionSpec as P
 import gtp_jax
 from gtp_jax.base.errors import UsageError
 from gtp_jax.models import Transformer, lm_loss
-from gtp_jax.sharding.offload import host_shapes
+from gtp_jax.sharding.module import hold_params_in
+from gtp_jax.sharding.offload import MASTER_DEVICE_DTYPE, host_shapes, with_master_weights
 from gtp_jax.train.config import (
     TrainConfig,
     check_devices,
@@ -88,7 +89,11 @@ def abstract_train_state(cfg: TrainConfig) -> tuple[Any, nnx.State, jax.ShapeDty
     def build() -> tuple[gtp_jax.ShardedModule, nnx.Optimizer]:
         model = gtp_jax.shard(Transformer(model_cfg, rngs=nnx.Rngs(cfg.seed)), mesh,
                               gtp_config(cfg))
-        return model, nnx.Optimizer(model, make_optimizer(cfg), wrt=nnx.Param)
+        tx = make_optimizer(cfg)
+        if cfg.offload_master_weights:  # as make_nnx_optimizer builds it
+            tx = with_master_weights(tx)
+            hold_params_in(model, MASTER_DEVICE_DTYPE)
+        return model, nnx.Optimizer(model, tx, wrt=nnx.Param)
 
     model, optimizer = nnx.eval_shape(build)
     graphdef, state = nnx.split((model, optimizer))

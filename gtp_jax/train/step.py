@@ -342,7 +342,8 @@ def make_nnx_optimizer(model: nnx.Module, tx: optax.GradientTransformation, *,
     replicate_stray_leaves(optimizer, mesh)
     nnx.update(optimizer, map_opt_state(nnx.state(optimizer), place_on_host, keep=resident))
     if master:  # the float32 values are in the state now: the device keeps them rounded
-        hold_params_in(model, MASTER_DEVICE_DTYPE, wrt)
+        masters = jax.tree.leaves(nnx.as_pure(optimizer.opt_state)[1].master)
+        hold_params_in(model, MASTER_DEVICE_DTYPE, wrt, sources=masters)
     return optimizer
 
 
