@@ -81,10 +81,17 @@ def _reference(cfg: TrainConfig) -> tuple[list[float], nnx.Module, nnx.Optimizer
     model, _ = build_model_and_optimizer(on_device)
     optimizer = nnx.Optimizer(model, _reference_tx(make_optimizer(on_device)), wrt=nnx.Param)
     hold_params_in(model, BF16)
-    step = TrainStep(model, optimizer, LOSS)
+    step = TrainStep(model, optimizer, LOSS, grad_accum=cfg.grad_accum)
     losses = [float(step(tokens)["loss"]) for tokens in _batches(cfg)]
     step.sync()
     return losses, model, optimizer
+
+
+#: The unrolled loop; and the scanned one with two microbatches per step (their gradient
+#: sum is carried in float32 and rounded to bfloat16 once).
+CASES = {"unrolled": CFG,
+         "scanned_accum2": dataclasses.replace(CFG, unroll_layers=False, grad_accum=2,
+                                               batch_size=16)}
 
 
 def _flat(state: nnx.State) -> dict[str, np.ndarray]:
@@ -98,12 +105,14 @@ def _master_of(optimizer: nnx.Optimizer) -> MasterState:
     return leaf_state
 
 
-def test_master_weights_offloaded_train_bit_identically_to_the_mixed_precision_reference():
-    ref_losses, ref_model, ref_opt = _reference(CFG)
-    model, optimizer = build_model_and_optimizer(CFG)
-    assert optimizer.tx is with_master_weights(make_optimizer(CFG))
-    step = TrainStep(model, optimizer, LOSS)
-    losses = [float(step(tokens)["loss"]) for tokens in _batches(CFG)]
+@pytest.mark.parametrize("case", list(CASES))
+def test_master_weights_offloaded_train_bit_identically_to_the_mixed_precision_reference(case):
+    cfg = CASES[case]
+    ref_losses, ref_model, ref_opt = _reference(cfg)
+    model, optimizer = build_model_and_optimizer(cfg)
+    assert optimizer.tx is with_master_weights(make_optimizer(cfg))
+    step = TrainStep(model, optimizer, LOSS, grad_accum=cfg.grad_accum)
+    losses = [float(step(tokens)["loss"]) for tokens in _batches(cfg)]
     step.sync()
 
     assert losses == ref_losses
@@ -132,11 +141,55 @@ def test_master_weights_offloaded_train_bit_identically_to_the_mixed_precision_r
         np.testing.assert_array_equal(a, b)
     # Every gradient is bfloat16 (the GTP-sharded ones reduced in float32 first), none
     # float32: the device never holds a float32 gradient tree.
-    grads = nnx.grad(LOSS)(model, _batches(CFG)[0])
+    grads = nnx.grad(LOSS)(model, _batches(cfg)[0])
     assert {x.dtype for x in jax.tree.leaves(grads)} == {jnp.dtype(BF16)}
     # Training moved the master off its rounded value: bfloat16 parameters alone would
     # have lost these updates.
     assert any(not np.array_equal(m, _rounded(jnp.asarray(m))) for m in masters.values())
+
+
+class _UserMLP(nnx.Module):
+    """A user's own module: two plain (not layer-stacked) linears, one of a width that
+    does not divide the 4-device GTP axis."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.up = nnx.Linear(64, 90, rngs=rngs)
+        self.down = nnx.Linear(90, 32, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.down(jax.nn.gelu(self.up(x)))
+
+
+def _user_loss(model: nnx.Module, x: jax.Array) -> jax.Array:
+    return jnp.mean(jnp.square(model(x).astype(jnp.float32) - 0.5))
+
+
+def test_a_users_module_trains_with_master_weights_like_the_reference():
+    mesh = gtp_jax.make_mesh(dp=2, gtp=4)
+    tx = make_optimizer(CFG)
+    x = jax.device_put(np.random.default_rng(1).normal(size=(8, 64)).astype(np.float32),
+                       gtp_jax.data_sharding(mesh))
+
+    def run(master: bool) -> tuple[list[float], dict[str, np.ndarray]]:
+        config = gtp_jax.GTPConfig(min_elements=64, offload_optimizer=master,
+                                   offload_master_weights=master)
+        model = gtp_jax.shard(_UserMLP(nnx.Rngs(0)), mesh, config)
+        if master:
+            optimizer = make_nnx_optimizer(model, tx, wrt=nnx.Param)
+        else:
+            optimizer = nnx.Optimizer(model, _reference_tx(tx), wrt=nnx.Param)
+            hold_params_in(model, BF16)
+        step = TrainStep(model, optimizer, _user_loss)
+        losses = [float(step(x)["loss"]) for _ in range(3)]
+        step.sync()
+        return losses, _flat(nnx.state(model, nnx.Param))
+
+    (ref_losses, ref_params), (losses, params) = run(False), run(True)
+    assert losses == ref_losses and losses[-1] < losses[0]
+    assert params.keys() == ref_params.keys()
+    for path, value in params.items():
+        assert value.dtype == jnp.dtype(BF16)
+        np.testing.assert_array_equal(value, ref_params[path], err_msg=path)
 
 
 def test_master_weights_halve_the_parameters_and_add_them_to_the_host():
@@ -247,3 +300,23 @@ def test_the_planner_compiles_the_master_weight_step_the_trainer_runs():
                 for x in jax.tree.leaves(state)]
 
     assert described(abstract) == described(step.state)
+
+
+def test_microbatch_gradients_of_bfloat16_parameters_are_summed_in_float32():
+    # Each microbatch's bfloat16 gradient is added into a float32 sum and the mean is
+    # rounded once: a bfloat16 sum would round at every add.
+    from gtp_jax.train.step import accumulate_grads
+
+    model = _UserMLP(nnx.Rngs(0))
+    nnx.update(model, jax.tree.map(lambda p: p.astype(BF16), nnx.state(model, nnx.Param)))
+    x = jnp.asarray(np.random.default_rng(2).normal(size=(8, 64)), BF16)
+    _, grads = accumulate_grads(model, _user_loss, x, 4)
+    want = None
+    for i in range(4):  # microbatch i takes rows i, i + 4 (accumulate_grads' split)
+        g = nnx.grad(_user_loss)(model, x[i::4])
+        g = jax.tree.map(lambda t: t.astype(jnp.float32), g)
+        want = g if want is None else jax.tree.map(jnp.add, want, g)
+    want = jax.tree.map(lambda t: (t * 0.25).astype(BF16), want)
+    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(want)):
+        assert a.dtype == jnp.dtype(BF16)
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

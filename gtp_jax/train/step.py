@@ -534,10 +534,26 @@ def accumulate_grads(model: nnx.Module, loss_fn: Callable[[nnx.Module, Any], jax
         loss, grads = jax.value_and_grad(loss_of)(params, micro)
         return jax.tree.map(jnp.add, carry, (loss, grads)), None
 
-    zero = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
+    zero = (jnp.zeros((), jnp.float32), _grad_sum_zeros(params))
     (loss, grads), _ = jax.lax.scan(body, zero, jax.tree.map(slices, batch))
+    return loss * (1.0 / microbatches), _grad_mean(grads, params, microbatches)
+
+
+def _grad_sum_zeros(params: nnx.State) -> nnx.State:
+    """Zeros to sum microbatch gradients into: float32 for parameters of a narrower float
+    (bfloat16 ones under `GTPConfig.offload_master_weights`: a sum of many bfloat16 terms
+    would round at every add), else the parameter's dtype."""
+    def zeros(p: jax.Array) -> jax.Array:
+        wide = jnp.issubdtype(p.dtype, jnp.floating) and jnp.finfo(p.dtype).bits < 32
+        return jnp.zeros_like(p, dtype=jnp.float32 if wide else p.dtype)
+
+    return jax.tree.map(zeros, params)
+
+
+def _grad_mean(grads: nnx.State, params: nnx.State, microbatches: int) -> nnx.State:
+    """The summed `grads` over `microbatches`, in each parameter's dtype (one rounding)."""
     scale = 1.0 / microbatches
-    return loss * scale, jax.tree.map(lambda g: (g * scale).astype(g.dtype), grads)
+    return jax.tree.map(lambda g, p: (g * scale).astype(p.dtype), grads, params)
 
 
 def _has_history(model: nnx.Module) -> bool:
@@ -572,13 +588,11 @@ def _grads_and_history(model: nnx.Module, loss_fn: Callable[[nnx.Module, Any], j
                 jax.tree.map(jnp.maximum, hist_max, new_history)), None
 
     # Histories hold amaxes (>= 0 or NaN): zeros are the identity of their maximum.
-    zero = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params),
+    zero = (jnp.zeros((), jnp.float32), _grad_sum_zeros(params),
             jax.tree.map(jnp.zeros_like, history))
     (loss, grads, new_history), _ = jax.lax.scan(
         body, zero, jax.tree.map(lambda x: _microbatches(x, microbatches), batch))
-    scale = 1.0 / microbatches
-    return (loss * scale, jax.tree.map(lambda g: (g * scale).astype(g.dtype), grads),
-            new_history)
+    return loss * (1.0 / microbatches), _grad_mean(grads, params, microbatches), new_history
 
 
 def _microbatches(x: jax.Array, microbatches: int) -> jax.Array:
