@@ -15,6 +15,7 @@ moves whole rows and shows up as O(1e-2) errors.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import shutil
 from pathlib import Path
@@ -53,9 +54,12 @@ LOSS_RTOL, PARAM_ATOL = 1e-5, 1e-6
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """(uniform run, failure run, its checkpoint directory: steps K (before) and 8 (after))."""
+    """(uniform run of the first K steps, failure run, its checkpoint directory: steps K
+    (before) and 8 (after))."""
     directory = str(tmp_path_factory.mktemp("ntp") / "ck")
-    uniform = train(CFG, progress=False)
+    # Only its steps before the failure are compared: the same LR schedule (schedule_steps),
+    # so the same first K steps as the full uniform run, without training the other 4.
+    uniform = train(dataclasses.replace(CFG, steps=K, schedule_steps=CFG.steps), progress=False)
     failed = train(CFG, progress=False, failure=FAILURE,
                    checkpoint=CheckpointConfig(directory, every=K, keep=5))
     return uniform, failed, directory
