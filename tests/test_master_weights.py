@@ -218,6 +218,9 @@ def test_master_weights_are_refused_where_they_cannot_work():
         gtp_jax.GTPConfig(offload_master_weights=True)
     with pytest.raises(UsageError, match="offload_optimizer"):
         dataclasses.replace(CFG, offload_optimizer=False)
+    # Weights loaded after the optimizer took its master would leave the master behind.
+    with pytest.raises(UsageError, match="init_from"):
+        dataclasses.replace(CFG, init_from="some/run")
 
     model, _ = build_model_and_optimizer(dataclasses.replace(CFG, offload_master_weights=False))
     mesh = next(iter(jax.tree.leaves(nnx.state(model, nnx.Param)))).sharding.mesh

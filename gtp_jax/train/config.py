@@ -237,6 +237,12 @@ class TrainConfig:
         if self.init_from_hf is not None and self.init_from is not None:
             raise UsageError("TrainConfig.init_from and TrainConfig.init_from_hf both set the "
                              "initial weights; pass one of them.")
+        if self.init_from is not None and self.offload_master_weights:
+            # The weights are loaded into the built model, after its optimizer took the
+            # float32 master from the initial values: the master would stay those.
+            raise UsageError("TrainConfig.init_from with TrainConfig.offload_master_weights: "
+                             "starting from another run's weights is not supported with "
+                             "master weights in host memory; drop one of them.")
         if self.init_from_hf is not None and self.layers is not None:
             raise UsageError(
                 f"TrainConfig.init_from_hf with layers={self.layers}: the checkpoint's "
