@@ -322,16 +322,22 @@ def test_compile_batches_are_as_wide_as_the_compiles_that_run_at_once(monkeypatc
     assert sum(c.status.startswith("rejected: compiled") for c in result.candidates) == 3
 
 
-def _fake_compiles(monkeypatch, device_gib: float, offloaded_gib: float) -> list[bool]:
+def _fake_compiles(monkeypatch, device_gib: float, offloaded_gib: float,
+                   master_gib: float | None = None) -> list[bool]:
     """Fakes the compiler: a peak of `device_gib` with the optimizer state on the device,
-    `offloaded_gib` offloaded; returns the offload flags of the configs compiled."""
+    `offloaded_gib` offloaded, `master_gib` with the master weights offloaded too (None:
+    as offloaded); returns the offload flags of the configs compiled."""
     compiled: list[bool] = []
+
+    def gib(cfg) -> float:
+        if cfg.offload_master_weights and master_gib is not None:
+            return master_gib
+        return offloaded_gib if cfg.offload_optimizer else device_gib
 
     def fake_compiled(cfgs):
         compiled.extend(cfg.offload_optimizer for cfg in cfgs)
         # Moments kept on the device add their bytes (float32, split over gtp).
-        return [MemoryFigure(0, 0, 0, int((offloaded_gib if cfg.offload_optimizer
-                                           else device_gib) * 2**30
+        return [MemoryFigure(0, 0, 0, int(gib(cfg) * 2**30
                                           + 2 * 4 * resident_params(cfg) // cfg.gtp), 0)
                 for cfg in cfgs]
 
@@ -362,6 +368,31 @@ def test_offload_is_planned_only_when_nothing_fits_on_the_device(monkeypatch):
     assert hopeless.best is None and not hopeless.offload_fallback
     with pytest.raises(UsageError, match="PlanSpace.offload"):
         plan_fitting(BASE, space=PlanSpace(offload=(True,)), cal=FIXED)
+
+
+def test_master_weights_are_offloaded_only_when_nothing_fits_offloaded(monkeypatch):
+    space = PlanSpace(mesh={"dp": 2, "gtp": 4}, remat=("none",), loops=("unrolled",))
+    _fake_compiles(monkeypatch, device_gib=2.0, offloaded_gib=1.5, master_gib=0.5)
+    # Room for the offloaded state: master weights stay on the device.
+    offloaded = plan_fitting(BASE, space=space, top=1, cal=FIXED, memory_gib=1.75)
+    assert offloaded.best.layout.offload and not offloaded.best.layout.master
+    # Room only with the master weights offloaded too: those first, then the others.
+    tight = plan_fitting(BASE, space=space, top=1, cal=FIXED, memory_gib=1.0)
+    assert tight.offload_fallback
+    assert [(c.layout.offload, c.layout.master) for c in tight.candidates] == [
+        (True, True), (True, False), (False, False)]
+    best = tight.best.layout
+    assert best.apply(BASE).offload_master_weights
+    assert "--offload-optimizer --offload-master-weights" in best.flags()
+    assert "float32 master weights in host memory" in format_table(tight)
+    # Master weights cost host transfers: predicted slower than the offloaded layout.
+    assert tight.candidates[0].step_seconds > tight.candidates[1].step_seconds
+    hopeless = plan_fitting(BASE, space=space, top=1, cal=FIXED, memory_gib=0.25)
+    assert hopeless.best is None and not hopeless.offload_fallback
+    with pytest.raises(UsageError, match="master"):
+        plan_fitting(BASE, space=PlanSpace(master=(True,)), cal=FIXED)
+    with pytest.raises(UsageError, match="Layout.master needs offload"):
+        Layout(master=True)
 
 
 def test_plan_auto_offloads_only_a_run_that_does_not_fit_otherwise(monkeypatch, capsys,

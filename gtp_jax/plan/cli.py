@@ -180,8 +180,8 @@ def auto_layout(base: Any, fixed: dict[str, Any], memory_gib: float | None) -> A
       base: the run (its mesh sizes and layout fields are replaced).
       fixed: the layout fields the user set (`LAYOUT_FLAGS` keys -> values): only layouts
         with these values are considered. Without ``offload_optimizer``, offloaded layouts
-        are planned only when none fits with the optimizer state on the device
-        (`plan_fitting`).
+        are planned only when none fits with the optimizer state on the device, and
+        master-weight offload only when none fits offloaded either (`plan_fitting`).
       memory_gib: budget per device (None: the device's memory).
 
     Raises:
@@ -216,12 +216,15 @@ def auto_layout(base: Any, fixed: dict[str, Any], memory_gib: float | None) -> A
                 if smallest is not None else "")
         budget = (f"{result.budget_bytes / 2**30:.2f} GiB per device"
                   if result.budget_bytes else "the devices")
-        tried = "" if "offload_optimizer" in fixed else ", with or without optimizer offload"
+        tried = ("" if "offload_optimizer" in fixed
+                 else ", with or without optimizer (and master-weight) offload")
         raise UsageError(
             f"--plan auto: no layout fits in {budget}{tried}{need}; lower --batch or --seq, "
             "raise --memory-gib" + (f", or fix fewer of {given}" if given else "") + ".")
     why = ("; nothing fits with the optimizer state on the device"
            if result.offload_fallback else "")
+    if result.offload_fallback and best.layout.master:
+        why += ", nor with it offloaded alone"
     print(f"gtp_jax train: --plan auto chose {best.layout.describe()} (predicted "
           f"{best.peak_bytes / 2**30:.3f} GiB per device, {best.step_seconds * 1e3:.1f} ms per "
           f"step{why}; {best.layout.flags()})", flush=True)

@@ -31,6 +31,8 @@ class Layout:
       offload: `TrainConfig.offload_optimizer`.
       offload_exclude: `TrainConfig.offload_exclude` (with `offload`: the parameters whose
         optimizer state stays on the device).
+      master: `TrainConfig.offload_master_weights` (with `offload`: the float32 parameters
+        in host memory too, bfloat16 ones on the device).
     """
 
     dp: int = 1
@@ -43,6 +45,7 @@ class Layout:
     gather_format: str | None = None
     offload: bool = False
     offload_exclude: tuple[str, ...] = ()
+    master: bool = False
 
     def __post_init__(self) -> None:
         for axis in MESH_AXES:
@@ -50,7 +53,8 @@ class Layout:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise UsageTypeError(f"Layout.{axis}={value!r} must be an int >= 1.")
         for name, allowed in (("remat", REMATS), ("loop", LOOPS),
-                              ("gather_format", GATHER_FORMATS), ("offload", (False, True))):
+                              ("gather_format", GATHER_FORMATS), ("offload", (False, True)),
+                              ("master", (False, True))):
             if getattr(self, name) not in allowed:
                 raise UsageError(f"Layout.{name}={getattr(self, name)!r}: use one of "
                                  f"{list(allowed)}.")
@@ -61,6 +65,8 @@ class Layout:
         object.__setattr__(self, "offload_exclude", tuple(self.offload_exclude))
         if self.offload_exclude and not self.offload:
             raise UsageError("Layout.offload_exclude needs offload=True.")
+        if self.master and not self.offload:
+            raise UsageError("Layout.master needs offload=True.")
 
     @property
     def devices(self) -> int:
@@ -70,7 +76,7 @@ class Layout:
     def sort_key(self) -> tuple[Any, ...]:
         """A total order (None gather format first) for deterministic tie-breaks."""
         return (self.dp, self.gtp, self.tp, self.cp, self.ep, self.remat, self.loop,
-                self.gather_format or "", self.offload, self.offload_exclude)
+                self.gather_format or "", self.offload, self.offload_exclude, self.master)
 
     def apply(self, cfg: TrainConfig) -> TrainConfig:
         """`cfg` laid out this way (its model, batch, dtypes and schedule unchanged)."""
@@ -78,7 +84,8 @@ class Layout:
             cfg, dp=self.dp, gtp=self.gtp, tp=self.tp, cp=self.cp, ep=self.ep,
             remat=self.remat, unroll_layers=self.loop == "unrolled",
             prefetch=self.loop == "prefetch", gather_format=self.gather_format,
-            offload_optimizer=self.offload, offload_exclude=self.offload_exclude)
+            offload_optimizer=self.offload, offload_exclude=self.offload_exclude,
+            offload_master_weights=self.master)
 
     def describe(self) -> str:
         """``dp2 gtp4 tp1 cp1 remat=dots unrolled`` (+ gather format, offload)."""
@@ -86,7 +93,8 @@ class Layout:
                         if a != "ep" or self.ep > 1)
         extra = (f" {self.gather_format}" if self.gather_format else "") + (
             " offload" if self.offload else "") + (
-            f" but {len(self.offload_exclude)} weights" if self.offload_exclude else "")
+            f" but {len(self.offload_exclude)} weights" if self.offload_exclude else "") + (
+            " +master" if self.master else "")
         return f"{mesh} remat={self.remat} {self.loop}{extra}"
 
     def flags(self) -> str:
@@ -103,6 +111,8 @@ class Layout:
         if self.offload_exclude:
             out.append("--offload-exclude " + " ".join(shlex.quote(p)
                                                       for p in self.offload_exclude))
+        if self.master:
+            out.append("--offload-master-weights")
         return " ".join(out)
 
 
@@ -115,6 +125,8 @@ class PlanSpace:
         over every factorization of the device count.
       remat, loops, gather_formats, offload: the choices tried. Low-precision gather
         formats change the numerics (lossy weight gathers): not tried unless listed.
+      master: master-weight offload choices tried with offloaded layouts (`Layout.master`;
+        bfloat16 parameters change the numerics: not tried unless listed).
     """
 
     mesh: tuple[tuple[str, int], ...] = ()
@@ -122,6 +134,7 @@ class PlanSpace:
     loops: tuple[str, ...] = LOOPS
     gather_formats: tuple[str | None, ...] = (None,)
     offload: tuple[bool, ...] = (False,)
+    master: tuple[bool, ...] = (False,)
 
     def __post_init__(self) -> None:
         mesh = self.mesh.items() if isinstance(self.mesh, dict) else self.mesh
@@ -133,7 +146,8 @@ class PlanSpace:
                 raise UsageError(f"PlanSpace.mesh[{axis!r}]={size!r} must be an int >= 1.")
         object.__setattr__(self, "mesh", mesh)
         for name, allowed in (("remat", REMATS), ("loops", LOOPS),
-                              ("gather_formats", GATHER_FORMATS), ("offload", (False, True))):
+                              ("gather_formats", GATHER_FORMATS), ("offload", (False, True)),
+                              ("master", (False, True))):
             values = tuple(getattr(self, name))
             bad = [v for v in values if v not in allowed]
             if bad or not values:
@@ -170,12 +184,14 @@ def enumerate_layouts(base: TrainConfig, devices: int, space: PlanSpace) -> tupl
         # every format there is the same program as None: one candidate, not several.
         formats = (space.gather_formats if mesh["gtp"] > 1
                    else tuple(dict.fromkeys(None for _ in space.gather_formats)))
-        combos = list(itertools.product(space.remat, space.loops, formats, space.offload))
+        combos = [c for c in itertools.product(space.remat, space.loops, formats,
+                                               space.offload, space.master)
+                  if c[3] or not c[4]]  # master weights only with offload
         if reason is not None:
             skipped += len(combos)
             continue
-        out += [Layout(**mesh, remat=r, loop=loop, gather_format=g, offload=o)
-                for r, loop, g, o in combos]
+        out += [Layout(**mesh, remat=r, loop=loop, gather_format=g, offload=o, master=m)
+                for r, loop, g, o, m in combos]
     return sorted(out, key=lambda layout: layout.sort_key), skipped
 
 

@@ -176,7 +176,9 @@ def plan_fitting(base: TrainConfig, *, memory_gib: float | None = None,
     """`plan` with the optimizer state on the device, and, when no layout fits there, the
     same layouts with it in host memory (`TrainConfig.offload_optimizer`): offload costs
     host transfers every step (docs/planning.md), so it is planned only for a run that
-    does not fit without it.
+    does not fit without it. When none fits offloaded either, the same layouts with the
+    float32 master weights offloaded too (`TrainConfig.offload_master_weights`: bfloat16
+    parameters and gradients on the device, more host transfers).
 
     Args:
       base, memory_gib, top, cal: as in `plan`.
@@ -184,18 +186,19 @@ def plan_fitting(base: TrainConfig, *, memory_gib: float | None = None,
         the on-device choice the fallback widens.
 
     Returns:
-      The on-device `Plan` when one of its layouts fits (or none fits offloaded either);
-      else the offloaded plan's candidates followed by the on-device ones, with
-      ``offload_fallback`` set.
+      The on-device `Plan` when one of its layouts fits (or none fits offloaded, with or
+      without master weights); else the offloaded plan's candidates (the master-weight
+      plan's, then the offloaded one's, when only those fit) followed by the on-device
+      ones, with ``offload_fallback`` set.
 
     Raises:
       UsageError: `space` already chooses offload; bad `memory_gib` or `top`.
     """
     space = PlanSpace() if space is None else space
-    if space.offload != (False,):
-        raise UsageError(f"plan_fitting: PlanSpace.offload={space.offload!r}; it plans "
-                         "offload itself: pass (False,), or call plan with the offload "
-                         "choices to try.")
+    if space.offload != (False,) or space.master != (False,):
+        raise UsageError(f"plan_fitting: PlanSpace.offload={space.offload!r}, "
+                         f"master={space.master!r}; it plans offload itself: pass (False,) "
+                         "for both, or call plan with the offload choices to try.")
     on_device = plan(base, memory_gib=memory_gib, space=space, top=top, cal=cal)
     if on_device.best is not None:
         return on_device
@@ -203,7 +206,14 @@ def plan_fitting(base: TrainConfig, *, memory_gib: float | None = None,
                      space=dataclasses.replace(space, offload=(True,)), top=top,
                      cal=on_device.calibration)
     if offloaded.best is None:
-        return on_device
+        master = plan(base, memory_gib=memory_gib,
+                      space=dataclasses.replace(space, offload=(True,), master=(True,)),
+                      top=top, cal=on_device.calibration)
+        if master.best is None:
+            return on_device
+        return dataclasses.replace(
+            master, offload_fallback=True,
+            candidates=master.candidates + offloaded.candidates + on_device.candidates)
     offloaded = keep_what_fits(offloaded, top)
     return dataclasses.replace(offloaded, offload_fallback=True,
                                candidates=offloaded.candidates + on_device.candidates)
@@ -305,7 +315,12 @@ def format_table(result: Plan, limit: int | None = 20) -> str:
     width = max([44, *(len(c.layout.describe()) for c in shown)])
     lines.append(f"{'#':>3}  {'layout':<{width}} {'bound GiB':>9} {'peak GiB':>9} "
                  f"{'step ms':>9}  status")
-    if result.offload_fallback:
+    if result.offload_fallback and result.best is not None and result.best.layout.master:
+        lines.insert(2, "no layout fits with the optimizer state on the device, nor offloaded: "
+                        "the first layouts keep it and the float32 master weights in host "
+                        "memory (--offload-optimizer --offload-master-weights: bfloat16 "
+                        "parameters on the device), at the cost of more host transfers")
+    elif result.offload_fallback:
         lines.insert(2, "no layout fits with the optimizer state on the device: the first "
                         "layouts keep it in host memory (--offload-optimizer), at the cost of "
                         "host transfers every step")

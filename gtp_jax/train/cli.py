@@ -453,8 +453,8 @@ def main(argv: list[str] | None = None, *, planner: Planner | None = None) -> in
               "state stays on the device; drop one of them.", file=sys.stderr)
         return 2
     if args.offload_master_weights and args.plan == "auto":
-        print("error: --offload-master-weights with --plan auto: the planner does not plan "
-              "master-weight offload; choose the layout's flags yourself, or drop it.",
+        print("error: --offload-master-weights with --plan auto: the planner offloads the "
+              "master weights itself when nothing fits without; drop one of them.",
               file=sys.stderr)
         return 2
     sizes = _mesh_sizes(args)
