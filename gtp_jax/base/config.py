@@ -124,11 +124,12 @@ class GTPConfig:
         drops by the state's bytes on backends whose host memory is separate (GPUs; on
         the CPU backend host and device memory are the same RAM).
       offload_master_weights: with ``offload_optimizer``: the float32 parameters (the
-        master weights) move to host memory with the moments, and the device keeps them in
-        bfloat16: 2 bytes less of device memory per parameter, 4 more each way over the
-        host link per step. The optimizer updates the float32 master exactly as on the
-        device; the forward and backward passes see it rounded to bfloat16 (the usual
-        mixed-precision recipe: a float32-compute run gives other losses than without).
+        master weights) move to host memory with the moments, and the device keeps the
+        parameters and their gradients in bfloat16 (gradients reduce-scattered in
+        ``reduce_dtype`` first): 4 bytes less of device memory per parameter, 4 more each
+        way over the host link per step. The optimizer updates the float32 master as it
+        would the float32 parameters; the forward and backward passes see it rounded to
+        bfloat16 (the usual mixed-precision recipe: other losses than a float32 run).
         Needs float32 parameters, and an optimizer built by
         `gtp_jax.train.make_nnx_optimizer`, trained by `gtp_jax.train.TrainStep`.
       offload_exclude: with ``offload_optimizer``: regular expressions on parameter paths
@@ -241,7 +242,6 @@ class GTPConfig:
                 "in device memory out of an offloaded one, but offload_optimizer is False "
                 "(all of it is on the device); set offload_optimizer=True or drop "
                 "offload_exclude.")
-
         if self.offload_master_weights and not self.offload_optimizer:
             raise UsageError(
                 "GTPConfig.offload_master_weights=True moves the float32 parameters to host "

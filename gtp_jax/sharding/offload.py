@@ -15,9 +15,10 @@ transfers shrink by the resident share (what spare device memory buys back).
 
 Master weights (`GTPConfig.offload_master_weights`): the float32 parameters move to host
 memory too, as a parameter-shaped part of the streamed state (`with_master_weights`), and
-the device keeps them in bfloat16. Each unit's update runs the optimizer on its float32
-master slice, exactly as an on-device float32 run would, and writes the new master back to
-the host and ``bfloat16(new master)`` into the device parameter.
+the device keeps them (and their gradients) in bfloat16. Each unit's update runs the
+optimizer on its float32 master slice, as it would on float32 parameters (weight decay
+included), and writes the new master back to the host and ``bfloat16(new master)`` into
+the device parameter.
 
 Streaming needs the optimizer split into a whole-tree part (global-norm clipping: it reads
 every gradient) and a leaf-wise part (AdamW: each output element depends only on the same

@@ -231,8 +231,9 @@ def _parser() -> argparse.ArgumentParser:
                        "on the device, so fewer bytes cross each step")
     train.add_argument("--offload-master-weights", action="store_true",
                        help="with --offload-optimizer: the float32 parameters in host memory "
-                       "too, bfloat16 ones on the devices (2 bytes less device memory per "
-                       "parameter, 4 more each way over the host link per step)")
+                       "too, bfloat16 parameters and gradients on the devices (4 bytes less "
+                       "device memory per parameter, 4 more each way over the host link per "
+                       "step)")
     train.add_argument("--plan", choices=("off", "auto"), default="off",
                        help="auto: plan the layout (mesh sizes, remat, layer loop, offload; "
                        "the ones given as flags stay fixed), print it and train with the "

@@ -510,7 +510,8 @@ def accumulate_grads(model: nnx.Module, loss_fn: Callable[[nnx.Module, Any], jax
     """(mean loss, mean gradient) of ``loss_fn(model, .)`` over `microbatches` equal slices of
     `batch` (every leaf's leading axis, e.g. ``int32[batch, seq + 1]`` tokens), computed one
     slice at a time in a ``lax.scan``: activations of one microbatch are live at a time, the
-    gradient sum is carried in the parameters' own (GTP-sharded) layout.
+    gradient sum is carried in the parameters' own (GTP-sharded) layout, in float32 for
+    parameters of a narrower float (the mean is rounded to their dtype once).
 
     Microbatch ``i`` takes rows ``i, i + microbatches, ...``: with the batch split over the
     data axes in contiguous blocks, each device then holds ``1/microbatches`` of its own
