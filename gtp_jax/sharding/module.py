@@ -597,13 +597,11 @@ def hold_params_in(model: ShardedModule, dtype: Any, wrt: Any = nnx.Param, *,
         before anything changes).
     """
     dtype = jnp.dtype(dtype)
-    wanted = nnx.filterlib.to_predicate(wrt)
-    nodes = [node for path, node in nnx.iter_graph(model)
-             if isinstance(node, nnx.Variable) and wanted(path, node)]
+    # The model's own Variables (to change in place), in nnx.state(model, wrt) leaf order.
+    by_path = {tuple(path): node for path, node in nnx.iter_graph(model)
+               if isinstance(node, nnx.Variable)}
+    nodes = [by_path[tuple(path)] for path, _ in nnx.to_flat_state(nnx.state(model, wrt))]
     if sources is not None:
-        by_path = {tuple(path): node for path, node in nnx.iter_graph(model)
-                   if isinstance(node, nnx.Variable)}
-        nodes = [by_path[tuple(path)] for path, _ in nnx.to_flat_state(nnx.state(model, wrt))]
         sources = list(sources)
         if len(sources) != len(nodes) or any(
                 tuple(src.shape) != tuple(node.get_value().shape)
