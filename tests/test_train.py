@@ -226,3 +226,28 @@ def test_train_in_process_gtp8_padded() -> None:
     extra = result.state_bytes_per_device - 3 * result.param_bytes_per_device
     assert 0 <= extra <= 64
     assert "loss: first" in result.summary()
+
+
+def test_a_step_is_timed_when_its_outputs_are_ready_not_when_its_loss_reaches_the_host():
+    """The loss's copy to the host can wait behind the next step's transfers to host memory
+    (offloaded optimizer state): the step's time must be taken before that copy."""
+    from gtp_jax.train.loop import wait_for_step
+
+    events = []
+
+    class Loss:  # a device scalar whose copy to the host comes late
+        def block_until_ready(self):
+            events.append("ready")
+            return self
+
+        def __float__(self):
+            events.append("copied")
+            return 2.5
+
+    def clock():
+        events.append("clock")
+        return 7.0
+
+    loss, done = wait_for_step({"loss": Loss()}, clock=clock)
+    assert (loss, done) == (2.5, 7.0)
+    assert events == ["ready", "clock", "copied"]
