@@ -31,6 +31,7 @@ from gtp_jax.train.cli import main as cli_main
 from gtp_jax.train.config import model_json, resolve_auto
 from gtp_jax.train.job_file import expand_job_file
 from gtp_jax.train.memory import (
+    POOL_GROWTH,
     check_host_memory,
     check_pinned_host,
     memory_bound,
@@ -262,6 +263,30 @@ def test_pinned_host_refusal_names_the_pool_and_the_fix() -> None:
     assert "TrainConfig.gtp" in text and "offload_optimizer=False" in text
     with pytest.raises(DeviceMemoryError, match="x 8 devices in this process"):
         check_pinned_host(cfg, pool_bytes=need, available=8 * need - 1)
+
+
+def test_pinned_pools_that_could_outgrow_the_host_are_refused_with_the_cap_that_fits() -> None:
+    """XLA's pinned pool grows in doubling regions up to its cap: where the caps of this
+    process's devices exceed the host's memory and the state is a large part of it, the
+    pools could take it all while the state is built (the kernel ends the process)."""
+    cfg = TrainConfig(preset="1b", steps=2, gtp=8, dp=1, offload_optimizer=True)
+    gib = 2**30
+    need = pinned_host_bound(cfg)
+    available = 20 * need  # holds the 8 devices' states, not three times them
+    with pytest.raises(DeviceMemoryError) as err:
+        check_pinned_host(cfg, pool_bytes=available, available=available)
+    fit = int(available * 0.9) // 8 // gib
+    assert fit * gib >= need
+    text = str(err.value)
+    assert "doubling size" in text and f"XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB={fit} " in text
+    check_pinned_host(cfg, pool_bytes=fit * gib, available=available)  # the fix: accepted
+    # a small state beside a large cap cannot grow the pools past the host: accepted
+    check_pinned_host(cfg, pool_bytes=available, available=8 * POOL_GROWTH * need)
+    # no cap would both hold the state and fit: the other fixes only
+    with pytest.raises(DeviceMemoryError) as err:
+        check_pinned_host(cfg, pool_bytes=available, available=9 * need)
+    assert "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=" not in str(err.value)
+    assert "TrainConfig.gtp" in str(err.value)
 
 
 def test_host_memory_refusal_at_the_cli(monkeypatch, capsys) -> None:

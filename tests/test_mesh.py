@@ -11,6 +11,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import gtp_jax
+from gtp_jax.base.host import gpu_count
 from gtp_jax.base.mesh import AXES, axis_groups, data_size
 from gtp_jax.base.xla_flags import (
     DEFAULT_XLA_FLAGS,
@@ -18,6 +19,7 @@ from gtp_jax.base.xla_flags import (
     PINNED_POOL_ENV,
     XLA_PINNED_POOL_GIB,
     apply_default_xla_flags,
+    default_pinned_pool_gib,
     pinned_pool_bytes,
 )
 
@@ -183,11 +185,12 @@ def test_shard_key_reaches_modules_inside_sharded_call(key) -> None:
 def test_default_xla_flags_are_explicit_and_escapable() -> None:
     flag = next(iter(DEFAULT_XLA_FLAGS))
     env: dict[str, str] = {}
-    assert apply_default_xla_flags(env, host_bytes=16 * 2**30) == [
-        f"{flag}={DEFAULT_XLA_FLAGS[flag]}"]  # a host smaller than XLA's pool: left as is
-    assert flag in env["XLA_FLAGS"] and PINNED_POOL_ENV not in env
-    user = {"XLA_FLAGS": f"{flag}=false"}  # the user's value wins, either way
+    assert apply_default_xla_flags(env, host_bytes=16 * 2**30, gpus=1) == [
+        f"{flag}={DEFAULT_XLA_FLAGS[flag]}", f"{PINNED_POOL_ENV}=14"]
+    assert flag in env["XLA_FLAGS"]
+    user = {"XLA_FLAGS": f"{flag}=false", PINNED_POOL_ENV: "20"}  # the user's values win
     assert apply_default_xla_flags(user, host_bytes=16 * 2**30) == []
+    assert user[PINNED_POOL_ENV] == "20"
     assert user["XLA_FLAGS"] == f"{flag}=false"
     assert apply_default_xla_flags({OPT_OUT: "1"}, host_bytes=512 * 2**30) == []
     lines: list[str] = []
@@ -195,11 +198,25 @@ def test_default_xla_flags_are_explicit_and_escapable() -> None:
     assert "XLA settings" in lines[-1]
 
 
-def test_the_pinned_host_pool_defaults_to_the_hosts_memory_unless_the_user_set_it() -> None:
+def test_the_pinned_host_pools_of_a_hosts_gpus_share_its_memory_unless_the_user_set_them(
+        tmp_path) -> None:
     env = {"XLA_FLAGS": " ".join(f"{f}={v}" for f, v in DEFAULT_XLA_FLAGS.items())}
     assert pinned_pool_bytes(env) == XLA_PINNED_POOL_GIB * 2**30  # XLA's default
-    assert apply_default_xla_flags(env, host_bytes=251 * 2**30 + 5) == [f"{PINNED_POOL_ENV}=251"]
-    assert pinned_pool_bytes(env) == 251 * 2**30
+    # 90% of 251 GiB over 2 GPUs: the two pools together cannot outgrow the host
+    assert apply_default_xla_flags(env, host_bytes=251 * 2**30 + 5, gpus=2) == [
+        f"{PINNED_POOL_ENV}=112"]
+    assert pinned_pool_bytes(env) == 112 * 2**30
+    assert default_pinned_pool_gib(251 * 2**30, None) == 225  # GPUs unknown: one
+    assert default_pinned_pool_gib(512 * 2**30, 8) == 57  # below XLA's 64: set all the same
+    # The host's GPUs, read without starting CUDA: the driver's list, else the visible ones
+    (tmp_path / "gpus").mkdir()
+    for bus in ("0000:19:00.0", "0000:3b:00.0"):
+        (tmp_path / "gpus" / bus).mkdir()
+    assert gpu_count(str(tmp_path / "gpus"), environ={"CUDA_VISIBLE_DEVICES": "0"}) == 2
+    missing = str(tmp_path / "none")
+    assert gpu_count(missing, environ={"CUDA_VISIBLE_DEVICES": "0,1,2"}) == 3
+    assert gpu_count(missing, environ={"CUDA_VISIBLE_DEVICES": ""}) == 0
+    assert gpu_count(missing, environ={}) is None
     user = {PINNED_POOL_ENV: "100"}
     apply_default_xla_flags(user, host_bytes=251 * 2**30)
     assert user[PINNED_POOL_ENV] == "100" and pinned_pool_bytes(user) == 100 * 2**30

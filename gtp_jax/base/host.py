@@ -120,3 +120,20 @@ def available_bytes(meminfo: str = "/proc/meminfo", root: str = "/sys/fs/cgroup"
     room = None if limit is None else max(limit - (usage or 0), 0)
     known = [x for x in (available, room) if x is not None]
     return min(known) if known else None
+
+
+def gpu_count(proc: str = "/proc/driver/nvidia/gpus",
+              environ: dict[str, str] | None = None) -> int | None:
+    """NVIDIA GPUs on this host, read without starting CUDA: the entries of `proc` (one per
+    GPU the driver knows, whatever this process may see), else the devices
+    ``CUDA_VISIBLE_DEVICES`` names; None where neither tells."""
+    try:
+        found = len(os.listdir(proc))
+    except OSError:
+        found = 0
+    if found:
+        return found
+    visible = (os.environ if environ is None else environ).get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        return None
+    return len([d for d in visible.split(",") if d.strip() and d.strip() != "-1"])

@@ -1,5 +1,5 @@
 """XLA settings gtp_jax makes by default: flags that compute/communication overlap depends
-on, and a pinned host memory pool as large as the host's memory.
+on, and a pinned host memory pool per GPU sized from the host's memory.
 
 ``import gtp_jax`` calls `apply_default_xla_flags` before anything can start the XLA backend
 (which reads ``XLA_FLAGS`` and ``XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB`` once). A setting the
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 
-from gtp_jax.base.host import total_bytes
+from gtp_jax.base.host import gpu_count, total_bytes
 
 #: Environment variable that switches the defaults off.
 OPT_OUT = "GTP_JAX_NO_DEFAULT_XLA_FLAGS"
@@ -26,9 +26,16 @@ DEFAULT_XLA_FLAGS: dict[str, str] = {
 #: kind ``"pinned_host"``, where an offloaded optimizer state lives). XLA's default is
 #: `XLA_PINNED_POOL_GIB`: on a 2x H200 host with 256 GiB of memory an offloaded state of
 #: 70 GB per GPU failed with "Out of host memory" at that cap (docs/planning.md). The pool
-#: grows on demand, so gtp_jax sets the cap to the host's memory; nothing is reserved.
+#: grows on demand (nothing is reserved), but in regions of doubling size up to its cap
+#: (XLA's BFC allocator), so it can hold far more than its arrays: the caps of all of a
+#: host's GPUs together must stay within the host's memory, or the pools can grow past it
+#: and the kernel ends the process. gtp_jax sets the cap to `PINNED_POOL_HOST_SHARE` of the
+#: host's memory divided by its GPUs.
 PINNED_POOL_ENV = "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"
 XLA_PINNED_POOL_GIB = 64
+#: The share of the host's memory the pinned pools of all its GPUs may take together; the
+#: rest is for the process itself (Python, compilation, arrays being built).
+PINNED_POOL_HOST_SHARE = 0.9
 
 _ADDED: list[str] = []
 
@@ -59,12 +66,20 @@ def pinned_pool_problem(need_bytes: int, pool_bytes: int | None = None) -> str |
             f"{-(-need_bytes // gib)} (or more) before the process starts JAX")
 
 
+def default_pinned_pool_gib(host_bytes: int, gpus: int | None) -> int:
+    """The pinned host pool per device gtp_jax sets (GiB): `PINNED_POOL_HOST_SHARE` of
+    `host_bytes` over `gpus` (the host's GPUs; None: 1), so that the pools of all of them
+    cannot grow past the host's memory together."""
+    return int(host_bytes * PINNED_POOL_HOST_SHARE) // max(gpus or 1, 1) // 2**30
+
+
 def apply_default_xla_flags(environ: dict[str, str] | None = None,
-                            host_bytes: int | None = None) -> list[str]:
+                            host_bytes: int | None = None,
+                            gpus: int | None = None) -> list[str]:
     """Appends `DEFAULT_XLA_FLAGS` to ``XLA_FLAGS`` in `environ` (default: ``os.environ``),
-    and sets `PINNED_POOL_ENV` to the host's memory in GiB (`host_bytes`; default
-    `gtp_jax.base.host.total_bytes`: ``MemTotal`` or the cgroup's limit) when it is unset
-    and larger than XLA's default.
+    and sets `PINNED_POOL_ENV`, when it is unset, to `default_pinned_pool_gib` of
+    `host_bytes` (default `gtp_jax.base.host.total_bytes`: ``MemTotal`` or the cgroup's
+    limit) and `gpus` (default `gtp_jax.base.host.gpu_count`, the GPUs on this host).
 
     Returns the settings added (empty when `OPT_OUT` is set or the user made them all).
     """
@@ -77,8 +92,9 @@ def apply_default_xla_flags(environ: dict[str, str] | None = None,
     if added:
         env["XLA_FLAGS"] = " ".join([current, *added]).strip()
     host_bytes = total_bytes() if host_bytes is None else host_bytes
-    if PINNED_POOL_ENV not in env and host_bytes and host_bytes // 2**30 > XLA_PINNED_POOL_GIB:
-        env[PINNED_POOL_ENV] = str(host_bytes // 2**30)
+    if PINNED_POOL_ENV not in env and host_bytes:
+        gpus = gpu_count() if gpus is None else gpus
+        env[PINNED_POOL_ENV] = str(max(default_pinned_pool_gib(host_bytes, gpus), 1))
         added.append(f"{PINNED_POOL_ENV}={env[PINNED_POOL_ENV]}")
     if environ is None:
         _ADDED[:] = added

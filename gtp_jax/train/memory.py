@@ -24,7 +24,12 @@ from flax import nnx
 
 from gtp_jax.base.errors import UsageError, UsageTypeError
 from gtp_jax.base.metadata import STACKED
-from gtp_jax.base.xla_flags import pinned_pool_bytes, pinned_pool_problem
+from gtp_jax.base.xla_flags import (
+    PINNED_POOL_ENV,
+    PINNED_POOL_HOST_SHARE,
+    pinned_pool_bytes,
+    pinned_pool_problem,
+)
 from gtp_jax.models import Transformer
 from gtp_jax.sharding.offload import DEFAULT_GROUP_LAYERS, MASTER_DEVICE_DTYPE, stream_units
 from gtp_jax.train import host_memory, observe
@@ -139,9 +144,19 @@ def _matches(path: str, patterns: tuple[str, ...]) -> bool:
     return any(re.search(p, path) for p in patterns)
 
 
+#: How much larger than its arrays XLA's pinned host pool can grow, at most about: its BFC
+#: allocator adds regions of doubling size, each at least the request it was added for, and
+#: a large array that does not fit a region's free tail opens the next one (arrays of 33
+#: GiB each: regions of 64, 64 and 128 GiB, 256 GiB for the 99 GiB held).
+POOL_GROWTH = 3
+
+
 def pinned_host_problem(cfg: TrainConfig, *, pool_bytes: int, available_bytes: int | None,
                         local_devices: int) -> str | None:
-    """Why `cfg`'s offloaded optimizer state cannot fit in pinned host memory, or None.
+    """Why `cfg`'s offloaded optimizer state cannot fit in pinned host memory, or None:
+    over XLA's pool per device; over the host's available memory for all of this process's
+    devices; or pools whose caps together exceed that memory while the state is large
+    enough (`POOL_GROWTH`) that their growth could reach it.
 
     Args:
       cfg: the run.
@@ -163,6 +178,18 @@ def pinned_host_problem(cfg: TrainConfig, *, pool_bytes: int, available_bytes: i
                 f"host memory per device x {local_devices} devices in this process = "
                 f"{need * local_devices / gib:.2f} GiB but the host has "
                 f"{available_bytes / gib:.2f} GiB available; {more}")
+    if (available_bytes is not None and pool_bytes * local_devices > available_bytes
+            and POOL_GROWTH * need * local_devices > available_bytes):
+        fit = int(available_bytes * PINNED_POOL_HOST_SHARE) // local_devices // gib
+        fix = (f"set {PINNED_POOL_ENV}={fit} before the process starts JAX (it holds the "
+               f"{need / gib:.2f} GiB), or {more}" if fit * gib >= need else more)
+        return (f"XLA's pinned host pool grows in regions of doubling size up to its cap, "
+                f"{pool_bytes / gib:.0f} GiB per device ({PINNED_POOL_ENV}): for an "
+                f"offloaded state of {need / gib:.2f} GiB per device the pools of "
+                f"{local_devices} devices may take up to "
+                f"{pool_bytes * local_devices / gib:.0f} GiB, more than the host's "
+                f"{available_bytes / gib:.2f} GiB available, and the kernel would end the "
+                f"process while the state is built; {fix}")
     return None
 
 
