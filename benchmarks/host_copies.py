@@ -14,6 +14,10 @@ except in ``mixed``):
   the two directions overlap on different engines (they did not: docs/planning.md);
 * ``padded``: the same with one host array per group, ``PAD`` elements longer than its
   moments, so the layout after the step is the layout before it;
+* ``looped``: the trainer's layout updated group by group inside ``lax.fori_loop``, each
+  copy a slice at the loop index: XLA's GPU backend can turn a slice whose offset depends
+  only on a loop's induction variable into a memcpy (``DynamicMemcpyThunk``), a DMA transfer
+  instead of a kernel, with no double buffering across iterations;
 * ``in`` / ``out`` / ``both``: the copies alone (whole arrays host -> device,
   device -> host, or both at once), the link's rates for comparison.
 
@@ -135,6 +139,28 @@ def stacked_static_step(params, ms, vs, grads, *, group: int):
     return jnp.concatenate(out_p), ms, vs
 
 
+def looped_step(params, ms, vs, grads):
+    """One ``[layers, n]`` host buffer per moment, one group per iteration of a
+    ``fori_loop``: its moments in, its update, its moments written back in place."""
+    def body(k, carry):
+        p, ms, vs = carry
+        m = jax.device_put(jax.lax.dynamic_index_in_dim(ms, k, 0, keepdims=False),
+                           jax.memory.Space.Device)
+        v = jax.device_put(jax.lax.dynamic_index_in_dim(vs, k, 0, keepdims=False),
+                           jax.memory.Space.Device)
+        new_p, m, v = _adam(jax.lax.dynamic_index_in_dim(p, k, 0, keepdims=False),
+                            jax.lax.dynamic_index_in_dim(grads, k, 0, keepdims=False),
+                            m, v, 2.0)
+        p = jax.lax.dynamic_update_index_in_dim(p, new_p, k, 0)
+        ms = jax.lax.dynamic_update_index_in_dim(ms, jax.device_put(m, jax.memory.Space.Host),
+                                                 k, 0)
+        vs = jax.lax.dynamic_update_index_in_dim(vs, jax.device_put(v, jax.memory.Space.Host),
+                                                 k, 0)
+        return p, ms, vs
+
+    return jax.lax.fori_loop(0, params.shape[0], body, (params, ms, vs))
+
+
 PAD = 128  # elements beyond a group's moments in its padded host array
 
 
@@ -216,6 +242,16 @@ def main() -> None:
         fn = jax.jit(lambda p, m, v, g: stacked_static_step(p, m, v, g, group=1),
                      donate_argnums=(0, 1, 2), out_shardings=(dev, host, host))
         rows.append(("stacked, static slices",
+                     _time(fn, (p, ms, vs), args.steps, g), 2 * moment_gb))
+        del p, g, ms, vs, fn
+
+    if "looped" in forms:
+        p, g = params_and_grads()
+        ms = jax.device_put(np.zeros((L, N), np.float32), host)
+        vs = jax.device_put(np.zeros((L, N), np.float32), host)
+        fn = jax.jit(lambda p, m, v, g: looped_step(p, m, v, g),
+                     donate_argnums=(0, 1, 2), out_shardings=(dev, host, host))
+        rows.append(("stacked, one group per loop iteration",
                      _time(fn, (p, ms, vs), args.steps, g), 2 * moment_gb))
         del p, g, ms, vs, fn
 
