@@ -303,6 +303,35 @@ def test_partial_offload_of_any_optax_optimizer_trains_like_the_device():
     _check_memory_kinds(optimizer, KEEP)
 
 
+def test_per_parameter_state_not_of_the_parameters_shape_is_placed_whole_or_refused():
+    """``optax.zero_nans`` keeps one flag per parameter: a plain chain's state is copied
+    whole and trains as on the device; a streamable chain cannot cut it into layer groups
+    and is refused by name before anything is built."""
+    plain = optax.chain(optax.zero_nans(), optax.adamw(1e-3))
+
+    def run(offload: bool) -> tuple[float, list[np.ndarray]]:
+        model, _ = build_model_and_optimizer(dataclasses.replace(CFG, offload_optimizer=offload))
+        step = TrainStep(model, make_nnx_optimizer(model, plain, wrt=nnx.Param), LOSS)
+        tokens = np.random.default_rng(0).integers(0, 256, (CFG.batch_size, CFG.seq_len + 1),
+                                                   dtype=np.int32)
+        loss = float(step(tokens)["loss"])
+        step.sync()
+        return loss, [np.asarray(x) for x in jax.tree.leaves(nnx.state(step.objects))]
+
+    (ref_loss, ref_state), (loss, state) = run(False), run(True)
+    assert loss == ref_loss
+    for a, b in zip(state, ref_state):
+        np.testing.assert_array_equal(a, b)
+
+    model, _ = build_model_and_optimizer(dataclasses.replace(CFG, offload_optimizer=True))
+    before = [np.asarray(x) for x in jax.tree.leaves(nnx.state(model))]
+    streamed = streamable_chain(optax.clip_by_global_norm(1.0), plain)
+    with pytest.raises(UsageError, match="holds a \\(\\) value for the .* parameter"):
+        make_nnx_optimizer(model, streamed, wrt=nnx.Param)
+    for a, b in zip(before, jax.tree.leaves(nnx.state(model))):
+        np.testing.assert_array_equal(a, np.asarray(b))
+
+
 def test_partial_offload_is_validated_before_anything_is_placed():
     with pytest.raises(UsageError, match="offload_exclude.*offload_optimizer"):
         gtp_jax.GTPConfig(offload_exclude=("mlp",))

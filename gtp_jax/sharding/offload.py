@@ -140,10 +140,18 @@ def init_on_host(init: Callable[[Any], Any], params: Any, resident: Any = None) 
     def param_shaped(x: Any) -> bool:
         return x is not None and jax.tree.structure(x) == p_def
 
+    def placed(x: Any) -> Any:
+        if not param_shaped(x):
+            return jax.tree.map(lambda _: replicated, x)
+        # One value per parameter: the parameter's sharding where it has the parameter's
+        # shape (moments), replicated where not (a flag or a factored moment per parameter).
+        return p_def.unflatten([
+            sharding if tuple(y.shape) == tuple(p.shape) else replicated
+            for y, p, sharding in zip(p_def.flatten_up_to(x), p_leaves,
+                                      p_def.flatten_up_to(p_shardings))])
+
     abstract = jax.eval_shape(init, params)
-    shardings = jax.tree.map(
-        lambda x: p_shardings if param_shaped(x) else jax.tree.map(lambda _: replicated, x),
-        abstract, is_leaf=param_shaped)
+    shardings = jax.tree.map(placed, abstract, is_leaf=param_shaped)
     check_pinned_pool(abstract, shardings)
     return jax.jit(init, out_shardings=shardings)(params)
 
@@ -372,6 +380,8 @@ def streamed_update(tx: StreamableChain, grads: Any, opt_state: Any, params: Any
         return x is not None and jax.tree.structure(x) == p_def
 
     parts, s_def = jax.tree.flatten(leaf_state, is_leaf=param_shaped)
+    _check_streamable({(j, i): x for j, part in enumerate(parts) if param_shaped(part)
+                       for i, x in enumerate(p_def.flatten_up_to(part))}, p_cur)
     keep = _flags(p_def, resident)
     # The current version of each moment buffer, by (state part, leaf): in host memory,
     # or in device memory for a resident leaf.
@@ -457,6 +467,25 @@ def streamed_update(tx: StreamableChain, grads: Any, opt_state: Any, params: Any
     return p_def.unflatten(p_cur), (new_global, new_leaf_state)
 
 
+def _check_streamable(per_param: dict[tuple[int, int], Any], p_leaves: list[Any]) -> None:
+    """Refuses leaf-wise optimizer state with one value per parameter that is not of that
+    parameter's shape (``per_param``: ``(state part, leaf index) -> array``): a unit's layer
+    slice of it would not be the unit's state.
+
+    Raises:
+      UsageError: such a value, named with its shape and the parameter's.
+    """
+    for (j, i), x in per_param.items():
+        if tuple(x.shape) != tuple(p_leaves[i].shape):
+            raise UsageError(
+                f"the optimizer's leaf-wise state (part {j}) holds a {tuple(x.shape)} value "
+                f"for the {tuple(p_leaves[i].shape)} parameter {i}: streaming per layer group "
+                "(offload_optimizer with a streamable_chain) needs per-parameter state of the "
+                "parameter's shape, as AdamW's moments. Put that transformation in the "
+                "whole-tree part of streamable_chain, use a plain optax chain (its state is "
+                "copied whole), or keep the state on the device (offload_optimizer=False).")
+
+
 def _write_back(host: dict[tuple[int, int], Any], unit: list[tuple[int, Any]],
                 start: jax.Array, moments: dict[tuple[int, int], jax.Array], *,
                 after: list[jax.Array]) -> None:
@@ -523,8 +552,8 @@ def init_streamed_on_host(tx: StreamableChain, params: Any, stacked: Any, *,
     parts, s_def = jax.tree.flatten(template, is_leaf=param_shaped)
     moment_parts = [j for j, x in enumerate(parts) if param_shaped(x)]
     shapes = {(j, i): x for j in moment_parts for i, x in enumerate(p_def.flatten_up_to(parts[j]))}
-    if not (units or on_device) or any(x.shape != p_leaves[i].shape
-                                       for (_, i), x in shapes.items()):
+    _check_streamable(shapes, p_leaves)
+    if not (units or on_device):
         return init_on_host(tx.init, params, resident)
     sharding = {key: p_leaves[key[1]].sharding if keep[key[1]] else
                 p_leaves[key[1]].sharding.with_memory_kind(HOST_MEMORY_KIND)
