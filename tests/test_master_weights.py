@@ -271,6 +271,14 @@ def test_a_checkpoint_restores_only_into_the_same_master_weight_setting(tmp_path
             ckpt.restore(*other)
         for path, value in _flat(nnx.state(other)).items():
             np.testing.assert_array_equal(value, before[path], err_msg=path)
+        # The model alone, beside an optimizer that holds its master: the next step would
+        # set the parameters from that (stale) master, undoing the restore. Refused.
+        model_only, its_optimizer = build_model_and_optimizer(CFG)
+        before = _flat(nnx.state((model_only, its_optimizer)))
+        with pytest.raises(UsageError, match="restore it with its optimizer"):
+            ckpt.restore(model_only)
+        for path, value in _flat(nnx.state((model_only, its_optimizer))).items():
+            np.testing.assert_array_equal(value, before[path], err_msg=path)
     # And the other way round.
     plain = build_model_and_optimizer(dataclasses.replace(CFG, offload_master_weights=False))
     with Checkpointer(CheckpointConfig(str(tmp_path / "plain"), async_save=False)) as ckpt:

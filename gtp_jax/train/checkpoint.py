@@ -372,10 +372,13 @@ class Checkpointer:
 
         Raises:
           UsageError: no such step, or the checkpoint does not match `model` / `optimizer`
-            (missing or extra variables, other logical shapes or dtypes).
+            (missing or extra variables, other logical shapes or dtypes), or `model`'s
+            master weights are held by an optimizer that is not restored with it.
           CheckpointCorruptError: unreadable files or a checksum mismatch.
         """
         step = self._checked_step(step)
+        if optimizer is None:
+            _check_model_alone(model)
         meta = self._read_meta(step)
         flat = _flat_arrays(model, optimizer)
         _check_compatible(meta, flat, self.config.directory, step)
@@ -690,6 +693,24 @@ def _check_compatible(meta: Mapping[str, Any], flat: Mapping[str, tuple[nnx.Vari
                 f"{where}: {path} is stored as {tuple(old)} and cannot be restored into "
                 f"{tuple(new)} (only GTP padding may differ); the model config differs."
             )
+
+
+def _check_model_alone(model: nnx.Module) -> None:
+    """Refuses restoring `model` without its optimizer when an optimizer holds its float32
+    master weights (``GTPConfig.offload_master_weights``, parameters already held in a
+    narrower dtype): each step sets the parameters from that master, so the restored
+    values would be undone by the next step."""
+    config = getattr(model, "config", None)
+    if not getattr(config, "offload_master_weights", False):
+        return
+    narrow = [x for x in jax.tree.leaves(nnx.state(model, nnx.Param))
+              if jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != jnp.float32]
+    if narrow:
+        raise UsageError(
+            "Checkpointer.restore: this model's float32 master weights live in its "
+            "optimizer's state (GTPConfig.offload_master_weights=True) and every step sets "
+            "the parameters from them, so a model restored alone would be undone by the next "
+            "step; restore it with its optimizer (restore(model, optimizer)).")
 
 
 def _keeps_master(paths: Any) -> bool:
