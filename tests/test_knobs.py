@@ -295,3 +295,26 @@ def test_host_memory_refusal_at_the_cli(monkeypatch, capsys) -> None:
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "of host memory, but 2.00 GiB are available" in err
     assert "--preset such as 'small'" in err and "--batch" in err and "--seq" in err
+
+
+def test_the_clip_takes_the_global_norm_in_float32_and_matches_optax_on_float32():
+    from gtp_jax.train.optim import clip_by_global_norm
+
+    rng = np.random.default_rng(0)
+    wide = [jnp.asarray(rng.normal(size=(4096,)), jnp.float32) for _ in range(300)]
+    # float32 gradients: optax's own arithmetic, bit for bit
+    ours, _ = clip_by_global_norm(1.0).update(wide, optax.EmptyState())
+    theirs, _ = optax.clip_by_global_norm(1.0).update(wide, optax.EmptyState())
+    for a, b in zip(ours, theirs):
+        np.testing.assert_array_equal(a, b)
+    # bfloat16 gradients: the norm of the float32 values, not a bfloat16 running sum
+    narrow = [g.astype(jnp.bfloat16) for g in wide]
+    norm = float(np.sqrt(sum(np.sum(np.square(np.asarray(g, np.float32))) for g in narrow)))
+    naive = float(optax.tree.norm(narrow))
+    assert abs(naive - norm) / norm > 1e-3  # what optax alone would clip by
+    clipped, _ = clip_by_global_norm(norm / 2).update(narrow, optax.EmptyState())
+    got = float(np.sqrt(sum(np.sum(np.square(np.asarray(g, np.float32))) for g in clipped)))
+    assert got == pytest.approx(norm / 2, rel=1e-2)  # bfloat16 rounding of each element
+    kept, _ = clip_by_global_norm(norm * 1.0001).update(narrow, optax.EmptyState())
+    for a, b in zip(kept, narrow):  # under the threshold: unchanged
+        np.testing.assert_array_equal(a, b)

@@ -1,6 +1,6 @@
 """The trainer's optimizer: AdamW with global-norm clipping and a learning-rate schedule,
-built from optax (`optax.clip_by_global_norm`, `optax.inject_hyperparams`, the schedules of
-`optax.schedules`), and the checks of its settings.
+built from optax (`clip_by_global_norm`: optax's, with a float32 norm; `optax.inject_hyperparams`;
+the schedules of `optax.schedules`), and the checks of its settings.
 
 The learning rate is an injected hyperparameter: the optimizer state records the rate each
 update used (`current_lr`), so a jitted step reports it without recomputing the schedule.
@@ -23,6 +23,7 @@ import math
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import optax
 
 from gtp_jax.base.errors import UsageError
@@ -54,9 +55,35 @@ def make_optimizer(lr: float, warmup: int, schedule_steps: int, weight_decay: fl
         learning_rate=rate, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay)
     # optax.chain(clip, adamw) with its two parts named, so that an offloaded step can
     # stream AdamW (leaf-wise) per layer group after clipping (whole-tree).
-    clip = optax.identity() if clip_grad_norm == 0 else \
-        optax.clip_by_global_norm(clip_grad_norm)
+    clip = optax.identity() if clip_grad_norm == 0 else clip_by_global_norm(clip_grad_norm)
     return streamable_chain(clip, adamw)
+
+
+def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
+    """``optax.clip_by_global_norm(max_norm)`` with the norm taken in float32 for gradients
+    of a narrower float dtype.
+
+    optax accumulates the squares in the gradients' own dtype: with bfloat16 gradients
+    (master weights in host memory, `GTPConfig.offload_master_weights`) the norm of 300
+    leaves came out 1896 against 1924.8 in float32, so the clip's threshold and scale
+    disagreed with the ``grad_norm`` the trainer reports. Float32 gradients get optax's own
+    arithmetic, bit for bit; the state is optax's (empty).
+
+    Args:
+      max_norm: the largest global L2 norm of the updates (a positive float).
+    """
+    def update(updates: Any, state: Any, params: Any = None) -> tuple[Any, Any]:
+        del params
+        wide = jax.tree.map(
+            lambda g: g.astype(jnp.float32) if jnp.issubdtype(g.dtype, jnp.floating)
+            and jnp.finfo(g.dtype).bits < 32 else g, updates)
+        g_norm = optax.tree.norm(wide)
+        keep = g_norm < max_norm
+        return jax.tree.map(
+            lambda t: jax.lax.select(keep, t, (t / g_norm.astype(t.dtype)) * max_norm),
+            updates), state
+
+    return optax.GradientTransformation(optax.init_empty_state, update)
 
 
 def lr_schedule(lr: float, warmup: int, schedule_steps: int, *, schedule: str = "cosine",
