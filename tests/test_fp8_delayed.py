@@ -405,6 +405,49 @@ def test_a_layer_used_twice_is_refused_and_an_unused_layer_keeps_its_history(key
 # --------------------------------------------------------------------------- training
 
 
+def test_offloaded_optimizer_state_with_delayed_scaling_is_checked_before_the_first_step(
+        key, seed, monkeypatch):
+    """With the optimizer state in host memory (updated in place by the step), a layer used
+    twice is found by a program of the forward and backward passes before the first step:
+    refused with nothing changed, and no copy of the state kept for it. Without the reused
+    layer in FP8 the offloaded steps equal the on-device ones."""
+    from gtp_jax.train.step import make_nnx_optimizer
+
+    mesh = get_mesh("dp2_gtp4")
+    model = _Reuse(nnx.Rngs(seed))
+    batch = jax.device_put(jax.random.randint(key, (8, 5), 0, 37), gtp_jax.data_sharding(mesh))
+    offloaded = dataclasses.replace(DELAYED, offload_optimizer=True)
+    sharded = gtp_jax.shard(nnx.clone(model), mesh, offloaded)
+    step = TrainStep(sharded, make_nnx_optimizer(sharded, optax.adamw(1e-2), wrt=nnx.Param),
+                     _mse)
+    before = _values(step.objects)
+    copies = []  # copies of arrays made to keep them (the state's size again, pinned)
+    put = jax.device_put
+    monkeypatch.setattr(jax, "device_put", lambda x, *a, **k: (
+        copies.append(1) if k.get("may_alias") is False else None, put(x, *a, **k))[1])
+    for _ in range(2):  # refused before anything changed, and again
+        with pytest.raises(UsageError, match=r"layer 'tied' ran 2 times in one step"):
+            step(batch)
+        after = _values(step.objects)
+        for path, value in before.items():
+            np.testing.assert_array_equal(after[path], value, err_msg=path)
+    monkeypatch.undo()
+    assert not copies
+
+    def run(config: gtp_jax.GTPConfig) -> tuple[list[float], dict[str, np.ndarray]]:
+        m = gtp_jax.shard(nnx.clone(model), mesh, config)
+        s = TrainStep(m, make_nnx_optimizer(m, optax.adamw(1e-2), wrt=nnx.Param), _mse)
+        losses = [float(s(batch)["loss"]) for _ in range(2)]
+        s.sync()
+        return losses, _values(m)
+
+    on_device = run(dataclasses.replace(DELAYED, fp8_exclude=("^tied$",)))
+    streamed = run(dataclasses.replace(offloaded, fp8_exclude=("^tied$",)))
+    assert streamed[0] == on_device[0] and np.all(np.isfinite(streamed[0]))
+    for path, value in on_device[1].items():
+        np.testing.assert_array_equal(streamed[1][path], value, err_msg=path)
+
+
 def test_resume_continues_delayed_scaling_exactly(tmp_path: Path) -> None:
     # The tiny preset, unrolled layers (the CPU default), every projection in FP8.
     run = TrainConfig(steps=2, batch_size=8, seq_len=16, warmup=1, dp=2, gtp=4,

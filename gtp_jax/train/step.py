@@ -134,6 +134,7 @@ class TrainStep:
                                  _offload_mode(offload, offload_group_layers),
                                  int(grad_accum))
         self._offload = offload
+        self._loss_fn, self._grad_accum = loss_fn, int(grad_accum)
         # Delayed FP8: the first call checks that no layer ran twice (`_first_fp8_step`).
         self._check_uses = _has_history(model)
 
@@ -154,18 +155,20 @@ class TrainStep:
 
     def _first_fp8_step(self, batch: Any) -> dict[str, jax.Array]:
         """`__call__` with the use-count check: the step program returns the input state
-        where a layer ran twice (`_refuse_reuse`); offloaded optimizer state, which the
-        program leaves to this, is copied (in host memory) before the call."""
-        kept = None
+        where a layer ran twice (`_refuse_reuse`). An offloaded optimizer state, which the
+        step updates in place in host memory, is checked before it instead, by a program
+        of the forward and backward passes alone (`_uses_program`): no copy of the state."""
         if self._offload:
-            kept = map_opt_state(self.state, lambda x: jax.device_put(x, may_alias=False))
+            uses = _uses_program(self.graphdef, self._loss_fn, self._grad_accum)(
+                self.state, batch)
+            check_fp8_uses(jax.device_get(uses))
+            self._check_uses = False
+            return self(batch)
         state, metrics = self._program.fn(self.state, batch)
         uses = metrics.pop(USES_METRIC)
         try:
             check_fp8_uses(jax.device_get(uses))
         except UsageError:
-            if kept is not None:
-                state = _with_opt_state(state, kept)
             # The objects' arrays were donated: give them the (unchanged) values back.
             self.state = state
             self.sync()
@@ -363,13 +366,6 @@ def map_opt_state(state: nnx.State, fn: Callable[[Any], Any], *,
     return nnx.from_flat_state(flat)
 
 
-def _with_opt_state(state: nnx.State, source: nnx.State) -> nnx.State:
-    """`state` with the ``nnx.OptState`` variables of `source` (same paths)."""
-    opt = {tuple(p): v for p, v in nnx.to_flat_state(source) if isinstance(v, nnx.OptState)}
-    return nnx.from_flat_state([(p, opt.get(tuple(p), v))
-                                for p, v in nnx.to_flat_state(state)])
-
-
 def step_program(graphdef: Any, loss_fn: Callable[..., jax.Array], *, grad_norm: bool = True,
                  offload: bool = False,
                  offload_group_layers: int | None = None,
@@ -453,6 +449,20 @@ def _program(graphdef: Any, loss_fn: Callable[..., jax.Array], grad_norm: bool,
     return program
 
 
+@functools.lru_cache(maxsize=CACHE_SIZE)
+def _uses_program(graphdef: Any, loss_fn: Callable[..., jax.Array], grad_accum: int
+                  ) -> Callable[..., dict[str, jax.Array]]:
+    """The jitted ``uses(state, batch)``: each delayed-FP8 layer's use count in the step
+    `TrainStep` would run on `batch` (`history_uses`), from its forward and backward passes
+    alone; nothing is donated or updated."""
+    def uses(state: nnx.State, batch: Any) -> dict[str, jax.Array]:
+        model, _ = nnx.merge(graphdef, state)
+        _, _, history = _grads_and_history(model, loss_fn, batch, grad_accum)
+        return history_uses(history, layer_prefix(model))
+
+    return jax.jit(uses)
+
+
 def _refuse_reuse(before: list[jax.Array], new_state: nnx.State,
                   metrics: dict[str, Any], uses: dict[str, jax.Array], *, on_host: bool
                   ) -> tuple[nnx.State, dict[str, Any]]:
@@ -460,8 +470,8 @@ def _refuse_reuse(before: list[jax.Array], new_state: nnx.State,
     state unchanged (`before`, its leaves) and a NaN loss, so a refused step changes
     nothing and is never silent; `TrainStep` reads ``metrics[USES_METRIC]`` on its first
     call and raises (`check_fp8_uses`). With `on_host` (offloaded optimizer state) the
-    ``nnx.OptState`` leaves, in host memory, are left to `TrainStep` (it keeps a copy on
-    the first call), the rest is selected here.
+    ``nnx.OptState`` leaves, in host memory, are left as updated (`TrainStep` checks the
+    use counts before the first offloaded step instead), the rest is selected here.
 
     The selects fuse into the update's elementwise passes, which read the old values
     anyway; the update waits for the backward pass's use counts, as it already does for
