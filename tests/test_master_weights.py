@@ -249,6 +249,9 @@ def test_master_weights_are_refused_where_they_cannot_work():
     grads = jax.tree.map(jnp.zeros_like, nnx.state(model, nnx.Param))
     with pytest.raises(UsageError, match="TrainStep"):
         optimizer.update(model, grads)
+    # A second optimizer for a model whose parameters the first one holds in bfloat16.
+    with pytest.raises(UsageError, match="optimizer built for it before"):
+        make_nnx_optimizer(model, make_optimizer(CFG), wrt=nnx.Param)
 
 
 def test_a_checkpoint_restores_only_into_the_same_master_weight_setting(tmp_path):

@@ -21,6 +21,7 @@ import collections
 import dataclasses
 import functools
 import re
+import weakref
 from collections.abc import Callable, Hashable
 from typing import Any
 
@@ -60,6 +61,9 @@ USES_METRIC = "fp8_uses"
 
 #: Programs kept (least recently used ones are dropped; a dropped one recompiles on reuse).
 CACHE_SIZE = 16
+#: Models whose parameters `make_nnx_optimizer` holds in bfloat16 for an optimizer's master
+#: weights (to name that, not the dtype, when it is asked for another).
+_MASTER_HELD: weakref.WeakSet[nnx.Module] = weakref.WeakSet()
 
 @dataclasses.dataclass
 class _Program:
@@ -316,6 +320,12 @@ def make_nnx_optimizer(model: nnx.Module, tx: optax.GradientTransformation, *,
                 f"weights with the optimizer state, which needs a streamable chain; tx is "
                 f"{type(tx).__name__}. Build it with gtp_jax.train.make_optimizer (or "
                 "gtp_jax.sharding.offload.streamable_chain(clip, adamw)).")
+        if model in _MASTER_HELD:
+            raise UsageError(
+                "make_nnx_optimizer: this model's parameters are already held in "
+                f"{jnp.dtype(MASTER_DEVICE_DTYPE)} from the float32 master weights of the "
+                "optimizer built for it before (GTPConfig.offload_master_weights); a model has "
+                "one such optimizer: keep using it, or build the model again for another.")
         for path, var in nnx.to_flat_state(nnx.state(model, wrt)):
             dtype = jnp.dtype(var.get_value().dtype)
             if dtype != jnp.float32:
@@ -347,6 +357,7 @@ def make_nnx_optimizer(model: nnx.Module, tx: optax.GradientTransformation, *,
     if master:  # the float32 values are in the state now: the device keeps them rounded
         masters = jax.tree.leaves(nnx.as_pure(optimizer.opt_state)[1].master)
         hold_params_in(model, MASTER_DEVICE_DTYPE, wrt, sources=masters)
+        _MASTER_HELD.add(model)
     return optimizer
 
 
