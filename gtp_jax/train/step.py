@@ -53,7 +53,7 @@ from gtp_jax.sharding.offload import (
     to_host,
     with_master_weights,
 )
-from gtp_jax.train.optim import current_lr
+from gtp_jax.train.optim import current_lr, global_norm
 
 #: The metric under which a delayed-FP8 step returns its layers' use counts (`history_uses`);
 #: `TrainStep` removes it from what it returns.
@@ -446,7 +446,7 @@ def _program(graphdef: Any, loss_fn: Callable[..., jax.Array], grad_norm: bool,
             lr = jnp.asarray(lr, jnp.float32)
             metrics["lr"] = to_device(lr) if offload else lr
         if grad_norm:
-            metrics["grad_norm"] = _global_norm(grads)
+            metrics["grad_norm"] = global_norm(grads)
         new_state = nnx.state((model, optimizer))
         if uses is not None:
             new_state, metrics = _refuse_reuse(state_before, new_state, metrics, uses,
@@ -626,12 +626,6 @@ def _microbatches(x: jax.Array, microbatches: int) -> jax.Array:
                              f"{microbatches} equal microbatches.")
     x = x.reshape(rows // microbatches, microbatches, *x.shape[1:])
     return jnp.swapaxes(x, 0, 1)
-
-
-def _global_norm(tree: Any) -> jax.Array:
-    """float32 L2 norm over every leaf (what ``optax.clip_by_global_norm`` computes)."""
-    squares = [jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(tree)]
-    return jnp.sqrt(sum(squares, jnp.zeros((), jnp.float32)))
 
 
 def _loss_key(loss_fn: Callable[..., Any]) -> Hashable:
