@@ -101,6 +101,8 @@ from gtp_jax.train.layout import (
     zero_padding,
 )
 from gtp_jax.train.lock import CheckpointLockedError, DirectoryLock
+from gtp_jax.train.optim import narrower_than_float32
+from gtp_jax.train.step import offloads_master_weights
 
 #: Bumped when the layout below changes incompatibly.
 FORMAT_VERSION = 1
@@ -700,12 +702,8 @@ def _check_model_alone(model: nnx.Module) -> None:
     master weights (``GTPConfig.offload_master_weights``, parameters already held in a
     narrower dtype): each step sets the parameters from that master, so the restored
     values would be undone by the next step."""
-    config = getattr(model, "config", None)
-    if not getattr(config, "offload_master_weights", False):
-        return
-    narrow = [x for x in jax.tree.leaves(nnx.state(model, nnx.Param))
-              if jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != jnp.float32]
-    if narrow:
+    if offloads_master_weights(model) and any(
+            narrower_than_float32(x.dtype) for x in jax.tree.leaves(nnx.state(model, nnx.Param))):
         raise UsageError(
             "Checkpointer.restore: this model's float32 master weights live in its "
             "optimizer's state (GTPConfig.offload_master_weights=True) and every step sets "

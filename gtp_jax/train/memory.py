@@ -26,7 +26,7 @@ from gtp_jax.base.errors import UsageError, UsageTypeError
 from gtp_jax.base.metadata import STACKED
 from gtp_jax.base.xla_flags import (
     PINNED_POOL_ENV,
-    PINNED_POOL_HOST_SHARE,
+    default_pinned_pool_gib,
     pinned_pool_bytes,
     pinned_pool_problem,
 )
@@ -180,7 +180,7 @@ def pinned_host_problem(cfg: TrainConfig, *, pool_bytes: int, available_bytes: i
                 f"{available_bytes / gib:.2f} GiB available; {more}")
     if (available_bytes is not None and pool_bytes * local_devices > available_bytes
             and POOL_GROWTH * need * local_devices > available_bytes):
-        fit = int(available_bytes * PINNED_POOL_HOST_SHARE) // local_devices // gib
+        fit = default_pinned_pool_gib(available_bytes, local_devices)
         fix = (f"set {PINNED_POOL_ENV}={fit} before the process starts JAX (it holds the "
                f"{need / gib:.2f} GiB), or {more}" if fit * gib >= need else more)
         return (f"XLA's pinned host pool grows in regions of doubling size up to its cap, "

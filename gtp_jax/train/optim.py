@@ -75,8 +75,7 @@ def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
     inner = optax.clip_by_global_norm(max_norm)
 
     def update(updates: Any, state: Any, params: Any = None) -> tuple[Any, Any]:
-        if not any(jnp.issubdtype(g.dtype, jnp.floating) and jnp.finfo(g.dtype).bits < 32
-                   for g in jax.tree.leaves(updates)):
+        if not any(narrower_than_float32(g.dtype) for g in jax.tree.leaves(updates)):
             return inner.update(updates, state, params)
         g_norm = global_norm(updates)
         keep = g_norm < max_norm
@@ -85,6 +84,12 @@ def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
             updates), state
 
     return optax.GradientTransformation(inner.init, update)
+
+
+def narrower_than_float32(dtype: Any) -> bool:
+    """Whether `dtype` is a float narrower than float32 (bfloat16, float16, fp8): its sums
+    of many terms are kept in float32."""
+    return bool(jnp.issubdtype(dtype, jnp.floating) and jnp.finfo(dtype).bits < 32)
 
 
 def global_norm(tree: Any) -> jax.Array:

@@ -21,7 +21,6 @@ import collections
 import dataclasses
 import functools
 import re
-import weakref
 from collections.abc import Callable, Hashable
 from typing import Any
 
@@ -53,7 +52,7 @@ from gtp_jax.sharding.offload import (
     to_host,
     with_master_weights,
 )
-from gtp_jax.train.optim import current_lr, global_norm
+from gtp_jax.train.optim import current_lr, global_norm, narrower_than_float32
 
 #: The metric under which a delayed-FP8 step returns its layers' use counts (`history_uses`);
 #: `TrainStep` removes it from what it returns.
@@ -61,9 +60,6 @@ USES_METRIC = "fp8_uses"
 
 #: Programs kept (least recently used ones are dropped; a dropped one recompiles on reuse).
 CACHE_SIZE = 16
-#: Models whose parameters `make_nnx_optimizer` holds in bfloat16 for an optimizer's master
-#: weights (to name that, not the dtype, when it is asked for another).
-_MASTER_HELD: weakref.WeakSet[nnx.Module] = weakref.WeakSet()
 
 @dataclasses.dataclass
 class _Program:
@@ -320,19 +316,16 @@ def make_nnx_optimizer(model: nnx.Module, tx: optax.GradientTransformation, *,
                 f"weights with the optimizer state, which needs a streamable chain; tx is "
                 f"{type(tx).__name__}. Build it with gtp_jax.train.make_optimizer (or "
                 "gtp_jax.sharding.offload.streamable_chain(clip, adamw)).")
-        if model in _MASTER_HELD:
-            raise UsageError(
-                "make_nnx_optimizer: this model's parameters are already held in "
-                f"{jnp.dtype(MASTER_DEVICE_DTYPE)} from the float32 master weights of the "
-                "optimizer built for it before (GTPConfig.offload_master_weights); a model has "
-                "one such optimizer: keep using it, or build the model again for another.")
         for path, var in nnx.to_flat_state(nnx.state(model, wrt)):
             dtype = jnp.dtype(var.get_value().dtype)
             if dtype != jnp.float32:
                 raise UsageError(
                     f"make_nnx_optimizer: GTPConfig(offload_master_weights=True) keeps float32 "
                     f"master weights, but parameter {'/'.join(map(str, path))} is {dtype}; use "
-                    "float32 parameters (param_dtype) or drop offload_master_weights.")
+                    "float32 parameters (param_dtype) or drop offload_master_weights. With an "
+                    "optimizer built for it before (which holds the parameters in "
+                    f"{jnp.dtype(MASTER_DEVICE_DTYPE)} for its master weights), keep using that "
+                    "optimizer or build the model again.")
         tx = with_master_weights(tx)
 
     def host_init(state: nnx.State) -> Any:
@@ -357,7 +350,6 @@ def make_nnx_optimizer(model: nnx.Module, tx: optax.GradientTransformation, *,
     if master:  # the float32 values are in the state now: the device keeps them rounded
         masters = jax.tree.leaves(nnx.as_pure(optimizer.opt_state)[1].master)
         hold_params_in(model, MASTER_DEVICE_DTYPE, wrt, sources=masters)
-        _MASTER_HELD.add(model)
     return optimizer
 
 
@@ -566,8 +558,8 @@ def _grad_sum_zeros(params: nnx.State) -> nnx.State:
     (bfloat16 ones under `GTPConfig.offload_master_weights`: a sum of many bfloat16 terms
     would round at every add), else the parameter's dtype."""
     def zeros(p: jax.Array) -> jax.Array:
-        wide = jnp.issubdtype(p.dtype, jnp.floating) and jnp.finfo(p.dtype).bits < 32
-        return jnp.zeros_like(p, dtype=jnp.float32 if wide else p.dtype)
+        return jnp.zeros_like(p, dtype=jnp.float32 if narrower_than_float32(p.dtype)
+                              else p.dtype)
 
     return jax.tree.map(zeros, params)
 
