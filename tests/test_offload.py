@@ -30,18 +30,23 @@ from gtp_jax.base.metadata import STACKED
 from gtp_jax.models import lm_loss
 from gtp_jax.sharding.offload import (
     HOST_MEMORY_KIND,
+    HostGroups,
     check_pinned_pool,
+    group_moments,
     host_bytes_per_device,
     host_memory_supported,
     init_streamed_on_host,
+    join_groups,
     stream_units,
     streamable_chain,
+    streaming_compiler_options,
+    supported_compiler_options,
 )
 from gtp_jax.train import TrainConfig
 from gtp_jax.train.checkpoint import CheckpointConfig, Checkpointer
 from gtp_jax.train.config import make_optimizer
 from gtp_jax.train.loop import build_model_and_optimizer
-from gtp_jax.train.step import TrainStep, make_nnx_optimizer, step_program
+from gtp_jax.train.step import TrainStep, join_offloaded, make_nnx_optimizer, step_program
 
 CFG = TrainConfig(preset="tiny", batch_size=8, seq_len=32, dp=2, gtp=4, steps=3, warmup=1)
 LOSS = functools.partial(lm_loss, aux_weight=0.0)
@@ -52,8 +57,8 @@ LOSS = functools.partial(lm_loss, aux_weight=0.0)
 KEEP = ("mlp/down", "lm_head")
 
 
-def _run(offload: bool, group: int | None = None, keep: tuple[str, ...] = ()
-         ) -> tuple[list[np.ndarray], list[np.ndarray], TrainStep]:
+def _run(offload: bool, group: int | None = None, keep: tuple[str, ...] = (),
+         sync_each: bool = False) -> tuple[list[np.ndarray], list[np.ndarray], TrainStep]:
     cfg = dataclasses.replace(CFG, offload_optimizer=offload, offload_exclude=keep)
     model, optimizer = build_model_and_optimizer(cfg)
     step = TrainStep(model, optimizer, LOSS, offload_group_layers=group)
@@ -62,6 +67,8 @@ def _run(offload: bool, group: int | None = None, keep: tuple[str, ...] = ()
     for _ in range(cfg.steps):
         tokens = rng.integers(0, 256, (cfg.batch_size, cfg.seq_len + 1), dtype=np.int32)
         losses.append(np.asarray(step(tokens)["loss"]))
+        if sync_each:  # as before each checkpoint: joined, then grouped again to train on
+            step.sync()
     step.sync()
     leaves = [np.asarray(x) for x in jax.tree.leaves(nnx.state(step.objects))]
     return losses, leaves, step
@@ -74,6 +81,7 @@ def test_offloaded_optimizer_state_trains_bit_identically():
     # preset's 4: a full group and a remainder of one layer.
     for group in (None, 3):
         _check_bit_identical(_run(True, group=group), ref_losses, ref_state)
+    _check_bit_identical(_run(True, group=3, sync_each=True), ref_losses, ref_state)
     # Partial offload: the kept moments are updated on the device, the others streamed.
     _check_bit_identical(_run(True, keep=KEEP), ref_losses, ref_state, keep=KEEP)
 
@@ -104,17 +112,24 @@ def _check_memory_kinds(optimizer: nnx.Optimizer, keep: tuple[str, ...]) -> None
     assert {kinds[p] for p in kinds if p not in kept} == {HOST_MEMORY_KIND}
 
 
-def _traced_step(group: int | None) -> tuple[list, list[tuple[int, ...]], list]:
+def _traced_step(group: int | None, layout: str = "grouped"
+                 ) -> tuple[list, list[tuple[int, ...]], list]:
     """The traced offloaded step's equations (inside its jit), the shapes of the
-    layer-stacked parameters, and the jaxpr's input variables."""
+    layer-stacked parameters, and the jaxpr's input variables. `layout`: ``"grouped"``, the
+    state as `TrainStep` trains it (one host array per layer group), or ``"stacked"``, as
+    it is stored (`join_offloaded`: one host buffer per stacked moment)."""
     cfg = dataclasses.replace(CFG, offload_optimizer=True)
     model, optimizer = build_model_and_optimizer(cfg)
     step = TrainStep(model, optimizer, LOSS, offload_group_layers=group)
     stacked = [tuple(v.get_value().shape) for _, v in nnx.to_flat_state(nnx.state(model, nnx.Param))
                if v.get_metadata().get(STACKED)]
     tokens = np.zeros((cfg.batch_size, cfg.seq_len + 1), np.int32)
+    state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                         step.state)
+    if layout == "stacked":
+        state = join_offloaded(state)
     outer = jax.make_jaxpr(step_program(step.graphdef, LOSS, offload=True,
-                                        offload_group_layers=group))(step.state, tokens)
+                                        offload_group_layers=group))(state, tokens)
     (call,) = [e for e in outer.jaxpr.eqns if "jaxpr" in e.params]
     inner = call.params["jaxpr"].jaxpr
     return inner.eqns, stacked, inner.invars
@@ -138,8 +153,9 @@ def _to(e: object, space: str) -> bool:
 
 
 @pytest.mark.parametrize("group", [None, 2])
-def test_offloaded_step_copies_moments_per_layer_group_in_order(group):
-    eqns, stacked, invars = _traced_step(group)
+@pytest.mark.parametrize("layout", ["grouped", "stacked"])
+def test_offloaded_step_copies_moments_per_layer_group_in_order(group, layout):
+    eqns, stacked, invars = _traced_step(group, layout)
     producer, ancestors = _ancestors(eqns)
     size = 1 if group is None else group  # None: the default, one layer per unit
     ins = [n for n, e in enumerate(eqns) if _to(e, "Device") and e.outvars[0].aval.shape]
@@ -156,12 +172,28 @@ def test_offloaded_step_copies_moments_per_layer_group_in_order(group):
     assert sorted(len(u) for u in units.values()) == (
         [2, 2, 2] + [2 * len(stacked)] * (4 // size))
     _assert_at_most_two_units_in_flight(list(units.values()), ancestors)
+    group_shapes = {(size, *s[1:]) for s in stacked}
+    if layout == "grouped":
+        # Whole-array copies (DMA transfers): each group's moments come in as an input host
+        # array through its unit's barrier, and go out as a new host array.
+        for n in ins:
+            if eqns[n].outvars[0].aval.shape in group_shapes:
+                src = eqns[producer[eqns[n].invars[0]]]
+                assert src.primitive.name == "optimization_barrier"
+                assert src.invars[src.outvars.index(eqns[n].invars[0])] in invars
+        outs = [n for n, e in enumerate(eqns) if _to(e, "Host")
+                and e.outvars[0].aval.shape in group_shapes]
+        assert len(outs) == 2 * len(stacked) * (4 // size)
+        # and no slice of a host buffer is written in place.
+        assert not [e for e in eqns if e.primitive.name == "dynamic_update_slice"
+                    and e.invars[1] in producer and _to(eqns[producer[e.invars[1]]], "Host")]
+        return
 
     # Partial copies: each stacked slice comes in as a dynamic slice of a host buffer whose
     # start index came through an optimization barrier (XLA cannot fold it into a static
     # slice, which may copy the whole buffer).
     for n in ins:
-        if eqns[n].outvars[0].aval.shape in {(size, *s[1:]) for s in stacked}:
+        if eqns[n].outvars[0].aval.shape in group_shapes:
             src = eqns[producer[eqns[n].invars[0]]]
             assert src.primitive.name == "dynamic_slice"
             buf, start = src.invars[:2]  # the layer index; the other dims' starts are 0
@@ -207,6 +239,47 @@ def _assert_at_most_two_units_in_flight(units: list[list[int]],
         for j, b in enumerate(units[i + 1:], i + 1):
             for c in units[j + 1:]:
                 assert ordered(a, b) or ordered(a, c) or ordered(b, c), (i, j)
+
+
+def test_grouped_moments_split_and_join_exactly_in_host_memory():
+    # One host array per layer group (3 + 1 layers of 4), the same values, the stacked
+    # leaf's sharding; joined back, the stacked arrays bit for bit; a split or joined array
+    # is deleted (the host holds one leaf twice at most); abstract leaves give abstract groups.
+    mesh = jax.make_mesh((8,), ("gtp",))
+    host = NamedSharding(mesh, P(None, "gtp"), memory_kind=HOST_MEMORY_KIND)
+    values = np.random.default_rng(3).normal(size=(4, 16)).astype(np.float32)
+    params = {"w": jax.device_put(values, host.with_memory_kind("device")),
+              "b": jax.device_put(values[0], NamedSharding(mesh, P("gtp")))}
+    mu = {"w": jax.device_put(values, host), "b": jax.device_put(values[0] * 2, NamedSharding(
+        mesh, P("gtp"), memory_kind=HOST_MEMORY_KIND))}
+    state = ((), ({"count": jnp.int32(1)}, mu))
+    stacked = {"w": True, "b": False}
+    mu_w = mu["w"]
+    grouped = group_moments(state, params, stacked, 3)
+    groups = grouped[1][1]["w"]
+    assert isinstance(groups, HostGroups) and groups.shape == (4, 16)
+    assert [g.shape for g in groups.groups] == [(3, 16), (1, 16)]
+    assert {g.sharding.memory_kind for g in groups.groups} == {HOST_MEMORY_KIND}
+    np.testing.assert_array_equal(np.concatenate([np.asarray(g) for g in groups.groups]),
+                                  values)
+    assert mu_w.is_deleted()
+    assert grouped[1][1]["b"] is mu["b"]  # not stacked: untouched
+    joined = join_groups(grouped)
+    assert joined[1][1]["w"].sharding == host
+    np.testing.assert_array_equal(np.asarray(joined[1][1]["w"]), values)
+    assert all(g.is_deleted() for g in groups.groups)
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                                           sharding=x.sharding), joined)
+    groups = group_moments(abstract, params, stacked, 3)[1][1]["w"]
+    assert [(g.shape, g.sharding) for g in groups.groups] == [((3, 16), host), ((1, 16), host)]
+    assert join_groups(groups) == abstract[1][1]["w"]
+
+
+def test_streaming_compiler_options_are_dropped_where_xla_does_not_know_them():
+    # On a GPU the offloaded step asks XLA for more transfers in flight; an XLA without the
+    # option compiles the step as before instead of failing, and other backends get none.
+    assert supported_compiler_options({"xla_gtp_jax_no_such_option": 1}) == {}
+    assert streaming_compiler_options() == {}  # the tests' CPU backend
 
 
 @pytest.mark.parametrize("keep", [(), KEEP], ids=["all", "partial"])

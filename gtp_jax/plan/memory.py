@@ -33,7 +33,12 @@ import gtp_jax
 from gtp_jax.base.errors import UsageError
 from gtp_jax.models import Transformer, lm_loss
 from gtp_jax.sharding.module import hold_params_in
-from gtp_jax.sharding.offload import MASTER_DEVICE_DTYPE, host_shapes, with_master_weights
+from gtp_jax.sharding.offload import (
+    DEFAULT_GROUP_LAYERS,
+    MASTER_DEVICE_DTYPE,
+    host_shapes,
+    with_master_weights,
+)
 from gtp_jax.train.config import (
     TrainConfig,
     check_devices,
@@ -42,7 +47,7 @@ from gtp_jax.train.config import (
     model_config,
     resolve_auto,
 )
-from gtp_jax.train.step import map_opt_state, resident_paths, step_program
+from gtp_jax.train.step import group_offloaded, map_opt_state, resident_paths, step_program
 
 #: Programs compiled at a time on a GPU host (`compiled_memories`).
 CONCURRENT_COMPILES = 3
@@ -107,8 +112,9 @@ def abstract_train_state(cfg: TrainConfig) -> tuple[Any, nnx.State, jax.ShapeDty
         flat.append((path, var.replace(value=jax.ShapeDtypeStruct(
             value.shape, value.dtype, sharding=sharding))))
     state = nnx.from_flat_state(flat)
-    if cfg.offload_optimizer:
+    if cfg.offload_optimizer:  # in host memory, grouped as the trainer's step holds it
         state = map_opt_state(state, host_shapes, keep=resident_paths(model))
+        state = group_offloaded(graphdef, state, DEFAULT_GROUP_LAYERS)
     batch = jax.ShapeDtypeStruct((cfg.batch_size, cfg.seq_len + 1), np.int32,
                                  sharding=gtp_jax.data_sharding(mesh))
     return graphdef, state, batch

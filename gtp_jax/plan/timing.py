@@ -49,10 +49,13 @@ from jax.sharding import PartitionSpec as P
 from gtp_jax.base.errors import UsageError
 from gtp_jax.models.attention import resolve_attention_impl
 from gtp_jax.sharding.offload import (
+    DEFAULT_GROUP_LAYERS,
+    group_moments,
     host_memory_supported,
     init_streamed_on_host,
     streamable_chain,
     streamed_update,
+    streaming_compiler_options,
 )
 from gtp_jax.train.config import TrainConfig, make_optimizer, model_config, resolve_auto
 from gtp_jax.train.memory import pinned_host_bound
@@ -141,7 +144,7 @@ def cache_path() -> str:
 ATTENTION_SEQS = (1024, 2048, 4096, 8192)
 
 #: Bumped when what `measure` measures changes, so older cached rates are measured again.
-CALIBRATION_VERSION = 7
+CALIBRATION_VERSION = 8
 
 
 def _cache_key(dtype: str) -> str:
@@ -337,7 +340,9 @@ def _host_rate(mesh: jax.sharding.Mesh, *, units: int, elems: int) -> float:
     """Bytes per second per device that an offloaded step moves between pinned host memory
     and the device, both ways together: `streamed_update` (the trainer's offloaded update)
     of a layer-stacked float32 weight of `units` layers of `elems` elements per device,
-    AdamW's moments in host memory, timed inside its program (the fastest of 5 steps, the
+    AdamW's moments in host memory grouped one array per layer as the trainer holds them
+    (`group_moments`), compiled with the trainer's `streaming_compiler_options`, timed
+    inside its program (the fastest of 5 steps, the
     state donated from one to the next as the trainer does). A round trip of one array
     outside a program measured 23-28 GB/s on two GPUs, half the rate the trainer's copies
     reach: its dispatch and small transfers were what it timed."""
@@ -346,13 +351,16 @@ def _host_rate(mesh: jax.sharding.Mesh, *, units: int, elems: int) -> float:
     params = jax.device_put(jnp.ones((units, count * elems), jnp.float32), sharding)
     grads = jax.device_put(jnp.full((units, count * elems), 1e-3, jnp.float32), sharding)
     tx = streamable_chain(optax.identity(), optax.adam(1e-3))
-    state = init_streamed_on_host(tx, {"w": params}, {"w": True})
+    # Grouped per layer as `TrainStep` holds it, compiled with the trainer's options.
+    state = group_moments(init_streamed_on_host(tx, {"w": params}, {"w": True}),
+                          {"w": params}, {"w": True}, DEFAULT_GROUP_LAYERS)
 
     def update(p: jax.Array, state: Any, g: jax.Array) -> tuple[jax.Array, Any]:
         new_p, new_state = streamed_update(tx, {"w": g}, state, {"w": p}, {"w": True})
         return new_p["w"], new_state
 
-    step = jax.jit(update, donate_argnums=(0, 1))
+    step = jax.jit(update, donate_argnums=(0, 1),
+                   compiler_options=streaming_compiler_options() or None)
     args = (params, state)
     for _ in range(2):
         args = step(*args, grads)

@@ -30,6 +30,7 @@ steps but brings all of it to the device for the update.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -50,6 +51,174 @@ HOST_MEMORY_KIND = "pinned_host"
 #: Layers of the layer-stacked weights per streamed unit by default: one layer's moments
 #: (of every stacked weight) in device memory at a time, a small fraction of the state.
 DEFAULT_GROUP_LAYERS = 1
+
+
+#: XLA options for a program that streams an offloaded state (`streaming_compiler_options`).
+#: XLA's GPU scheduler keeps at most ``xla_gpu_experimental_parallel_async_compute_limit``
+#: asynchronous copies (and other async computations) in flight, 2 by default, and puts
+#: them on its extra streams in turn, so two copies in flight often share one stream and
+#: the two directions seldom overlap. With 16 the offloaded step of the 1b preset took
+#: 257.3 ms instead of 340.7, and llama3-8b's 1856.8 instead of 2514.2 at 8 (2 gave the
+#: 1b 340.7; 64 gave 321.8 and a 1.7x larger peak for llama3-8b): docs/planning.md.
+STREAMING_COMPILER_OPTIONS: dict[str, Any] = {
+    "xla_gpu_experimental_parallel_async_compute_limit": 16,
+}
+
+
+@functools.cache
+def streaming_compiler_options() -> dict[str, Any]:
+    """`STREAMING_COMPILER_OPTIONS` for ``jax.jit(..., compiler_options=...)`` of a program
+    that streams an offloaded optimizer state: on GPUs, the options this XLA knows
+    (`supported_compiler_options`); ``{}`` on other backends, which have no such scheduler."""
+    if jax.default_backend() != "gpu":
+        return {}
+    return supported_compiler_options(STREAMING_COMPILER_OPTIONS)
+
+
+def supported_compiler_options(options: dict[str, Any]) -> dict[str, Any]:
+    """`options` if this XLA compiles an empty program with them, else ``{}``: an XLA that
+    lacks one (a newer or older release) compiles the program as before."""
+    try:
+        jax.jit(lambda: jnp.zeros(()), compiler_options=options).lower().compile()
+    except Exception:  # noqa: BLE001 - XLA refuses an option it does not know
+        return {}
+    return dict(options)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class HostGroups:
+    """A layer-stacked optimizer-state leaf (an AdamW moment or master weight of a
+    ``gtp_stacked`` parameter) kept in host memory as one array per layer group.
+
+    Each group's copy to the device and back is then a whole-array transfer, which XLA makes
+    a DMA on its copy stream, beside compute; a slice of one stacked host buffer is instead
+    copied by a kernel on the compute stream (see docs/planning.md, "Where the copies go").
+    `gtp_jax.train.TrainStep` keeps an offloaded state grouped while it trains and gives
+    the optimizer object the stacked arrays back on ``sync()`` (`join_groups`), so
+    checkpoints and every reader see the stacked layout.
+
+    Attributes:
+      groups: arrays ``[layers_g, *rest]`` (or ``jax.ShapeDtypeStruct``), the layer groups in
+        order (`layer_spans`), each with the stacked leaf's sharding.
+    """
+
+    groups: tuple[Any, ...]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The stacked leaf's shape ``[layers, *rest]``."""
+        return (sum(g.shape[0] for g in self.groups), *self.groups[0].shape[1:])
+
+    @property
+    def dtype(self) -> Any:
+        """The stacked leaf's dtype."""
+        return self.groups[0].dtype
+
+
+def layer_spans(layers: int, group_layers: int) -> list[tuple[int, int]]:
+    """The ``(start, stop)`` layer spans of a stacked leaf of `layers` layers streamed
+    `group_layers` at a time (`stream_units`): the last one holds the remainder."""
+    return [(start, min(start + group_layers, layers))
+            for start in range(0, layers, group_layers)]
+
+
+def group_moments(opt_state: Any, params: Any, stacked: Any, group_layers: int,
+                  resident: Any = None) -> Any:
+    """`opt_state` (a `StreamableChain`'s: ``(global state, leaf-wise state)``) with every
+    param-shaped leaf of the leaf-wise state that belongs to a stacked, offloaded parameter
+    (AdamW's moments, the master weights) split into `HostGroups` of `layer_spans`. Outside
+    ``jit``; arrays in host memory stay there (one program per leaf: the device holds one
+    group at a time, the host one leaf twice while it is split) and each split array is
+    deleted, as if donated; ``jax.ShapeDtypeStruct`` leaves give the abstract `HostGroups`
+    (for lowering ahead of time).
+
+    Args:
+      opt_state: the state, its moments in `HOST_MEMORY_KIND`.
+      params, stacked, resident: as for `streamed_update`.
+      group_layers: layers per group, as the step's `streamed_update` will be called with.
+    """
+    global_state, leaf_state = opt_state
+    p_leaves, p_def = jax.tree.flatten(params)
+    flags = p_def.flatten_up_to(stacked)
+    keep = _flags(p_def, resident)
+
+    def param_shaped(x: Any) -> bool:
+        return x is not None and _structure(x) == p_def
+
+    def split(part: Any) -> Any:
+        if not param_shaped(part):
+            return part
+        out = []
+        for x, p, f, k in zip(p_def.flatten_up_to(part), p_leaves, flags, keep):
+            grouped = (f and not k and len(p.shape) >= 1 and not isinstance(x, HostGroups)
+                       and tuple(x.shape) == tuple(p.shape))
+            out.append(_split(x, tuple(layer_spans(p.shape[0], group_layers)))
+                       if grouped else x)
+        return p_def.unflatten(out)
+
+    parts, s_def = jax.tree.flatten(leaf_state, is_leaf=param_shaped)
+    return global_state, s_def.unflatten([split(part) for part in parts])
+
+
+def join_groups(tree: Any) -> Any:
+    """`tree` with every `HostGroups` replaced by its stacked array, in host memory with the
+    groups' sharding (outside ``jit``; the groups are deleted, as if donated: the device
+    holds one group at a time, the host the leaf twice while it is joined). The inverse of
+    `group_moments`; ``jax.ShapeDtypeStruct`` groups give the abstract stacked leaf."""
+    def join(x: Any) -> Any:
+        return _join(x) if isinstance(x, HostGroups) else x
+
+    return jax.tree.map(join, tree, is_leaf=lambda x: isinstance(x, HostGroups))
+
+
+def _split(x: Any, spans: tuple[tuple[int, int], ...]) -> HostGroups:
+    """The layer `spans` of the stacked host array `x` as `HostGroups`; `x` is deleted."""
+    if isinstance(x, jax.ShapeDtypeStruct):
+        return HostGroups(tuple(jax.ShapeDtypeStruct((stop - start, *x.shape[1:]), x.dtype,
+                                                     sharding=x.sharding)
+                                for start, stop in spans))
+    groups = HostGroups(_split_program(spans, x.sharding)(x))
+    # Donated by hand (the groups cannot reuse its buffer): the host holds the leaf twice
+    # only while it is split, not the whole state.
+    x.delete()
+    return groups
+
+
+@functools.lru_cache(maxsize=64)
+def _split_program(spans: tuple[tuple[int, int], ...], sharding: Any) -> Callable[..., Any]:
+    def split(x: jax.Array) -> tuple[jax.Array, ...]:
+        # Each group through the device, one at a time: a slice of a host buffer is read by
+        # the device, and only whole arrays are written back by a DMA transfer.
+        return tuple(jax.device_put(jax.device_put(x[start:stop], jax.memory.Space.Device),
+                                    jax.memory.Space.Host) for start, stop in spans)
+
+    return jax.jit(split, out_shardings=tuple(sharding for _ in spans))
+
+
+def _join(groups: HostGroups) -> Any:
+    """`groups` as one stacked array in host memory; the groups are deleted."""
+    first = groups.groups[0]
+    if isinstance(first, jax.ShapeDtypeStruct):
+        return jax.ShapeDtypeStruct(groups.shape, groups.dtype, sharding=first.sharding)
+    buf = _host_zeros(jax.ShapeDtypeStruct(groups.shape, groups.dtype), first.sharding)
+    start = 0
+    for g in groups.groups:
+        buf = _join_program(first.sharding)(buf, g, jnp.int32(start))
+        start += g.shape[0]
+        g.delete()  # donated by hand, as in `_split`
+    return buf
+
+
+@functools.lru_cache(maxsize=64)
+def _join_program(sharding: Any) -> Callable[..., Any]:
+    def write(buf: jax.Array, group: jax.Array, start: jax.Array) -> jax.Array:
+        y = jax.device_put(jax.device_put(group, jax.memory.Space.Device),
+                           jax.memory.Space.Host)
+        return jax.lax.dynamic_update_slice_in_dim(buf, y, start, 0,
+                                                   allow_negative_indices=False)
+
+    return jax.jit(write, out_shardings=sharding, donate_argnums=0)
 
 
 def host_memory_supported(device: jax.Device | None = None) -> bool:
@@ -138,7 +307,7 @@ def init_on_host(init: Callable[[Any], Any], params: Any, resident: Any = None) 
                                    for x, k in zip(p_leaves, keep)])
 
     def param_shaped(x: Any) -> bool:
-        return x is not None and jax.tree.structure(x) == p_def
+        return x is not None and _structure(x) == p_def
 
     def placed(x: Any) -> Any:
         if not param_shaped(x):
@@ -377,7 +546,7 @@ def streamed_update(tx: StreamableChain, grads: Any, opt_state: Any, params: Any
     u_leaves = p_def.flatten_up_to(updates)
 
     def param_shaped(x: Any) -> bool:
-        return x is not None and jax.tree.structure(x) == p_def
+        return x is not None and _structure(x) == p_def
 
     parts, s_def = jax.tree.flatten(leaf_state, is_leaf=param_shaped)
     _check_streamable({(j, i): x for j, part in enumerate(parts) if param_shaped(part)
@@ -430,12 +599,19 @@ def streamed_update(tx: StreamableChain, grads: Any, opt_state: Any, params: Any
         span0 = unit[0][1]
         start = jnp.int32(0 if span0 is None else span0[0])
         keys = [(j, i) for j in moment_parts for i, _ in unit]
-        (bufs, start), _ = jax.lax.optimization_barrier(
-            (([host[key] for key in keys], start), gate))
-        host.update(zip(keys, bufs))
         spans = dict(unit)
-        dev_in = {}
-        for key in keys:
+        # A grouped leaf's group is a whole host array: its copies are DMA transfers, and
+        # its new value a new array (nothing to order against other reads).
+        group_of = {key: _group_index(host[key], spans[key[1]]) for key in keys
+                    if isinstance(host[key], HostGroups)}
+        plain = [key for key in keys if key not in group_of]
+        (bufs, groups, start), _ = jax.lax.optimization_barrier(
+            (([host[key] for key in plain],
+              [host[key].groups[g] for key, g in group_of.items()], start), gate))
+        host.update(zip(plain, bufs))
+        dev_in = {key: jax.device_put(group, jax.memory.Space.Device)
+                  for key, group in zip(group_of, groups)}
+        for key in plain:
             span = spans[key[1]]
             piece = host[key] if span is None else jax.lax.dynamic_slice_in_dim(
                 host[key], start, span[1] - span[0], 0, allow_negative_indices=False)
@@ -449,12 +625,16 @@ def streamed_update(tx: StreamableChain, grads: Any, opt_state: Any, params: Any
         for i, span in unit:
             p_cur[i] = (new_p[i] if span is None else
                         jax.lax.dynamic_update_slice_in_dim(p_cur[i], new_p[i], span[0], 0))
+        for key, g in group_of.items():
+            host[key] = _replace_group(host[key], g,
+                                       jax.device_put(new_moments[key], jax.memory.Space.Host))
         if span0 is None:  # whole leaves: a new host array each, nothing to order
             host.update({key: jax.device_put(y, jax.memory.Space.Host)
                          for key, y in new_moments.items()})
             pending = None
         else:  # written after the next unit's copy-in from the same buffers
-            pending = (unit, start, new_moments)
+            stacked_moments = {key: y for key, y in new_moments.items() if key not in group_of}
+            pending = (unit, start, stacked_moments) if stacked_moments else None
         if new_others is None:  # scalar state (step counts): every unit computes the same
             new_others = {j: out_parts[j] for j in others}
         results.append([new_p[i] for i, _ in unit] + list(new_moments.values()))
@@ -465,6 +645,35 @@ def streamed_update(tx: StreamableChain, grads: Any, opt_state: Any, params: Any
         p_def.unflatten([host[(j, i)] for i in range(len(p_cur))]) if j in moment_parts
         else to_host((new_others or {})[j]) for j in range(len(parts))])
     return p_def.unflatten(p_cur), (new_global, new_leaf_state)
+
+
+def _structure(tree: Any) -> Any:
+    """`tree`'s structure with each `HostGroups` one leaf (it stands for one array)."""
+    return jax.tree.structure(tree, is_leaf=lambda x: isinstance(x, HostGroups))
+
+
+def _group_index(groups: HostGroups, span: tuple[int, int] | None) -> int:
+    """Which of `groups` holds exactly the layers of `span`.
+
+    Raises:
+      UsageError: none does (the state was grouped for another number of layers per
+        group than the step streams).
+    """
+    start = 0
+    for g, group in enumerate(groups.groups):
+        if span is not None and (start, start + group.shape[0]) == tuple(span):
+            return g
+        start += group.shape[0]
+    raise UsageError(
+        f"an offloaded optimizer-state leaf is grouped as "
+        f"{[int(x.shape[0]) for x in groups.groups]} layers, but the step streams layers "
+        f"{span}: group it with the offload_group_layers the step uses "
+        "(gtp_jax.sharding.offload.group_moments), or join it first (join_groups).")
+
+
+def _replace_group(groups: HostGroups, g: int, value: Any) -> HostGroups:
+    """`groups` with group `g` replaced by `value`."""
+    return HostGroups(groups.groups[:g] + (value,) + groups.groups[g + 1:])
 
 
 def _check_streamable(per_param: dict[tuple[int, int], Any], p_leaves: list[Any]) -> None:
@@ -546,7 +755,7 @@ def init_streamed_on_host(tx: StreamableChain, params: Any, stacked: Any, *,
     on_device = [i for i, k in enumerate(keep) if k]
 
     def param_shaped(x: Any) -> bool:
-        return x is not None and jax.tree.structure(x) == p_def
+        return x is not None and _structure(x) == p_def
 
     template = jax.eval_shape(tx.leafwise_part.init, params)
     parts, s_def = jax.tree.flatten(template, is_leaf=param_shaped)

@@ -416,6 +416,7 @@ def _step_loop(cfg: TrainConfig, model_cfg: TransformerConfig, step_fn: TrainSte
         if stopping:
             break
         if step == failure_step:
+            step_fn.sync()  # the state in its stored layout (an offloaded one joined)
             step_fn, recovery = switch(step_fn.state)
         if step < cfg.steps:
             ahead = next_batch()

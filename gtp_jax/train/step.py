@@ -42,12 +42,16 @@ from gtp_jax.sharding.module import ShardedModule, hold_params_in
 from gtp_jax.sharding.offload import (
     DEFAULT_GROUP_LAYERS,
     MASTER_DEVICE_DTYPE,
+    HostGroups,
     StreamableChain,
+    group_moments,
     init_on_host,
     init_streamed_on_host,
+    join_groups,
     place_on_host,
     stream_units,
     streamed_update,
+    streaming_compiler_options,
     to_device,
     to_host,
     with_master_weights,
@@ -98,16 +102,20 @@ class TrainStep:
         streamed to the device per unit (`gtp_jax.sharding.offload.streamed_update`):
         each not-stacked weight whole, and G layers of every layer-stacked weight at a
         time; None (default) is `gtp_jax.sharding.offload.DEFAULT_GROUP_LAYERS` (1).
-        About four units' moments are in device memory at once. Optimizers other than
-        `gtp_jax.sharding.offload.streamable_chain` ones are copied to the device whole
-        for the update.
+        About four units' moments are in device memory at once. While the step trains,
+        the stacked moments are held as one host array per layer group
+        (`gtp_jax.sharding.offload.HostGroups`: each copy a DMA transfer); `sync` joins
+        them back. Optimizers other than `gtp_jax.sharding.offload.streamable_chain` ones
+        are copied to the device whole for the update.
       grad_accum: microbatches per step (`accumulate_grads`): the batch's leading axis is
         cut into `grad_accum` equal microbatches whose gradients are summed in a
         ``lax.scan`` before the one update; the loss is their mean.
 
     Attributes:
       graphdef: the static structure of ``(model, optimizer)``.
-      state: their current state (an ``nnx.State``), replaced by each call.
+      state: their current state (an ``nnx.State``), replaced by each call; an offloaded
+        streamable optimizer state holds its stacked moments grouped (`HostGroups`) here
+        until `sync`.
     """
 
     def __init__(self, model: nnx.Module, optimizer: nnx.Optimizer,
@@ -134,6 +142,12 @@ class TrainStep:
                                  _offload_mode(offload, offload_group_layers),
                                  int(grad_accum))
         self._offload = offload
+        # An offloaded streamable state trains grouped (one host array per layer group:
+        # its copies are DMA transfers); `sync` joins it back into stacked arrays.
+        self._groups = (_group_layers(offload_group_layers)
+                        if offload and isinstance(optimizer.tx, StreamableChain) else 0)
+        self._grouped = False
+        self._regroup()
         self._loss_fn, self._grad_accum = loss_fn, int(grad_accum)
         # Delayed FP8: the first call checks that no layer ran twice (`_first_fp8_step`).
         self._check_uses = _has_history(model)
@@ -147,6 +161,7 @@ class TrainStep:
         reads the layers' use counts and raises a `UsageError` where a layer ran more than
         once (`gtp_jax.sharding.fp8_update.check_fp8_uses`), leaving the model and
         optimizer as they were."""
+        self._regroup()
         if self._check_uses:
             return self._first_fp8_step(batch)
         self.state, metrics = self._program.fn(self.state, batch)
@@ -204,9 +219,19 @@ class TrainStep:
         """How often the shared program was traced (once per compile; tests check it)."""
         return self._program.traces
 
+    def _regroup(self) -> None:
+        """Groups an offloaded streamable state (`group_offloaded`) where it is not: at
+        construction, and before the first call after a `sync`."""
+        if self._groups and not self._grouped:
+            self.state = group_offloaded(self.graphdef, self.state, self._groups)
+            self._grouped = True
+
     def sync(self) -> None:
         """Writes the current state into the model and optimizer objects (before reading
         them, e.g. saving a checkpoint or counting bytes per device)."""
+        if self._grouped:
+            self.state = join_offloaded(self.state)
+            self._grouped = False
         nnx.update(self._objects, self.state)
 
 
@@ -353,6 +378,48 @@ def make_nnx_optimizer(model: nnx.Module, tx: optax.GradientTransformation, *,
     return optimizer
 
 
+def group_offloaded(graphdef: Any, state: nnx.State, group_layers: int) -> nnx.State:
+    """`state` of ``(model, optimizer)`` (`graphdef`) with its offloaded optimizer state
+    grouped for streaming `group_layers` layers at a time
+    (`gtp_jax.sharding.offload.group_moments`: each layer-stacked moment becomes one host
+    array per layer group); unchanged where the optimizer is not a streamable chain. Works
+    on arrays (outside ``jit``) and on ``jax.ShapeDtypeStruct`` leaves (the abstract state a
+    step is lowered with ahead of time)."""
+    model, optimizer = nnx.merge(graphdef, state)
+    if not isinstance(optimizer.tx, StreamableChain):
+        return state
+    graph = {"graph": optimizer.graph} if hasattr(optimizer, "graph") else {}
+    param_state = nnx.state(model, optimizer.wrt, **graph)
+    new = group_moments(
+        nnx.as_pure(optimizer.opt_state), nnx.as_pure(param_state),
+        _stacked_flags(param_state), group_layers,
+        _resident_flags(param_state, resident_paths(model, optimizer.wrt)))
+    _set_opt_state(optimizer, new)
+    return nnx.state((model, optimizer))
+
+
+def join_offloaded(state: nnx.State) -> nnx.State:
+    """`state` with every grouped optimizer-state leaf (`group_offloaded`) joined back into
+    its stacked host array (`gtp_jax.sharding.offload.join_groups`)."""
+    flat = [(path, var.replace(value=join_groups(var.get_value()))
+             if isinstance(var, nnx.OptState) else var)
+            for path, var in nnx.to_flat_state(state)]
+    return nnx.from_flat_state(flat)
+
+
+def _set_opt_state(optimizer: nnx.Optimizer, values: Any) -> None:
+    """Sets the values of ``optimizer.opt_state``'s variables from `values` (its pure
+    tree), where a value may be a `HostGroups` in place of an array."""
+    variables = jax.tree.leaves(optimizer.opt_state,
+                                is_leaf=lambda x: isinstance(x, nnx.Variable))
+    new = jax.tree.leaves(values, is_leaf=lambda x: isinstance(x, HostGroups))
+    if len(variables) != len(new):
+        raise UsageError(f"the optimizer state has {len(variables)} arrays but the update "
+                         f"returned {len(new)}; its structure changed.")
+    for var, value in zip(variables, new):
+        var.set_value(value)
+
+
 def map_opt_state(state: nnx.State, fn: Callable[[Any], Any], *,
                   keep: frozenset[tuple[Any, ...]] = frozenset()) -> nnx.State:
     """`state` (of ``(model, optimizer)`` or an optimizer) with ``fn(value)`` in place of
@@ -445,7 +512,9 @@ def _program(graphdef: Any, loss_fn: Callable[..., jax.Array], grad_norm: bool,
                                                on_host=bool(offload))
         return new_state, metrics
 
-    program.fn = jax.jit(step, donate_argnums=0)
+    # Offloaded: more host transfers in flight, so both directions and compute overlap.
+    options = streaming_compiler_options() if offload else {}
+    program.fn = jax.jit(step, donate_argnums=0, compiler_options=options or None)
     _programs[key] = program
     while len(_programs) > CACHE_SIZE:
         _programs.popitem(last=False)
@@ -505,7 +574,7 @@ def _streamed_optimizer_update(model: nnx.Module, optimizer: nnx.Optimizer, grad
         group_layers=group_layers,
         resident=_resident_flags(param_state, resident_paths(model, optimizer.wrt)))
     nnx.update(model, new_params)
-    nnx.update(optimizer.opt_state, nnx.state(new_opt_state, **graph))
+    _set_opt_state(optimizer, new_opt_state)
     optimizer.step[...] = to_host(to_device(optimizer.step[...]) + 1)
 
 
