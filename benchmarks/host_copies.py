@@ -6,6 +6,9 @@ except in ``mixed``):
 
 * ``stacked``: `gtp_jax.sharding.offload.streamed_update`, moments as one ``[layers, n]``
   host buffer each, copied per group with dynamic slices (the trainer's layout);
+* ``trainer``: what `gtp_jax.train.TrainStep` runs: the same update on the moments grouped
+  by `gtp_jax.sharding.offload.group_moments` (one host array per layer group, each copy a
+  DMA transfer);
 * ``static``: the same layout and order with static slice bounds;
 * ``grouped``: moments as one host array per layer group, each copied whole (a DMA
   transfer each way), same double-buffered order;
@@ -19,7 +22,11 @@ except in ``mixed``):
   only on a loop's induction variable into a memcpy (``DynamicMemcpyThunk``), a DMA transfer
   instead of a kernel, with no double buffering across iterations;
 * ``in`` / ``out`` / ``both``: the copies alone (whole arrays host -> device,
-  device -> host, or both at once), the link's rates for comparison.
+  device -> host, or both at once), the link's rates for comparison;
+* ``overlap``: whether whole-array transfers run beside compute in one program: a chain of
+  bf16 matmuls alone, the transfers of ``in`` (then ``out``) alone, and both in one
+  program with no dependence between them (``max`` of the two when they overlap, their
+  sum when they do not).
 
 Prints one table: ms per step, and GB/s of moment bytes moved (both moments, both ways for
 the updates). Usage (one GPU):
@@ -42,6 +49,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from gtp_jax.sharding.offload import (
     HOST_MEMORY_KIND,
+    group_moments,
     init_streamed_on_host,
     streamable_chain,
     streamed_update,
@@ -58,6 +66,7 @@ def _time(fn, args, steps: int, *fixed, feed: bool = True) -> float:
     hlo = fn.lower(*args, *fixed).compile().as_text()
     ops = {op: hlo.count(f" {op}(") for op in ("copy-start", "dynamic-slice",
                                                   "dynamic-update-slice")}
+    ops["memcpy"] = hlo.count("memcpy")
     print(f"  compiled: {ops}", flush=True)
     def call(args):
         out = fn(*args, *fixed)
@@ -199,13 +208,55 @@ def padded_step(params, ms, vs, grads, start):
     return _per_group(params, grads, read, write)
 
 
+def _matmuls(x, w, n: int):
+    """`n` dependent ``[k, k] @ [k, k]`` bf16 matmuls (the compute the copies may hide
+    behind)."""
+    for _ in range(n):
+        x = jnp.dot(x, w, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
+    return x
+
+
+def _overlap_rows(L: int, N: int, dev, host, steps: int, gb: float) -> list:
+    """The ``overlap`` form's rows: matmuls alone, each direction's transfers alone, and
+    each direction beside the matmuls in one program."""
+    k = 8192
+    x = jax.device_put(jnp.ones((k, k), jnp.bfloat16), dev)
+    w = jax.device_put(jax.random.normal(jax.random.key(2), (k, k), jnp.bfloat16) / 91.0, dev)
+    # about as long as one direction's transfers: 1.1 ms a matmul on an H100/H200
+    n = max(1, int(gb / 55.0 / 1.1e-3))
+    rows = []
+    mm = jax.jit(lambda x, w: _matmuls(x, w, n))
+    rows.append((f"overlap: {n} bf16 matmuls {k}^3 alone",
+                 _time(mm, (x,), steps, w, feed=False), 0.0))
+
+    def copy_in(hs, x, w):
+        return [jax.device_put(h, jax.memory.Space.Device) for h in hs]
+
+    def copy_out(ds, x, w):
+        return [jax.device_put(d, jax.memory.Space.Host) for d in ds]
+
+    def with_mm(f):
+        return lambda a, x, w: (f(a, x, w), _matmuls(x, w, n))
+
+    hs = [jax.device_put(np.ones(N, np.float32), host) for _ in range(L)]
+    ds = [jax.device_put(jnp.ones(N, jnp.float32), dev) for _ in range(L)]
+    for name, f, a, out in (("in", copy_in, hs, [dev] * L), ("out", copy_out, ds, [host] * L)):
+        alone = jax.jit(f, out_shardings=out)
+        both = jax.jit(with_mm(f), out_shardings=(out, dev))
+        rows.append((f"overlap: copies {name} alone", _time(alone, (a,), steps, x, w,
+                                                            feed=False), gb))
+        rows.append((f"overlap: copies {name} + the matmuls, one program",
+                     _time(both, (a,), steps, x, w, feed=False), gb))
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--layers", type=int, default=16)
     parser.add_argument("--elements", type=int, default=50_000_000,
                         help="float32 parameters per layer group")
     parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--forms", default="stacked,static,grouped,in,out,both")
+    parser.add_argument("--forms", default="stacked,trainer,grouped,in,out,both")
     args = parser.parse_args()
     L, N = args.layers, args.elements
     mesh = Mesh(np.array(jax.devices()[:1]), ("x",))
@@ -232,6 +283,21 @@ def main() -> None:
 
         fn = jax.jit(stacked, donate_argnums=(0, 1))
         rows.append(("stacked (one host buffer per moment)",
+                     _time(fn, (p, state), args.steps, g), 2 * moment_gb))
+        del p, g, state, fn
+
+    if "trainer" in forms:
+        tx = streamable_chain(optax.identity(), optax.adam(LR, b1=B1, b2=B2, eps=EPS))
+        p, g = params_and_grads()
+        state = group_moments(init_streamed_on_host(tx, {"w": p}, {"w": True}), {"w": p},
+                              {"w": True}, 1)
+
+        def trainer(p, state, g):
+            new_p, new_state = streamed_update(tx, {"w": g}, state, {"w": p}, {"w": True})
+            return new_p["w"], new_state
+
+        fn = jax.jit(trainer, donate_argnums=(0, 1))
+        rows.append(("trainer (grouped by group_moments)",
                      _time(fn, (p, state), args.steps, g), 2 * moment_gb))
         del p, g, state, fn
 
@@ -306,6 +372,9 @@ def main() -> None:
                 fn = jax.jit(f, donate_argnums=(0, 1), out_shardings=shard)
                 rows.append((f"copies only: {name}", _time(fn, (hs, ds), args.steps), gb))
                 del hs, ds, fn
+
+    if "overlap" in forms:
+        rows.extend(_overlap_rows(L, N, dev, host, args.steps, moment_gb / 2))
 
     print(f"| form | ms per step | GB moved | GB/s |  ({L} groups x {N} float32, "
           f"{jax.devices()[0].device_kind}, jax {jax.__version__})")

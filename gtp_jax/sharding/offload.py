@@ -4,9 +4,11 @@ The state keeps its mesh and partition spec; only its memory kind changes to
 ``"pinned_host"``. Inside the jitted step, `streamed_update` brings the moments to the
 device one *unit* at a time (a group of layers of the layer-stacked weights, or one other
 weight), updates that unit and copies its new moments back, so only a few units' moments
-are in device memory at once; the copies are partial (dynamic slices of the host buffers)
-and written back in place. `init_streamed_on_host` builds the state in host memory the same
-way, one unit at a time. The update runs on the device with the on-device run's
+are in device memory at once. A stacked state's copies are partial (dynamic slices of the
+host buffers, written back in place); the trainer streams a grouped one instead
+(`group_moments`: one host array per layer group, `HostGroups`), whose copies are whole-array
+DMA transfers, compiled with `STREAMING_COMPILER_OPTIONS` so that many are in flight at once.
+`init_streamed_on_host` builds the state in host memory the same way, one unit at a time. The update runs on the device with the on-device run's
 arithmetic: training is bit-identical.
 
 Partial offload: the moments of *resident* parameters (`GTPConfig.offload_exclude`) stay
@@ -92,8 +94,9 @@ class HostGroups:
     ``gtp_stacked`` parameter) kept in host memory as one array per layer group.
 
     Each group's copy to the device and back is then a whole-array transfer, which XLA makes
-    a DMA on its copy stream, beside compute; a slice of one stacked host buffer is instead
-    copied by a kernel on the compute stream (see docs/planning.md, "Where the copies go").
+    a DMA transfer by the copy engines, beside compute; a slice of one stacked host buffer
+    is instead copied by a kernel on the compute stream (docs/planning.md, "Grouped while
+    training").
     `gtp_jax.train.TrainStep` keeps an offloaded state grouped while it trains and gives
     the optimizer object the stacked arrays back on ``sync()`` (`join_groups`), so
     checkpoints and every reader see the stacked layout.
