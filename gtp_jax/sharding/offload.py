@@ -8,8 +8,9 @@ are in device memory at once. A stacked state's copies are partial (dynamic slic
 host buffers, written back in place); the trainer streams a grouped one instead
 (`group_moments`: one host array per layer group, `HostGroups`), whose copies are whole-array
 DMA transfers, compiled with `STREAMING_COMPILER_OPTIONS` so that many are in flight at once.
-`init_streamed_on_host` builds the state in host memory the same way, one unit at a time. The update runs on the device with the on-device run's
-arithmetic: training is bit-identical.
+`init_streamed_on_host` builds the state in host memory the same way, one unit at a time.
+The update runs on the device with the on-device run's arithmetic: training is
+bit-identical.
 
 Partial offload: the moments of *resident* parameters (`GTPConfig.offload_exclude`) stay
 in device memory and are updated there with no copy; only the others cross, so the
