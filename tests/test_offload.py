@@ -469,3 +469,26 @@ def test_offload_with_a_simulated_failure_is_refused_before_training():
         with pytest.raises(UsageError, match="offload_optimizer with a SimulatedFailure"):
             train(dataclasses.replace(cfg, offload_master_weights=master), progress=False,
                   failure=SimulatedFailure(step=2, devices=(5,)))
+
+
+def test_a_refused_step_selects_every_array_of_a_grouped_offloaded_state():
+    # A delayed-FP8 step that must be refused keeps the device arrays' old values and the
+    # offloaded state's new ones, array by array: a grouped moment (HostGroups) is one
+    # variable of several arrays, and must not shift the arrays after it.
+    from gtp_jax.train.step import _refuse_reuse
+
+    def state(scale: float) -> nnx.State:
+        return nnx.from_flat_state([
+            (("a",), nnx.Param(jnp.full((4, 2), scale))),
+            (("b",), nnx.OptState(HostGroups((jnp.full((3, 2), scale),
+                                              jnp.full((1, 2), scale))))),
+            (("c",), nnx.Param(jnp.full((3,), scale)))])
+
+    before = jax.tree.leaves(state(1.0))
+    kept, metrics = _refuse_reuse(before, state(2.0), {"loss": jnp.float32(0.5)},
+                                  {"layer": jnp.int32(2)}, on_host=True)
+    flat = dict(nnx.to_flat_state(kept))
+    np.testing.assert_array_equal(flat[("a",)].get_value(), np.full((4, 2), 1.0))
+    np.testing.assert_array_equal(flat[("c",)].get_value(), np.full((3,), 1.0))
+    assert [float(g[0, 0]) for g in flat[("b",)].get_value().groups] == [2.0, 2.0]
+    assert np.isnan(float(metrics["loss"]))

@@ -549,9 +549,10 @@ def _refuse_reuse(before: list[jax.Array], new_state: nnx.State,
     anyway; the update waits for the backward pass's use counts, as it already does for
     the global norm when the gradients are clipped."""
     ok = functools.reduce(jnp.logical_and, [n <= 1 for n in uses.values()], jnp.bool_(True))
-    on_device = jax.tree.leaves(jax.tree.map(
-        lambda v: not (on_host and isinstance(v, nnx.OptState)), new_state,
-        is_leaf=lambda x: isinstance(x, nnx.Variable)))
+    on_device: list[bool] = []  # per array: a grouped variable (HostGroups) holds several
+    for v in jax.tree.leaves(new_state, is_leaf=lambda x: isinstance(x, nnx.Variable)):
+        keep = not (on_host and isinstance(v, nnx.OptState))
+        on_device.extend([keep] * len(jax.tree.leaves(v)))
     leaves, treedef = jax.tree.flatten(new_state)
     kept = [jnp.where(ok, new, old) if dev else new
             for new, old, dev in zip(leaves, before, on_device)]
