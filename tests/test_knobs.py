@@ -35,7 +35,9 @@ from gtp_jax.train.memory import (
     check_host_memory,
     check_pinned_host,
     memory_bound,
+    param_sizes,
     pinned_host_bound,
+    pinned_host_peak,
     pinned_host_problem,
 )
 from gtp_jax.train.optim import lr_schedule
@@ -249,10 +251,14 @@ def test_host_memory_refusal() -> None:
 
 def test_pinned_host_refusal_names_the_pool_and_the_fix() -> None:
     cfg = TrainConfig(preset="1b", steps=2, gtp=8, dp=1, offload_optimizer=True)
-    need = pinned_host_bound(cfg)
+    state = pinned_host_bound(cfg)
     # AdamW's two float32 moments of every parameter, an eighth per device
-    assert need == 2 * 4 * model_config(cfg).num_params() // 8
+    assert state == 2 * 4 * model_config(cfg).num_params() // 8
     assert pinned_host_bound(dataclasses.replace(cfg, offload_optimizer=False)) == 0
+    # and the largest layer-stacked moment once more, held twice while it is regrouped
+    largest = max(n for path, n in param_sizes(model_config(cfg)) if path.startswith("blocks/"))
+    need = pinned_host_peak(cfg)
+    assert need == state + 4 * largest // 8
     assert pinned_host_problem(dataclasses.replace(cfg, offload_optimizer=False), pool_bytes=0,
                                available_bytes=0, local_devices=8) is None
     check_pinned_host(cfg, pool_bytes=need, available=8 * need)  # exactly enough: accepted
@@ -271,7 +277,7 @@ def test_pinned_pools_that_could_outgrow_the_host_are_refused_with_the_cap_that_
     pools could take it all while the state is built (the kernel ends the process)."""
     cfg = TrainConfig(preset="1b", steps=2, gtp=8, dp=1, offload_optimizer=True)
     gib = 2**30
-    need = pinned_host_bound(cfg)
+    need = pinned_host_peak(cfg)
     available = 20 * need  # holds the 8 devices' states, not three times them
     with pytest.raises(DeviceMemoryError) as err:
         check_pinned_host(cfg, pool_bytes=available, available=available)

@@ -46,7 +46,7 @@ from gtp_jax.train import TrainConfig
 from gtp_jax.train.checkpoint import CheckpointConfig, Checkpointer
 from gtp_jax.train.config import make_optimizer
 from gtp_jax.train.loop import build_model_and_optimizer
-from gtp_jax.train.step import TrainStep, join_offloaded, make_nnx_optimizer, step_program
+from gtp_jax.train.step import TrainStep, group_offloaded, make_nnx_optimizer, step_program
 
 CFG = TrainConfig(preset="tiny", batch_size=8, seq_len=32, dp=2, gtp=4, steps=3, warmup=1)
 LOSS = functools.partial(lm_loss, aux_weight=0.0)
@@ -116,8 +116,8 @@ def _traced_step(group: int | None, layout: str = "grouped"
                  ) -> tuple[list, list[tuple[int, ...]], list]:
     """The traced offloaded step's equations (inside its jit), the shapes of the
     layer-stacked parameters, and the jaxpr's input variables. `layout`: ``"grouped"``, the
-    state as `TrainStep` trains it (one host array per layer group), or ``"stacked"``, as
-    it is stored (`join_offloaded`: one host buffer per stacked moment)."""
+    state as `TrainStep` trains it (`group_offloaded`: one host array per layer group), or
+    ``"stacked"``, as it is stored (one host buffer per stacked moment)."""
     cfg = dataclasses.replace(CFG, offload_optimizer=True)
     model, optimizer = build_model_and_optimizer(cfg)
     step = TrainStep(model, optimizer, LOSS, offload_group_layers=group)
@@ -125,9 +125,9 @@ def _traced_step(group: int | None, layout: str = "grouped"
                if v.get_metadata().get(STACKED)]
     tokens = np.zeros((cfg.batch_size, cfg.seq_len + 1), np.int32)
     state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
-                         step.state)
-    if layout == "stacked":
-        state = join_offloaded(state)
+                         step.state)  # stacked until the first step
+    if layout == "grouped":  # as the first step groups it
+        state = group_offloaded(step.graphdef, state, 1 if group is None else group)
     outer = jax.make_jaxpr(step_program(step.graphdef, LOSS, offload=True,
                                         offload_group_layers=group))(state, tokens)
     (call,) = [e for e in outer.jaxpr.eqns if "jaxpr" in e.params]
@@ -492,3 +492,22 @@ def test_a_refused_step_selects_every_array_of_a_grouped_offloaded_state():
     np.testing.assert_array_equal(flat[("c",)].get_value(), np.full((3,), 1.0))
     assert [float(g[0, 0]) for g in flat[("b",)].get_value().groups] == [2.0, 2.0]
     assert np.isnan(float(metrics["loss"]))
+
+
+def test_building_a_train_step_leaves_the_optimizer_readable_until_the_first_step():
+    # The state is grouped at the first step (the objects' arrays then count as donated,
+    # until sync), not when the step is built: a second step object, a checkpoint or a
+    # refused first step still finds the optimizer's arrays.
+    cfg = dataclasses.replace(CFG, offload_optimizer=True)
+    model, optimizer = build_model_and_optimizer(cfg)
+    step = TrainStep(model, optimizer, LOSS)
+    arrays = jax.tree.leaves(nnx.state(optimizer, nnx.OptState))
+    assert not any(x.is_deleted() for x in arrays)
+    TrainStep(model, optimizer, LOSS)
+    step(np.zeros((cfg.batch_size, cfg.seq_len + 1), np.int32))
+    assert any(isinstance(v.get_value(), HostGroups)
+               for _, v in nnx.to_flat_state(step.state) if isinstance(v, nnx.OptState))
+    step.sync()
+    assert not any(isinstance(x, HostGroups) for x in jax.tree.leaves(
+        nnx.state(optimizer, nnx.OptState), is_leaf=lambda x: isinstance(x, HostGroups)))
+    assert not any(x.is_deleted() for x in jax.tree.leaves(nnx.state(optimizer, nnx.OptState)))

@@ -182,9 +182,9 @@ def _split(x: Any, spans: tuple[tuple[int, int], ...]) -> HostGroups:
         return HostGroups(tuple(jax.ShapeDtypeStruct((stop - start, *x.shape[1:]), x.dtype,
                                                      sharding=x.sharding)
                                 for start, stop in spans))
-    groups = HostGroups(_split_program(spans, x.sharding)(x))
-    # Donated by hand (the groups cannot reuse its buffer): the host holds the leaf twice
-    # only while it is split, not the whole state.
+    groups = HostGroups(jax.block_until_ready(_split_program(spans, x.sharding)(x)))
+    # Donated by hand (the groups cannot reuse its buffer), once split: the host holds the
+    # leaf twice only while it is split, not the whole state.
     x.delete()
     return groups
 
@@ -208,9 +208,9 @@ def _join(groups: HostGroups) -> Any:
     buf = _host_zeros(jax.ShapeDtypeStruct(groups.shape, groups.dtype), first.sharding)
     start = 0
     for g in groups.groups:
-        buf = _join_program(first.sharding)(buf, g, jnp.int32(start))
+        buf = jax.block_until_ready(_join_program(first.sharding)(buf, g, jnp.int32(start)))
         start += g.shape[0]
-        g.delete()  # donated by hand, as in `_split`
+        g.delete()  # donated by hand, as in `_split`, once written
     return buf
 
 

@@ -109,6 +109,21 @@ def pinned_host_bound(cfg: TrainConfig) -> int:
     return moved - _kept_bytes(resolve_auto(cfg))
 
 
+def pinned_host_peak(cfg: TrainConfig) -> int:
+    """`pinned_host_bound` and the largest layer-stacked state leaf once more: the trainer
+    regroups the offloaded state one leaf at a time (`gtp_jax.train.TrainStep`: at its first
+    step and after each ``sync``, e.g. before a checkpoint), holding that leaf twice."""
+    need = pinned_host_bound(cfg)
+    if need == 0:
+        return 0
+    resolved = resolve_auto(cfg)
+    stacked = [n for path, n in param_sizes(model_config(resolved))
+               if path.startswith("blocks/") and not (
+                   cfg.offload_exclude and _matches(path, cfg.offload_exclude))]
+    item = np.dtype(model_config(resolved).param_dtype).itemsize
+    return need + max(stacked, default=0) * item // (cfg.gtp * cfg.tp * cfg.ep)
+
+
 def _state_parts(cfg: TrainConfig) -> int:
     """Parameter-shaped float32 arrays an offloaded step streams per parameter: AdamW's two
     moments, and the master weights with ``offload_master_weights``."""
@@ -153,7 +168,8 @@ POOL_GROWTH = 3
 
 def pinned_host_problem(cfg: TrainConfig, *, pool_bytes: int, available_bytes: int | None,
                         local_devices: int) -> str | None:
-    """Why `cfg`'s offloaded optimizer state cannot fit in pinned host memory, or None:
+    """Why `cfg`'s offloaded optimizer state (`pinned_host_peak`: the state and one leaf
+    twice while it is regrouped) cannot fit in pinned host memory, or None:
     over XLA's pool per device; over the host's available memory for all of this process's
     devices; or pools whose caps together exceed that memory while the state is large
     enough (`POOL_GROWTH`) that their growth could reach it.
@@ -164,7 +180,7 @@ def pinned_host_problem(cfg: TrainConfig, *, pool_bytes: int, available_bytes: i
       available_bytes: the host's available memory (None: unknown, not checked).
       local_devices: this process's devices, whose state shares the host.
     """
-    need = pinned_host_bound(cfg)
+    need = pinned_host_peak(cfg)
     if need == 0:
         return None
     gib = 2**30

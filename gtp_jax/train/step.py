@@ -113,9 +113,9 @@ class TrainStep:
 
     Attributes:
       graphdef: the static structure of ``(model, optimizer)``.
-      state: their current state (an ``nnx.State``), replaced by each call; an offloaded
-        streamable optimizer state holds its stacked moments grouped (`HostGroups`) here
-        until `sync`.
+      state: their current state (an ``nnx.State``), replaced by each call; from the first
+        call to the next `sync`, an offloaded streamable optimizer state holds its stacked
+        moments grouped (`HostGroups`) here.
     """
 
     def __init__(self, model: nnx.Module, optimizer: nnx.Optimizer,
@@ -147,7 +147,6 @@ class TrainStep:
         self._groups = (_group_layers(offload_group_layers)
                         if offload and isinstance(optimizer.tx, StreamableChain) else 0)
         self._grouped = False
-        self._regroup()
         self._loss_fn, self._grad_accum = loss_fn, int(grad_accum)
         # Delayed FP8: the first call checks that no layer ran twice (`_first_fp8_step`).
         self._check_uses = _has_history(model)
@@ -161,9 +160,9 @@ class TrainStep:
         reads the layers' use counts and raises a `UsageError` where a layer ran more than
         once (`gtp_jax.sharding.fp8_update.check_fp8_uses`), leaving the model and
         optimizer as they were."""
-        self._regroup()
         if self._check_uses:
             return self._first_fp8_step(batch)
+        self._regroup()
         self.state, metrics = self._program.fn(self.state, batch)
         metrics.pop(USES_METRIC, None)
         return metrics
@@ -196,7 +195,9 @@ class TrainStep:
                  ) -> jax.Array:
         """``loss_fn(model, batch)`` of the current state, without an update (e.g. a held-out
         loss): a float32 device scalar. Does not wait for the device; compiled once per
-        (step program, loss function)."""
+        (step program, loss function). Groups an offloaded state as a step does (one
+        program for the layout the steps train on)."""
+        self._regroup()
         key = _loss_key(loss_fn)
         fn = self._program.evals.get(key)
         if fn is None:
@@ -220,8 +221,10 @@ class TrainStep:
         return self._program.traces
 
     def _regroup(self) -> None:
-        """Groups an offloaded streamable state (`group_offloaded`) where it is not: at
-        construction, and before the first call after a `sync`."""
+        """Groups an offloaded streamable state (`group_offloaded`) where it is not: before
+        the first step (or `evaluate`), and before the first one after a `sync`. From then
+        on the model and optimizer objects' offloaded arrays are deleted, as donated ones
+        are, until the next `sync`."""
         if self._groups and not self._grouped:
             self.state = group_offloaded(self.graphdef, self.state, self._groups)
             self._grouped = True
@@ -443,8 +446,10 @@ def step_program(graphdef: Any, loss_fn: Callable[..., jax.Array], *, grad_norm:
     """The jitted ``step(state, batch) -> (state, metrics)`` that `TrainStep` runs for a
     ``(model, optimizer)`` of `graphdef` (the same cached program): lower it with abstract
     arguments (``jax.ShapeDtypeStruct`` with shardings) to compile a step ahead of time
-    without running it (`gtp_jax.plan` reads its memory analysis). For a model with
-    delayed-FP8 histories its metrics also hold ``USES_METRIC`` (`_refuse_reuse`)."""
+    without running it (`gtp_jax.plan` reads its memory analysis). With `offload`, give it
+    the state as `TrainStep` trains it: grouped by `group_offloaded` (a stacked state
+    compiles another program, with partial copies). For a model with delayed-FP8 histories
+    its metrics also hold ``USES_METRIC`` (`_refuse_reuse`)."""
     if offload:
         stream_units({}, {}, _group_layers(offload_group_layers))
     return _program(graphdef, loss_fn, grad_norm,
