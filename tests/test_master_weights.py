@@ -338,3 +338,17 @@ def test_microbatch_gradients_of_bfloat16_parameters_are_summed_in_float32():
     for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(want)):
         assert a.dtype == jnp.dtype(BF16)
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_a_cast_from_sources_that_fails_part_way_says_the_model_must_be_built_again():
+    # Every old value is released before the first cast (to keep device memory in one
+    # piece); a cast that then fails (here a source already deleted, on a GPU running out
+    # of memory) must say which variables were left empty, not leave a model that fails
+    # later with unexplained shape errors.
+    mesh = gtp_jax.make_mesh(dp=2, gtp=4)
+    model = gtp_jax.shard(_UserMLP(nnx.Rngs(0)), mesh, gtp_jax.GTPConfig(min_elements=64))
+    sources = [jnp.asarray(x) for x in jax.tree.leaves(nnx.state(model, nnx.Param))]
+    sources[1] = jnp.array(sources[1])
+    sources[1].delete()
+    with pytest.raises(RuntimeError, match=r"casting variable 2 of \d+ .* build it again"):
+        hold_params_in(model, BF16, sources=sources)

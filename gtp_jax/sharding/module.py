@@ -595,6 +595,8 @@ def hold_params_in(model: ShardedModule, dtype: Any, wrt: Any = nnx.Param, *,
     Raises:
       UsageError: `sources` does not match the variables in number or shapes (checked
         before anything changes).
+      RuntimeError: a cast from `sources` failed part way (e.g. out of device memory); the
+        variables not cast yet hold empty arrays, and the message says so.
     """
     dtype = jnp.dtype(dtype)
     # The model's own Variables (to change in place), in nnx.state(model, wrt) leaf order.
@@ -613,10 +615,21 @@ def hold_params_in(model: ShardedModule, dtype: Any, wrt: Any = nnx.Param, *,
                    if jnp.issubdtype(node.get_value().dtype, jnp.floating)]
         for node, _, _ in targets:  # release every old value before the first new one
             node.set_value(jnp.zeros((0,), dtype))
-        for node, src, sharding in targets:
+        for done, (node, src, sharding) in enumerate(targets):
             device = sharding.with_memory_kind("device") \
                 if isinstance(sharding, NamedSharding) else sharding
-            node.set_value(jax.jit(lambda x: x.astype(dtype), out_shardings=device)(src))
+            try:
+                node.set_value(jax.block_until_ready(
+                    jax.jit(lambda x: x.astype(dtype), out_shardings=device)(src)))
+            except Exception as err:  # e.g. out of device memory part way
+                first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+                raise RuntimeError(
+                    f"hold_params_in: casting variable {done + 1} of {len(targets)} from its "
+                    f"source failed ({first[:300]}). Every variable's old value had been "
+                    f"released to make room, so the {len(targets) - done} not cast hold "
+                    "empty arrays and the model cannot be used: build it again (the values "
+                    "live on in the sources, e.g. the optimizer's master weights) with more "
+                    "free device memory.") from err
     else:
         for node in nodes:
             if jnp.issubdtype(node.get_value().dtype, jnp.floating):
