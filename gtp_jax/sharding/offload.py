@@ -147,8 +147,7 @@ def group_moments(opt_state: Any, params: Any, stacked: Any, group_layers: int,
     flags = p_def.flatten_up_to(stacked)
     keep = _flags(p_def, resident)
 
-    def param_shaped(x: Any) -> bool:
-        return x is not None and _structure(x) == p_def
+    param_shaped = _param_shaped(p_def)
 
     def split(part: Any) -> Any:
         if not param_shaped(part):
@@ -310,8 +309,7 @@ def init_on_host(init: Callable[[Any], Any], params: Any, resident: Any = None) 
                                    x.sharding.with_memory_kind(HOST_MEMORY_KIND)
                                    for x, k in zip(p_leaves, keep)])
 
-    def param_shaped(x: Any) -> bool:
-        return x is not None and _structure(x) == p_def
+    param_shaped = _param_shaped(p_def)
 
     def placed(x: Any) -> Any:
         if not param_shaped(x):
@@ -549,8 +547,7 @@ def streamed_update(tx: StreamableChain, grads: Any, opt_state: Any, params: Any
     g_leaves = p_def.flatten_up_to(grads)
     u_leaves = p_def.flatten_up_to(updates)
 
-    def param_shaped(x: Any) -> bool:
-        return x is not None and _structure(x) == p_def
+    param_shaped = _param_shaped(p_def)
 
     parts, s_def = jax.tree.flatten(leaf_state, is_leaf=param_shaped)
     _check_streamable({(j, i): x for j, part in enumerate(parts) if param_shaped(part)
@@ -649,6 +646,12 @@ def streamed_update(tx: StreamableChain, grads: Any, opt_state: Any, params: Any
         p_def.unflatten([host[(j, i)] for i in range(len(p_cur))]) if j in moment_parts
         else to_host((new_others or {})[j]) for j in range(len(parts))])
     return p_def.unflatten(p_cur), (new_global, new_leaf_state)
+
+
+def _param_shaped(p_def: Any) -> Callable[[Any], bool]:
+    """Whether a state subtree has the parameters' structure `p_def` (one value per
+    parameter, e.g. an AdamW moment; a `HostGroups` counts as one value)."""
+    return lambda x: x is not None and _structure(x) == p_def
 
 
 def _structure(tree: Any) -> Any:
@@ -758,8 +761,7 @@ def init_streamed_on_host(tx: StreamableChain, params: Any, stacked: Any, *,
     keep = _flags(p_def, resident)
     on_device = [i for i, k in enumerate(keep) if k]
 
-    def param_shaped(x: Any) -> bool:
-        return x is not None and _structure(x) == p_def
+    param_shaped = _param_shaped(p_def)
 
     template = jax.eval_shape(tx.leafwise_part.init, params)
     parts, s_def = jax.tree.flatten(template, is_leaf=param_shaped)

@@ -404,10 +404,7 @@ def group_offloaded(graphdef: Any, state: nnx.State, group_layers: int) -> nnx.S
 def join_offloaded(state: nnx.State) -> nnx.State:
     """`state` with every grouped optimizer-state leaf (`group_offloaded`) joined back into
     its stacked host array (`gtp_jax.sharding.offload.join_groups`)."""
-    flat = [(path, var.replace(value=join_groups(var.get_value()))
-             if isinstance(var, nnx.OptState) else var)
-            for path, var in nnx.to_flat_state(state)]
-    return nnx.from_flat_state(flat)
+    return map_opt_state(state, join_groups)
 
 
 def _set_opt_state(optimizer: nnx.Optimizer, values: Any) -> None:
