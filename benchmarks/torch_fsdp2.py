@@ -8,7 +8,10 @@ write a chrome trace of 3 steps there, for ``python -m gtp_jax.bench.kernels``),
 (R > 1: HSDP, R replicas of world / R shards), FLOAT8 (1: torchao float8 training,
 tensorwise scaling, with the weights all-gathered in float8 and their scales precomputed
 after each optimizer step, torchao's FSDP2 recipe; the head stays bf16; needs torchao on
-PYTHONPATH). Same
+PYTHONPATH), AC (activation checkpointing per block as torchtitan applies it, before
+compiling and sharding: "none", the default; "full": each block recomputed in the backward;
+"op": selective, the outputs of matmuls and attention saved, the rest recomputed), REDUCE
+("float32", the default, torchtitan's; "bfloat16": gradients reduce-scattered in bf16). Same
 architecture (RMSNorm, SwiGLU, untied head; rotary-free attention has the same cost), bf16
 compute with fp32 master weights, fused AdamW, ``fully_shard`` per block. Prints
 ``RESULT {json}`` on rank 0.
@@ -89,7 +92,6 @@ def main():
         convert_to_float8_training(
             model, config=Float8LinearConfig(enable_fsdp_float8_all_gather=True),
             module_filter_fn=lambda module, name: name != "head")
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     compiled = os.environ.get("COMPILE", "1") != "0"
     replicate = int(os.environ.get("REPLICATE", "1"))
     mesh = None
@@ -98,6 +100,34 @@ def main():
 
         mesh = init_device_mesh("cuda", (replicate, world // replicate),
                                 mesh_dim_names=("replicate", "shard"))
+    ac = os.environ.get("AC", "none")
+    if ac != "none":
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+            checkpoint_wrapper,
+        )
+
+        kwargs = {}
+        if ac == "op":
+            from torch.utils.checkpoint import (
+                CheckpointPolicy,
+                create_selective_checkpoint_contexts,
+            )
+
+            saved = {torch.ops.aten.mm.default,
+                     torch.ops.aten._scaled_dot_product_efficient_attention.default,
+                     torch.ops.aten._scaled_dot_product_flash_attention.default,
+                     torch.ops.aten._scaled_dot_product_cudnn_attention.default}
+
+            def sac_policy(ctx, op, *args, **kw):
+                return (CheckpointPolicy.MUST_SAVE if op in saved
+                        else CheckpointPolicy.PREFER_RECOMPUTE)
+
+            kwargs["context_fn"] = lambda: create_selective_checkpoint_contexts(sac_policy)
+        model.blocks = nn.ModuleList(checkpoint_wrapper(b, preserve_rng_state=False, **kwargs)
+                                     for b in model.blocks)
+    reduce = {"float32": torch.float32, "bfloat16": torch.bfloat16}[
+        os.environ.get("REDUCE", "float32")]
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce)
     for block in model.blocks:
         if compiled:
             block.compile()
@@ -120,7 +150,11 @@ def main():
             precompute_float8_dynamic_scale_for_fsdp(model)
         return loss
 
-    for _ in range(5 if compiled else 3):  # compiling takes the first steps
+    start = time.perf_counter()
+    step()
+    torch.cuda.synchronize()
+    first_step_s = time.perf_counter() - start
+    for _ in range(4 if compiled else 2):  # compiling takes the first steps
         step()
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
@@ -131,6 +165,15 @@ def main():
         torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
     med = statistics.median(times)
+
+    def local_bytes(t):
+        t = t.to_local() if hasattr(t, "to_local") else t
+        return t.numel() * t.element_size()
+
+    param_bytes = sum(local_bytes(p) for p in model.parameters())
+    opt_bytes = sum(local_bytes(v) for st in opt.state.values() for v in st.values()
+                    if torch.is_tensor(v) and v.dim() > 0)
+    grad_bytes = param_bytes  # reduced gradients are cast to the (float32) parameters
     if os.environ.get("PROFILE"):
         from torch.profiler import ProfilerActivity, profile
 
@@ -153,7 +196,12 @@ def main():
             "device_kind": torch.cuda.get_device_name(), "preset": os.environ.get("PRESET", "1b"),
             "layers": layers, "seq": seq, "per_device_batch": mb, "step_ms": med * 1e3,
             "step_ms_min": min(times) * 1e3, "loss": float(loss),
-            "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30, "state_gib": None,
+            "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30,
+            "state_gib": (param_bytes + grad_bytes + opt_bytes) / 2**30,
+            "recipe": f"fully_shard per block, {'compiled' if compiled else 'eager'}, AC "
+                      f"{ac}, reduce {os.environ.get('REDUCE', 'float32')}"
+                      + (", torchao float8" if float8 else ""),
+            "first_step_s": first_step_s,
             "tflops_per_device": flops / med / 1e12, "mfu": flops / med / 989e12,
             "torch": torch.__version__}), flush=True)
     dist.destroy_process_group()

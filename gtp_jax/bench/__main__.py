@@ -28,6 +28,10 @@ COMMANDS = {
                "against the best cell of its group"),
     "fp8": ("fp8", "FP8 compute against bf16: Llama-3-8B-shaped blocks and a GEMM size sweep, "
             "with the count of cuBLASLt FP8 GEMMs in each compiled program"),
+    "breakdown": ("breakdown", "where one step's time and memory go (trace and buffer "
+                  "assignment), gtp_jax and the PyTorch FSDP2 peer side by side"),
+    "memory": ("memory", "a training step's compiled peak memory by category, from XLA's "
+               "buffer assignment"),
     "context": ("context", "context parallelism: cp = 1 vs cp = N at long sequences (step time, "
                 "memory, the ring's hidden communication, the longest trainable sequence)"),
 }

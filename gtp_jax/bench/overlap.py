@@ -33,6 +33,8 @@ import sys
 import time
 from pathlib import Path
 
+#: When this module was imported: a worker's launch, for ``launch_to_first_step_s``.
+LAUNCH = time.perf_counter()
 VARIANTS = ("compute_only", "replicated", "xla_fsdp", "gtp", "gtp_prefetch")
 USER_VARIANTS = ("user_unwrapped", "user_gtp", "user_xla_fsdp")
 PROFILE_STEPS = 3
@@ -86,9 +88,13 @@ def run_variant(args: argparse.Namespace) -> dict:
         mesh = gtp_jax.make_mesh(dp=n // gtp, gtp=gtp, devices=devices)
     else:
         mesh = gtp_jax.make_mesh(dp=n, devices=devices)
-    model = UserDecoder(cfg, rngs=nnx.Rngs(0)) if user else Transformer(cfg, rngs=nnx.Rngs(0))
+    def make_model():
+        return UserDecoder(cfg, rngs=nnx.Rngs(0)) if user else Transformer(cfg, rngs=nnx.Rngs(0))
+
+    # Every variant is built where it lives (never whole on one device first): a whole model
+    # on device 0 would set that device's allocator peak above the step's own.
     if variant_kind.startswith("gtp"):
-        model = gtp_jax.shard(model, mesh, gtp_jax.GTPConfig(
+        model = gtp_jax.shard_init(make_model, mesh, gtp_jax.GTPConfig(
             gather_dtype=jnp.bfloat16, prefetch=variant_kind == "gtp_prefetch",
             reduce_dtype=args.reduce_dtype, remat_gathered=not args.no_remat_gathered,
             keep_gathered_layers=args.keep_gathered_layers,
@@ -96,16 +102,16 @@ def run_variant(args: argparse.Namespace) -> dict:
             fp8_compute=None if args.fp8_compute == "none" else args.fp8_compute,
             fp8_min_features=args.fp8_min_features))
     else:
-        state = nnx.state(model)
-
-        def place(path, x):
+        def spec(path, x):
             stacked = not user and len(path) > 0 and str(getattr(path[0], "key", "")) == "blocks"
-            spec = P()
             if variant_kind == "xla_fsdp" and x.ndim >= 2 + stacked:
-                spec = P(*([None] * stacked), "gtp")
-            return jax.device_put(x, NamedSharding(mesh, spec))
+                return NamedSharding(mesh, P(*([None] * stacked), "gtp"))
+            return NamedSharding(mesh, P())
 
-        nnx.update(model, jax.tree_util.tree_map_with_path(place, state))
+        graphdef, abstract = nnx.split(nnx.eval_shape(make_model))
+        shardings = jax.tree_util.tree_map_with_path(spec, abstract)
+        state = jax.jit(lambda: nnx.split(make_model())[1], out_shardings=shardings)()
+        model = nnx.merge(graphdef, state)
     if args.optimizer == "train":  # what `python -m gtp_jax train` steps with
         from gtp_jax.train import TrainConfig
         from gtp_jax.train.config import make_optimizer
@@ -128,7 +134,10 @@ def run_variant(args: argparse.Namespace) -> dict:
     def run_step(i: int) -> jax.Array:
         return step(batches[i % 4])["loss"]
 
-    for i in range(args.warmup):
+    first = time.perf_counter()
+    jax.block_until_ready(run_step(0))  # traces and compiles the step
+    first_step_s = time.perf_counter() - first
+    for i in range(1, args.warmup):
         jax.block_until_ready(run_step(i))
     times = []
     loss = None
@@ -163,6 +172,7 @@ def run_variant(args: argparse.Namespace) -> dict:
         "state_gib": (2 * param_bytes + opt_bytes) / 2**30,
         "tflops_per_device": flops / med / 1e12,
         "mfu": flops / med / peak_rate if peak_rate else None,
+        "first_step_s": first_step_s, "launch_to_first_step_s": first + first_step_s - LAUNCH,
         "jax": jax.__version__, "xla_flags": os.environ.get("XLA_FLAGS", ""),
         "trace": trace,
     }
