@@ -28,6 +28,7 @@ import argparse
 import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
 from collections import defaultdict
@@ -89,7 +90,9 @@ def step_breakdown(events: list[dict[str, Any]], *, steps: int, device: int = 0,
     name = sorted(per_device)[device]
     kernels = per_device[name]
     ops = sorted(device_ops(events).get(name, []), key=lambda e: float(e["ts"]))
-    op_of = _covering(ops) if ops and update_ops else (lambda k: "")
+    # Kernels map to HLO instructions through the trace's "XLA Ops" rows, or (replayed from
+    # CUDA graphs, without those rows) by name: XLA names a fusion's kernel after it.
+    op_of = _covering(ops) if ops else _by_name
     by_cat: dict[str, float] = defaultdict(float)
     comm, compute, every = [], [], []
     for k in kernels:
@@ -115,6 +118,10 @@ def step_breakdown(events: list[dict[str, Any]], *, steps: int, device: int = 0,
         compute_ms=length(compute_u) / 1e3 / steps,
         idle_ms=(window - length(busy)) / 1e3 / steps,
         wall_ms=window / 1e3 / steps)
+
+
+def _by_name(kernel: dict[str, Any]) -> str:
+    return re.sub(r"_(\d+)$", r".\1", kernel.get("name", ""))
 
 
 def _covering(ops: list[dict[str, Any]]) -> Any:

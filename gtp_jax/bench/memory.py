@@ -28,7 +28,7 @@ host's from the CPU compiler, which upcasts and fuses differently).
 Usage::
 
     python -m gtp_jax.bench memory --preset llama3-8b --seq 2048 --batch 4 --gtp 4 --dp 1
-    python -m gtp_jax.bench memory --dump DIR --vocab 128256    # a dump made elsewhere
+    python -m gtp_jax.bench memory --dump DIR --preset llama3-8b   # a dump made elsewhere
 """
 
 from __future__ import annotations
@@ -38,7 +38,6 @@ import dataclasses
 import json
 import os
 import re
-import sys
 import tempfile
 from collections import defaultdict
 from pathlib import Path
@@ -81,6 +80,10 @@ class PeakBreakdown:
       phase: where the peak lies: "forward", "backward" or "update".
       at: the JAX operation running at the peak.
       largest: the largest buffers, ``(bytes, category, shape, op name)``.
+      allocated_bytes: what buffer assignment allocates for the program in device memory
+        (its memory-usage report's total; 0 where there is none): above `peak_bytes` by
+        the space its heap layout cannot reuse (buffers that are never live together but
+        do not fit in each other's place).
     """
 
     peak_bytes: int
@@ -88,6 +91,7 @@ class PeakBreakdown:
     phase: str
     at: str
     largest: tuple[tuple[int, str, str, str], ...]
+    allocated_bytes: int = 0
 
     def table(self) -> str:
         gib = 2**30
@@ -97,6 +101,9 @@ class PeakBreakdown:
             b = self.by_category.get(cat, 0)
             if b:
                 lines.append(f"| {cat} | {b / gib:.2f} | {100 * b / self.peak_bytes:.1f}% |")
+        if self.allocated_bytes > self.peak_bytes:
+            lines.append(f"| allocated, never live at the peak (heap layout) | "
+                         f"{(self.allocated_bytes - self.peak_bytes) / gib:.2f} | - |")
         lines += ["", "| largest buffers | MiB | category | from |", "|---|---|---|---|"]
         lines += [f"| `{shape}` | {b / 2**20:.0f} | {cat} | {_short(op)} |"
                   for b, cat, shape, op in self.largest]
@@ -266,6 +273,15 @@ def peak_breakdown(live_range_text: str, hlo_text: str, *,
                          phase=peak_phase, at=at_name, largest=tuple(rows[:largest]))
 
 
+_TOTAL = re.compile(r"^Memory Space: default.*\n\s*Total bytes: (\d+)", re.MULTILINE)
+
+
+def allocated_bytes(report_text: str) -> int:
+    """The default memory space's total from a ``*-memory-usage-report.txt`` (0 if none)."""
+    m = _TOTAL.search(report_text)
+    return int(m.group(1)) if m else 0
+
+
 def find_dump(directory: str | Path, name: str = "step") -> tuple[Path, Path]:
     """``(live-range file, optimized HLO file)`` of the largest program in an
     ``--xla_dump_to`` folder whose module name contains `name`."""
@@ -293,8 +309,13 @@ def breakdown_of_dump(directory: str | Path, *, weight_elements: frozenset[int] 
                       vocab: frozenset[int] = frozenset()) -> PeakBreakdown:
     """`peak_breakdown` of the largest step program dumped in `directory`."""
     ranges, hlo = find_dump(directory)
-    return peak_breakdown(ranges.read_text(), hlo.read_text(),
-                          weight_elements=weight_elements, vocab=vocab)
+    result = peak_breakdown(ranges.read_text(), hlo.read_text(),
+                            weight_elements=weight_elements, vocab=vocab)
+    report = ranges.with_name(ranges.name.replace("-live-range.txt",
+                                                  "-memory-usage-report.txt"))
+    if report.exists():
+        result = dataclasses.replace(result, allocated_bytes=allocated_bytes(report.read_text()))
+    return result
 
 
 def model_shapes(cfg: Any) -> tuple[frozenset[int], frozenset[int]]:
@@ -321,7 +342,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--remat", default="auto", choices=("auto", "none", "dots", "full"))
     p.add_argument("--unroll-layers", action=argparse.BooleanOptionalAction, default=None)
     p.add_argument("--vocab", type=int, default=None,
-                   help="with --dump: the vocabulary size (to find logits)")
+                   help="with --dump: the vocabulary size, if not the preset's (to find logits)")
     p.add_argument("--dump", default=None,
                    help="read this --xla_dump_to folder instead of compiling")
     p.add_argument("--keep-dump", default=None, help="compile into this folder and keep it")
@@ -332,14 +353,15 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.dump:
-        vocab = frozenset({args.vocab}) if args.vocab else frozenset()
-        result = breakdown_of_dump(args.dump, vocab=vocab)
+        from gtp_jax.models import preset
+
+        weights, vocab = model_shapes(preset(args.preset))
+        if args.vocab:
+            vocab = frozenset({args.vocab})
+        result = breakdown_of_dump(args.dump, weight_elements=weights, vocab=vocab)
     else:
         folder = args.keep_dump or tempfile.mkdtemp(prefix="gtp_jax_memory_")
-        if "jax" in sys.modules:
-            print("python -m gtp_jax.bench memory: JAX is already loaded; the dump flags "
-                  "must be set before it starts.", file=sys.stderr)
-            return 2
+        # XLA reads its flags when its backend starts (the first compile), not at import.
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {dump_flags(folder)}"
         result = _compile_and_read(args, folder)
     print(result.table())

@@ -33,8 +33,9 @@ import sys
 import time
 from pathlib import Path
 
-#: When this module was imported: a worker's launch, for ``launch_to_first_step_s``.
-LAUNCH = time.perf_counter()
+#: The environment variable through which the parent passes a worker's launch time
+#: (``time.time()`` just before it starts the process), for ``launch_to_first_step_s``.
+LAUNCH_ENV = "GTP_JAX_BENCH_LAUNCH"
 VARIANTS = ("compute_only", "replicated", "xla_fsdp", "gtp", "gtp_prefetch")
 USER_VARIANTS = ("user_unwrapped", "user_gtp", "user_xla_fsdp")
 PROFILE_STEPS = 3
@@ -137,6 +138,8 @@ def run_variant(args: argparse.Namespace) -> dict:
     first = time.perf_counter()
     jax.block_until_ready(run_step(0))  # traces and compiles the step
     first_step_s = time.perf_counter() - first
+    launched = os.environ.get(LAUNCH_ENV)
+    launch_to_first_step = time.time() - float(launched) if launched else None
     for i in range(1, args.warmup):
         jax.block_until_ready(run_step(i))
     times = []
@@ -148,6 +151,13 @@ def run_variant(args: argparse.Namespace) -> dict:
     trace = None
     if args.profile_dir and variant in args.profile_variants.split(","):
         trace = profile_steps(run_step, Path(args.profile_dir) / variant, PROFILE_STEPS)
+    compiled_peak = None
+    if args.compiled_memory:  # XLA's figure of the step program (a cache hit where the
+        # persistent compilation cache is on)
+        from gtp_jax.plan.memory import MemoryFigure
+
+        lowered = step._program.fn.lower(step.state, batches[0])
+        compiled_peak = MemoryFigure.of(lowered.compile()).peak / 2**30
     step.sync()
     med = statistics.median(times)
     memory = memory_per_device(devices)
@@ -168,11 +178,11 @@ def run_variant(args: argparse.Namespace) -> dict:
         "unroll_layers": bool(getattr(cfg, "unrolled", False)),
         "swiglu_backend": getattr(cfg, "swiglu_backend", None),
         "step_ms": med * 1e3, "step_ms_min": min(times) * 1e3, "loss": float(loss),
-        "peak_mem_gib": peak / 2**30,
+        "peak_mem_gib": peak / 2**30, "compiled_peak_gib": compiled_peak,
         "state_gib": (2 * param_bytes + opt_bytes) / 2**30,
         "tflops_per_device": flops / med / 1e12,
         "mfu": flops / med / peak_rate if peak_rate else None,
-        "first_step_s": first_step_s, "launch_to_first_step_s": first + first_step_s - LAUNCH,
+        "first_step_s": first_step_s, "launch_to_first_step_s": launch_to_first_step,
         "jax": jax.__version__, "xla_flags": os.environ.get("XLA_FLAGS", ""),
         "trace": trace,
     }
@@ -229,7 +239,8 @@ def worker_command(variant: str, args: argparse.Namespace) -> list[str]:
 
 
 def _spawn(variant: str, args: argparse.Namespace, timeout: float) -> dict | None:
-    return run_for_result(variant, worker_command(variant, args), timeout)
+    env = dict(os.environ, **{LAUNCH_ENV: repr(time.time())})
+    return run_for_result(variant, worker_command(variant, args), timeout, env)
 
 
 def run_for_result(label: str, cmd: list[str], timeout: float,
@@ -363,6 +374,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--profile-variants",
                         default="gtp,gtp_prefetch,gtp_dots,gtp_prefetch_dots",
                         help="variants to trace (3 steps after timing, so timing is unaffected)")
+    parser.add_argument("--compiled-memory", action="store_true",
+                        help="also report the step program's compiled peak (XLA's memory "
+                        "analysis; compiles the step a second time unless the persistent "
+                        "compilation cache holds it)")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     return parser
 
