@@ -13,6 +13,17 @@
 #              (CUDA_VISIBLE_DEVICES lists, default "all"); gtp_jax's options in JAX_OPTS
 #              (default: remat dots, the library's loop), the peer's environment in TORCH_ENV
 #              (e.g. "AC=full REDUCE=bfloat16"); one JSON per row and a table.
+#   ntp        nonuniform TP live: dp2 x tp2 with a simulated failure at step 4 (the survivors
+#              continue at a reduced tp), beside a uniform run of the reduced layout; loss
+#              curves, step times before and after, the re-layout time.
+#   tp_gtp     2-D TP x GTP on PRESET_TP (default llama3-8b) at SEQ_TP (default 8192):
+#              tp2 x gtp2, gtp4 and tp4, each plain and with ring collective matmuls; and
+#              the ring collective matmul alone against its GEMM-only budget (--micro).
+#   moe        a mixture of experts (8 experts, top-2) on ep2 x gtp2 and ep4 beside ep1.
+#   context    ring attention: cp4 at 16k and 32k (traced: the ring's hidden share), and
+#              cp2 x gtp2 on llama3-8b at 32k.
+#   processes  the command line's own multi-process launch (--processes): 4 x 1 and 2 x 2
+#              GPUs beside 1 x 4, a SIGTERM to one process then --resume auto, a kill -9.
 # Environment: OUT, PARTS, SHAPES, PRESET, STEPS (timed steps, default 8), LIMIT (seconds per
 # side, default 400).
 set -u
@@ -25,8 +36,14 @@ T0=$(date +%s); log() { echo "== t=$(( $(date +%s) - T0 ))s $*"; }
 if [ "${SCALE:-gpu}" = cpu ]; then
   export XLA_FLAGS="--xla_force_host_platform_device_count=4" JAX_PLATFORMS=cpu
   PRESET=${PRESET:-tiny}; SHAPES=${SHAPES:-"64x2"}; STEPS=${STEPS:-2}; NOTORCH="--no-torch"
+  PRESET_TP=${PRESET_TP:-tiny}; SEQ_TP=${SEQ_TP:-64}; PRESET_SMALL=tiny; SEQ_SMALL=64
+  CP_SEQS=${CP_SEQS:-128,256}; SEQ_CP8B=${SEQ_CP8B:-256}; PRESET_CP8B=tiny; TRAIN_STEPS=6
+  SIGTERM_AFTER=${SIGTERM_AFTER:-20}
 else
   PRESET=${PRESET:-llama3-8b}; SHAPES=${SHAPES:-"2048x1 8192x1"}; STEPS=${STEPS:-8}; NOTORCH=""
+  PRESET_TP=${PRESET_TP:-llama3-8b}; SEQ_TP=${SEQ_TP:-8192}; PRESET_SMALL=1b; SEQ_SMALL=2048
+  CP_SEQS=${CP_SEQS:-16384,32768}; SEQ_CP8B=${SEQ_CP8B:-32768}; PRESET_CP8B=llama3-8b
+  TRAIN_STEPS=${TRAIN_STEPS:-12}
 fi
 LIMIT=${LIMIT:-400}
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
@@ -84,6 +101,83 @@ for name, r in rows.items():
     print(f"| {name} | {r['step_ms']:.1f} | {mfu} | {r['peak_mem_gib']:.2f} | "
           f"{r.get('first_step_s') or 0:.0f} | {ratio} |")
 PY
+}
+
+part_ntp() {
+  log "nonuniform TP: dp2 x tp2, device 3 fails after step 4"
+  python3 -m gtp_jax train --preset "$PRESET_SMALL" --seq "$SEQ_SMALL" --batch 4 \
+    --steps "$TRAIN_STEPS" --dp 2 --tp 2 --gtp 1 --simulate-failure step=4,device=3 \
+    --metrics-json "$OUT/ntp_failure.json" > "$OUT/ntp_failure.log" 2>&1
+  tail -25 "$OUT/ntp_failure.log"
+  log "the same run without the failure (the losses the degraded run must keep)"
+  python3 -m gtp_jax train --preset "$PRESET_SMALL" --seq "$SEQ_SMALL" --batch 4 \
+    --steps "$TRAIN_STEPS" --dp 2 --tp 2 --gtp 1 --metrics-json "$OUT/ntp_uniform.json" \
+    > "$OUT/ntp_uniform.log" 2>&1
+  tail -5 "$OUT/ntp_uniform.log"
+}
+
+part_tp_gtp() {
+  local base="--preset $PRESET_TP --seq $SEQ_TP --batch 4 --remat dots --steps $STEPS --timeout $LIMIT"
+  [ "${SCALE:-gpu}" = cpu ] && base="$base --cpu-devices 4"
+  for mesh in "2 2 tp_gtp,tp_gtp_overlap" "1 4 tp_gtp" "4 1 tp,tp_overlap"; do
+    set -- $mesh
+    log "tp$1 x gtp$2: $3"
+    python3 -m gtp_jax.bench parallel $base --tp "$1" --gtp "$2" --variants "$3" \
+      --json "$OUT/tp${1}_gtp${2}.json" 2>&1 | grep -E "^\||^\[" | tail -6
+  done
+  log "ring collective matmul alone against its GEMM budget, tp 4"
+  python3 -m gtp_jax.bench parallel $base --tp 4 --micro --json "$OUT/tp4_micro.json" 2>&1 \
+    | grep -E "^\||^\[" | tail -12
+}
+
+part_moe() {
+  local base="--preset $PRESET_SMALL --seq $SEQ_SMALL --batch 8 --steps $STEPS --timeout $LIMIT --moe-experts 8 --moe-top-k 2"
+  [ "${SCALE:-gpu}" = cpu ] && base="$base --cpu-devices 4"
+  log "MoE: ep1 (no_tp_moe), ep2 x gtp2, ep4"
+  python3 -m gtp_jax.bench parallel $base --tp 1 --gtp 2 --variants no_tp_moe,tp_gtp_moe \
+    --json "$OUT/moe_ep2_gtp2.json" 2>&1 | grep -E "^\||^\[" | tail -6
+  python3 -m gtp_jax.bench parallel $base --tp 1 --gtp 1 --variants tp_gtp_moe \
+    --json "$OUT/moe_ep4.json" 2>&1 | grep -E "^\||^\[" | tail -6
+}
+
+part_context() {
+  local prof=""; [ "${SCALE:-gpu}" = cpu ] || prof="--profile-dir $WORK/context_profile"
+  log "ring attention, cp4, $PRESET_SMALL at $CP_SEQS"
+  python3 -m gtp_jax.bench context --preset "$PRESET_SMALL" --remat full --mesh cp=4 \
+    --seqs "$CP_SEQS" --steps 3 --warmup 1 --timeout "$LIMIT" $prof \
+    --json "$OUT/context_cp4.json" 2>&1 | grep -E "^\||^\[" | tail -8
+  log "cp2 x gtp2, $PRESET_CP8B at $SEQ_CP8B"
+  python3 -m gtp_jax.bench context --preset "$PRESET_CP8B" --remat full --mesh cp=2,gtp=2 \
+    --seqs "$SEQ_CP8B" --steps 3 --warmup 1 --timeout "$LIMIT" \
+    --json "$OUT/context_cp2_gtp2.json" 2>&1 | grep -E "^\||^\[" | tail -6
+}
+
+part_processes() {
+  local run="--preset $PRESET_SMALL --seq $SEQ_SMALL --batch 8 --steps $TRAIN_STEPS --dp 1 --gtp 4 --seed 1"
+  log "1 process x 4 devices"
+  python3 -m gtp_jax train $run --metrics-json "$OUT/proc_1x4.json" > "$OUT/proc_1x4.log" 2>&1
+  for n in 4 2; do
+    log "$n processes (--processes $n)"
+    python3 -m gtp_jax train $run --processes "$n" --metrics-json "$OUT/proc_${n}.json" \
+      > "$OUT/proc_${n}.log" 2>&1
+    tail -3 "$OUT/proc_${n}.log"
+  done
+  log "SIGTERM to process 1 after its first step, then --resume auto"
+  rm -rf "$WORK/proc_ck"
+  python3 -m gtp_jax train $run --processes 2 --checkpoint-dir "$WORK/proc_ck" \
+    > "$OUT/proc_sigterm.log" 2>&1 &
+  local launcher=$!
+  sleep "${SIGTERM_AFTER:-40}"; pkill -TERM -f -- "--process-id 1" || true
+  wait $launcher; echo "launcher exit $?"
+  python3 -m gtp_jax train $run --processes 2 --checkpoint-dir "$WORK/proc_ck" --resume auto \
+    --metrics-json "$OUT/proc_resumed.json" > "$OUT/proc_resumed.log" 2>&1
+  tail -3 "$OUT/proc_resumed.log"
+  log "kill -9 of process 1"
+  python3 -m gtp_jax train $run --steps 1000 --processes 2 > "$OUT/proc_kill.log" 2>&1 &
+  launcher=$!
+  sleep "${SIGTERM_AFTER:-40}"; local t=$(date +%s); pkill -KILL -f -- "--process-id 1" || true
+  wait $launcher; echo "launcher exit $? after $(( $(date +%s) - t )) s"
+  grep -E "^error" "$OUT/proc_kill.log" | head -3
 }
 
 for part in $PARTS; do

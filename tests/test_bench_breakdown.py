@@ -1,3 +1,4 @@
+# ruff: noqa: E501  (HLO and live-range texts keep XLA's own long lines)
 """`python -m gtp_jax.bench memory` and `breakdown`: the readers of XLA's buffer assignment and of
 a profiler trace, on small texts whose answers are known."""
 

@@ -164,6 +164,26 @@ def test_gtp_axis_with_alignment_padding_tracks_the_uniform_run():
     np.testing.assert_allclose(failed.losses[3:], uniform.losses[3:], rtol=LOSS_RTOL)
 
 
+def test_tp2_degraded_to_one_device_tracks_the_uniform_run():
+    # dp4 x tp2: the degraded replica runs at tp=1, where XLA returns its arrays' specs with
+    # the 1-wide tp axis dropped (P() for a weight split over tp at tp=2): the re-layout
+    # must still put them back split over tp on the core mesh.
+    cfg = TrainConfig(steps=6, batch_size=8, seq_len=32, warmup=2, dp=4, tp=2, gtp=1)
+    uniform = train(cfg, progress=False)
+    failed = train(cfg, progress=False, failure=SimulatedFailure(step=3, devices=(3,)))
+    assert "replica dp=1: DEGRADED, tp=1" in failed.failure["layout_after"]
+    assert failed.losses[:3] == uniform.losses[:3]
+    np.testing.assert_allclose(failed.losses[3:], uniform.losses[3:], rtol=LOSS_RTOL)
+
+
+def test_a_tp_failure_that_would_move_a_gtp_shard_dim_is_refused_before_training():
+    # At tp=1 GTP shards the attention output's heads dim, which tp splits at tp=2.
+    cfg = TrainConfig(steps=6, batch_size=8, seq_len=32, warmup=2, dp=2, tp=2, gtp=2)
+    with pytest.raises(UsageError, match=r"GTP would shard blocks/attn/out/kernel on dim 0.*"
+                                         r"SimulatedFailure.axis='gtp'"):
+        check_failure(cfg, SimulatedFailure(step=3, devices=(3,)))
+
+
 BASE = ["train", "--tp", "4", "--dp", "2", "--steps", "8", "--batch", "8", "--seq", "32"]
 
 

@@ -198,16 +198,21 @@ def relayout(state: Any, splits: Any, src: Mesh, dst: Mesh, axis: str = "tp") ->
                 raise UsageError(f"{where}: leaf {name} is split over {axis!r} on dim "
                                  f"{on_axis[0]} but its split is None; give it a LeafSplit.")
         else:
-            if split.dim >= x.ndim or on_axis != [split.dim] or \
-                    _names(entries[split.dim]) != (axis,):
+            # XLA drops a 1-wide axis from the specs it returns (a leaf a program computed on
+            # a degree-1 mesh is P() there); such a leaf is whole on that axis already.
+            whole = n_old == 1 and not on_axis and split.dim < x.ndim \
+                and not _names(entries[split.dim])
+            if not whole and (split.dim >= x.ndim or on_axis != [split.dim]
+                              or _names(entries[split.dim]) != (axis,)):
                 raise UsageError(f"{where}: leaf {name} has spec {sh.spec} but LeafSplit.dim="
                                  f"{split.dim}; the spec must name {axis!r} alone on that dim.")
+            entries[split.dim] = axis
             if x.shape[split.dim] != split.stored_size(n_old):
                 raise UsageError(
                     f"{where}: leaf {name} has {x.shape[split.dim]} rows on dim {split.dim}, "
                     f"not the stored size {split.stored_size(n_old)} of LeafSplit(size="
                     f"{split.size}, fused={split.fused}) at {axis}={n_old}; fix its split.")
-        jobs.append(("array", x, sh.spec, split))
+        jobs.append(("array", x, P(*entries) if split is not None else sh.spec, split))
     out = []
     for kind, x, spec, split in jobs:
         target = NamedSharding(dst, spec)

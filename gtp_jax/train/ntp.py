@@ -50,6 +50,8 @@ from gtp_jax.nonuniform import (
     take_survivors,
 )
 from gtp_jax.nonuniform.config import AXES
+from gtp_jax.sharding.module import plan_placement
+from gtp_jax.sharding.plan import ParamPlan
 from gtp_jax.train.config import TrainConfig, gtp_config, make_optimizer, model_config
 from gtp_jax.train.step import replicate_stray_leaves
 
@@ -234,6 +236,8 @@ def check_failure(cfg: TrainConfig, failure: SimulatedFailure | None, *,
         survivor_mesh(p)  # every shard must survive on some replica
     except UsageError as err:
         raise _named(err, failure) from None
+    if axis == "tp" and cfg.gtp > 1:
+        _check_gtp_dims_kept(cfg, mesh, {r.degree for r in p.replicas})
     rows = cfg.batch_size // cfg.dp
     for r in p.replicas:
         shards = cfg.ep * (r.degree if axis == "gtp" else cfg.gtp)
@@ -243,6 +247,36 @@ def check_failure(cfg: TrainConfig, failure: SimulatedFailure | None, *,
                 f"split over its {shards} data shards at {axis}={r.degree}; choose a "
                 "TrainConfig.batch_size whose per-replica rows divide them.")
     return p
+
+
+def _check_gtp_dims_kept(cfg: TrainConfig, mesh: jax.sharding.Mesh,
+                         degrees: set[int]) -> None:
+    """Refuses a tp failure whose degraded replicas would shard some weight over ``gtp`` on
+    another dim than the full-degree mesh does (GTP shards the first dim tp leaves free, so
+    a weight tp no longer splits can move): the re-layout changes the tp split alone.
+
+    Raises:
+      UsageError: naming the weight, the two dims and what to run instead.
+    """
+    model_cfg = model_config(cfg)
+    abstract = nnx.eval_shape(lambda: Transformer(model_cfg, rngs=nnx.Rngs(cfg.seed)))
+    devices = list(mesh.devices.flat)
+
+    def dims(tp: int) -> dict[str, int]:
+        sub = gtp_jax.make_mesh(dp=1, gtp=cfg.gtp, tp=tp, devices=devices[:cfg.gtp * tp])
+        placement = plan_placement(abstract, sub, gtp_config(cfg))
+        return {path: plan.spec.shard_dim for path, plan in zip(placement.paths, placement.plans)
+                if isinstance(plan, ParamPlan)}
+
+    full = dims(mesh.shape["tp"])
+    for degree in sorted(degrees):
+        for path, dim in dims(degree).items():
+            if full.get(path, dim) != dim:
+                raise UsageError(
+                    f"SimulatedFailure: at tp={degree} GTP would shard {path} on dim {dim}, "
+                    f"at tp={mesh.shape['tp']} on dim {full[path]}; a tp failure re-lays out "
+                    "the tp split alone. Use TrainConfig.gtp=1, or reduce the gtp axis "
+                    "instead: SimulatedFailure.axis='gtp'.")
 
 
 def _split_map(model: gtp_jax.ShardedModule, axis: str) -> dict[str, LeafSplit | None]:

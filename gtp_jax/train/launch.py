@@ -1,0 +1,155 @@
+"""``python -m gtp_jax train --processes N ...``: start the N processes of a multi-process run
+on this host, and supervise them.
+
+Each process is ``python -m gtp_jax train <the same flags> --coordinator localhost:PORT
+--num-processes N --process-id i`` (a free port), with ``--local-device-ids`` naming its own
+block of this host's GPUs (none on a CPU host: each process then simulates its share of the
+mesh's devices). The launcher:
+
+- forwards SIGTERM and SIGINT to every process, which then stop after the same step (their
+  stop vote, `gtp_jax.train.preempt`) and write one checkpoint;
+- when a process ends with an error or is killed while the others run (a lost GPU, an
+  out-of-memory kill, ``kill -9``), prints one line naming it and how it ended, stops the
+  others (SIGTERM, then SIGKILL after `GRACE_S`: they may be waiting in a collective that
+  will never complete) and exits with status 1, instead of leaving them to wait for JAX's
+  heartbeat timeout;
+- otherwise exits with the processes' own status (the same for all of them).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+
+#: Seconds the other processes get to stop on SIGTERM after one was lost, before SIGKILL.
+GRACE_S = 10.0
+#: How often (seconds) the launcher looks at its processes.
+POLL_S = 0.2
+
+
+@dataclasses.dataclass(frozen=True)
+class Outcome:
+    """How a supervised run ended.
+
+    Attributes:
+      code: the launcher's exit status.
+      lost: the first process that ended badly while others still ran, as
+        ``(index, pid, returncode)``; None if none did.
+    """
+
+    code: int
+    lost: tuple[int, int, int] | None = None
+
+
+def free_port() -> int:
+    """A TCP port on localhost that nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return int(s.getsockname()[1])
+
+
+def child_commands(argv: Sequence[str], processes: int, gpus: int | None, port: int,
+                   python: str = sys.executable) -> list[list[str]]:
+    """The command of each process: `argv` (the ``train`` flags without ``--processes``)
+    plus the flags that join process ``i`` to the run, and its GPUs.
+
+    Raises:
+      ValueError: `gpus` does not divide into `processes` equal blocks.
+    """
+    per = None
+    if gpus:
+        if gpus % processes:
+            raise ValueError(f"--processes={processes} does not divide this host's {gpus} "
+                             "GPUs into equal blocks; use a divisor of the GPU count.")
+        per = gpus // processes
+    out = []
+    for i in range(processes):
+        cmd = [python, "-m", "gtp_jax", "train", *argv, "--coordinator", f"localhost:{port}",
+               "--num-processes", str(processes), "--process-id", str(i)]
+        if per:
+            cmd += ["--local-device-ids", ",".join(str(i * per + k) for k in range(per))]
+        out.append(cmd)
+    return out
+
+
+def describe_end(returncode: int) -> str:
+    """``exit status 3`` or ``killed by SIGKILL`` for a `subprocess` return code."""
+    if returncode < 0:
+        try:
+            return f"killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"killed by signal {-returncode}"
+    return f"exit status {returncode}"
+
+
+def supervise(commands: Sequence[Sequence[str]], *, grace: float = GRACE_S,
+              poll: float = POLL_S, print_fn: Callable[[str], None] | None = None,
+              popen: Callable[..., subprocess.Popen] = subprocess.Popen) -> Outcome:
+    """Runs `commands` as child processes until all have ended (see the module docstring).
+
+    Returns the `Outcome`; the one line about a lost process goes to `print_fn` (default:
+    stderr)."""
+    say = print_fn or (lambda line: print(line, file=sys.stderr, flush=True))
+    children = [popen(list(cmd)) for cmd in commands]
+    previous = {}
+
+    def forward(signum: int, _frame: object) -> None:
+        for child in children:
+            if child.poll() is None:
+                child.send_signal(signum)
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        previous[signum] = signal.signal(signum, forward)
+    lost: tuple[int, int, int] | None = None
+    try:
+        while True:
+            codes = [c.poll() for c in children]
+            if all(code is not None for code in codes):
+                break
+            bad = [(i, c.pid, code) for i, (c, code) in enumerate(zip(children, codes))
+                   if code not in (None, 0)]
+            if bad and lost is None and any(code is None for code in codes):
+                lost = bad[0]
+                index, pid, code = lost
+                others = sum(code is None for code in codes)
+                say(f"error: process {index} of {len(children)} (pid {pid}) ended: "
+                    f"{describe_end(code)}; stopping the other {others}. Resume with the "
+                    "same command and --resume auto (the newest intact checkpoint).")
+                _stop(children, grace, poll)
+            time.sleep(poll)
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    codes = [c.returncode for c in children]
+    if lost is not None:
+        return Outcome(1, lost)
+    first_bad = next((code for code in codes if code != 0), 0)
+    return Outcome(128 - first_bad if first_bad < 0 else first_bad)
+
+
+def _stop(children: Sequence[subprocess.Popen], grace: float, poll: float) -> None:
+    """SIGTERM to every running child; SIGKILL to those still running after `grace`."""
+    for child in children:
+        if child.poll() is None:
+            child.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline and any(c.poll() is None for c in children):
+        time.sleep(poll)
+    for child in children:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+
+
+def launch(argv: Sequence[str], processes: int, gpus: int | None) -> int:
+    """Starts and supervises the `processes` processes of ``train argv`` on this host
+    (`gpus`: this host's GPU count, None on a CPU host); returns the exit status."""
+    commands = child_commands(argv, processes, gpus, free_port())
+    print(f"launching {processes} processes on this host"
+          + (f", {gpus // processes} GPUs each" if gpus else ""), flush=True)
+    return supervise(commands).code
