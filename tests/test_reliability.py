@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import jax
@@ -290,6 +291,49 @@ def test_a_bit_flip_anywhere_never_restores_other_values(two_steps, tmp_path: Pa
                 continue
         np.testing.assert_array_equal(np.asarray(gtp_jax.unshard(model).kernel.get_value()),
                                       saved["model/module/kernel"], err_msg=str(fraction))
+
+
+def _edit_meta(step_dir: Path, edit: Callable[[dict], None]) -> None:
+    path = step_dir / "meta" / "metadata"
+    meta = json.loads(path.read_text())
+    edit(meta)
+    path.write_text(json.dumps(meta))
+
+
+#: Damage to a checkpoint's recorded checksums: each would turn verification off if a
+#: missing entry meant "nothing to verify".
+CHECKSUM_DAMAGE = {
+    "deleted": lambda meta: meta.pop("checksums"),
+    "null": lambda meta: meta.update(checksums=None),
+    "not_a_dict": lambda meta: meta.update(checksums="0123"),
+    "one_array_missing": lambda meta: meta["checksums"].pop(sorted(meta["checksums"])[0]),
+}
+
+
+@pytest.mark.parametrize("damage", list(CHECKSUM_DAMAGE))
+def test_a_checkpoint_without_checksums_is_never_restored(two_steps, damage: str,
+                                                          tmp_path: Path,
+                                                          mesh_dp2_gtp4) -> None:
+    source, step1 = two_steps
+    directory = tmp_path / "ck"
+    shutil.copytree(source, directory)
+    _flip_bit(_data_files(directory / "2")[0], 0.5)  # a damaged byte, then no checksums
+    _edit_meta(directory / "2", CHECKSUM_DAMAGE[damage])
+    model = _linear(mesh_dp2_gtp4, seed=5)
+    before = snapshot(model)
+    notes: list[str] = []
+    with Checkpointer(CheckpointConfig(directory, resume=True)) as ckpt:
+        assert [s for s, _ in ckpt.resume_candidates(report=notes.append)] == [1]
+        assert len(notes) == 1 and "ck/2" in notes[0] and "checksums" in notes[0], notes
+        for read in (lambda: ckpt.restore(model, step=2), lambda: ckpt.read_arrays(2),
+                     lambda: ckpt.verify(2)):
+            with pytest.raises(CheckpointCorruptError,
+                               match=r"ck/2: .*lacks the checksums.*another checkpoint"):
+                read()
+        assert_unchanged(model, before)
+        ckpt.restore(model, step=1)
+    np.testing.assert_array_equal(np.asarray(gtp_jax.unshard(model).kernel.get_value()),
+                                  step1["model/module/kernel"])
 
 
 def test_incomplete_step_is_not_listed(two_steps, tmp_path: Path) -> None:
