@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import gc
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -55,7 +56,7 @@ from gtp_jax.train.observe import (
 from gtp_jax.train.preempt import StopRequest
 from gtp_jax.train.progress import ProgressBar
 from gtp_jax.train.report import TrainResult
-from gtp_jax.train.resume import restore_newest, select_candidates
+from gtp_jax.train.resume import StartOver, restore_newest, select_candidates
 from gtp_jax.train.step import TrainStep, make_nnx_optimizer, replicate_stray_leaves
 from gtp_jax.train.warm_start import check_init_from, load_weights
 
@@ -90,7 +91,9 @@ def train(cfg: TrainConfig, *, on_step: OnStep | None = None,
         mesh may differ from the saving run's). A larger `cfg.steps` than the saved run's
         extends it (see `TrainConfig.schedule_steps`). Damaged checkpoints are skipped with
         a one-line note on stderr and renamed ``broken-<step>-<n>`` when newer than the
-        one resumed from (so their steps can be saved again); nothing is deleted.
+        one resumed from (so their steps can be saved again); nothing is deleted. With
+        ``resume="auto"`` and no intact checkpoint, every one is renamed so and the run
+        starts over from step 0 (one line on stderr says so).
       observe: profiler trace window and JSON metrics file.
       failure: simulate losing devices after a step and keep training with nonuniform
         tensor parallelism (`gtp_jax.train.ntp`); validated before anything is built.
@@ -156,10 +159,16 @@ def train(cfg: TrainConfig, *, on_step: OnStep | None = None,
         lock.acquire()
     try:
         ckpt = Checkpointer(checkpoint) if checkpoint is not None else None
+        run = functools.partial(_train, cfg, on_step=on_step, progress=progress, ckpt=ckpt,
+                                observe=observe, failure=failure, auto=auto,
+                                on_start=on_start, source=source, stop=stop)
         try:
-            return _train(cfg, on_step=on_step, progress=progress, ckpt=ckpt, observe=observe,
-                          failure=failure, auto=auto, on_start=on_start, source=source,
-                          stop=stop)
+            try:
+                return run()
+            except StartOver:
+                pass  # every checkpoint was damaged and is renamed aside: a new run
+            gc.collect()  # the first attempt's model and optimizer, before the next ones
+            return run()
         finally:
             if ckpt is not None:
                 # Finishes (finalizes) a pending asynchronous save, also when training failed.
