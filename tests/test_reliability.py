@@ -8,12 +8,14 @@ import dataclasses
 import functools
 import json
 import math
+import multiprocessing
 import os
 import shutil
 import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -616,6 +618,73 @@ def test_lock_written_while_waiting_is_honoured(tmp_path: Path) -> None:
             DirectoryLock(str(directory)).acquire()
     finally:
         timer.join()
+
+
+def _race_for_the_lock(directory: str, start, results, done) -> None:
+    """One of several runs starting together: takes the lock or is refused; a holder keeps
+    it until `done`. The holder check is slowed (as on a loaded machine) to widen the
+    window between finding a dead holder and taking its lock over."""
+    import gtp_jax.train.lock as lock_module  # noqa: PLC0415
+
+    check = lock_module.lock_is_stale
+
+    def slow_check(holder):
+        time.sleep(0.02)
+        return check(holder)
+
+    lock_module.lock_is_stale = slow_check
+    start.wait()
+    try:
+        DirectoryLock(directory).acquire()
+    except CheckpointLockedError:
+        results.put(("refused", os.getpid()))
+        return
+    results.put(("held", os.getpid()))
+    done.wait(30)
+
+
+# The forked children run only the lock's Python code, never JAX's threads' code.
+@pytest.mark.filterwarnings("ignore:os.fork:RuntimeWarning")
+def test_runs_starting_together_on_a_dead_holders_lock_get_one_holder(tmp_path: Path) -> None:
+    # Each of six starters finds the same dead holder; exactly one may take the lock over.
+    ctx = multiprocessing.get_context("fork")  # no re-import of JAX per starter
+    dead = {"pid": 2**22 + 12345, "host": socket.gethostname()}  # past pid_max: never alive
+    for trial in range(12):
+        directory = tmp_path / f"ck{trial}"
+        directory.mkdir()
+        (directory / LOCK_FILE).write_text(json.dumps(dead))
+        start, done, results = ctx.Event(), ctx.Event(), ctx.Queue()
+        starters = [ctx.Process(target=_race_for_the_lock,
+                                args=(str(directory), start, results, done))
+                    for _ in range(6)]
+        for p in starters:
+            p.start()
+        start.set()
+        try:
+            outcomes = [results.get(timeout=60) for _ in starters]
+        finally:
+            done.set()
+            for p in starters:
+                p.join(30)
+        holders = [pid for what, pid in outcomes if what == "held"]
+        assert len(holders) == 1, f"trial {trial}: {len(holders)} holders"
+        assert json.loads((directory / LOCK_FILE).read_text())["pid"] == holders[0]
+
+
+def test_without_file_locking_a_dead_holders_lock_is_not_taken_over(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import gtp_jax.train.lock as lock_module  # noqa: PLC0415
+
+    monkeypatch.setattr(lock_module, "_flock", lambda fd, path: False)
+    free = DirectoryLock(str(tmp_path / "free"))
+    free.acquire()  # a free directory: created atomically (O_EXCL)
+    free.release()
+    directory = tmp_path / "ck"
+    directory.mkdir()
+    (directory / LOCK_FILE).write_text(json.dumps({"pid": 2**22 + 12345,
+                                                   "host": socket.gethostname()}))
+    with pytest.raises(CheckpointLockedError, match=r"no file locking.*delete the lock file"):
+        DirectoryLock(str(directory)).acquire()
 
 
 # ---------------------------------------------------------------------- memory
