@@ -56,7 +56,7 @@ from gtp_jax.train.config import model_json as _model_json
 from gtp_jax.train.config import resolve_auto
 from gtp_jax.train.fingerprint import digest
 from gtp_jax.train.fingerprint import fingerprint as _fingerprint
-from gtp_jax.train.lock import LOCK_FILE, CheckpointLockedError, DirectoryLock
+from gtp_jax.train.lock import GUARD_FILE, LOCK_FILE, CheckpointLockedError, DirectoryLock
 from gtp_jax.train.memory import memory_advice
 from gtp_jax.train.observe import (
     DeviceMemoryError,
@@ -592,7 +592,7 @@ def test_directory_lock(tmp_path: Path) -> None:
     lock.acquire()
     assert json.loads((directory / LOCK_FILE).read_text())["pid"] == os.getpid()
     lock.release()
-    assert not (directory / LOCK_FILE).exists()
+    assert not (directory / LOCK_FILE).exists() and not (directory / GUARD_FILE).exists()
 
 
 @pytest.mark.parametrize("content", ["", "not json", "[1, 2]"])

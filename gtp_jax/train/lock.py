@@ -17,7 +17,7 @@ from gtp_jax.base.errors import UsageError
 #: The lock file's name inside the directory.
 LOCK_FILE = ".gtp_jax.lock"
 #: Beside it: the file every run holds an OS file lock on while it looks at the lock file
-#: and takes it (never deleted: deleting it would let two runs lock two different files).
+#: and takes or releases it (removed with the lock file).
 GUARD_FILE = ".gtp_jax.lock.guard"
 
 
@@ -35,7 +35,8 @@ class DirectoryLock:
     ``<directory>/.gtp_jax.lock.guard`` while it reads the lock file, checks its holder and
     writes its own, so that of several runs finding the same dead holder exactly one takes
     the lock over (the others then find a live holder). The OS releases that lock when a
-    process dies, so it can never be left stale itself. Where the file system offers no
+    process dies, so it can never be left stale itself; `release` removes the guard file
+    with the lock file. Where the file system offers no
     ``flock``, a free directory is still taken atomically (``O_EXCL``), but a dead holder's
     lock is not taken over: one line says to delete it.
 
@@ -99,12 +100,16 @@ class DirectoryLock:
                                     "for it.")
 
     def release(self) -> None:
-        """Removes the lock file if this process holds it."""
+        """Removes the lock file (and its guard file) if this process holds it."""
         if self.held:
-            with _guard(os.path.join(os.path.dirname(self.path), GUARD_FILE)):
+            guard = os.path.join(os.path.dirname(self.path), GUARD_FILE)
+            with _guard(guard):
                 holder = self._holder()
                 if holder is not None and holder.get("pid") == os.getpid():
                     os.remove(self.path)
+                    # Still under its flock: a run waiting on this file finds it gone once
+                    # it gets the flock, and opens the path again (`_guard`).
+                    os.remove(guard)
             self.held = False
 
     def _record(self) -> bytes:
@@ -153,16 +158,33 @@ def _guard(path: str) -> Iterator[bool]:
     held (False where the file system has no file locking)."""
     import fcntl  # noqa: PLC0415 (POSIX only)
 
-    fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o644)
-    try:
-        held = _flock(fd, path)
+    while True:
+        fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o644)
         try:
-            yield held
-        finally:
-            if held:
+            held = _flock(fd, path)
+            if held and not _is_path(fd, path):
+                # Removed (a release) while this run waited: the flock is on a file no other
+                # run can open any more; lock the one at the path now.
                 fcntl.flock(fd, fcntl.LOCK_UN)
-    finally:
-        os.close(fd)
+                continue
+            try:
+                yield held
+            finally:
+                if held:
+                    fcntl.flock(fd, fcntl.LOCK_UN)
+            return
+        finally:
+            os.close(fd)
+
+
+def _is_path(fd: int, path: str) -> bool:
+    """Whether the open file `fd` is (still) the file at `path`."""
+    try:
+        now = os.stat(path)
+    except FileNotFoundError:
+        return False
+    opened = os.fstat(fd)
+    return (now.st_dev, now.st_ino) == (opened.st_dev, opened.st_ino)
 
 
 def _flock(fd: int, path: str) -> bool:
