@@ -216,7 +216,7 @@ def _write(folder: Path, key: str, files: list[Path], tokenizer: Tokenizer, fiel
                     before = os.fstat(raw.fileno())
                     read.update(_file_header(path, before.st_size))
                     reader = _HashedReader(raw, read)
-                    for text in documents(path, field, io.BufferedReader(reader)):
+                    for text in documents(path, field, io.BufferedReader(reader, 1 << 20)):
                         if not text:
                             continue  # an empty document would add a lone EOS
                         batch.append(text)
