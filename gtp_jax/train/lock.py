@@ -36,9 +36,9 @@ class DirectoryLock:
     writes its own, so that of several runs finding the same dead holder exactly one takes
     the lock over (the others then find a live holder). The OS releases that lock when a
     process dies, so it can never be left stale itself; `release` removes the guard file
-    with the lock file. Where the file system offers no
-    ``flock``, a free directory is still taken atomically (``O_EXCL``), but a dead holder's
-    lock is not taken over: one line says to delete it.
+    with the lock file. Where the file system offers no ``flock``, a free directory is
+    still taken atomically (``O_EXCL``), but a dead holder's lock is not taken over: one
+    line says to delete it.
 
     Two runs writing one checkpoint directory would delete each other's in-progress saves
     (orbax removes temporary directories it finds on open) and interleave steps; two runs
@@ -63,7 +63,8 @@ class DirectoryLock:
         """
         directory = os.path.dirname(self.path)
         os.makedirs(directory, exist_ok=True)
-        for attempt in range(3):
+        waited = False
+        for _ in range(3):
             with _guard(os.path.join(directory, GUARD_FILE)) as guarded:
                 holder = self._holder()
                 exists = holder is not None or os.path.exists(self.path)
@@ -89,7 +90,8 @@ class DirectoryLock:
             # Empty or garbled: a run (of an older version) may be between creating and
             # writing it. Taking it over could let two runs share the directory; a moment
             # later it is complete, or it was left by a crash and the user says so.
-            if attempt == 0:
+            if not waited:
+                waited = True
                 time.sleep(_UNREADABLE_WAIT_S)
                 continue
             raise CheckpointLockedError(
