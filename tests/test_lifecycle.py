@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -209,3 +210,55 @@ def test_optimizer_of_the_unsharded_module_is_refused_at_train_step(mesh_dp2_gtp
                                          r"gtp_jax\.shard.*nnx\.Optimizer\(sharded"):
         TrainStep(sharded, optimizer, lm_loss)
     TrainStep(sharded, nnx.Optimizer(sharded, optax.adamw(1e-3), wrt=nnx.Param), lm_loss)
+
+
+def _damage_arrays(step_dir: Path) -> None:
+    """Garbles 16 bytes in the middle of the largest array data file of a step."""
+    files = [p for p in (step_dir / "model").rglob("*") if p.is_file() and "/d/" in str(p)]
+    path = max(files, key=lambda p: p.stat().st_size)
+    data = bytearray(path.read_bytes())
+    for i in range(len(data) // 2, len(data) // 2 + 16):
+        data[i] ^= 0xA5
+    path.write_bytes(bytes(data))
+
+
+def _drop_checksums(step_dir: Path) -> None:
+    path = step_dir / "meta" / "metadata"
+    meta = json.loads(path.read_text())
+    del meta["checksums"]
+    path.write_text(json.dumps(meta))
+
+
+@pytest.mark.parametrize("damage, steps", [
+    ("arrays", 6),       # the finished run's only checkpoint fails its checksums
+    ("metadata", 6),     # its metadata lost its checksums: not a resume candidate
+    ("arrays", 8),       # an extension: the restore itself finds the damage
+])
+def test_requeue_with_only_damaged_checkpoints_starts_over(
+        reference: tuple[Path, list[float]], tmp_path: Path, damage: str, steps: int,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    # The requeue command never dead-ends: with --resume auto, a directory whose every
+    # checkpoint is damaged has them renamed aside (kept) and starts a new run.
+    source, expected = reference
+    directory = tmp_path / "ck"
+    shutil.copytree(source, directory)
+    (directory / ".gtp_jax.lock").unlink(missing_ok=True)
+    (_damage_arrays if damage == "arrays" else _drop_checksums)(directory / "6")
+    flags = [*RUN, "--steps", str(steps), "--checkpoint-dir", str(directory)]
+    capsys.readouterr()
+    assert cli_main([*flags, "--resume"]) == 2  # a strict resume still refuses it
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
+    assert len(errors) == 1 and "no intact" in errors[0] and "--resume auto" in errors[0], errors
+    assert cli_main([*flags, "--resume", "auto", "--metrics-json",
+                     str(tmp_path / "m.json")]) == 0
+    err = capsys.readouterr().err
+    said = [line for line in err.splitlines() if "starting a new run from step 0" in line]
+    assert len(said) == 1 and "broken-6-0" in said[0] and "no intact checkpoint" in said[0], err
+    assert (directory / "broken-6-0").is_dir()  # renamed, not deleted
+    losses = _losses(tmp_path / "m.json")
+    assert len(losses) == steps
+    if steps == 6:
+        assert losses == expected  # a new run: the uninterrupted run's losses exactly
+    meta = Checkpointer(CheckpointConfig(directory)).read_meta()
+    # A new run's schedule: its own steps, not the damaged checkpoint's.
+    assert meta["step"] == steps and meta["extra"]["train_config"]["schedule_steps"] == steps

@@ -5,12 +5,17 @@ from __future__ import annotations
 
 import io
 import json
+import socket
 import struct
+import subprocess
 import sys
 
 import pytest
 
+from gtp_jax.base.errors import UsageError
 from gtp_jax.train import ObserveConfig, TrainConfig, train
+from gtp_jax.train.checkpoint import CheckpointConfig
+from gtp_jax.train.cli import main as cli_main
 from gtp_jax.train.metrics_log import METRICS_FILE, NO_TENSORBOARD, MetricsLog
 
 KEYS = {"step", "loss", "lr", "grad_norm", "tokens_per_s", "step_ms"}
@@ -92,9 +97,97 @@ def test_log_every_and_missing_tensorboard(tmp_path, monkeypatch) -> None:
 
 
 def test_bad_log_settings() -> None:
-    from gtp_jax.base.errors import UsageError  # noqa: PLC0415
-
     with pytest.raises(UsageError, match="ObserveConfig.log_every=0 must be an int >= 1"):
         ObserveConfig(log_every=0)
     with pytest.raises(UsageError, match="ObserveConfig.log_dir must be a non-empty path"):
         ObserveConfig(log_dir="")
+
+
+def _strict_lines(path) -> list[dict]:
+    """The file's records, parsed as strict JSON (NaN / Infinity are not JSON)."""
+    def refuse(name: str) -> None:
+        raise ValueError(f"{name} is not JSON")
+
+    return [json.loads(line, parse_constant=refuse) for line in path.read_text().splitlines()]
+
+
+def test_non_finite_numbers_are_written_as_null_and_named(tmp_path) -> None:
+    note = io.StringIO()
+    log = MetricsLog(str(tmp_path), log_every=1, last_step=9, tensorboard=False, stream=note)
+    record = log.write(2, loss=2.5, step_s=0.0, tokens=100, lr=1e-3,
+                       grad_norm=float("nan"), val_loss=float("inf"))
+    log.close()
+    assert record == {"step": 2, "loss": 2.5, "lr": 1e-3, "grad_norm": None,
+                      "tokens_per_s": None, "step_ms": 0.0, "val_loss": None,
+                      "nonfinite": ["grad_norm", "tokens_per_s", "val_loss"]}
+    assert _strict_lines(tmp_path / METRICS_FILE) == [record]
+    # A file of an older version (NaN written, a line cut short by a crash), continued by a
+    # run that starts after step 2: strict JSON, steps 1-2 kept, the rest dropped.
+    (tmp_path / METRICS_FILE).write_text('{"step": 1, "loss": NaN}\n{"step": 2, "loss": 1.0}\n'
+                                         '{"step": 3, "loss": 0.9}\n{"step": 4, "lo')
+    log = MetricsLog(str(tmp_path), log_every=1, last_step=9, tensorboard=False, stream=note,
+                     start=2)
+    log.write(3, loss=0.5, step_s=1.0, tokens=10)
+    log.close()
+    assert [(r["step"], r["loss"]) for r in _strict_lines(tmp_path / METRICS_FILE)] == [
+        (1, None), (2, 1.0), (3, 0.5)]
+    assert "dropped 2 record(s) after step 2" in note.getvalue()
+
+
+def test_a_resumed_run_logs_each_step_once(tmp_path, capsys) -> None:
+    log_dir, ck = tmp_path / "logs", str(tmp_path / "ck")
+    cfg = TrainConfig(steps=4, batch_size=8, seq_len=16, warmup=2, dp=2, gtp=4)
+    observe = ObserveConfig(log_dir=str(log_dir), log_every=1)
+
+    def crash_after_step_3(step: int, loss: float, seconds: float) -> None:
+        if step == 3:
+            raise Crash("simulated crash after step 3")
+
+    with pytest.raises(Crash):  # steps 1-3 logged, checkpoint at step 2
+        train(cfg, on_step=crash_after_step_3, progress=False, observe=observe,
+              checkpoint=CheckpointConfig(ck, every=2))
+    first = _strict_lines(log_dir / METRICS_FILE)
+    assert [r["step"] for r in first] == [1, 2, 3]
+    capsys.readouterr()
+    resumed = train(cfg, progress=False, observe=observe,
+                    checkpoint=CheckpointConfig(ck, every=2, resume="auto"))
+    assert resumed.first_step == 3
+    lines = _strict_lines(log_dir / METRICS_FILE)
+    assert [r["step"] for r in lines] == [1, 2, 3, 4]  # step 3 once: the resumed run's
+    assert lines[:2] == first[:2]
+    assert lines[2]["loss"] == pytest.approx(resumed.losses[0])
+    assert "dropped 1 record(s) after step 2" in capsys.readouterr().err
+    assert not (log_dir / ".gtp_jax.lock").exists()  # released with the run
+
+
+def test_a_log_dir_has_one_owner(tmp_path, capsys) -> None:
+    log_dir = tmp_path / "logs"
+    cfg = TrainConfig(steps=2, batch_size=8, seq_len=16, warmup=1, dp=2, gtp=4)
+    train(cfg, progress=False, observe=ObserveConfig(log_dir=str(log_dir), log_every=1),
+          checkpoint=CheckpointConfig(str(tmp_path / "ck")))
+    before = (log_dir / METRICS_FILE).read_text()
+    assert len(before.splitlines()) == 2
+    # Another run (no checkpoints, or other ones) on the same --log-dir: refused in one
+    # line, before anything is built; the file is untouched.
+    for checkpoint in ([], ["--checkpoint-dir", str(tmp_path / "other")]):
+        capsys.readouterr()
+        assert cli_main(["train", "--steps", "2", "--batch", "8", "--seq", "16", "--log-dir",
+                         str(log_dir), *checkpoint]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith("error: --log-dir") and (
+            "metrics of the run of checkpoint directory" in err and "empty --log-dir" in err)
+    assert (log_dir / METRICS_FILE).read_text() == before
+    assert not (tmp_path / "other").exists() or not any((tmp_path / "other").iterdir())
+    # A run logging there now (a live process holds the lock) is named.
+    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        busy = tmp_path / "busy"
+        busy.mkdir()
+        (busy / ".gtp_jax.lock").write_text(json.dumps({"pid": holder.pid,
+                                                        "host": socket.gethostname()}))
+        with pytest.raises(UsageError, match=rf"ObserveConfig\.log_dir .*in use by pid "
+                                             rf"{holder.pid}"):
+            train(cfg, progress=False, observe=ObserveConfig(log_dir=str(busy)))
+    finally:
+        holder.kill()
+        holder.wait()

@@ -8,12 +8,15 @@ import dataclasses
 import functools
 import json
 import math
+import multiprocessing
 import os
 import shutil
 import socket
 import subprocess
 import sys
 import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import jax
@@ -53,7 +56,7 @@ from gtp_jax.train.config import model_json as _model_json
 from gtp_jax.train.config import resolve_auto
 from gtp_jax.train.fingerprint import digest
 from gtp_jax.train.fingerprint import fingerprint as _fingerprint
-from gtp_jax.train.lock import LOCK_FILE, CheckpointLockedError, DirectoryLock
+from gtp_jax.train.lock import GUARD_FILE, LOCK_FILE, CheckpointLockedError, DirectoryLock
 from gtp_jax.train.memory import memory_advice
 from gtp_jax.train.observe import (
     DeviceMemoryError,
@@ -290,6 +293,49 @@ def test_a_bit_flip_anywhere_never_restores_other_values(two_steps, tmp_path: Pa
                 continue
         np.testing.assert_array_equal(np.asarray(gtp_jax.unshard(model).kernel.get_value()),
                                       saved["model/module/kernel"], err_msg=str(fraction))
+
+
+def _edit_meta(step_dir: Path, edit: Callable[[dict], None]) -> None:
+    path = step_dir / "meta" / "metadata"
+    meta = json.loads(path.read_text())
+    edit(meta)
+    path.write_text(json.dumps(meta))
+
+
+#: Damage to a checkpoint's recorded checksums: each would turn verification off if a
+#: missing entry meant "nothing to verify".
+CHECKSUM_DAMAGE = {
+    "deleted": lambda meta: meta.pop("checksums"),
+    "null": lambda meta: meta.update(checksums=None),
+    "not_a_dict": lambda meta: meta.update(checksums="0123"),
+    "one_array_missing": lambda meta: meta["checksums"].pop(sorted(meta["checksums"])[0]),
+}
+
+
+@pytest.mark.parametrize("damage", list(CHECKSUM_DAMAGE))
+def test_a_checkpoint_without_checksums_is_never_restored(two_steps, damage: str,
+                                                          tmp_path: Path,
+                                                          mesh_dp2_gtp4) -> None:
+    source, step1 = two_steps
+    directory = tmp_path / "ck"
+    shutil.copytree(source, directory)
+    _flip_bit(_data_files(directory / "2")[0], 0.5)  # a damaged byte, then no checksums
+    _edit_meta(directory / "2", CHECKSUM_DAMAGE[damage])
+    model = _linear(mesh_dp2_gtp4, seed=5)
+    before = snapshot(model)
+    notes: list[str] = []
+    with Checkpointer(CheckpointConfig(directory, resume=True)) as ckpt:
+        assert [s for s, _ in ckpt.resume_candidates(report=notes.append)] == [1]
+        assert len(notes) == 1 and "ck/2" in notes[0] and "checksums" in notes[0], notes
+        for read in (lambda: ckpt.restore(model, step=2), lambda: ckpt.read_arrays(2),
+                     lambda: ckpt.verify(2)):
+            with pytest.raises(CheckpointCorruptError,
+                               match=r"ck/2: .*lacks the checksums.*another checkpoint"):
+                read()
+        assert_unchanged(model, before)
+        ckpt.restore(model, step=1)
+    np.testing.assert_array_equal(np.asarray(gtp_jax.unshard(model).kernel.get_value()),
+                                  step1["model/module/kernel"])
 
 
 def test_incomplete_step_is_not_listed(two_steps, tmp_path: Path) -> None:
@@ -546,7 +592,7 @@ def test_directory_lock(tmp_path: Path) -> None:
     lock.acquire()
     assert json.loads((directory / LOCK_FILE).read_text())["pid"] == os.getpid()
     lock.release()
-    assert not (directory / LOCK_FILE).exists()
+    assert not (directory / LOCK_FILE).exists() and not (directory / GUARD_FILE).exists()
 
 
 @pytest.mark.parametrize("content", ["", "not json", "[1, 2]"])
@@ -572,6 +618,73 @@ def test_lock_written_while_waiting_is_honoured(tmp_path: Path) -> None:
             DirectoryLock(str(directory)).acquire()
     finally:
         timer.join()
+
+
+def _race_for_the_lock(directory: str, start, results, done) -> None:
+    """One of several runs starting together: takes the lock or is refused; a holder keeps
+    it until `done`. The holder check is slowed (as on a loaded machine) to widen the
+    window between finding a dead holder and taking its lock over."""
+    import gtp_jax.train.lock as lock_module  # noqa: PLC0415
+
+    check = lock_module.lock_is_stale
+
+    def slow_check(holder):
+        time.sleep(0.02)
+        return check(holder)
+
+    lock_module.lock_is_stale = slow_check
+    start.wait()
+    try:
+        DirectoryLock(directory).acquire()
+    except CheckpointLockedError:
+        results.put(("refused", os.getpid()))
+        return
+    results.put(("held", os.getpid()))
+    done.wait(30)
+
+
+# The forked children run only the lock's Python code, never JAX's threads' code.
+@pytest.mark.filterwarnings("ignore:os.fork:RuntimeWarning")
+def test_runs_starting_together_on_a_dead_holders_lock_get_one_holder(tmp_path: Path) -> None:
+    # Each of six starters finds the same dead holder; exactly one may take the lock over.
+    ctx = multiprocessing.get_context("fork")  # no re-import of JAX per starter
+    dead = {"pid": 2**22 + 12345, "host": socket.gethostname()}  # past pid_max: never alive
+    for trial in range(12):
+        directory = tmp_path / f"ck{trial}"
+        directory.mkdir()
+        (directory / LOCK_FILE).write_text(json.dumps(dead))
+        start, done, results = ctx.Event(), ctx.Event(), ctx.Queue()
+        starters = [ctx.Process(target=_race_for_the_lock,
+                                args=(str(directory), start, results, done))
+                    for _ in range(6)]
+        for p in starters:
+            p.start()
+        start.set()
+        try:
+            outcomes = [results.get(timeout=60) for _ in starters]
+        finally:
+            done.set()
+            for p in starters:
+                p.join(30)
+        holders = [pid for what, pid in outcomes if what == "held"]
+        assert len(holders) == 1, f"trial {trial}: {len(holders)} holders"
+        assert json.loads((directory / LOCK_FILE).read_text())["pid"] == holders[0]
+
+
+def test_without_file_locking_a_dead_holders_lock_is_not_taken_over(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import gtp_jax.train.lock as lock_module  # noqa: PLC0415
+
+    monkeypatch.setattr(lock_module, "_flock", lambda fd, path: False)
+    free = DirectoryLock(str(tmp_path / "free"))
+    free.acquire()  # a free directory: created atomically (O_EXCL)
+    free.release()
+    directory = tmp_path / "ck"
+    directory.mkdir()
+    (directory / LOCK_FILE).write_text(json.dumps({"pid": 2**22 + 12345,
+                                                   "host": socket.gethostname()}))
+    with pytest.raises(CheckpointLockedError, match=r"no file locking.*delete the lock file"):
+        DirectoryLock(str(directory)).acquire()
 
 
 # ---------------------------------------------------------------------- memory

@@ -22,6 +22,7 @@ from gtp_jax.data import (
     RowBatch,
     TextData,
     data_files,
+    fingerprint,
     load_tokenizer,
     token_file,
 )
@@ -124,6 +125,56 @@ def test_token_file_is_reused_and_rebuilt_when_data_or_tokenizer_change(
     cached = token_file(files, load_tokenizer(str(tok_dir)), home=blocked,
                         cache_dir=tmp_path / "cache")
     assert Path(cached.path).parent == tmp_path / "cache" and cached.built
+
+
+def test_a_file_that_changes_under_tokenization_stores_nothing(
+        corpus, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    # A token file must hold exactly what its key (the data's fingerprint) says: else a
+    # later run or resume on the original file trains on the other text unnoticed.
+    data, tok_dir, docs = corpus
+    files = data_files((str(data),))
+    tokenizer = load_tokenizer(str(tok_dir))
+    original = (data / "b.txt").read_text()
+    folder = data / ".gtp_jax_tokens"
+
+    def stored() -> list[Path]:
+        return sorted(folder.glob("*.tokens")) if folder.exists() else []
+
+    # Changed between the key (a run fingerprints its data when it checks it) and reading.
+    key = fingerprint(files, tokenizer, "text")
+    (data / "b.txt").write_text("the dog")
+    with pytest.raises(gtp_jax.UsageError, match=r"TextData\.paths: .*changed since their "
+                                                 r"fingerprint.*run again"):
+        token_file(files, tokenizer, home=data, key=key)
+    assert not stored()
+
+    # Rewritten while it is tokenized: after a.jsonl's documents, before b.txt is read.
+    (data / "b.txt").write_text(original)
+
+    def rewrite(done: int, total: int) -> None:
+        (data / "b.txt").write_text("the lazy dog")
+
+    with pytest.raises(gtp_jax.UsageError, match=r"TextData\.paths: .*changed"):
+        token_file(files, tokenizer, home=data, progress=rewrite)
+    assert not stored()
+
+    # Back to the original: its tokens are the original text's (not the rewritten one's).
+    (data / "b.txt").write_text(original)
+    out = token_file(files, tokenizer, home=data)
+    np.testing.assert_array_equal(out.tokens, reference_tokens(tok_dir, docs))
+
+    # The command line: one line naming --data; nothing stored for the changed text.
+    (data / "b.txt").write_text("the sun")
+    encode = type(tokenizer).encode
+
+    def encode_then_rewrite(self, texts):
+        (data / "b.txt").write_text("the river")
+        return encode(self, texts)
+
+    monkeypatch.setattr(type(tokenizer), "encode", encode_then_rewrite)
+    line = _cli_error(capsys, "--data", str(data), "--tokenizer", str(tok_dir))
+    assert "--data" in line and "changed" in line, line
+    assert stored() == [Path(out.path)]
 
 
 def test_packing_order_and_per_process_rows() -> None:

@@ -562,6 +562,183 @@ add("lock", "empty lock file", lambda: _lock_case("", "error"))
 add("lock", "released after a run", lambda: _lock_case(None, "ok"))
 
 
+# ---- safety: inputs that change under a run, one owner per directory, verification that
+# damage cannot switch off, a requeue command that never dead-ends
+def _tokenizer_dir() -> Path:
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers  # noqa: PLC0415
+
+    folder = WORK / "tok"
+    if not (folder / "tokenizer.json").exists():
+        tok = Tokenizer(models.WordLevel(unk_token="[UNK]"))
+        tok.pre_tokenizer = pre_tokenizers.Whitespace()
+        tok.train_from_iterator(["the quick brown fox jumps over the lazy dog"] * 4,
+                                trainers.WordLevelTrainer(special_tokens=["[UNK]", "</s>"]))
+        folder.mkdir(parents=True, exist_ok=True)
+        tok.save(str(folder / "tokenizer.json"))
+    return folder
+
+
+def _data_rewritten_while_tokenized() -> tuple[str, str]:
+    from gtp_jax.data.text import Tokenizer  # noqa: PLC0415
+
+    data = WORK / "changing"
+    shutil.rmtree(data, ignore_errors=True)
+    data.mkdir()
+    for name in ("a.txt", "b.txt"):
+        (data / name).write_text(" ".join(["the quick brown fox jumps over the lazy dog"] * 99))
+    encode = Tokenizer.encode
+
+    def rewrite_then_encode(self, texts):  # after a.txt is read, before b.txt is
+        (data / "b.txt").write_text("the lazy dog " * 300)
+        return encode(self, texts)
+
+    Tokenizer.encode = rewrite_then_encode
+    try:
+        run = cli("--steps", "2", *SMALL, "--data", str(data), "--tokenizer",
+                  str(_tokenizer_dir()))
+    finally:
+        Tokenizer.encode = encode
+    stored = list((data / ".gtp_jax_tokens").glob("*.tokens"))
+    if run.code == 0 or stored:
+        return WRONG, f"exit {run.code}, token files stored: {[p.name for p in stored]}"
+    return expect_error(run, "--data")
+
+
+def _race(directory: str, start, results, done) -> None:
+    import gtp_jax.train.lock as lock_module  # noqa: PLC0415
+
+    check = lock_module.lock_is_stale
+    lock_module.lock_is_stale = lambda holder: (time.sleep(0.02), check(holder))[1]
+    start.wait()
+    try:
+        lock_module.DirectoryLock(directory).acquire()
+    except lock_module.CheckpointLockedError:
+        results.put("refused")
+        return
+    results.put("held")
+    done.wait(30)
+
+
+def _lock_race() -> tuple[str, str]:
+    import multiprocessing  # noqa: PLC0415
+
+    ctx = multiprocessing.get_context("fork")  # the starters run only the lock's code
+    for trial in range(10):
+        d = WORK / f"race{trial}"
+        shutil.rmtree(d, ignore_errors=True)
+        d.mkdir()
+        (d / ".gtp_jax.lock").write_text(json.dumps({"pid": 2**22 + 12345, "host": host}))
+        start, done, results = ctx.Event(), ctx.Event(), ctx.Queue()
+        ps = [ctx.Process(target=_race, args=(str(d), start, results, done)) for _ in range(6)]
+        for p in ps:
+            p.start()
+        start.set()
+        try:
+            held = sum(results.get(timeout=60) == "held" for _ in ps)
+        finally:
+            done.set()
+            for p in ps:
+                p.join(30)
+        if held != 1:
+            return WRONG, f"trial {trial}: {held} holders of the lock (6 starters)"
+    return OK, "10 trials of 6 starters on a dead holder's lock: one holder each"
+
+
+def _used_log_dir(*extra: str) -> tuple[str, str]:
+    logs = WORK / f"logs{time.monotonic_ns()}"
+    first = cli("--steps", "2", *SMALL, "--log-dir", str(logs), "--log-every", "1")
+    if first.code != 0:
+        return expect_ok(first)
+    before = (logs / "metrics.jsonl").read_text()
+    run = cli("--steps", "2", *SMALL, "--log-dir", str(logs), *extra)
+    if run.code == 0 or (logs / "metrics.jsonl").read_text() != before:
+        return WRONG, "a second run appended to the first run's metrics.jsonl"
+    return expect_error(run, "--log-dir")
+
+
+def _strict_json(path: Path) -> list[dict]:
+    def refuse(name: str) -> None:
+        raise ValueError(f"{name} in {path.name}")
+    return [json.loads(x, parse_constant=refuse) for x in path.read_text().splitlines()]
+
+
+def _log_after_resume() -> tuple[str, str]:
+    d, logs = fresh_copy("logres"), WORK / "logres_logs"
+    shutil.rmtree(logs, ignore_errors=True)
+    flags = ["--steps", "6", *SMALL, "--checkpoint-dir", str(d), "--resume", "--log-dir",
+             str(logs), "--log-every", "1"]
+    run = cli(*flags)
+    if run.code != 0:
+        return expect_ok(run)
+    shutil.rmtree(d / "6")  # killed after logging steps 5-6, before step 6 was saved
+    run = cli(*flags)
+    try:
+        steps = [r["step"] for r in _strict_json(logs / "metrics.jsonl")]
+    except ValueError as e:
+        return WRONG, f"metrics.jsonl is not JSON: {e}"
+    return expect_ok(run, lambda: None if steps == [5, 6] else f"logged steps {steps}")
+
+
+def _nan_in_metrics() -> tuple[str, str]:
+    from gtp_jax.train.metrics_log import MetricsLog  # noqa: PLC0415
+
+    logs = WORK / "nanlog"
+    shutil.rmtree(logs, ignore_errors=True)
+    log = MetricsLog(str(logs), log_every=1, last_step=2, tensorboard=False)
+    log.write(1, loss=1.0, step_s=0.1, tokens=8, grad_norm=float("nan"))
+    log.close()
+    try:
+        (record,) = _strict_json(logs / "metrics.jsonl")
+    except ValueError as e:
+        return WRONG, f"metrics.jsonl is not JSON: {e}"
+    return OK, json.dumps(record)[:120]
+
+
+def _no_checksums() -> tuple[str, str]:
+    d = fresh_copy("nosum")
+    meta_path = d / "4" / "meta" / "metadata"
+    meta = json.loads(meta_path.read_text())
+    del meta["checksums"]
+    meta_path.write_text(json.dumps(meta))
+    m = WORK / "nosum.json"
+    m.unlink(missing_ok=True)
+    run = cli("--steps", "6", *SMALL, "--checkpoint-dir", str(d), "--resume",
+              "--metrics-json", str(m))
+    if run.code == 0 and "checksums" not in run.err:
+        return WRONG, "restored step 4 without verifying it (its checksums were gone)"
+    return expect_ok(run, lambda: same_losses(losses(m), REF6, 0.0))
+
+
+def _requeue_only_damaged() -> tuple[str, str]:
+    d = fresh_copy("onlydmg")
+    shutil.rmtree(d / "2")
+    meta_path = d / "4" / "meta" / "metadata"
+    meta = json.loads(meta_path.read_text())
+    meta["checksums"] = {k: "0" * 16 for k in meta["checksums"]}  # every array fails
+    meta_path.write_text(json.dumps(meta))
+    m = WORK / "onlydmg.json"
+    m.unlink(missing_ok=True)
+    run = cli("--steps", "4", *SMALL, "--checkpoint-dir", str(d), "--resume", "auto",
+              "--metrics-json", str(m))
+    said = [x for x in run.err.splitlines() if "starting a new run from step 0" in x]
+    if run.code == 0 and len(said) != 1:
+        return CONFUSING, "started over without saying so in one line"
+    return expect_ok(run, lambda: same_losses(losses(m), REF6, 0.0)
+                     or (None if (d / "broken-4-0").is_dir() else "damaged step not kept"))
+
+
+add("safety", "data file rewritten while it is tokenized", _data_rewritten_while_tokenized)
+add("safety", "6 runs start together on a dead holder's lock", _lock_race)
+add("safety", "new run on a used --log-dir", lambda: _used_log_dir())
+add("safety", "run with other checkpoints on a used --log-dir", lambda: _used_log_dir(
+    "--checkpoint-dir", str(WORK / f"k{time.monotonic_ns()}")))
+add("safety", "resume after a crash past the checkpoint: each step logged once",
+    _log_after_resume)
+add("safety", "NaN grad norm in metrics.jsonl is valid JSON", _nan_in_metrics)
+add("safety", "checkpoint metadata without checksums", _no_checksums)
+add("safety", "--resume auto, the only checkpoint damaged", _requeue_only_damaged)
+
+
 # ---- multi-process
 def _free_port() -> int:
     with socket.socket() as s:

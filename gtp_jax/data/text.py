@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import io
 import json
 import math
 import os
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from gtp_jax.base.errors import UsageError, UsageTypeError
 
@@ -117,43 +118,60 @@ def data_files(paths: tuple[str, ...], name: str = "TextData.paths") -> list[Pat
     return files
 
 
-def documents(path: Path, field: str) -> Iterator[str]:
+def documents(path: Path, field: str, stream: BinaryIO | None = None) -> Iterator[str]:
     """The documents of one file: the whole text of a text file; the `field` string of each
     non-blank line of a ``.jsonl`` file.
+
+    Args:
+      path: the file (its suffix picks the format; it names the file in errors).
+      field: the JSONL key of the document text.
+      stream: the file's bytes, opened by the caller (e.g. to hash exactly the bytes that
+        are read); None: `path` is opened here. Read to its end once the iterator is.
 
     Raises:
       UsageError: invalid UTF-8, a JSONL line that is not a JSON object with a string under
         `field` (naming the file, line and ``TextData.field``).
     """
-    if path.suffix.lower() not in JSONL_SUFFIXES:
-        yield _read_text(path)
-        return
-    with open(path, encoding="utf-8") as f:
-        try:
-            for number, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as err:
-                    raise UsageError(f"TextData.paths: {str(path)!r} line {number} is not JSON "
-                                     f"({err.msg}); JSONL files hold one JSON object per "
-                                     "line.") from None
-                text = record.get(field) if isinstance(record, dict) else None
-                if not isinstance(text, str):
-                    keys = sorted(record) if isinstance(record, dict) else []
-                    raise UsageError(f"TextData.field: {str(path)!r} line {number} has no "
-                                     f"string field {field!r} (keys: {keys}); pass the key "
-                                     "holding the text as TextData.field.")
-                yield text
-        except UnicodeDecodeError as err:
-            raise UsageError(f"TextData.paths: {str(path)!r} is not UTF-8 text ({err.reason} "
-                             f"at byte {err.start}).") from None
-
-
-def _read_text(path: Path) -> str:
+    opened = open(path, "rb") if stream is None else stream  # noqa: SIM115
+    # Decoded as `open(path, encoding="utf-8")` would (universal newlines).
+    text_stream = io.TextIOWrapper(opened, encoding="utf-8")
     try:
-        return path.read_text(encoding="utf-8")
+        if path.suffix.lower() not in JSONL_SUFFIXES:
+            yield _read_text(path, text_stream)
+            return
+        yield from _jsonl_documents(path, field, text_stream)
+    finally:
+        text_stream.detach()
+        if stream is None:
+            opened.close()
+
+
+def _jsonl_documents(path: Path, field: str, f: io.TextIOWrapper) -> Iterator[str]:
+    try:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise UsageError(f"TextData.paths: {str(path)!r} line {number} is not JSON "
+                                 f"({err.msg}); JSONL files hold one JSON object per "
+                                 "line.") from None
+            text = record.get(field) if isinstance(record, dict) else None
+            if not isinstance(text, str):
+                keys = sorted(record) if isinstance(record, dict) else []
+                raise UsageError(f"TextData.field: {str(path)!r} line {number} has no "
+                                 f"string field {field!r} (keys: {keys}); pass the key "
+                                 "holding the text as TextData.field.")
+            yield text
+    except UnicodeDecodeError as err:
+        raise UsageError(f"TextData.paths: {str(path)!r} is not UTF-8 text ({err.reason} "
+                         f"at byte {err.start}).") from None
+
+
+def _read_text(path: Path, f: io.TextIOWrapper) -> str:
+    try:
+        return f.read()
     except UnicodeDecodeError as err:
         raise UsageError(f"TextData.paths: {str(path)!r} is not UTF-8 text ({err.reason} at "
                          f"byte {err.start}).") from None

@@ -7,16 +7,22 @@ folder of the first path's folder, or, where that is not writable, in the cache 
 changed file, tokenizer or field gives another key, hence a fresh tokenization; a file is
 published (renamed into place) only once complete, so an interrupted run leaves no
 half-written token file behind.
+
+The bytes tokenized are hashed as they are read, and the file is published only if that
+hash is its key: a data file that changes between the key and the tokenization, or while it
+is read, stops the run (`UsageError`) instead of storing other text under the key.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
+import io
 import json
 import os
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any, BinaryIO
 
 import numpy as np
 
@@ -27,7 +33,12 @@ __all__ = ["TokenFile", "default_cache_dir", "fingerprint", "token_file"]
 
 #: Folder created beside the data for its token files.
 CACHE_NAME = ".gtp_jax_tokens"
+#: Part of every key (so keys, and the data fingerprints checkpoints record, stay stable).
 _FORMAT = "gtp_jax tokens 1"
+#: The token file's own format. Version 1 files were written without checking the bytes
+#: tokenized against the key, so a file rewritten while it was read may have stored other
+#: text under it: they are not trusted, and are tokenized again.
+_FILE_FORMAT = "gtp_jax tokens 2"
 #: Characters of text handed to the tokenizer per batch (bounds memory on large JSONL).
 _BATCH_CHARS = 1 << 22
 
@@ -66,14 +77,47 @@ def default_cache_dir() -> Path:
 def fingerprint(files: list[Path], tokenizer: Tokenizer, field: str) -> str:
     """32 hex digits keying the tokens of `files` (their contents, in order) under
     `tokenizer` and the JSONL `field`; reads every file once."""
-    h = hashlib.sha256()
-    h.update(f"{_FORMAT}\0{tokenizer.digest}\0{field}\0".encode())
+    h = _key_hash(tokenizer, field)
     for path in files:
-        h.update(f"{path.suffix.lower()}\0{path.stat().st_size}\0".encode())
+        h.update(_file_header(path, path.stat().st_size))
         with open(path, "rb") as f:
             for chunk in iter(lambda: f.read(1 << 20), b""):
                 h.update(chunk)
     return h.hexdigest()[:32]
+
+
+def _key_hash(tokenizer: Tokenizer, field: str) -> Any:
+    h = hashlib.sha256()
+    h.update(f"{_FORMAT}\0{tokenizer.digest}\0{field}\0".encode())
+    return h
+
+
+def _file_header(path: Path, size: int) -> bytes:
+    return f"{path.suffix.lower()}\0{size}\0".encode()
+
+
+class _HashedReader(io.RawIOBase):
+    """A binary file whose bytes are added to `digest` as they are read, in order."""
+
+    def __init__(self, raw: BinaryIO, digest: Any):
+        self._raw, self._digest, self.count = raw, digest, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        n = self._raw.readinto(buffer)
+        if n:
+            self._digest.update(memoryview(buffer)[:n])
+            self.count += n
+        return n
+
+    def drain(self) -> None:
+        """Hashes what is left to read (a decoder that stopped early leaves nothing, but
+        the key covers every byte)."""
+        for chunk in iter(lambda: self._raw.read(1 << 20), b""):
+            self._digest.update(chunk)
+            self.count += len(chunk)
 
 
 def token_file(files: list[Path], tokenizer: Tokenizer, *, field: str = "text",
@@ -112,7 +156,7 @@ def token_file(files: list[Path], tokenizer: Tokenizer, *, field: str = "text",
         except OSError:
             continue
         count, docs = _write(folder, key, files, tokenizer, field, dtype, progress)
-        meta = {"format": _FORMAT, "fingerprint": key, "dtype": np.dtype(dtype).name,
+        meta = {"format": _FILE_FORMAT, "fingerprint": key, "dtype": np.dtype(dtype).name,
                 "num_tokens": count, "documents": docs, "vocab_size": tokenizer.vocab_size,
                 "eos_id": tokenizer.eos_id, "files": [str(p) for p in files]}
         _publish(folder / f"{key}.json", json.dumps(meta, indent=1).encode())
@@ -130,7 +174,7 @@ def _load(folder: Path, key: str) -> TokenFile | None:
     except (OSError, json.JSONDecodeError):
         return None
     dtype = np.dtype(meta.get("dtype", "uint32"))
-    if meta.get("format") != _FORMAT or size != meta["num_tokens"] * dtype.itemsize:
+    if meta.get("format") != _FILE_FORMAT or size != meta["num_tokens"] * dtype.itemsize:
         return None  # another version's or a truncated file: tokenize again
     tokens = np.memmap(path, dtype=dtype, mode="r", shape=(meta["num_tokens"],))
     return TokenFile(str(path), tokens, key, int(meta["vocab_size"]), int(meta["eos_id"]),
@@ -139,10 +183,17 @@ def _load(folder: Path, key: str) -> TokenFile | None:
 
 def _write(folder: Path, key: str, files: list[Path], tokenizer: Tokenizer, field: str,
            dtype: type, progress: Progress | None) -> tuple[int, int]:
-    """Tokenizes `files` into ``<key>.tokens`` in `folder`; returns (tokens, documents)."""
+    """Tokenizes `files` into ``<key>.tokens`` in `folder`; returns (tokens, documents).
+
+    Raises:
+      UsageError: the bytes tokenized do not hash to `key` (a file changed since the key
+        was taken, or while it was read); nothing is published.
+    """
     total = sum(p.stat().st_size for p in files)
     done = count = docs = 0
     tmp = folder / f"{key}.tokens.tmp-{os.getpid()}"
+    read = _key_hash(tokenizer, field)
+    moved: list[Path] = []  # files seen changing while they were read
     try:
         with open(tmp, "wb") as out:
             for path in files:
@@ -161,21 +212,39 @@ def _write(folder: Path, key: str, files: list[Path], tokenizer: Tokenizer, fiel
                         progress(done, total)
 
                 start = done
-                for text in documents(path, field):
-                    if not text:
-                        continue  # an empty document would add a lone EOS
-                    batch.append(text)
-                    chars += len(text)
-                    if chars >= _BATCH_CHARS:
-                        flush()
+                with open(path, "rb", buffering=0) as raw:
+                    before = os.fstat(raw.fileno())
+                    read.update(_file_header(path, before.st_size))
+                    reader = _HashedReader(raw, read)
+                    for text in documents(path, field, io.BufferedReader(reader, 1 << 20)):
+                        if not text:
+                            continue  # an empty document would add a lone EOS
+                        batch.append(text)
+                        chars += len(text)
+                        if chars >= _BATCH_CHARS:
+                            flush()
+                    reader.drain()
+                    after = os.stat(path)
                 if batch:
                     flush()
-                done = start + path.stat().st_size
+                if (reader.count != before.st_size or after.st_size != before.st_size
+                        or after.st_mtime_ns != before.st_mtime_ns
+                        or after.st_ino != before.st_ino):
+                    moved.append(path)
+                done = start + before.st_size
                 if progress is not None:
                     progress(done, total)
         if docs == 0:
             raise UsageError(f"TextData.paths: {[str(p) for p in files]} hold no text; pass "
                              "files with at least one non-empty document.")
+        if moved or read.hexdigest()[:32] != key:
+            named = [str(p) for p in (moved or files)]
+            named = named if len(named) <= 5 else [*named[:5], "..."]
+            when = "while they were tokenized" if moved else "since their fingerprint was taken"
+            raise UsageError(
+                f"TextData.paths: {named} changed {when}, so no tokens were stored under "
+                "the old contents' key; run again once nothing writes to them (or train on a "
+                "copy that nothing writes to).")
         os.replace(tmp, folder / f"{key}.tokens")
     finally:
         if tmp.exists():

@@ -519,6 +519,14 @@ class Checkpointer:
                 or meta.get("step") != step):
             raise CheckpointCorruptError(f"checkpoint {self._step_path(step)}: its metadata is "
                                          "incomplete or names another step")
+        checksums = meta.get("checksums")
+        # Every checkpoint this format names was saved with checksums: metadata without them
+        # is damaged, and restoring it unverified would train on whatever the files hold.
+        if (not isinstance(checksums, Mapping)
+                or any(not isinstance(checksums.get(k), str) for k in meta["arrays"])):
+            raise CheckpointCorruptError(
+                f"checkpoint {self._step_path(step)}: its metadata lacks the checksums of its "
+                "arrays (damaged), so they cannot be verified; use another checkpoint")
         return dict(meta)
 
     def _read_items(self, step: int, args: Any) -> Any:
@@ -534,9 +542,7 @@ class Checkpointer:
     def _verify(self, step: int, meta: Mapping[str, Any], values: Mapping[str, Any],
                 infos: Mapping[str, Any], mesh: Mesh | None) -> None:
         """Compares the checksums of restored `values` with those recorded at save time."""
-        expected = meta.get("checksums")
-        if expected is None:  # written before checksums were recorded: nothing to verify
-            return
+        expected = meta["checksums"]  # present for every array (`_read_meta`)
         got, _ = digest(values, infos, mesh)
         bad = sorted(k for k in values if expected.get(k) != got[k])
         if bad:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import gc
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -40,7 +41,7 @@ from gtp_jax.train.config import (
 )
 from gtp_jax.train.data_source import DataSource
 from gtp_jax.train.memory import check_memory_fits, memory_advice, memory_bound, memory_parts
-from gtp_jax.train.metrics_log import MetricsLog, open_metrics_log, step_extras
+from gtp_jax.train.metrics_log import MetricsLog, claim_log_dir, open_metrics_log, step_extras
 from gtp_jax.train.ntp import NonuniformStep, Recovery, SimulatedFailure, check_failure
 from gtp_jax.train.observe import (
     DeviceMemoryError,
@@ -55,7 +56,7 @@ from gtp_jax.train.observe import (
 from gtp_jax.train.preempt import StopRequest
 from gtp_jax.train.progress import ProgressBar
 from gtp_jax.train.report import TrainResult
-from gtp_jax.train.resume import restore_newest, select_candidates
+from gtp_jax.train.resume import StartOver, restore_newest, select_candidates
 from gtp_jax.train.step import TrainStep, make_nnx_optimizer, replicate_stray_leaves
 from gtp_jax.train.warm_start import check_init_from, load_weights
 
@@ -74,7 +75,8 @@ def train(cfg: TrainConfig, *, on_step: OnStep | None = None,
     Everything that depends on the caller's input is checked before the model is built:
     the mesh against the device count, the memory bound per device against the
     device's limit, that the checkpoint / profile / metrics paths can be written, the
-    checkpoint directory's lock, and on resume that the checkpoint belongs to this run.
+    checkpoint and log directories' locks (a log directory holding another run's metrics
+    is refused), and on resume that the checkpoint belongs to this run.
 
     Args:
       cfg: the run.
@@ -90,7 +92,9 @@ def train(cfg: TrainConfig, *, on_step: OnStep | None = None,
         mesh may differ from the saving run's). A larger `cfg.steps` than the saved run's
         extends it (see `TrainConfig.schedule_steps`). Damaged checkpoints are skipped with
         a one-line note on stderr and renamed ``broken-<step>-<n>`` when newer than the
-        one resumed from (so their steps can be saved again); nothing is deleted.
+        one resumed from (so their steps can be saved again); nothing is deleted. With
+        ``resume="auto"`` and no intact checkpoint, every one is renamed so and the run
+        starts over from step 0 (one line on stderr says so).
       observe: profiler trace window and JSON metrics file.
       failure: simulate losing devices after a step and keep training with nonuniform
         tensor parallelism (`gtp_jax.train.ntp`); validated before anything is built.
@@ -111,7 +115,8 @@ def train(cfg: TrainConfig, *, on_step: OnStep | None = None,
       RunFinished: on resume, the run already trained ``cfg.steps`` steps (nothing was
         built or changed; not an error).
       UsageError: bad mesh, memory bound over the device limit, unwritable paths, a
-        locked directory, no intact checkpoint or a checkpoint of another run (all raised
+        locked directory, a log directory holding another run's metrics, no intact
+        checkpoint or a checkpoint of another run (all raised
         before any model is built), a profile window outside the run; out of device memory.
       FloatingPointError: the loss or the state to save became NaN/inf (the last finite
         checkpoint is kept).
@@ -150,21 +155,33 @@ def train(cfg: TrainConfig, *, on_step: OnStep | None = None,
             check_writable_file(observe.metrics_json, "ObserveConfig.metrics_json")
         if observe.log_dir is not None:
             check_writable_dir(observe.log_dir, "ObserveConfig.log_dir")
-    lock = None
+    lock = log_lock = None
     if checkpoint is not None and primary and "://" not in checkpoint.directory:
         lock = DirectoryLock(checkpoint.directory)
         lock.acquire()
     try:
+        if observe.log_dir is not None and primary:
+            log_lock = claim_log_dir(
+                observe.log_dir, checkpoint.directory if checkpoint is not None else None,
+                resume=checkpoint.resume if checkpoint is not None else False)
         ckpt = Checkpointer(checkpoint) if checkpoint is not None else None
+        run = functools.partial(_train, cfg, on_step=on_step, progress=progress, ckpt=ckpt,
+                                observe=observe, failure=failure, auto=auto,
+                                on_start=on_start, source=source, stop=stop)
         try:
-            return _train(cfg, on_step=on_step, progress=progress, ckpt=ckpt, observe=observe,
-                          failure=failure, auto=auto, on_start=on_start, source=source,
-                          stop=stop)
+            try:
+                return run()
+            except StartOver:
+                pass  # every checkpoint was damaged and is renamed aside: a new run
+            gc.collect()  # the first attempt's model and optimizer, before the next ones
+            return run()
         finally:
             if ckpt is not None:
                 # Finishes (finalizes) a pending asynchronous save, also when training failed.
                 ckpt.close()
     finally:
+        if log_lock is not None:
+            log_lock.release()
         if lock is not None:
             lock.release()
 
@@ -242,7 +259,9 @@ def _train(cfg: TrainConfig, *, on_step: OnStep | None, progress: bool,
     step_fn = TrainStep(model, optimizer, loss_fn, grad_accum=cfg.grad_accum)
     _print_init_memory()
     profiler = StepProfiler(observe.profile_dir, window) if window is not None else None
-    log = open_metrics_log(observe, cfg, model_cfg) if jax.process_index() == 0 else None
+    log = (open_metrics_log(observe, cfg, model_cfg, start=start,
+                            checkpoint_dir=ckpt.config.directory if ckpt is not None else None)
+           if jax.process_index() == 0 else None)
     switch = None
     if failure_plan is not None:
         def switch(state: Any, original: gtp_jax.ShardedModule = model

@@ -50,6 +50,13 @@ class RunFinished(Exception):  # noqa: N818 - not an error: the run is complete
                 f"TrainConfig.steps={self.step + max(1, self.step // 5)}).")
 
 
+class StartOver(Exception):  # noqa: N818 - not an error: what happens next
+    """Under ``CheckpointConfig.resume="auto"`` every checkpoint failed its checksums when
+    restored: each was renamed aside (one line on stderr) and the run starts over from
+    step 0. Raised before the model or optimizer changed; `gtp_jax.train.train` catches it
+    and sets the run up again as a new one."""
+
+
 def note(line: str) -> None:
     """One line on stderr from process 0 (skipped checkpoints and the like)."""
     if jax.process_index() == 0:
@@ -67,9 +74,10 @@ def select_candidates(cfg: TrainConfig, model_cfg: TransformerConfig,
     checked).
 
     With ``CheckpointConfig.resume="auto"`` a directory without checkpoints (missing,
-    empty, or holding only a save that never finished) starts a new run; one whose
-    checkpoints are all damaged is refused as with ``resume=True`` (starting over would
-    silently drop that run's progress).
+    empty, or holding only a save that never finished) starts a new run; so does one whose
+    checkpoints are all damaged, once each is renamed ``broken-<step>-<n>`` (not deleted;
+    one line on stderr says so), so that the same requeued command never fails the same
+    way forever. ``resume=True`` refuses that directory instead.
 
     Raises:
       RunFinished: the newest intact checkpoint is of this run, at step ``cfg.steps``.
@@ -79,6 +87,7 @@ def select_candidates(cfg: TrainConfig, model_cfg: TransformerConfig,
     candidates: list[Candidate] = []
     if ckpt is None:
         return cfg, candidates
+    given = cfg
     directory = ckpt.config.directory
     if not ckpt.config.resume:
         if ckpt.latest_step() is not None:
@@ -93,12 +102,10 @@ def select_candidates(cfg: TrainConfig, model_cfg: TransformerConfig,
         return cfg, candidates  # nothing was ever saved here: a new run
     candidates = ckpt.resume_candidates(report=note)
     if not candidates:
-        raise UsageError(
-            f"no intact checkpoint in {directory!r} to resume from; pass "
-            "the CheckpointConfig.directory of an earlier run, or drop "
-            "CheckpointConfig.resume to start a new run (CheckpointConfig.resume='auto' "
-            "starts one where nothing was saved yet)."
-        )
+        if ckpt.config.resume == "auto":
+            set_all_aside(ckpt)
+            return given, []
+        raise _no_intact(directory, skipped=ckpt.holds_saves())
     cfg = check_resume(cfg, model_cfg, candidates[0][1], directory, steps_left=False,
                        auto=auto, source=source)
     model_cfg = model_config(cfg)
@@ -118,9 +125,31 @@ def select_candidates(cfg: TrainConfig, model_cfg: TransformerConfig,
         # past cfg.steps: refused
         check_resume(cfg, model_cfg, candidates[0][1], directory, source=source)
     if not candidates:
-        raise UsageError(f"no intact checkpoint in {directory!r} to resume "
-                         "from (each was skipped, see above).")
+        if ckpt.config.resume == "auto":
+            set_all_aside(ckpt)
+            return given, []
+        raise _no_intact(directory, skipped=True)
     return cfg, candidates
+
+
+def _no_intact(directory: str, *, skipped: bool) -> UsageError:
+    """The refusal of ``resume=True`` without an intact checkpoint (`skipped`: each of
+    those in `directory` was reported damaged above)."""
+    return UsageError(
+        f"no intact checkpoint in {directory!r} to resume from"
+        f"{' (each was skipped, see above)' if skipped else ''}; pass the "
+        "CheckpointConfig.directory of an earlier run, or CheckpointConfig.resume='auto' "
+        "(which starts a new run where nothing was saved, and renames damaged checkpoints "
+        "aside to start over).")
+
+
+def set_all_aside(ckpt: Checkpointer) -> None:
+    """Renames every finalized checkpoint of `ckpt` (all damaged) to ``broken-<step>-<n>``
+    and says in one line that the run starts over from step 0."""
+    moved = ckpt.set_aside_newer(-1)
+    note(f"no intact checkpoint in {ckpt.config.directory!r} to resume from: renamed the "
+         f"damaged {', '.join(moved) or 'checkpoints'} aside (not deleted); starting a new "
+         "run from step 0")
 
 
 def restore_newest(cfg: TrainConfig, model_cfg: TransformerConfig, ckpt: Checkpointer | None,
@@ -135,6 +164,8 @@ def restore_newest(cfg: TrainConfig, model_cfg: TransformerConfig, ckpt: Checkpo
     checkpoints newer than the one restored are renamed aside (not deleted).
 
     Raises:
+      StartOver: every candidate was damaged, under ``CheckpointConfig.resume="auto"``
+        (all were renamed aside).
       UsageError: every candidate was damaged.
     """
     if not candidates:
@@ -150,8 +181,10 @@ def restore_newest(cfg: TrainConfig, model_cfg: TransformerConfig, ckpt: Checkpo
             note(f"renamed the damaged checkpoint newer than step {step} to {moved} "
                  "(not deleted; this run saves those steps again)")
         return candidate, step
-    raise UsageError(f"no intact checkpoint in {ckpt.config.directory!r} to resume from "
-                     "(each was skipped, see above).")
+    if ckpt.config.resume == "auto":
+        set_all_aside(ckpt)
+        raise StartOver
+    raise _no_intact(ckpt.config.directory, skipped=True)
 
 
 def check_resume(cfg: TrainConfig, model_cfg: TransformerConfig, meta: dict[str, Any],
