@@ -121,3 +121,73 @@ def test_no_module_outside_the_packages() -> None:
     loose = sorted(p.name for p in ROOT.glob("*.py")
                    if p.stem not in ("__init__", "__main__") and p.stem not in TOP_LEVEL)
     assert not loose, f"modules outside the packages: {loose}; move them into one (LAYERS)"
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _module_imports(path: Path) -> list[tuple[str, str | None, int]]:
+    """``(module, name or None, line)`` of every import in a file (relative ones resolved),
+    function-level ones too."""
+    own = _module_name(path)
+    package = own if path.name == "__init__.py" else own.rsplit(".", 1)[0]
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            target = node.module or ""
+            if node.level:
+                base = package.split(".")[:len(package.split(".")) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            out += [(target, a.name, node.lineno) for a in node.names]
+        elif isinstance(node, ast.Import):
+            out += [(a.name, None, node.lineno) for a in node.names]
+    return out
+
+
+def test_module_graph_has_no_cycle() -> None:
+    """No two modules import each other, directly or around a circle, at file level: inside
+    a package as well as between packages. A name imported from a package (its
+    ``__init__``) counts as an import of the module that defines it."""
+    paths = {_module_name(p): p for p in ROOT.rglob("*.py")}
+    packages = {m for m, p in paths.items() if p.name == "__init__.py"}
+    exported: dict[tuple[str, str], str] = {}
+    for pkg in packages:
+        for target, name, _ in _module_imports(paths[pkg]):
+            if name and f"{target}.{name}" in paths:
+                exported[(pkg, name)] = f"{target}.{name}"
+            elif name and target in paths and target not in packages:
+                exported[(pkg, name)] = target
+
+    def resolve(target: str, name: str | None) -> str | None:
+        if name and f"{target}.{name}" in paths:
+            return f"{target}.{name}"
+        if target in packages and name:
+            return exported.get((target, name))
+        return target if target in paths and target not in packages else None
+
+    edges: dict[str, dict[str, int]] = {}
+    for module, path in paths.items():
+        if module in packages:
+            continue
+        for target, name, line in _module_imports(path):
+            dep = resolve(target, name)
+            if dep and dep != module:
+                edges.setdefault(module, {}).setdefault(dep, line)
+    state: dict[str, int] = {}
+
+    def visit(node: str, stack: list[str]) -> None:
+        if state.get(node) == 1:
+            cycle = stack[stack.index(node):] + [node]
+            hops = [f"{a} (line {edges[a][b]})" for a, b in zip(cycle, cycle[1:])]
+            raise AssertionError("import cycle: " + " -> ".join(hops) + f" -> {node}")
+        if state.get(node) == 2:
+            return
+        state[node] = 1
+        for nxt in sorted(edges.get(node, {})):
+            visit(nxt, [*stack, node])
+        state[node] = 2
+
+    for node in sorted(edges):
+        visit(node, [])

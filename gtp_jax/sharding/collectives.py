@@ -6,85 +6,24 @@ array they receive is the local shard.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from collections.abc import Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.ad_checkpoint import checkpoint_name
+
+from gtp_jax.sharding.fp8_gather import gather_fp8
+from gtp_jax.sharding.gather_spec import GatherSpec
+
+__all__ = ["GATHERED_WEIGHT", "GatherSpec", "all_gather_shard", "all_gather_shards",
+           "gather_weight", "gradient_of", "reduce_scatter_grad", "regather_policy",
+           "resolve_quant_backend"]
 
 #: `checkpoint_name` of every gathered weight. Remat policies that do not save this name
 #: make the backward pass re-gather the weight instead of keeping it from the forward pass.
 GATHERED_WEIGHT = "gtp_gathered_weight"
-
-
-@dataclasses.dataclass(frozen=True)
-class GatherSpec:
-    """Static description of one sharded weight, as one device sees it.
-
-    Attributes:
-      axis: GTP mesh axis name.
-      axis_size: number of shards.
-      shard_dim: dimension of the *per-layer* weight that is split (and padded).
-      logical_shape: per-layer weight shape the module's math sees (no padding).
-      padded_size: size of `shard_dim` after padding (a multiple of `axis_size`).
-      param_dtype: dtype of the stored shard (and of its gradient).
-      gather_dtype: dtype the shard is cast to before the all-gather, or None.
-      reduce_dtype: dtype the gradient is reduce-scattered in.
-      gather_format: low-precision gather format ("fp8", "mxfp8", "nvfp4") or None.
-      quant_backend: "pallas" or "reference" implementation of the quantizer, or None:
-        the kernels when the default backend is a GPU, else the reference.
-      fp8_in_dims: > 0 for the kernel of an FP8-compute layer gathered in fp8: it is
-        gathered as a `gtp_jax.sharding.fp8_gather.Fp8GatheredWeight` whose payload the
-        layer's FP8 GEMM reads as is; the layer contracts its first `fp8_in_dims` dims.
-    """
-
-    axis: str
-    axis_size: int
-    shard_dim: int
-    logical_shape: tuple[int, ...]
-    padded_size: int
-    param_dtype: np.dtype
-    gather_dtype: np.dtype | None
-    reduce_dtype: np.dtype
-    gather_format: str | None = None
-    quant_backend: str | None = None
-    fp8_in_dims: int = 0
-
-    @property
-    def padded_shape(self) -> tuple[int, ...]:
-        shape = list(self.logical_shape)
-        shape[self.shard_dim] = self.padded_size
-        return tuple(shape)
-
-    @property
-    def shard_shape(self) -> tuple[int, ...]:
-        shape = list(self.logical_shape)
-        shape[self.shard_dim] = self.padded_size // self.axis_size
-        return tuple(shape)
-
-    @property
-    def compute_dtype(self) -> np.dtype:
-        return self.gather_dtype if self.gather_dtype is not None else self.param_dtype
-
-    @property
-    def quantized(self) -> bool:
-        """Gathered in a low-precision format (rank-1 weights never are)."""
-        return self.gather_format is not None and len(self.logical_shape) >= 2
-
-    @property
-    def block_axis(self) -> int:
-        """Axis of the format's scaling blocks: the last one that is not the shard dim.
-
-        Blocks never straddle two shards this way, so shards need no block alignment. The
-        gathered weight is dequantized before its GEMM, so the block axis only sets which
-        elements share a scale, not the GEMM's layout.
-        """
-        last = len(self.logical_shape) - 1
-        return last if self.shard_dim != last else last - 1
 
 
 def all_gather_shard(shard: jax.Array, spec: GatherSpec) -> jax.Array:
@@ -151,8 +90,6 @@ def all_gather_shards(shards: Sequence[jax.Array], specs: Sequence[GatherSpec]
             full = pallas.gather_quantized(q, axis, dim=spec.shard_dim) if wide else q
             out[i] = _unpad(pallas.dequantize(full, spec.compute_dtype, backend=backend), spec)
     for idx in direct.values():
-        from gtp_jax.sharding.fp8_gather import gather_fp8  # deferred: it imports this module
-
         for i, w in zip(idx, gather_fp8([shards[i] for i in idx], [specs[i] for i in idx])):
             out[i] = w
     return out

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gtp_jax.sharding.collectives import GatherSpec
+from gtp_jax.sharding.gather_spec import GatherSpec
 
 
 @jax.tree_util.register_pytree_node_class

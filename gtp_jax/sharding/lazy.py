@@ -12,7 +12,8 @@ from typing import Any
 
 import jax
 
-from gtp_jax.sharding.collectives import GatherSpec, gather_weight
+from gtp_jax.sharding.collectives import gather_weight
+from gtp_jax.sharding.gather_spec import GatherSpec
 
 
 @jax.tree_util.register_pytree_node_class

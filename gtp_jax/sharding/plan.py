@@ -33,7 +33,7 @@ from jax.sharding import PartitionSpec as P
 from gtp_jax.base.config import GTPConfig
 from gtp_jax.base.metadata import EP_DIM, SHARD_DIM, SPLIT_AXES, TP_DIM, TP_PARTS, TP_UNEVEN
 from gtp_jax.base.shapes import round_up
-from gtp_jax.sharding.collectives import GatherSpec
+from gtp_jax.sharding.gather_spec import GatherSpec
 
 
 @dataclasses.dataclass(frozen=True)
