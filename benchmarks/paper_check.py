@@ -4,7 +4,9 @@ Predicts, with `gtp_jax.plan.paper` (closed-form memory, the time model with a s
 calibration), the llama3-8b layouts measured on 4 and 2 H200s
 (`docs/results/2026-11-27_4xH200/breakdown_8b/`: `bench overlap`, gtp = GPUs, dp = 1, remat
 dots, 1 sequence per GPU, the preset's 128256-token vocabulary, float32 reduce-scatter, jax
-0.11.2), and prints predicted against measured step and peak as a Markdown table.
+0.11.2), and prints predicted against measured step and peak as a Markdown table; then how far the
+closed-form bound and estimate lie from every peak the planner compiled on a GPU in the
+plan files under docs/results/ (`plan_*.json`).
 
 Usage:
 
@@ -15,6 +17,9 @@ Usage:
 from __future__ import annotations
 
 import argparse
+import glob
+import json
+import statistics
 
 from gtp_jax.plan.layout import Layout
 from gtp_jax.plan.paper import load_calibration, memory_estimate
@@ -56,6 +61,34 @@ def rows(calibration: str, intra_gbps: float | None) -> list[dict[str, float | s
     return out
 
 
+def estimate_errors(pattern: str = "docs/results/*/**/plan_*.json") -> dict[str, list[float]]:
+    """``{"bound": [...], "estimate": [...]}``: figure / compiled peak - 1 of every distinct
+    layout (plan case and layout) that a plan JSON under `pattern` compiled on a GPU."""
+    out: dict[str, list[float]] = {"bound": [], "estimate": []}
+    seen = set()
+    for path in sorted(glob.glob(pattern, recursive=True)):
+        with open(path) as f:
+            plan = json.load(f)
+        if not isinstance(plan, dict) or plan.get("calibration", {}).get("platform") != "gpu":
+            continue
+        base = TrainConfig(preset=plan["preset"], layers=plan.get("layers"),
+                           batch_size=plan["batch"], seq_len=plan["seq"], dtype=plan["dtype"],
+                           dp=1, gtp=1)
+        for cand in plan.get("candidates", []):
+            if not cand.get("peak_bytes"):
+                continue
+            layout = Layout(**{k: tuple(v) if isinstance(v, list) else v
+                               for k, v in cand["layout"].items()})
+            key = (path.split("/")[2], plan["preset"], plan["seq"], plan["batch"], layout)
+            if key in seen:
+                continue
+            seen.add(key)
+            cfg = layout.apply(base)
+            out["bound"].append(memory_bound(cfg)["total"] / cand["peak_bytes"] - 1)
+            out["estimate"].append(memory_estimate(cfg)["total"] / cand["peak_bytes"] - 1)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calibration", default=CALIBRATION)
@@ -71,6 +104,12 @@ def main() -> None:
               f"{r['step_ms'] / r['measured_ms'] - 1:+.1%} | {r['bound']:.2f} | "
               f"{r['estimate']:.2f} | {r['peak']:.2f} ({r['kind']}) | "
               f"{r['bound'] / r['peak'] - 1:+.0%} / {r['estimate'] / r['peak'] - 1:+.1%} |")
+    errors = estimate_errors()
+    print(f"\nagainst the {len(errors['estimate'])} layouts compiled on GPUs in docs/results/ "
+          "plan files (figure / compiled peak - 1):")
+    for name, values in errors.items():
+        print(f"  {name}: {min(values):+.1%} to {max(values):+.1%}, median "
+              f"{statistics.median(values):+.1%}")
 
 
 if __name__ == "__main__":

@@ -41,7 +41,7 @@ from gtp_jax.plan.timing import (
     step_seconds,
 )
 from gtp_jax.train.config import TrainConfig, model_config, resolve_auto
-from gtp_jax.train.memory import memory_bound
+from gtp_jax.train.memory import memory_bound, resident_params
 from gtp_jax.train.observe import peak_flops
 
 GIB = 2**30
@@ -52,7 +52,7 @@ GPUS_PER_NODE = 8
 INTER_NODE_GBPS = 50.0
 
 #: The largest fraction by which `memory_estimate` fell short of a compiled peak, over the
-#: 121 layouts compiled on H100 and H200 GPUs that docs/results holds (1b and llama3-8b;
+#: 122 layouts compiled on H100 and H200 GPUs that docs/results holds (1b and llama3-8b;
 #: it exceeded others by up to 22%): a layout whose estimate is within it of the budget is
 #: marked tight.
 ESTIMATE_SHORTFALL = 0.23
@@ -187,7 +187,8 @@ def memory_estimate(cfg: TrainConfig) -> dict[str, int]:
         estimate = state + max(backward, update)
 
     state and grads are `memory_bound`'s (float32 parameters and AdamW's moments, or with
-    offload the parameters and the moments of the units in flight, about 4); saved =
+    offload the parameters, the moments kept on the device and those of the units in
+    flight, about 4); saved =
     tokens * n_layers * values saved per token and layer by the remat policy (as the time
     model counts them: "full" the layer input and one layer's recompute, "dots" the matmul
     outputs, "none" also the norms and MLP products) in the compute dtype / tp; logits =
@@ -203,8 +204,12 @@ def memory_estimate(cfg: TrainConfig) -> dict[str, int]:
     bound = memory_bound(cfg)
     a_item = np.dtype(mc.dtype).itemsize
     optimizer = bound["optimizer"]
-    if cfg.offload_optimizer:  # the units in flight, not the one the bound counts
-        optimizer *= _UNITS_IN_FLIGHT
+    if cfg.offload_optimizer:  # the units in flight, not the one the bound counts, beside
+        # the moments (and masters) kept on the device
+        parts = 3 if cfg.offload_master_weights else 2
+        kept = parts * resident_params(cfg) * np.dtype(mc.param_dtype).itemsize // (
+            cfg.gtp * cfg.tp * cfg.ep)
+        optimizer = kept + _UNITS_IN_FLIGHT * (optimizer - kept)
     state = bound["params"] + optimizer
     grads = bound["grads"]
     tokens = (cfg.batch_size // cfg.grad_accum) * cfg.seq_len // (
