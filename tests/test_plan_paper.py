@@ -78,6 +78,10 @@ def test_estimate_is_at_least_the_bound_and_grows_with_what_remat_saves():
     offloaded = dataclasses.replace(cfg, remat="full", offload_optimizer=True)
     assert memory_bound(offloaded)["total"] <= memory_estimate(offloaded)["total"] \
         < by_remat["full"]
+    # Moments kept on the device count once, beside the units in flight.
+    kept = dataclasses.replace(offloaded, offload_exclude=("blocks/mlp",))
+    on_device = memory_estimate(dataclasses.replace(cfg, remat="full"))["state"]
+    assert memory_estimate(offloaded)["state"] < memory_estimate(kept)["state"] < on_device
 
 
 def test_axes_span_nodes_by_the_mesh_order():
