@@ -396,6 +396,9 @@ def main_on_paper(args: argparse.Namespace) -> int:
 
 
 def _main(args: argparse.Namespace) -> int:
+    for name in ("calibration", "gpus_per_node", "inter_node_gbps", "intra_node_gbps"):
+        if not hasattr(args, name):  # the plan command leaves unset ones out
+            setattr(args, name, None)
     needs = [flag for flag, value in (("--gpus N", args.gpus), ("--memory-gib GIB",
                                       args.memory_gib), ("--calibration FILE",
                                       args.calibration)) if value is None]
