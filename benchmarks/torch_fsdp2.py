@@ -33,6 +33,7 @@ SIZES = {  # vocab, d_model, heads, layers, d_ff[, kv heads, head dim]
     "100m": (32000, 768, 12, 12, 2048),
     "1b": (32000, 2048, 16, 16, 5632),
     "llama3-8b": (128256, 4096, 32, 32, 14336, 8, 128),  # grouped-query, as gtp_jax's preset
+    "llama3-70b": (128256, 8192, 64, 80, 28672, 8, 128),
 }
 
 

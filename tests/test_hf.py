@@ -196,6 +196,23 @@ def test_llama_presets_copy_the_published_shapes() -> None:
     assert config_to_hf(PRESETS["llama3-8b"])["rope_scaling"] is None
 
 
+def test_llama3_70b_preset_has_the_published_shape() -> None:
+    """Llama 3 70B's config.json values and its 70.55B parameters, counted in closed form and
+    from the abstract model (`nnx.eval_shape`: nothing of its 282 GB is allocated)."""
+    cfg = PRESETS["llama3-70b"]
+    hf = config_to_hf(cfg)
+    assert (hf["hidden_size"], hf["num_hidden_layers"], hf["num_attention_heads"],
+            hf["num_key_value_heads"], hf["head_dim"], hf["intermediate_size"],
+            hf["vocab_size"], hf["rope_theta"], hf["rms_norm_eps"],
+            hf["tie_word_embeddings"], hf["rope_scaling"]) == (
+        8192, 80, 64, 8, 128, 28672, 128256, 500000.0, 1e-5, False, None)
+    assert cfg.num_params() == 70_553_706_496
+    model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+    counted = sum(int(np.prod(v.get_value().shape))
+                  for _, v in nnx.to_flat_state(nnx.state(model, nnx.Param)))
+    assert counted == cfg.num_params()
+
+
 GQA_CFG = preset("tiny", d_model=32, n_heads=4, n_kv_heads=2, head_dim=16, d_ff=64,
                  vocab_size=67, n_layers=2, rope_scaling="llama3", rope_factor=8.0,
                  rope_original_max_len=8)

@@ -312,7 +312,8 @@ def build_parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="1b",
                         help="model preset (gtp_jax.models.PRESETS: tiny, small, 100m, 1b, "
-                             "llama3-8b, ...; the PyTorch peer knows tiny..1b and llama3-8b)")
+                             "llama3-8b, ...; the PyTorch peer knows tiny..1b, llama3-8b and "
+                             "llama3-70b)")
     parser.add_argument("--layers", type=int, default=0, help="override the layer count")
     parser.add_argument("--seq", type=int, default=2048, help="sequence length")
     parser.add_argument("--per-device-batch", type=int, default=4, help="sequences per device")

@@ -365,7 +365,8 @@ PRESETS: dict[str, TransformerConfig] = {
     # 0.95B params: the GPU benchmark model (same as the PyTorch/XLA peer baselines).
     "1b": TransformerConfig(vocab_size=32000, d_model=2048, n_heads=16, n_layers=16,
                             d_ff=5632, max_seq_len=2048, tie_embeddings=False),
-    # The shapes of Meta's Llama 3.2 1B / 3B and Llama 3 8B (their Hugging Face config.json).
+    # The shapes of Meta's Llama 3.2 1B / 3B and Llama 3 8B / 70B (their Hugging Face
+    # config.json).
     "llama3.2-1b": TransformerConfig(
         vocab_size=128256, d_model=2048, n_heads=32, n_kv_heads=8, head_dim=64, n_layers=16,
         d_ff=8192, max_seq_len=131072, tie_embeddings=True, rope_theta=500000.0,
@@ -380,12 +381,18 @@ PRESETS: dict[str, TransformerConfig] = {
         vocab_size=128256, d_model=4096, n_heads=32, n_kv_heads=8, head_dim=128, n_layers=32,
         d_ff=14336, max_seq_len=8192, tie_embeddings=False, rope_theta=500000.0,
         norm_eps=1e-5),
+    # 70.6B parameters: planned on paper (`python -m gtp_jax plan --on-paper`); building it
+    # takes 282 GB of float32 weights.
+    "llama3-70b": TransformerConfig(
+        vocab_size=128256, d_model=8192, n_heads=64, n_kv_heads=8, head_dim=128, n_layers=80,
+        d_ff=28672, max_seq_len=8192, tie_embeddings=False, rope_theta=500000.0,
+        norm_eps=1e-5),
 }
 
 
 def preset(name: str, **overrides: Any) -> TransformerConfig:
     """A named preset (``tiny``, ``small``, ``100m``, ``1b``, ``llama3.2-1b``,
-    ``llama3.2-3b``, ``llama3-8b``) with optional field overrides."""
+    ``llama3.2-3b``, ``llama3-8b``, ``llama3-70b``) with optional field overrides."""
     if name not in PRESETS:
         raise UsageError(f"Unknown preset {name!r}; choose one of {sorted(PRESETS)}.")
     return dataclasses.replace(PRESETS[name], **overrides)

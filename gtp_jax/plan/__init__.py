@@ -8,7 +8,9 @@ step time predicted from measured rates (`calibration`). ``python -m gtp_jax pla
 the table; ``python -m gtp_jax train --plan auto`` trains with the top layout.
 `plan_fitting` plans optimizer offload only for a run that fits no other way, and then
 keeps on the device what fits of the optimizer state (`keep_what_fits`).
-See docs/planning.md.
+`plan_on_paper` ranks the layouts for GPUs that are not here without compiling anything
+(closed-form memory, a stored calibration, nodes joined by a slower network: `Topology`;
+``python -m gtp_jax plan --on-paper``). See docs/planning.md.
 """
 
 from gtp_jax.plan.layout import Layout, PlanSpace, enumerate_layouts
@@ -18,6 +20,7 @@ from gtp_jax.plan.memory import (
     compiled_memories,
     compiled_memory,
 )
+from gtp_jax.plan.paper import load_calibration, memory_estimate, plan_on_paper
 from gtp_jax.plan.planner import (
     Candidate,
     Plan,
@@ -27,10 +30,11 @@ from gtp_jax.plan.planner import (
     plan,
     plan_fitting,
 )
-from gtp_jax.plan.timing import Calibration, calibration, measure, step_seconds
+from gtp_jax.plan.timing import Calibration, Topology, calibration, measure, step_seconds
 from gtp_jax.train.memory import memory_bound  # the trainer's refusal bound, used to prune
 
-__all__ = ["Calibration", "Candidate", "Layout", "MemoryFigure", "Plan", "PlanSpace",
+__all__ = ["Calibration", "Candidate", "Layout", "MemoryFigure", "Plan", "PlanSpace", "Topology",
            "abstract_train_state", "calibration", "compiled_memories", "compiled_memory",
-           "enumerate_layouts", "format_table", "keep_on_device", "keep_what_fits", "measure",
-           "memory_bound", "plan", "plan_fitting", "step_seconds"]
+           "enumerate_layouts", "format_table", "keep_on_device", "keep_what_fits",
+           "load_calibration", "measure", "memory_bound", "memory_estimate", "plan",
+           "plan_fitting", "plan_on_paper", "step_seconds"]

@@ -71,6 +71,28 @@ def _parser() -> argparse.ArgumentParser:
                         "copies) instead of using the cached ones")
     parser.add_argument("--json", default=None, metavar="PATH",
                         help="also write the ranked candidates as JSON")
+    paper = parser.add_argument_group(
+        "on paper", "plan for GPUs that are not here, compiling nothing: memory in closed "
+        "form, step time from a calibration file (gtp_jax.plan.paper; docs/planning.md)")
+    paper.add_argument("--on-paper", action="store_true",
+                       help="rank the layouts on paper for --gpus GPUs of --memory-gib each, "
+                       "the preset with its own vocabulary; needs --calibration")
+    # Unset, they are absent from the namespace (no "default: None" in --help).
+    paper.add_argument("--calibration", default=argparse.SUPPRESS, metavar="FILE",
+                       help="the rates to predict with: a JSON file of "
+                       "gtp_jax.plan.Calibration fields (and an optional \"origin\"), or a "
+                       "plan --json file")
+    paper.add_argument("--gpus-per-node", type=int, default=argparse.SUPPRESS, metavar="N",
+                       help="GPUs per node (default 8); collectives over a mesh axis whose "
+                       "groups span nodes move at --inter-node-gbps")
+    paper.add_argument("--inter-node-gbps", type=float, default=argparse.SUPPRESS,
+                       metavar="GBPS",
+                       help="bus bandwidth per GPU between nodes, GB/s (default 50: one 400 "
+                       "Gb/s InfiniBand link per GPU, an assumption)")
+    paper.add_argument("--intra-node-gbps", type=float, default=argparse.SUPPRESS,
+                       metavar="GBPS",
+                       help="bus bandwidth per GPU within a node, GB/s (default: the "
+                       "calibration's all-gather and reduce-scatter rates)")
     return parser
 
 
@@ -82,6 +104,16 @@ def main(argv: list[str] | None = None) -> int:
         if value is not None and value < 1:
             print(f"error: --{name} {value} must be >= 1.", file=sys.stderr)
             return 2
+    if args.on_paper:  # no devices, no compiles: gtp_jax.plan.paper
+        from gtp_jax.plan.paper import main_on_paper  # noqa: PLC0415
+
+        return main_on_paper(args)
+    given = [f"--{name.replace('_', '-')}" for name in ("calibration", "gpus_per_node",
+             "inter_node_gbps", "intra_node_gbps") if name in vars(args)]
+    if given:
+        print(f"error: {', '.join(given)} apply with --on-paper only: add --on-paper to plan "
+              "on paper, or drop them to plan on this machine's devices.", file=sys.stderr)
+        return 2
     try:
         cache = compile_cache_dir(args.compile_cache)
     except UsageError as err:

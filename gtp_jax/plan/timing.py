@@ -14,7 +14,11 @@
 
 Each collective costs ``latency + bytes moved per device / bandwidth``, with the bandwidth
 of an all-gather / reduce-scatter over all devices and its latency inside a program
-(`Calibration`). Matmul
+(`Calibration`). Given a `Topology` (devices in nodes, a slower network between them), a
+collective over a mesh axis whose groups span nodes moves its bytes at the network's
+bandwidth instead (`spans_nodes`: the mesh is ``(dp, ep, gtp, cp, tp)`` from outermost to
+innermost over consecutive devices, so tp is the last axis to leave a node and dp the
+first). Matmul
 FLOPs are ``6 * (block + head parameters)`` per token divided over ``tp``; remat "full"
 adds one more forward pass (8 instead of 6), "dots" recomputes no matmul. Attention FLOPs
 are ``6 * n_layers * n_heads * head_dim * seq`` per token (causal), again with a forward
@@ -463,8 +467,71 @@ _FORMAT_BYTES = {"fp8": 1 + 4 / 4096, "mxfp8": 1 + 1 / 32, "nvfp4": 0.5 + 1 / 16
 _WEIGHTS_PER_LAYER = 4
 
 
-def step_seconds(cfg: TrainConfig, cal: Calibration) -> dict[str, float]:
+@dataclasses.dataclass(frozen=True)
+class Topology:
+    """Devices in nodes: collectives within a node at the calibration's rates, those whose
+    groups span nodes at the network's (`step_seconds`).
+
+    Attributes:
+      gpus_per_node: devices per node (consecutive device ids, as a multi-process run
+        orders them); a mesh axis spans nodes when its groups do (`spans_nodes`).
+      inter_node_bandwidth: bytes per second per device that an all-gather or a
+        reduce-scatter spanning nodes moves (bus bandwidth: bytes each device receives over
+        seconds), e.g. 50e9 for one 400 Gb/s InfiniBand link per GPU.
+      intra_node_bandwidth: the same within a node; None: the calibration's all-gather and
+        reduce-scatter bandwidths.
+
+    Raises:
+      UsageError: a count below 1, a bandwidth that is not a positive number.
+    """
+
+    gpus_per_node: int
+    inter_node_bandwidth: float
+    intra_node_bandwidth: float | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.gpus_per_node, bool) or not isinstance(self.gpus_per_node, int) \
+                or self.gpus_per_node < 1:
+            raise UsageError(f"Topology.gpus_per_node={self.gpus_per_node!r} must be an int "
+                             ">= 1.")
+        for name in ("inter_node_bandwidth", "intra_node_bandwidth"):
+            value = getattr(self, name)
+            if value is None and name == "intra_node_bandwidth":
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+                    not np.isfinite(value) or value <= 0:
+                raise UsageError(f"Topology.{name}={value!r} must be a positive number of "
+                                 "bytes per second.")
+
+
+#: Mesh axes from outermost to innermost (`gtp_jax.make_mesh`'s order; cp sits between gtp
+#: and tp when it is used).
+MESH_ORDER = ("dp", "ep", "gtp", "cp", "tp")
+
+
+def spans_nodes(cfg: TrainConfig, axes: tuple[str, ...], gpus_per_node: int) -> bool:
+    """Whether a collective over the mesh axes `axes` of `cfg` (its groups: devices that
+    differ only in those axes) leaves a node of `gpus_per_node` consecutive devices: a
+    group spans as many consecutive devices as the outermost of its axes (of size > 1) and
+    every axis inside it have together, e.g. dp2 x gtp8: each dp group is 8 devices apart
+    (16 consecutive), each gtp group 8 consecutive devices."""
+    sizes = {a: getattr(cfg, a) for a in MESH_ORDER}
+    moving = [a for a in axes if sizes[a] > 1]
+    if not moving:
+        return False
+    inner = min(MESH_ORDER.index(a) for a in moving)
+    return int(np.prod([sizes[a] for a in MESH_ORDER[inner:]])) > gpus_per_node
+
+
+def step_seconds(cfg: TrainConfig, cal: Calibration,
+                 topology: Topology | None = None) -> dict[str, float]:
     """Predicted seconds of one training step of `cfg` (see the module docstring).
+
+    Args:
+      cfg: the run, laid out.
+      cal: the rates.
+      topology: devices in nodes (collectives spanning them at the network's bandwidth);
+        None: every collective at `cal`'s rates (one host).
 
     Returns:
       ``{"compute", "gtp", "other", "offload", "loop", "total"}``.
@@ -483,38 +550,47 @@ def step_seconds(cfg: TrainConfig, cal: Calibration) -> dict[str, float]:
     attention = passes * layers * width * cfg.seq_len * tokens / cfg.tp
     compute = matmul / cal.gemm_flops + attention / cal.attention_flops(cfg.seq_len)
 
-    def ag(nbytes: float, size: int, count: int = 1) -> float:
+    def bandwidth(axes: tuple[str, ...], measured: float) -> float:
+        if topology is None:
+            return measured
+        if spans_nodes(cfg, axes, topology.gpus_per_node):
+            return topology.inter_node_bandwidth
+        return topology.intra_node_bandwidth or measured
+
+    def ag(nbytes: float, axes: tuple[str, ...], count: int = 1) -> float:
+        size = int(np.prod([getattr(cfg, a) for a in axes]))
         if size == 1:
             return 0.0
         return count * cal.all_gather_latency + nbytes * (size - 1) / size / \
-            cal.all_gather_bandwidth
+            bandwidth(axes, cal.all_gather_bandwidth)
 
-    def rs(nbytes: float, size: int, count: int = 1) -> float:
+    def rs(nbytes: float, axes: tuple[str, ...], count: int = 1) -> float:
+        size = int(np.prod([getattr(cfg, a) for a in axes]))
         if size == 1:
             return 0.0
         return count * cal.reduce_scatter_latency + nbytes * (size - 1) / size / \
-            cal.reduce_scatter_bandwidth
+            bandwidth(axes, cal.reduce_scatter_bandwidth)
 
     weights = mc.num_params() / (cfg.tp * cfg.ep)  # what one gtp group gathers
     gather_item = _FORMAT_BYTES.get(cfg.gather_format) or np.dtype(
         cfg.gather_dtype or mc.param_dtype).itemsize
     collectives = layers * _WEIGHTS_PER_LAYER + 2
-    gtp = (ag(2 * weights * gather_item, cfg.gtp, 2 * collectives)
-           + rs(weights * 4, cfg.gtp, collectives))
+    gtp = (ag(2 * weights * gather_item, ("gtp",), 2 * collectives)
+           + rs(weights * 4, ("gtp",), collectives))
     shard = mc.num_params() / (cfg.gtp * cfg.tp * cfg.ep)  # parameters on this device
     grads = shard * p_item
     # Every replica of a weight saw other tokens: an all-reduce over dp and cp (context
     # parallelism splits the sequence, not the weights).
-    replicas = cfg.dp * cfg.cp
+    replicas = ("dp", "cp")
     other = ag(grads, replicas, collectives) + rs(grads, replicas, collectives)
     act = tokens * d * a_item
     gathers, scatters = tp_collectives_per_layer(mc.remat)
-    other += (ag(act * gathers * layers, cfg.tp, gathers * layers)
-              + rs(act * scatters * layers, cfg.tp, scatters * layers))
+    other += (ag(act * gathers * layers, ("tp",), gathers * layers)
+              + rs(act * scatters * layers, ("tp",), scatters * layers))
     if cfg.cp > 1:  # K and V around the ring: forward, and K, V, dK, dV backward
         kv = 2 * tokens * d * a_item / cfg.tp
-        other += 3 * layers * (cfg.cp - 1) * (cal.all_gather_latency
-                                              + kv / cal.all_gather_bandwidth)
+        other += 3 * layers * (cfg.cp - 1) * (
+            cal.all_gather_latency + kv / bandwidth(("cp",), cal.all_gather_bandwidth))
     # The optimizer on this device's shards, once per step: the measured rate, else AdamW's
     # bytes (read param, grad, 2 moments; write param, 2 moments; float32) at memory speed.
     if cal.optimizer_rate > 0:

@@ -144,7 +144,8 @@ def _parser() -> argparse.ArgumentParser:
                        help="model size (parameters with the corpus's 256-byte vocabulary; "
                             "--data's tokenizer sets a larger one): tiny (0.87M), small "
                             "(19.4M), 100m (85M), 1b (823M), and the Llama shapes "
-                            "llama3.2-1b (974M), llama3.2-3b (2.8B), llama3-8b (7.0B)")
+                            "llama3.2-1b (974M), llama3.2-3b (2.8B), llama3-8b (7.0B), "
+                            "llama3-70b (68.5B)")
     train.add_argument("--steps", type=int, default=100, help="optimizer steps")
     train.add_argument("--batch", type=int, default=16,
                        help="global batch size in sequences (divisible by dp*ep*gtp)")
