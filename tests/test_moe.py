@@ -22,7 +22,7 @@ from helpers import assert_close
 from test_tp import run_case
 
 import gtp_jax
-from gtp_jax.models import Transformer, lm_loss, preset
+from gtp_jax.models import Transformer, TransformerConfig, lm_loss, preset
 from gtp_jax.parallel import MoE, expert_capacity, moe_ffn, route
 
 pytestmark = pytest.mark.slow  # minutes on 2 cores: `pytest -m "not slow"` skips it
@@ -128,6 +128,28 @@ def test_capacity_drop_rule_and_pass_through(key) -> None:
     assert_close(y, y_ref, FP32_RTOL, "output with drops")
     all_dropped = (~keep).all(axis=-1)
     assert not np.asarray(y)[all_dropped].any()
+
+
+def test_dropped_assignments_are_counted_per_sequence(key) -> None:
+    """`Routing.dropped`: the real tokens' (token, choice) pairs whose expert was full; none
+    when dropless, padding never counted; the decoder sums it over layers (`LMOutput`)."""
+    b, t, k = 2, 12, 2
+    route_jit = jax.jit(route, static_argnums=(1, 2))
+    logits = jax.random.normal(key, (b, t, E))
+    tight = route_jit(logits, k, 2)  # 2 slots per expert: most of 24 assignments drop
+    expected = (np.asarray(tight.slot) == E * 2).sum(axis=(1, 2))
+    np.testing.assert_array_equal(np.asarray(tight.dropped), expected)
+    assert expected.min() > 0
+    np.testing.assert_array_equal(np.asarray(route_jit(logits, k, t).dropped), 0)
+    padded = jnp.concatenate([logits, jax.random.normal(key, (b, 4, E))], axis=1)
+    masked = route_jit(padded, k, 2, jnp.arange(t + 4) < t)
+    np.testing.assert_array_equal(np.asarray(masked.dropped), expected)
+    cfg = TransformerConfig(vocab_size=64, d_model=16, n_heads=2, n_layers=3, d_ff=32,
+                            max_seq_len=16, moe_experts=4, moe_top_k=2,
+                            moe_capacity_factor=0.5)
+    out = Transformer(cfg, rngs=nnx.Rngs(0))(jnp.ones((2, 16), jnp.int32))
+    assert out.dropped.shape == (2,) and float(out.dropped.min()) > 0
+    assert float(out.dropped.max()) <= 16 * 2 * 3
 
 
 def test_balance_loss(key) -> None:

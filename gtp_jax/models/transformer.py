@@ -603,8 +603,9 @@ class SwiGLU(nnx.Module):
 class Block(nnx.Module):
     """Pre-norm transformer block: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``.
 
-    Returns ``(x, aux)``: ``aux`` is float32 ``[batch]``, the load-balancing loss of a
-    `gtp_jax.parallel.MoE` MLP (``cfg.moe_experts``), zeros for a dense MLP.
+    Returns ``(x, aux, dropped)``: float32 ``[batch]`` each, the load-balancing loss and the
+    dropped (token, choice) assignments of a `gtp_jax.parallel.MoE` MLP
+    (``cfg.moe_experts``), zeros for a dense MLP.
     """
 
     def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs):
@@ -622,12 +623,13 @@ class Block(nnx.Module):
             self.mlp = SwiGLU(cfg, rngs=rngs)
 
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array,
-                 valid_len: int | None = None) -> tuple[jax.Array, jax.Array]:
+                 valid_len: int | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
         x = x + self.attn(self.attn_norm(x), cos, sin, valid_len)
         if isinstance(self.mlp, MoE):
-            y, aux = self.mlp(self.mlp_norm(x), valid_len)
-            return x + y, aux
-        return x + self.mlp(self.mlp_norm(x)), jnp.zeros((x.shape[0],), jnp.float32)
+            y, aux, dropped = self.mlp(self.mlp_norm(x), valid_len)
+            return x + y, aux, dropped
+        zeros = jnp.zeros((x.shape[0],), jnp.float32)
+        return x + self.mlp(self.mlp_norm(x)), zeros, zeros
 
 
 def _stacked_blocks(cfg: TransformerConfig, rngs: nnx.Rngs) -> Block:
@@ -685,10 +687,14 @@ class LMOutput(NamedTuple):
       logits: ``[batch, seq, vocab]`` in ``cfg.dtype``.
       aux: float32 ``[batch]``: each sequence's MoE load-balancing loss summed over layers
         (zeros for a dense model).
+      dropped: float32 ``[batch]``: each sequence's (token, choice) assignments that found
+        their expert full, summed over layers (zeros for a dense or dropless model); over
+        ``tokens * moe_top_k * n_layers`` it is the share of routing the capacity dropped.
     """
 
     logits: jax.Array
     aux: jax.Array
+    dropped: jax.Array
 
 
 class Transformer(nnx.Module):
@@ -779,16 +785,17 @@ class Transformer(nnx.Module):
         graphdef, stacked = nnx.split(self.blocks)
 
         def layer(carry: Any, params: Any) -> Any:
-            h, aux = carry
-            h, layer_aux = nnx.merge(graphdef, params)(h, cos, sin, seq_len)
-            return h, aux + layer_aux
+            h, aux, dropped = carry
+            h, layer_aux, layer_dropped = nnx.merge(graphdef, params)(h, cos, sin, seq_len)
+            return h, aux + layer_aux, dropped + layer_dropped
 
-        carry = (x, jnp.zeros((x.shape[0],), jnp.float32))
-        x, aux = scan_layers(layer, carry, stacked, remat_policy=_REMAT[cfg.remat],
+        zeros = jnp.zeros((x.shape[0],), jnp.float32)
+        carry = (x, zeros, zeros)
+        x, aux, dropped = scan_layers(layer, carry, stacked, remat_policy=_REMAT[cfg.remat],
                              unroll=cfg.unrolled)
         x = self.final_norm(x)
         logits = self.embed.attend(x) if self.lm_head is None else self.lm_head(x)
-        return LMOutput(logits, aux)
+        return LMOutput(logits, aux, dropped)
 
     def gtp_input_layout(self, mesh: Any, tokens: jax.Array, *,
                          seq_len: int | None = None) -> InputLayout:
@@ -837,7 +844,7 @@ class Transformer(nnx.Module):
         seq_len = tokens.shape[1]
         if cp > 1:
             seq = (CP_AXIS, TP_AXIS) if tp > 1 else CP_AXIS
-            specs = LMOutput(P(data, seq), P(data))
+            specs = LMOutput(P(data, seq), P(data), P(data))
             if padded_seq_len(seq_len, cp * tp, self.cfg.cp_layout) == seq_len:
                 return OutputLayout(specs)
             return OutputLayout(
@@ -845,7 +852,7 @@ class Transformer(nnx.Module):
         tp = int(mesh.shape.get(TP_AXIS, 1))
         if tp == 1:
             return None
-        specs = LMOutput(P(data, TP_AXIS), P(data))
+        specs = LMOutput(P(data, TP_AXIS), P(data), P(data))
         if round_up(seq_len, tp) == seq_len:
             return OutputLayout(specs)
         return OutputLayout(specs, lambda out: out._replace(logits=out.logits[:, :seq_len]))

@@ -70,12 +70,15 @@ class Routing(NamedTuple):
       slot: int32 ``[B, T, k]`` index into the flattened ``[E * C]`` expert buffer of the
         sequence; ``E * C`` (one past the end) for dropped choices and padding.
       aux: float32 ``[B]`` load-balancing loss per sequence.
+      dropped: float32 ``[B]``: the (token, choice) assignments of real tokens that found
+        their expert full, per sequence (0 when dropless).
     """
 
     expert: jax.Array
     gate: jax.Array
     slot: jax.Array
     aux: jax.Array
+    dropped: jax.Array
 
 
 def route(logits: jax.Array, top_k: int, capacity: int,
@@ -112,7 +115,9 @@ def route(logits: jax.Array, top_k: int, capacity: int,
         n_valid * top_k)
     mean_prob = jnp.sum(probs * valid[None, :, None], axis=1) / n_valid
     aux = e * jnp.sum(frac * mean_prob, axis=-1)
-    return Routing(expert=expert, gate=jnp.where(keep, gate, 0.0), slot=slot, aux=aux)
+    dropped = jnp.sum((~keep) & valid[None, :, None], axis=(1, 2)).astype(jnp.float32)
+    return Routing(expert=expert, gate=jnp.where(keep, gate, 0.0), slot=slot, aux=aux,
+                   dropped=dropped)
 
 
 def dispatch(x: jax.Array, slot: jax.Array, num_experts: int, capacity: int) -> jax.Array:
@@ -174,7 +179,8 @@ def expert_ffn(buf: jax.Array, w_in: jax.Array, w_out: jax.Array) -> jax.Array:
 
 def moe_ffn(x: jax.Array, router: jax.Array, w_in: jax.Array, w_out: jax.Array, *,
             top_k: int, capacity_factor: float | None, valid_len: int | None = None,
-            tp: str | None = None, ep: str | None = None) -> tuple[jax.Array, jax.Array]:
+            tp: str | None = None, ep: str | None = None, with_dropped: bool = False
+            ) -> tuple[jax.Array, ...]:
     """The MoE feed-forward: route, dispatch, (all-to-all), experts, (all-to-all), combine.
 
     Args:
@@ -187,9 +193,12 @@ def moe_ffn(x: jax.Array, router: jax.Array, w_in: jax.Array, w_out: jax.Array, 
       valid_len: number of real positions of the (padded) full sequence; None: all.
       tp: tensor/sequence-parallel axis name or None.
       ep: expert-parallel axis name or None.
+      with_dropped: also return the per-sequence count of dropped (token, choice)
+        assignments (`Routing.dropped`).
 
     Returns:
-      ``(y, aux)``: ``y`` like `x`; ``aux`` float32 ``[B]`` per-sequence balance loss.
+      ``(y, aux)``: ``y`` like `x`; ``aux`` float32 ``[B]`` per-sequence balance loss; with
+      `with_dropped`, ``(y, aux, dropped)``.
     """
     num_experts = router.shape[-1]
     ep_size = lax.axis_size(ep) if ep is not None else 1
@@ -210,8 +219,8 @@ def moe_ffn(x: jax.Array, router: jax.Array, w_in: jax.Array, w_out: jax.Array, 
     out = expert_ffn(buf, w_in.astype(buf.dtype), w_out.astype(buf.dtype))
     if ep is not None:
         out = lax.all_to_all(out, ep, split_axis=1, concat_axis=0, tiled=True)
-    y = combine(out, routing.gate, routing.slot)
-    return seq_reduce_scatter(y, tp), routing.aux
+    y = seq_reduce_scatter(combine(out, routing.gate, routing.slot), tp)
+    return (y, routing.aux, routing.dropped) if with_dropped else (y, routing.aux)
 
 
 
@@ -223,8 +232,9 @@ class MoE(nnx.Module):
     every expert) and ``w_out [E, f, d]``. Their metadata splits experts over ``ep`` and the
     hidden width over ``tp``, and makes GTP shard the ``d_model`` dim.
 
-    Call: ``moe(x, valid_len=None) -> (y, aux)`` with ``x: [B, S, d]`` (sequence-sharded
-    over ``tp`` under tensor parallelism), ``y`` like `x` and ``aux: float32 [B]``.
+    Call: ``moe(x, valid_len=None) -> (y, aux, dropped)`` with ``x: [B, S, d]``
+    (sequence-sharded over ``tp`` under tensor parallelism), ``y`` like `x`, ``aux: float32
+    [B]`` (the balance loss) and ``dropped: float32 [B]`` (`Routing.dropped`).
     """
 
     def __init__(self, d_model: int, d_ff: int, num_experts: int, *, top_k: int = 2,
@@ -253,12 +263,11 @@ class MoE(nnx.Module):
             **{EP_DIM: 0, TP_DIM: 1, SHARD_DIM: 2})
 
     def __call__(self, x: jax.Array, valid_len: int | None = None
-                 ) -> tuple[jax.Array, jax.Array]:
+                 ) -> tuple[jax.Array, jax.Array, jax.Array]:
         axes = current_axes()
         dtype = self.dtype or x.dtype
-        y, aux = moe_ffn(x.astype(dtype), self.router.kernel[...], self.w_in[...],
-                         self.w_out[...], top_k=self.top_k,
-                         capacity_factor=self.capacity_factor, valid_len=valid_len,
-                         tp=axes.tp, ep=axes.ep)
-        return y, aux
+        return moe_ffn(x.astype(dtype), self.router.kernel[...], self.w_in[...],
+                       self.w_out[...], top_k=self.top_k,
+                       capacity_factor=self.capacity_factor, valid_len=valid_len,
+                       tp=axes.tp, ep=axes.ep, with_dropped=True)
 
