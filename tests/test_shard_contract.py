@@ -669,3 +669,24 @@ def test_weight_shared_with_the_rest_of_the_model_is_refused(make, part, names) 
                                rtol=1e-5)
     g = nnx.jit(nnx.grad(loss))(sm, _place(mesh, x))
     _assert_grads_equal(sm, g, nnx.grad(loss)(ref, x), rtol=1e-4)
+
+
+def test_model_assembled_from_a_sharded_part_and_its_originals_is_refused_by_the_step() -> None:
+    import optax
+
+    from gtp_jax.train import TrainStep
+
+    class Assembled(nnx.Module):
+        def __init__(self, embed, head):
+            self.embed, self.head = embed, head
+
+        def __call__(self, tokens):
+            return self.head(self.embed(tokens))
+
+    mesh = get_mesh("dp2_gtp4")
+    embed = nnx.Embed(32, 16, rngs=nnx.Rngs(0))
+    head = gtp_jax.shard(TiedHead(embed), mesh, CFG0)  # nothing holds embed twice yet
+    model = Assembled(embed, head)
+    optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+    _one_line_error(lambda: TrainStep(model, optimizer, lambda m, t: jnp.mean(m(t) ** 2)),
+                    "TrainStep", "'embed'", "'head'")
