@@ -690,3 +690,108 @@ def test_model_assembled_from_a_sharded_part_and_its_originals_is_refused_by_the
     optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
     _one_line_error(lambda: TrainStep(model, optimizer, lambda m, t: jnp.mean(m(t) ** 2)),
                     "TrainStep", "'embed'", "'head'")
+
+
+# --------------------------------------------------------------------------- check_sharded
+
+
+class Centered(nnx.Module):
+    """An MLP that subtracts the batch mean of its hidden layer: a cross-example operation,
+    which each data shard computes over its own examples."""
+
+    def __init__(self, center=True):
+        self.up = nnx.Linear(16, 64, rngs=nnx.Rngs(0))
+        self.down = nnx.Linear(64, 16, rngs=nnx.Rngs(1))
+        self.center = center
+
+    def __call__(self, x):
+        h = jax.nn.gelu(self.up(x))
+        if self.center:
+            h = h - h.mean(0)
+        return self.down(h)
+
+
+def test_check_sharded_passes_an_exact_module_and_changes_nothing(key) -> None:
+    from test_written_state import Tracker
+
+    mesh = get_mesh("dp2_gtp4")
+    sm = gtp_jax.shard(Tracker(), mesh, CFG0)
+    before = snapshot(sm)
+    report = gtp_jax.check_sharded(sm, 3.0 + jax.random.normal(key, (16, 4)))
+    assert isinstance(report, gtp_jax.ShardCheck) and report.ok and report.first is None
+    kinds = {leaf.kind for leaf in report.leaves}
+    assert kinds == {"output", "state", "gradient"}
+    assert {leaf.path for leaf in report.leaves if leaf.kind == "gradient"} == {
+        "lin/kernel", "lin/bias"}
+    # float32 on CPU: 64 x float32's eps; integer state must be equal
+    f32 = [leaf.tolerance for leaf in report.leaves if leaf.dtype == "float32"]
+    assert f32 and all(t == pytest.approx(64 * 2.0 ** -23) for t in f32)
+    assert all(leaf.tolerance == 0 and leaf.error == 0 for leaf in report.leaves
+               if leaf.dtype == "int32")
+    assert_unchanged(sm, before)
+
+
+@pytest.mark.parametrize("config, tolerance", [
+    (gtp_jax.GTPConfig(min_elements=0), 64 * 2.0 ** -23),
+    (gtp_jax.GTPConfig(min_elements=0, gather_dtype=jnp.bfloat16), 8 * 2.0 ** -7),
+])
+def test_check_sharded_names_an_operation_across_examples(config, tolerance, key) -> None:
+    mesh = get_mesh("dp2_gtp4")
+    x = jax.random.normal(key, (16, 16))
+    good = gtp_jax.check_sharded(gtp_jax.shard(Centered(center=False), mesh, config), x)
+    assert good.ok and max(leaf.tolerance for leaf in good.leaves) == pytest.approx(tolerance)
+    sm = gtp_jax.shard(Centered(), mesh, config)
+    msg = _one_line_error(lambda: gtp_jax.check_sharded(sm, x), "output 'output'",
+                          "across examples", "h - h.mean(0)")
+    assert "nnx.Rngs" not in msg
+    report = gtp_jax.check_sharded(sm, x, raise_on_mismatch=False)
+    assert not report.ok and report.first.kind == "output"
+    assert report.first.error > 10 * report.first.tolerance
+    # with the caller's loss, on their own labels
+    y = jnp.sin(x)
+    with pytest.raises(UsageError, match="output 'output'"):
+        gtp_jax.check_sharded(sm, x, loss_fn=lambda out: jnp.mean((out - y) ** 2))
+
+
+def test_check_sharded_names_state_whose_rule_does_not_hold(key) -> None:
+    class WrongRule(nnx.Module):
+        def __init__(self):
+            self.lin = nnx.Linear(16, 16, rngs=nnx.Rngs(0))
+            self.last_mean = gtp_jax.SameOnEveryShard(jnp.zeros((16,)))
+
+        def __call__(self, x):
+            y = self.lin(x)
+            self.last_mean[...] = y.mean(0)  # not the same on every shard
+            return y
+
+    mesh = get_mesh("dp2_gtp4")
+    sm = gtp_jax.shard(WrongRule(), mesh, CFG0)
+    _one_line_error(lambda: gtp_jax.check_sharded(sm, jax.random.normal(key, (16, 16))),
+                    "state 'last_mean'", "SameOnEveryShard")
+
+
+def test_check_sharded_says_held_randomness_differs_by_design(key) -> None:
+    class Drop(nnx.Module):
+        def __init__(self):
+            self.lin = nnx.Linear(16, 16, rngs=nnx.Rngs(0))
+            self.drop = nnx.Dropout(0.5, rngs=nnx.Rngs(1))
+
+        def __call__(self, x):
+            return self.drop(self.lin(x))
+
+    mesh = get_mesh("dp2_gtp4")
+    sm = gtp_jax.shard(Drop(), mesh, CFG0)
+    x = jax.random.normal(key, (16, 16))
+    _one_line_error(lambda: gtp_jax.check_sharded(sm, x), "nnx.Rngs", "model.eval()")
+    sm.eval()
+    assert gtp_jax.check_sharded(sm, x).ok
+
+
+def test_check_sharded_refuses_what_it_cannot_check() -> None:
+    with pytest.raises(gtp_jax.UsageTypeError, match="ShardedModule"):
+        gtp_jax.check_sharded(Centered(), jnp.ones((8, 16)))
+    sm = gtp_jax.shard(Centered(), get_mesh("gtp8"), CFG0)
+    with pytest.raises(gtp_jax.UsageTypeError, match="loss_fn"):
+        gtp_jax.check_sharded(sm, jnp.ones((8, 16)), loss_fn=3)
+    with pytest.raises(UsageError, match="scalar"):
+        gtp_jax.check_sharded(sm, jnp.ones((8, 16)), loss_fn=lambda out: out)
