@@ -398,17 +398,29 @@ def rule_choices(kind: str) -> str:
             f"or metadata, e.g. {kind}(value, {REDUCE}='sum') with one of {_REDUCE_RULES}")
 
 
+def refuse_unruled(path: str, var: nnx.Variable) -> None:
+    """Raises the `UsageError` for state without a combining rule written in ``__call__``."""
+    kind = type(var).__name__
+    dtypes = sorted({str(jnp.result_type(x)) for x in jax.tree.leaves(var.get_value())})
+    raise UsageError(
+        f"{path!r}: {kind} state of dtype {'/'.join(dtypes)} is written in __call__ and each "
+        "data shard computes its own value, which gtp_jax does not guess how to combine; "
+        f"{rule_choices(kind)}.")
+
+
 def reduce_side_state(module: nnx.Module, before: dict[str, Any], rules: dict[str, str | None],
                        local_batch: int | None, axes: tuple[str, ...],
-                       seq_split: bool = False, split_rows: frozenset[str] = frozenset()
-                       ) -> list:
+                       seq_split: bool = False, split_rows: frozenset[str] = frozenset(),
+                       unruled: list[str] | None = None) -> list:
     """``[(keys, variable, combined value)]`` of the state the call wrote (inside the body).
 
     Rules (one value for the whole mesh, never one shard's): existing variables follow
     `side_rules` (``mean``: mean over the data shards; ``sum``: the old value plus the sum
     of every shard's change; ``same``: identical on every shard, kept as is; ``concat``:
     per-example rows concatenated over the shards); written variables without a rule are
-    refused (raised while tracing, before any state changes). ``concat`` variables named in
+    refused (raised while tracing, before any state changes), or, with `unruled`, appended
+    to it and left out (their value may only have been passed on by an NNX lifted transform:
+    the caller decides, `same_values`). ``concat`` variables named in
     `split_rows` entered the call split on dim 0 like a batch (`per_example_specs`). New
     variables
     (``sow``) must be per-example (leading dim = local batch) and are concatenated over the
@@ -447,11 +459,10 @@ def reduce_side_state(module: nnx.Module, before: dict[str, Any], rules: dict[st
             continue
         rule = rules.get(path)
         if rule is None:
-            dtypes = sorted({str(jnp.result_type(x)) for x in jax.tree.leaves(value)})
-            raise UsageError(
-                f"{path!r}: {kind} state of dtype {'/'.join(dtypes)} is written in __call__ "
-                "and each data shard computes its own value, which gtp_jax does not guess how "
-                f"to combine; {rule_choices(kind)}.")
+            if unruled is None:
+                refuse_unruled(path, var)
+            unruled.append(path)  # refused by the caller unless it is only passed on
+            continue
         if rule == "mean":  # checked on one device too: the same code must run on many
             for x in jax.tree.leaves(value):
                 if not jnp.issubdtype(jnp.result_type(x), jnp.floating):

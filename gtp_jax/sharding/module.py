@@ -23,7 +23,6 @@ from gtp_jax.base.metadata import LOGICAL_SHAPE, REDUCE, SPLIT_AXES, SPLIT_LAYOU
 from gtp_jax.sharding import fp8
 from gtp_jax.sharding.collectives import gather_weight
 from gtp_jax.sharding.contract import (
-    READ_ONLY,
     InputLayout,
     OutputLayout,
     Replicated,
@@ -35,6 +34,7 @@ from gtp_jax.sharding.contract import (
     key_name,
     per_example_rows,
     reduce_side_state,
+    refuse_unruled,
     refuse_write,
     replaced_read_only,
     replicated,
@@ -217,14 +217,16 @@ class ShardedModule(nnx.Module):
                 out = module(*call_args, **call_kwargs)
             if probe:  # `_check_writes`: the values before and after the call
                 now = {path_str(key_name(k) for k in keys): v.get_value()
-                       for keys, v in nnx.to_flat_state(nnx.state(module, READ_ONLY))}
+                       for keys, v in nnx.to_flat_state(nnx.state(module))}
                 return [jax.tree.leaves(before[p]) for p in probe], [
                     jax.tree.leaves(now.get(p)) for p in probe]
             replaced[:] = replaced_read_only(module, before)
             if default_layout:
                 check_outputs(out, local_batch)
+            unruled: list[str] = []
             side = reduce_side_state(module, before, rules, local_batch, reduce_axes,
-                                      bool(seq_split), split_rows)
+                                      bool(seq_split), split_rows, unruled)
+            replaced.extend(unruled)
             side_keys[:] = [(k, v) for k, v, _ in side]
             return out, [x for _, _, x in side]
 
@@ -275,12 +277,14 @@ class ShardedModule(nnx.Module):
     @staticmethod
     def _check_writes(probe: Any, values: list, args: list, replaced: tuple[str, ...],
                       by_path: dict[str, nnx.Variable]) -> None:
-        """Refuses a parameter or RNG key the call wrote (before any state changes).
+        """Refuses a parameter or RNG key the call wrote, and state without a combining rule
+        (before any state changes).
 
         `replaced` holds those whose value the traced call replaced; `probe` is the call
         returning their values before and after. A value that NNX's lifted transforms
         (``nnx.remat``, ``nnx.scan``...) only passed on is the same value in the traced
-        program (`same_values`); anything else is a write, which a sharded call cannot keep.
+        program (`same_values`); anything else is a write, which a sharded call cannot keep
+        (`refuse_write`) or combine (`refuse_unruled`).
         """
         closed, (before, after) = jax.make_jaxpr(probe, return_shape=True)(values, args)
         n = sum(len(x) for x in before)
@@ -288,7 +292,10 @@ class ShardedModule(nnx.Module):
         for path, old, new in zip(replaced, before, after):
             pairs = [(start + i, n + start + i) for i in range(len(old))]
             if len(old) != len(new) or not all(same_values(closed.jaxpr, pairs)):
-                refuse_write(path, by_path[path])
+                var = by_path[path]
+                if isinstance(var, (nnx.Param, nnx.RngKey)):
+                    refuse_write(path, var)
+                refuse_unruled(path, var)
             start += len(old)
 
     def _local_weight(self, x: jax.Array, plan: ParamPlan, lazy: bool = False) -> Any:
