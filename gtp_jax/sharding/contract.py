@@ -13,7 +13,7 @@ outputs and written state must look like, and how they leave.
   see them differently from the unsharded module (randomness, modules and variables).
 - `replaced_read_only` / `same_values` / `refuse_write`: parameters (and RNG keys) written
   in ``__call__`` are refused, never dropped; values NNX's lifted transforms only pass on
-  are not writes.
+  are not writes (for state without a combining rule either: `refuse_unruled`).
 - `has_user_remat`: whether the module's own code has remat regions (then weights are
   gathered where they are read, so the module's policy applies to them).
 """
@@ -204,7 +204,7 @@ def check_call_arguments(args: tuple, kwargs: dict) -> None:
         inner = x.value if isinstance(x, Replicated) else x
         if isinstance(inner, _RNG_TYPES):
             raise UsageError(
-                f"{name}: an {type(inner).__name__} passed to a sharded module: every data "
+                f"{name}: an nnx.{type(inner).__name__} passed to a sharded module: every data "
                 "shard would draw the same random bits from it (the same dropout mask on "
                 f"each shard), unlike the unsharded module; {_RNG_FIX}.")
         if isinstance(inner, nnx.Variable) or nnx.graph.is_graph_node(inner):
@@ -237,15 +237,17 @@ def replaced_read_only(module: nnx.Module, before: dict[str, Any]) -> list[str]:
 
     A replaced value is not necessarily a write: NNX's lifted transforms (``nnx.remat``,
     ``nnx.scan``, ``nnx.jit``...) hand every variable back as a new traced value, equal to
-    the old one. `unchanged_in_jaxpr` tells them apart.
+    the old one. `same_values` tells them apart.
     """
-    return [path_str(key_name(k) for k in keys)
-            for keys, var in nnx.to_flat_state(nnx.state(module, READ_ONLY))
-            if path_str(key_name(k) for k in keys) in before
-            and not _same_leaves(var.get_value(), before[path_str(key_name(k) for k in keys)])]
+    out = []
+    for keys, var in nnx.to_flat_state(nnx.state(module, READ_ONLY)):
+        path = path_str(key_name(k) for k in keys)
+        if path in before and not _same_leaves(var.get_value(), before[path]):
+            out.append(path)
+    return out
 
 
-def refuse_write(path: str, var: nnx.Variable | type) -> None:
+def refuse_write(path: str, var: nnx.Variable) -> None:
     """Raises the `UsageError` for a parameter or RNG key written in ``__call__``.
 
     A sharded module's parameters are stored 1/N and gathered on use: a value written in
@@ -253,8 +255,8 @@ def refuse_write(path: str, var: nnx.Variable | type) -> None:
     (before, the write was dropped: a counter kept as an ``nnx.Param`` read 0). RNG keys are
     folded per shard for the call and are not written back either.
     """
-    kind = var.__name__ if isinstance(var, type) else type(var).__name__
-    if isinstance(var, type) and issubclass(var, nnx.RngKey) or isinstance(var, nnx.RngKey):
+    kind = type(var).__name__
+    if isinstance(var, nnx.RngKey):
         raise UsageError(
             f"{path!r}: an {kind} was written in __call__; a sharded module folds its RNG keys "
             "per data shard for the call and does not write them back. Reseed outside the "
@@ -328,8 +330,9 @@ def _passed_input(eqn: Any, i: int) -> Any:
         got = _Origins(body).of(body.outvars[i])
         return cond_n + body_n + i if got == ("in", body_n + i) else own
     if name == "cond":
+        # every branch passes on the same operand (the first input is the branch index)
         found = {_Origins(b.jaxpr).of(b.jaxpr.outvars[i]) for b in eqn.params["branches"]}
-        (got,) = found if len(found) == 1 else (None,)
+        got = found.pop() if len(found) == 1 else None
         return 1 + got[1] if got is not None and got[0] == "in" else own
     sub = _call_jaxpr(eqn)
     if sub is None:

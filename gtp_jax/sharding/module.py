@@ -196,7 +196,9 @@ class ShardedModule(nnx.Module):
         # the delayed FP8 recipe's amax histories are reduced over the same axes.
         amax_axes = () if single else tuple(mesh.axis_names)
 
-        # Parameters and RNG keys whose value the call replaced (set while tracing the body).
+        # Parameters, RNG keys and state without a combining rule whose value the call
+        # replaced (set while tracing the body; `_check_writes` tells writes from values
+        # that NNX's lifted transforms only passed on).
         replaced: list[str] = []
 
         def body(local_values, local_args, lazy=False, probe=()):

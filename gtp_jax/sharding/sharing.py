@@ -6,8 +6,9 @@ embedding read by the sharded head and by the unsharded input layer) would then 
 variables, trained apart, and the model's losses would drift from the unsharded model's
 without an error. Two checks refuse it instead:
 
-- `check_not_shared` (in `shard`): a variable or submodule inside the module, other than
-  the module itself, is also held by an NNX graph node outside it. This finds the usual
+- `check_not_shared` (in `shard`): a model that holds the module (found upward from the
+  module through the objects that refer to it) also reaches a variable or submodule of it
+  other than through it, or holds the module itself at two places. This finds the usual
   pattern ``model.head = gtp_jax.shard(model.head, mesh)`` of a model built beforehand.
 - `check_untied` (`gtp_jax.train.TrainStep`, `gtp_jax.check_sharded`): a model holds, outside
   a `ShardedModule`, a variable or submodule that `shard` copied into that module

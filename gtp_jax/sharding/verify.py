@@ -43,6 +43,7 @@ from gtp_jax.base.errors import UsageError, UsageTypeError
 from gtp_jax.sharding.contract import Replicated, is_key_array, is_replicated, key_name
 from gtp_jax.sharding.module import ShardedModule, unshard, unshard_values
 from gtp_jax.sharding.plan import path_str
+from gtp_jax.sharding.sharing import check_untied
 
 #: Tolerance, in units of ``finfo(dtype).eps``, of a value that went through `dtype`, by its
 #: width in bits (see the module docstring). Measured on 8 simulated CPU devices (dp2 x
@@ -186,8 +187,6 @@ def check_sharded(model: ShardedModule, *args: Any,
                              "(loss_fn(outputs) -> scalar) or None.")
     if rtol is not None and not (isinstance(rtol, (int, float)) and rtol >= 0):
         raise UsageError(f"check_sharded: rtol={rtol!r} must be a number >= 0 or None.")
-    from gtp_jax.sharding.sharing import check_untied  # noqa: PLC0415
-
     check_untied(model, "check_sharded")
     sharded = nnx.merge(*nnx.split(model))  # a copy: the passes write to it, not to model
     reference = unshard(model)
