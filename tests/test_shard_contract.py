@@ -387,3 +387,411 @@ def test_transformer_shard_dims_unchanged(name, mesh_name) -> None:
         assert got == meta.get(SHARD_DIM, first), path
         checked += 1
     assert checked >= 5
+
+
+# --------------------------------------------------------------------------- exact or refused
+#
+# Each class below once gave another answer than the unsharded module without an error: a
+# parameter written in __call__ (dropped), randomness handed to the call (the same mask on
+# every data shard), a weight shared with the rest of the model (untied by the copy), and an
+# operation across examples (per shard; no static check can see it: `check_sharded`).
+
+CFG0 = gtp_jax.GTPConfig(min_elements=0)
+
+
+def _one_line_error(call, *names: str) -> str:
+    with pytest.raises(UsageError) as err:
+        call()
+    msg = str(err.value)
+    assert "\n" not in msg, msg
+    for name in names:
+        assert name in msg, msg
+    return msg
+
+
+class Layer(nnx.Module):
+    """A linear layer that may write its own kernel in __call__ (weight decay in the
+    forward pass)."""
+
+    def __init__(self, rngs, write=False):
+        self.lin = nnx.Linear(16, 16, rngs=rngs)
+        self.write = write
+
+    def __call__(self, x):
+        if self.write:
+            self.lin.kernel[...] = self.lin.kernel[...] * 0.5
+        return x + self.lin(x)
+
+
+class Counted(nnx.Module):
+    """A call counter kept as a parameter."""
+
+    def __init__(self):
+        self.lin = nnx.Linear(16, 16, rngs=nnx.Rngs(0))
+        self.calls = nnx.Param(jnp.zeros(()))
+
+    def __call__(self, x):
+        self.calls[...] += 1
+        return self.lin(x)
+
+
+class SetValue(Counted):
+    def __call__(self, x):
+        self.lin.bias.set_value(self.lin.bias.get_value() + jnp.mean(x))
+        return self.lin(x)
+
+
+class Lifted(nnx.Module):
+    """The layer run through one of NNX's lifted transforms (each hands every variable back
+    as a new traced value)."""
+
+    def __init__(self, how, write=False):
+        self.how = how
+        self.layer = Layer(nnx.Rngs(0), write)
+
+    def __call__(self, x):
+        if self.how == "remat":
+            return nnx.remat(lambda b, h: b(h))(self.layer, x)
+        if self.how == "jit":
+            return nnx.jit(lambda b, h: b(h))(self.layer, x)
+        if self.how == "cond":
+            return nnx.cond(jnp.sum(x) > -1e9, lambda b, h: b(h), lambda b, h: h, self.layer, x)
+        return nnx.vmap(lambda b, h: b(h), in_axes=(None, 0))(self.layer, x)
+
+
+class Scanned(nnx.Module):
+    """Three layers stacked by nnx.vmap and run by nnx.scan."""
+
+    def __init__(self, write=False):
+        @nnx.split_rngs(splits=3)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def make(rngs):
+            return Layer(rngs, write)
+
+        self.layers = make(nnx.Rngs(0))
+
+    def __call__(self, x):
+        @nnx.scan(in_axes=(0, nnx.Carry), out_axes=nnx.Carry)
+        def run(layer, h):
+            return layer(h)
+
+        return run(self.layers, x)
+
+
+def _x(mesh, key=None, rows=8):
+    x = jnp.ones((rows, 16)) if key is None else jax.random.normal(key, (rows, 16))
+    return _place(mesh, x)
+
+
+@pytest.mark.parametrize("make, path", [
+    (Counted, "'calls'"),
+    (SetValue, "'lin/bias'"),
+    (lambda: Lifted("jit", write=True), "'layer/lin/kernel'"),
+    (lambda: Lifted("cond", write=True), "'layer/lin/kernel'"),
+    (lambda: Scanned(write=True), "'layers/lin/kernel'"),
+    (lambda: Lifted("remat", write=True), "shape (16, 16)"),  # weights gathered where read
+])
+@pytest.mark.parametrize("jit", [False, True])
+def test_parameter_written_in_call_is_refused_before_anything_changes(make, path, jit) -> None:
+    mesh = get_mesh("dp2_gtp4")
+    sm = gtp_jax.shard(make(), mesh, CFG0)
+    before = snapshot(sm)
+    call = nnx.jit(lambda m, x: m(x)) if jit else (lambda m, x: m(x))
+    _one_line_error(lambda: call(sm, _x(mesh)), path, "__call__", "BatchSum", "optimizer")
+    assert_unchanged(sm, before)
+
+
+def test_rng_key_written_in_call_is_refused() -> None:
+    class Reseeds(nnx.Module):
+        def __init__(self):
+            self.lin = nnx.Linear(16, 16, rngs=nnx.Rngs(0))
+            self.rngs = nnx.Rngs(1)
+
+        def __call__(self, x):
+            self.rngs.default.key[...] = jax.random.key(5)
+            return self.lin(x)
+
+    mesh = get_mesh("dp2_gtp4")
+    sm = gtp_jax.shard(Reseeds(), mesh, CFG0)
+    key = np.asarray(jax.random.key_data(sm.module.rngs.default.key[...]))
+    _one_line_error(lambda: sm(_x(mesh)), "'rngs/default/key'", "nnx.reseed")
+    np.testing.assert_array_equal(jax.random.key_data(sm.module.rngs.default.key[...]), key)
+
+
+@pytest.mark.parametrize("make", [lambda: Lifted("remat"), lambda: Lifted("jit"),
+                                  lambda: Lifted("cond"), lambda: Lifted("vmap"), Scanned])
+def test_parameters_passed_on_by_lifted_transforms_are_not_writes(make, key) -> None:
+    mesh = get_mesh("dp2_gtp4")
+    ref = make()
+    sm = gtp_jax.shard(_copy(ref), mesh, CFG0)
+    x = jax.random.normal(key, (8, 16))
+    out = nnx.jit(lambda m, x: m(x))(sm, _place(mesh, x))
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref(x)), rtol=1e-5, atol=1e-5)
+    g = nnx.jit(nnx.grad(lambda m, x: jnp.mean(m(x) ** 2)))(sm, _place(mesh, x))
+    _assert_grads_equal(sm, g, nnx.grad(lambda m, x: jnp.mean(m(x) ** 2))(ref, x), rtol=1e-4)
+
+
+class Dropped(nnx.Module):
+    """Dropout with randomness handed to the call."""
+
+    def __init__(self):
+        self.lin = nnx.Linear(16, 16, rngs=nnx.Rngs(0))
+        self.drop = nnx.Dropout(0.5)
+
+    def __call__(self, x, rngs=None, key=None):
+        h = self.lin(x)
+        if key is not None:
+            return h * jax.random.bernoulli(key, 0.5, h.shape)
+        return self.drop(h, rngs=rngs)
+
+
+@pytest.mark.parametrize("args, kwargs, name", [
+    (lambda: (nnx.Rngs(dropout=1),), {}, "args[1]"),
+    (lambda: (), lambda: {"rngs": nnx.Rngs(dropout=1)}, "kwargs['rngs']"),
+    (lambda: (nnx.Rngs(dropout=1).dropout,), {}, "args[1]"),
+    (lambda: (), lambda: {"key": jax.random.key(1)}, "kwargs['key']"),
+    (lambda: (), lambda: {"key": gtp_jax.replicated(jax.random.split(jax.random.key(1), 8))},
+     "kwargs['key']"),
+])
+@pytest.mark.parametrize("jit", [False, True])
+def test_randomness_handed_to_the_call_is_refused(args, kwargs, name, jit) -> None:
+    mesh = get_mesh("dp2_gtp4")
+    sm = gtp_jax.shard(Dropped(), mesh, CFG0)
+    before = snapshot(sm)
+    a, k = args(), (kwargs() if callable(kwargs) else kwargs)
+    call = nnx.jit(lambda m, x, a, k: m(x, *a, **k)) if jit else (
+        lambda m, x, a, k: m(x, *a, **k))
+    _one_line_error(lambda: call(sm, _x(mesh), a, k), name, "same random bits",
+                    "jax.random.split(key, batch)")
+    assert_unchanged(sm, before)
+
+
+def test_one_key_per_example_is_a_batch_and_exact(key) -> None:
+    class PerExampleNoise(nnx.Module):
+        def __init__(self):
+            self.lin = nnx.Linear(16, 16, rngs=nnx.Rngs(0))
+
+        def __call__(self, x, keys):
+            mask = jax.vmap(lambda k: jax.random.bernoulli(k, 0.5, (16,)))(keys)
+            return self.lin(x) * mask
+
+    mesh = get_mesh("dp2_gtp4")
+    ref = PerExampleNoise()
+    sm = gtp_jax.shard(_copy(ref), mesh, CFG0)
+    x = jax.random.normal(key, (8, 16))
+    keys = jax.random.split(jax.random.key(3), 8)
+    out = nnx.jit(lambda m, x, k: m(x, k))(sm, _place(mesh, x), keys)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref(x, keys)), rtol=1e-5,
+                               atol=1e-5)
+    assert len({tuple(row) for row in np.asarray(out != 0)}) > 1  # masks differ per example
+
+
+@pytest.mark.parametrize("arg", [lambda: nnx.Linear(16, 16, rngs=nnx.Rngs(2)),
+                                 lambda: nnx.Param(jnp.ones((8, 16)))])
+def test_module_or_variable_handed_to_the_call_is_refused(arg) -> None:
+    class Takes(nnx.Module):
+        def __init__(self):
+            self.lin = nnx.Linear(16, 16, rngs=nnx.Rngs(0))
+
+        def __call__(self, x, other):
+            return self.lin(x) + (other(x) if callable(other) else other[...])
+
+    mesh = get_mesh("dp2_gtp4")
+    sm = gtp_jax.shard(Takes(), mesh, CFG0)
+    _one_line_error(lambda: sm(_x(mesh), arg()), "args[1]", "part of the sharded module")
+
+
+class TiedHead(nnx.Module):
+    def __init__(self, embed):
+        self.embed = embed
+        self.proj = nnx.Linear(16, 16, rngs=nnx.Rngs(1))
+
+    def __call__(self, h):
+        return self.proj(h) @ self.embed.embedding[...].T
+
+
+class TiedLM(nnx.Module):
+    """Input embedding and output head share one table (a tied embedding)."""
+
+    def __init__(self):
+        self.embed = nnx.Embed(32, 16, rngs=nnx.Rngs(0))
+        self.head = TiedHead(self.embed)
+
+    def __call__(self, tokens):
+        return self.head(self.embed(tokens))
+
+
+class SharedKernel(nnx.Module):
+    """Two layers of a block list share one kernel variable."""
+
+    def __init__(self):
+        self.blocks = nnx.List([nnx.Linear(16, 16, rngs=nnx.Rngs(i)) for i in range(2)])
+        self.blocks[1].kernel = self.blocks[0].kernel
+
+    def __call__(self, x):
+        return self.blocks[1](self.blocks[0](x))
+
+
+class TwiceUsed(nnx.Module):
+    """One block used at two places."""
+
+    def __init__(self):
+        block = nnx.Linear(16, 16, rngs=nnx.Rngs(0))
+        self.first, self.second = block, block
+
+    def __call__(self, x):
+        return self.second(self.first(x))
+
+
+@pytest.mark.parametrize("make, part, names", [
+    (TiedLM, "head", ("'embed'", "'embed' of the TiedLM")),
+    (SharedKernel, lambda m: m.blocks[1], ("'kernel'", "'blocks/0/kernel'")),
+    (TwiceUsed, "first", ("2 places", "'first'", "'second'")),
+])
+def test_weight_shared_with_the_rest_of_the_model_is_refused(make, part, names) -> None:
+    mesh = get_mesh("dp2_gtp4")
+    model = make()
+    sub = part(model) if callable(part) else getattr(model, part)
+    before = snapshot(model)
+    _one_line_error(lambda: gtp_jax.shard(sub, mesh, CFG0), *names,
+                    "shard the module that holds every use of it")
+    assert_unchanged(model, before)
+    # Sharding the whole model keeps the shared weight one weight: exact.
+    ref = make()
+    sm = gtp_jax.shard(_copy(ref), mesh, CFG0)
+    x = (jax.random.randint(jax.random.key(0), (8, 5), 0, 32) if make is TiedLM
+         else jax.random.normal(jax.random.key(0), (8, 16)))
+
+    def loss(m, x):
+        return jnp.mean(m(x) ** 2)
+
+    np.testing.assert_allclose(float(nnx.jit(loss)(sm, _place(mesh, x))), float(loss(ref, x)),
+                               rtol=1e-5)
+    g = nnx.jit(nnx.grad(loss))(sm, _place(mesh, x))
+    _assert_grads_equal(sm, g, nnx.grad(loss)(ref, x), rtol=1e-4)
+
+
+def test_model_assembled_from_a_sharded_part_and_its_originals_is_refused_by_the_step() -> None:
+    import optax
+
+    from gtp_jax.train import TrainStep
+
+    class Assembled(nnx.Module):
+        def __init__(self, embed, head):
+            self.embed, self.head = embed, head
+
+        def __call__(self, tokens):
+            return self.head(self.embed(tokens))
+
+    mesh = get_mesh("dp2_gtp4")
+    embed = nnx.Embed(32, 16, rngs=nnx.Rngs(0))
+    head = gtp_jax.shard(TiedHead(embed), mesh, CFG0)  # nothing holds embed twice yet
+    model = Assembled(embed, head)
+    optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+    _one_line_error(lambda: TrainStep(model, optimizer, lambda m, t: jnp.mean(m(t) ** 2)),
+                    "TrainStep", "'embed'", "'head'")
+
+
+# --------------------------------------------------------------------------- check_sharded
+
+
+class Centered(nnx.Module):
+    """An MLP that subtracts the batch mean of its hidden layer: a cross-example operation,
+    which each data shard computes over its own examples."""
+
+    def __init__(self, center=True):
+        self.up = nnx.Linear(16, 64, rngs=nnx.Rngs(0))
+        self.down = nnx.Linear(64, 16, rngs=nnx.Rngs(1))
+        self.center = center
+
+    def __call__(self, x):
+        h = jax.nn.gelu(self.up(x))
+        if self.center:
+            h = h - h.mean(0)
+        return self.down(h)
+
+
+def test_check_sharded_passes_an_exact_module_and_changes_nothing(key) -> None:
+    from test_written_state import Tracker
+
+    mesh = get_mesh("dp2_gtp4")
+    sm = gtp_jax.shard(Tracker(), mesh, CFG0)
+    before = snapshot(sm)
+    report = gtp_jax.check_sharded(sm, 3.0 + jax.random.normal(key, (16, 4)))
+    assert isinstance(report, gtp_jax.ShardCheck) and report.ok and report.first is None
+    kinds = {leaf.kind for leaf in report.leaves}
+    assert kinds == {"output", "state", "gradient"}
+    assert {leaf.path for leaf in report.leaves if leaf.kind == "gradient"} == {
+        "lin/kernel", "lin/bias"}
+    # float32 on CPU: 64 x float32's eps; integer state must be equal
+    f32 = [leaf.tolerance for leaf in report.leaves if leaf.dtype == "float32"]
+    assert f32 and all(t == pytest.approx(64 * 2.0 ** -23) for t in f32)
+    assert all(leaf.tolerance == 0 and leaf.error == 0 for leaf in report.leaves
+               if leaf.dtype == "int32")
+    assert_unchanged(sm, before)
+
+
+@pytest.mark.parametrize("config, tolerance", [
+    (gtp_jax.GTPConfig(min_elements=0), 64 * 2.0 ** -23),
+    (gtp_jax.GTPConfig(min_elements=0, gather_dtype=jnp.bfloat16), 8 * 2.0 ** -7),
+])
+def test_check_sharded_names_an_operation_across_examples(config, tolerance, key) -> None:
+    mesh = get_mesh("dp2_gtp4")
+    x = jax.random.normal(key, (16, 16))
+    good = gtp_jax.check_sharded(gtp_jax.shard(Centered(center=False), mesh, config), x)
+    assert good.ok and max(leaf.tolerance for leaf in good.leaves) == pytest.approx(tolerance)
+    sm = gtp_jax.shard(Centered(), mesh, config)
+    msg = _one_line_error(lambda: gtp_jax.check_sharded(sm, x), "output 'output'",
+                          "across examples", "h - h.mean(0)")
+    assert "nnx.Rngs" not in msg
+    report = gtp_jax.check_sharded(sm, x, raise_on_mismatch=False)
+    assert not report.ok and report.first.kind == "output"
+    assert report.first.error > 10 * report.first.tolerance
+    # with the caller's loss, on their own labels
+    y = jnp.sin(x)
+    with pytest.raises(UsageError, match="output 'output'"):
+        gtp_jax.check_sharded(sm, x, loss_fn=lambda out: jnp.mean((out - y) ** 2))
+
+
+def test_check_sharded_names_state_whose_rule_does_not_hold(key) -> None:
+    class WrongRule(nnx.Module):
+        def __init__(self):
+            self.lin = nnx.Linear(16, 16, rngs=nnx.Rngs(0))
+            self.last_mean = gtp_jax.SameOnEveryShard(jnp.zeros((16,)))
+
+        def __call__(self, x):
+            y = self.lin(x)
+            self.last_mean[...] = y.mean(0)  # not the same on every shard
+            return y
+
+    mesh = get_mesh("dp2_gtp4")
+    sm = gtp_jax.shard(WrongRule(), mesh, CFG0)
+    _one_line_error(lambda: gtp_jax.check_sharded(sm, jax.random.normal(key, (16, 16))),
+                    "state 'last_mean'", "SameOnEveryShard")
+
+
+def test_check_sharded_says_held_randomness_differs_by_design(key) -> None:
+    class Drop(nnx.Module):
+        def __init__(self):
+            self.lin = nnx.Linear(16, 16, rngs=nnx.Rngs(0))
+            self.drop = nnx.Dropout(0.5, rngs=nnx.Rngs(1))
+
+        def __call__(self, x):
+            return self.drop(self.lin(x))
+
+    mesh = get_mesh("dp2_gtp4")
+    sm = gtp_jax.shard(Drop(), mesh, CFG0)
+    x = jax.random.normal(key, (16, 16))
+    _one_line_error(lambda: gtp_jax.check_sharded(sm, x), "nnx.Rngs", "model.eval()")
+    sm.eval()
+    assert gtp_jax.check_sharded(sm, x).ok
+
+
+def test_check_sharded_refuses_what_it_cannot_check() -> None:
+    with pytest.raises(gtp_jax.UsageTypeError, match="ShardedModule"):
+        gtp_jax.check_sharded(Centered(), jnp.ones((8, 16)))
+    sm = gtp_jax.shard(Centered(), get_mesh("gtp8"), CFG0)
+    with pytest.raises(gtp_jax.UsageTypeError, match="loss_fn"):
+        gtp_jax.check_sharded(sm, jnp.ones((8, 16)), loss_fn=3)
+    with pytest.raises(UsageError, match="scalar"):
+        gtp_jax.check_sharded(sm, jnp.ones((8, 16)), loss_fn=lambda out: out)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -104,3 +105,150 @@ def test_moe_aux_weight_is_applied() -> None:
     loss = float(step(batch)["loss"])
     assert loss == pytest.approx(plain + weight * aux, rel=1e-5)
     assert loss - plain == pytest.approx(weight * aux, rel=1e-3)
+
+
+# --------------------------------------------------------------------------- beyond the loss
+
+
+class MLP(nnx.Module):
+    def __init__(self):
+        self.up = nnx.Linear(16, 64, rngs=nnx.Rngs(0))
+        self.down = nnx.Linear(64, 4, rngs=nnx.Rngs(1))
+
+    def __call__(self, x):
+        return self.down(jax.nn.gelu(self.up(x)))
+
+
+@functools.cache
+def _adamw():
+    """One optimizer object: steps of equal models with it share their programs."""
+    import optax
+
+    return optax.inject_hyperparams(optax.adamw)(learning_rate=1e-2)
+
+
+def _mlp(tx=None):
+    mesh = gtp_jax.make_mesh(dp=2, gtp=4)
+    model = gtp_jax.shard(MLP(), mesh, gtp_jax.GTPConfig(min_elements=0))
+    return model, nnx.Optimizer(model, _adamw() if tx is None else tx, wrt=nnx.Param), mesh
+
+
+def _xy(mesh, seed=0, rows=16):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(rows, 16)).astype(np.float32)
+    y = rng.integers(0, 4, rows).astype(np.int32)
+    return (jax.device_put(x, gtp_jax.data_sharding(mesh, 2)),
+            jax.device_put(y, gtp_jax.data_sharding(mesh, 1)))
+
+
+def _ce(model, batch):
+    import optax
+
+    x, y = batch
+    return optax.softmax_cross_entropy_with_integer_labels(model(x), y).mean()
+
+
+def _ce_aux(model, batch):
+    import optax
+
+    x, y = batch
+    logits = model(x)
+    per_example = optax.softmax_cross_entropy_with_integer_labels(logits, y)
+    correct = (jnp.argmax(logits, -1) == y).astype(jnp.float32)
+    return per_example.mean(), {"accuracy": correct.mean(),
+                                "per_class": jnp.bincount(y, correct, length=4)}
+
+
+@pytest.mark.parametrize("grad_accum", [1, 2])
+def test_aux_metrics_are_returned_beside_the_step_metrics(grad_accum) -> None:
+    model, optimizer, mesh = _mlp()
+    plain_model, plain_optimizer, _ = _mlp()
+    step = TrainStep(model, optimizer, _ce_aux, has_aux=True, grad_accum=grad_accum)
+    plain = TrainStep(plain_model, plain_optimizer, _ce, grad_accum=grad_accum)
+    assert step._program is not plain._program
+    for seed in range(2):
+        batch = _xy(mesh, seed)
+        metrics, ref = step(batch), plain(batch)
+        assert set(metrics) == {"loss", "grad_norm", "lr", "accuracy", "per_class"}
+        assert set(ref) == {"loss", "grad_norm", "lr"}
+        for name in ref:  # the same step: the metrics cost no other numbers
+            assert_close(float(metrics[name]), float(ref[name]), 1e-6, name)
+        assert metrics["per_class"].shape == (4,)
+        assert 0.0 <= float(metrics["accuracy"]) <= 1.0
+    assert step.traces == 1
+    # The aux values are those of the model before the update (mean over microbatches).
+    step.sync()
+    x, y = (np.asarray(a) for a in _xy(mesh, 5))
+    before = gtp_jax.unshard(model)
+    # microbatch i: rows i, i + grad_accum, ... (computed before the step donates the state)
+    parts = [jax.device_get(_ce_aux(before, (x[i::grad_accum], y[i::grad_accum]))[1])
+             for i in range(grad_accum)]
+    got = step(_xy(mesh, 5))
+    for name in ("accuracy", "per_class"):
+        assert_close(np.asarray(got[name]), np.mean([p[name] for p in parts], axis=0), 1e-6,
+                     name)
+    # An equal step with has_aux reuses the program.
+    again = TrainStep(*_mlp()[:2], _ce_aux, has_aux=True, grad_accum=grad_accum)
+    assert again._program is step._program
+
+
+@pytest.mark.parametrize("name, make_tx, lr", [
+    ("inject_hyperparams", lambda o: o.inject_hyperparams(o.adamw)(learning_rate=0.02), 0.02),
+    ("chain", lambda o: o.chain(o.clip_by_global_norm(1.0),
+                                o.inject_hyperparams(o.sgd)(learning_rate=0.03)), 0.03),
+    ("multi_transform", lambda o: o.multi_transform(
+        {"a": o.inject_hyperparams(o.adamw)(learning_rate=0.04)},
+        lambda p: jax.tree.map(lambda _: "a", p)), 0.04),
+    ("MultiSteps", lambda o: o.MultiSteps(o.inject_hyperparams(o.sgd)(learning_rate=0.05),
+                                          1), 0.05),
+    ("plain", lambda o: o.adamw(1e-3), None),
+])
+def test_lr_is_returned_wherever_the_optimizer_state_holds_it(name, make_tx, lr) -> None:
+    import optax
+
+    model, optimizer, mesh = _mlp(make_tx(optax))
+    metrics = TrainStep(model, optimizer, _ce)(_xy(mesh))
+    if lr is None:  # a fixed rate given to a plain optimizer is not in its state
+        assert set(metrics) == {"loss", "grad_norm"}
+    else:
+        assert set(metrics) == {"loss", "grad_norm", "lr"}, name
+        assert float(metrics["lr"]) == pytest.approx(lr) and metrics["lr"].dtype == np.float32
+
+
+def test_evaluate_is_the_loss_of_the_current_state_without_an_update() -> None:
+    model, optimizer, mesh = _mlp()
+    step = TrainStep(model, optimizer, _ce_aux, has_aux=True)
+    batch = _xy(mesh, 3)
+    loss, aux = step.evaluate(batch)  # the step's own loss function and its has_aux
+    assert set(aux) == {"accuracy", "per_class"} and loss.dtype == np.float32
+    assert_close(float(step.evaluate(batch)[0]), float(loss), 0.0, "repeat")  # no update
+    assert_close(float(step(batch)["loss"]), float(loss), 1e-6, "step loss")
+    after = step.evaluate(batch, _ce)  # another loss function: a scalar
+    assert after.shape == () and float(after) < float(loss)
+    assert_close(float(step.evaluate(batch, _ce_aux, has_aux=True)[0]), float(after), 1e-6,
+                 "has_aux")
+    assert len(step._program.evals) == 2  # one program per (loss function, has_aux)
+
+
+@pytest.mark.parametrize("loss_fn, has_aux, match", [
+    (lambda m, b: (m(b[0]) ** 2).mean(axis=1), False, r"shape \(16,\), not a scalar"),
+    (lambda m, b: jnp.sum(b[1]), False, "dtype int32"),
+    (lambda m, b: (_ce(m, b), {"acc": 1.0}), False, "has_aux=True"),
+    (lambda m, b: _ce(m, b), True, "return \\(loss, aux\\)"),
+    (lambda m, b: (_ce(m, b), [1.0]), True, "dict of metrics"),
+    (lambda m, b: (_ce(m, b), {"lr": jnp.ones(())}), True, "'lr' is one of the step's own"),
+    (lambda m, b: ((m(b[0]) ** 2).mean(axis=1), {}), True, "not a scalar"),
+])
+def test_a_loss_that_is_not_a_scalar_is_one_line(loss_fn, has_aux, match) -> None:
+    model, optimizer, mesh = _mlp()
+    before = flat_values(gtp_jax.unshard(model))
+    step = TrainStep(model, optimizer, loss_fn, has_aux=has_aux)
+    batch = _xy(mesh)
+    for call in (lambda: step(batch), lambda: step.evaluate(batch)):
+        with pytest.raises(gtp_jax.UsageError, match=match) as err:
+            call()
+        assert "\n" not in str(err.value) and "TrainStep" in str(err.value)
+    step.sync()  # nothing was donated: the objects hold their values
+    after = flat_values(gtp_jax.unshard(model))
+    for path, value in before.items():
+        np.testing.assert_array_equal(np.asarray(after[path]), np.asarray(value))

@@ -134,3 +134,37 @@ def test_per_example_state_must_be_written_per_example() -> None:
     with pytest.raises(UsageError, match="'last'.*per-example.*shape \\(8,\\)"):
         sm(jax.device_put(jnp.ones((BATCH, 4)), gtp_jax.data_sharding(mesh, 2)))
     assert_unchanged(sm, before)
+
+
+class Passed(nnx.Module):
+    """A layer with a variable of no combining rule, run through nnx.remat, which hands the
+    variable back as a new traced value; with `write`, the layer really writes it."""
+
+    def __init__(self, write=False):
+        self.lin = nnx.Linear(4, 8, rngs=nnx.Rngs(0))
+        self.seen = Stat(jnp.zeros(()))
+        self.write = write
+
+    def __call__(self, x):
+        def layer(m, x):
+            if m.write:
+                m.seen[...] += x.shape[0]
+            return m.lin(x)
+
+        return nnx.remat(layer)(self, x)
+
+
+def test_state_a_lifted_transform_only_passes_on_is_not_written() -> None:
+    mesh = get_mesh("dp2_gtp4")
+    x = jnp.ones((BATCH, 4))
+    ref = Passed()
+    sm = gtp_jax.shard(_copy(ref), mesh, gtp_jax.GTPConfig(min_elements=0))
+    out = nnx.jit(lambda m, x: m(x))(sm, jax.device_put(x, gtp_jax.data_sharding(mesh, 2)))
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref(x)), rtol=1e-6, atol=1e-6)
+    assert float(sm.module.seen[...]) == 0.0
+    writes = gtp_jax.shard(Passed(write=True), mesh, gtp_jax.GTPConfig(min_elements=0))
+    before = snapshot(writes)
+    with pytest.raises(UsageError, match="'seen'.*BatchSum") as err:
+        writes(jax.device_put(x, gtp_jax.data_sharding(mesh, 2)))
+    assert "\n" not in str(err.value)
+    assert_unchanged(writes, before)

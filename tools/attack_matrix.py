@@ -929,6 +929,267 @@ class _Scalar(nnx.Module):
         return jnp.mean(self.lin(x))
 
 
+# ---- exact or refused: what a sharded module does in __call__, and TrainStep's metrics
+# Each case of this block was a silent wrong answer or a raw JAX error before: a parameter
+# written in __call__, randomness handed to the call, a weight shared with the rest of the
+# model, an operation across examples (found by gtp_jax.check_sharded), and TrainStep's aux
+# metrics, "lr", evaluation and non-scalar losses.
+_EX_CFG = gtp_jax.GTPConfig(min_elements=0)
+
+
+def _ex_mesh():
+    return gtp_jax.make_mesh(dp=2, gtp=4)
+
+
+def _ex_x(mesh, rows=16, seed=0):
+    x = jax.random.normal(jax.random.key(seed), (rows, 4))
+    return jax.device_put(x, gtp_jax.data_sharding(mesh, 2))
+
+
+class _ExCounter(nnx.Module):
+    def __init__(self, where="plain"):
+        self.lin = nnx.Linear(4, 8, rngs=nnx.Rngs(0))
+        self.calls = nnx.Param(jnp.zeros(()))
+        self.where = where
+
+    def __call__(self, x):
+        if self.where == "jit":
+            def count(m):
+                m.calls[...] += 1
+
+            nnx.jit(count)(self)
+        elif self.where == "kernel":
+            self.lin.kernel[...] = self.lin.kernel[...] * 0.5
+        else:
+            self.calls[...] += 1
+        return self.lin(x)
+
+
+def _ex_param_write(where: str) -> tuple[str, str]:
+    mesh = _ex_mesh()
+    ref = _ExCounter(where)
+    sm = gtp_jax.shard(_ExCounter(where), mesh, _EX_CFG)
+    x = _ex_x(mesh)
+    try:
+        for _ in range(2):
+            nnx.jit(lambda m, x: m(x))(sm, x)
+    except gtp_jax.UsageError as e:
+        msg = " ".join(str(e).split())
+        return (OK, msg[:120]) if "__call__" in msg else (CONFUSING, msg[:120])
+    for _ in range(2):
+        ref(np.asarray(x))
+    got, want = float(sm.module.calls[...]), float(ref.calls[...])
+    if got != want:
+        return WRONG, f"accepted: calls {got} vs unsharded {want}"
+    kernel = np.asarray(gtp_jax.unshard(sm).lin.kernel[...])
+    if not np.allclose(kernel, np.asarray(ref.lin.kernel[...])):
+        return WRONG, "accepted: the kernel written in __call__ kept its old value"
+    return OK, "same as unsharded"
+
+
+add("exact", "nnx.Param counter written in __call__", lambda: _ex_param_write("plain"))
+add("exact", "nnx.Param written inside nnx.jit in __call__", lambda: _ex_param_write("jit"))
+add("exact", "kernel scaled in __call__ (weight decay in the forward)",
+    lambda: _ex_param_write("kernel"))
+
+
+class _ExDrop(nnx.Module):
+    def __init__(self, held=False):
+        self.lin = nnx.Linear(4, 64, rngs=nnx.Rngs(0))
+        self.drop = nnx.Dropout(0.5, rngs=nnx.Rngs(1) if held else None)
+
+    def __call__(self, x, rngs=None, key=None):
+        h = jnp.ones_like(self.lin(x))
+        if key is not None:
+            return h * jax.random.bernoulli(key, 0.5, h.shape)
+        return self.drop(h, rngs=rngs)
+
+
+def _ex_randomness(make_kwargs) -> tuple[str, str]:
+    mesh = _ex_mesh()
+    sm = gtp_jax.shard(_ExDrop(), mesh, _EX_CFG)
+    try:
+        out = np.asarray(sm(_ex_x(mesh), **make_kwargs()))
+    except gtp_jax.UsageError as e:
+        msg = " ".join(str(e).split())
+        return (OK, msg[:120]) if "random bits" in msg else (CONFUSING, msg[:120])
+    masks = {tuple(row.tolist()) for row in (out[::2] != 0)}  # one row per data shard
+    return WRONG, f"accepted: {len(masks)} distinct masks over 8 data shards"
+
+
+add("exact", "nnx.Rngs handed to __call__ (dropout)", lambda: _ex_randomness(
+    lambda: {"rngs": nnx.Rngs(dropout=1)}))
+add("exact", "nnx.RngStream handed to __call__", lambda: _ex_randomness(
+    lambda: {"rngs": nnx.Rngs(dropout=1).dropout}))
+add("exact", "scalar jax.random.key handed to __call__", lambda: _ex_randomness(
+    lambda: {"key": jax.random.key(1)}))
+add("exact", "replicated keys handed to __call__", lambda: _ex_randomness(
+    lambda: {"key": gtp_jax.replicated(jax.random.split(jax.random.key(1), 16))}))
+
+
+def _ex_held_rngs() -> tuple[str, str]:
+    mesh = _ex_mesh()
+    out = np.asarray(gtp_jax.shard(_ExDrop(held=True), mesh, _EX_CFG)(_ex_x(mesh)))
+    masks = {tuple(row.tolist()) for row in (out[::2] != 0)}
+    return (OK, "a mask per data shard") if len(masks) == 8 else (
+        WRONG, f"{len(masks)} distinct masks over 8 data shards")
+
+
+add("exact", "nnx.Rngs held by the module (dropout)", _ex_held_rngs)
+
+
+class _ExHead(nnx.Module):
+    def __init__(self, embed):
+        self.embed = embed
+        self.proj = nnx.Linear(8, 8, rngs=nnx.Rngs(1))
+
+    def __call__(self, h):
+        return self.proj(h) @ self.embed.embedding[...].T
+
+
+class _ExTied(nnx.Module):
+    def __init__(self, embed=None, head=None):
+        self.embed = nnx.Embed(16, 8, rngs=nnx.Rngs(0)) if embed is None else embed
+        self.head = _ExHead(self.embed) if head is None else head
+
+    def __call__(self, tokens):
+        return self.head(self.embed(tokens))
+
+
+def _ex_tied_losses(model, mesh, sharded_input: bool) -> list[float]:
+    import optax  # noqa: PLC0415
+
+    from gtp_jax.train import TrainStep  # noqa: PLC0415
+
+    tokens = jax.random.randint(jax.random.key(0), (16, 5), 0, 16)
+    if sharded_input:
+        tokens = jax.device_put(tokens, gtp_jax.data_sharding(mesh, 2))
+    step = TrainStep(model, nnx.Optimizer(model, optax.sgd(0.5), wrt=nnx.Param),
+                     lambda m, t: jnp.mean(m(t) ** 2))
+    return [float(step(tokens)["loss"]) for _ in range(3)]
+
+
+def _ex_tie(how: str) -> tuple[str, str]:
+    mesh = _ex_mesh()
+    want = _ex_tied_losses(_ExTied(), mesh, False)
+    try:
+        if how == "part":
+            model = _ExTied()
+            model.head = gtp_jax.shard(model.head, mesh, _EX_CFG)
+        elif how == "assembled":
+            embed = nnx.Embed(16, 8, rngs=nnx.Rngs(0))
+            model = _ExTied(embed, gtp_jax.shard(_ExHead(embed), mesh, _EX_CFG))
+        else:
+            model = gtp_jax.shard(_ExTied(), mesh, _EX_CFG)
+        got = _ex_tied_losses(model, mesh, how == "whole")
+    except gtp_jax.UsageError as e:
+        msg = " ".join(str(e).split())
+        if how == "whole":
+            return CONFUSING, f"refused: {msg[:110]}"
+        return (OK, msg[:120]) if "shard the module" in msg else (CONFUSING, msg[:120])
+    worst = max(abs(a - b) / abs(b) for a, b in zip(got, want))
+    return (OK, f"losses within {worst:.1e}") if worst < 1e-5 else (
+        WRONG, f"accepted: losses {got} vs unsharded {want}")
+
+
+add("exact", "tied embedding: shard the head only", lambda: _ex_tie("part"))
+add("exact", "tied embedding: model assembled after shard", lambda: _ex_tie("assembled"))
+add("exact", "tied embedding: shard the whole model (exact)", lambda: _ex_tie("whole"))
+
+
+class _ExCentered(nnx.Module):
+    def __init__(self, center):
+        self.up = nnx.Linear(4, 32, rngs=nnx.Rngs(0))
+        self.down = nnx.Linear(32, 4, rngs=nnx.Rngs(1))
+        self.center = center
+
+    def __call__(self, x):
+        h = jax.nn.gelu(self.up(x))
+        return self.down(h - h.mean(0) if self.center else h)
+
+
+def _ex_check(center: bool, gather_dtype=None) -> tuple[str, str]:
+    mesh = _ex_mesh()
+    cfg = gtp_jax.GTPConfig(min_elements=0, gather_dtype=gather_dtype)
+    sm = gtp_jax.shard(_ExCentered(center), mesh, cfg)
+    check = getattr(gtp_jax, "check_sharded", None)
+    if check is None:
+        return (WRONG, "no check: the cross-example op runs per data shard silently") if center \
+            else (CONFUSING, "no check to run")
+    try:
+        report = check(sm, _ex_x(mesh))
+    except gtp_jax.UsageError as e:
+        msg = " ".join(str(e).split())
+        if not center:
+            return WRONG, f"false alarm: {msg[:110]}"
+        return (OK, msg[:120]) if "across examples" in msg else (CONFUSING, msg[:120])
+    return (WRONG, "passed a cross-example op") if center else (OK, str(report)[:120])
+
+
+add("exact", "h - h.mean(0) found by check_sharded", lambda: _ex_check(True))
+add("exact", "h - h.mean(0) found by check_sharded (bf16 gathers)",
+    lambda: _ex_check(True, jnp.bfloat16))
+add("exact", "exact module passes check_sharded (bf16 gathers)",
+    lambda: _ex_check(False, jnp.bfloat16))
+
+
+def _ex_step(has_aux: bool, loss_fn, tx=None):
+    import optax  # noqa: PLC0415
+
+    from gtp_jax.train import TrainStep  # noqa: PLC0415
+
+    mesh = _ex_mesh()
+    model = gtp_jax.shard(_ExCentered(False), mesh, _EX_CFG)
+    tx = optax.inject_hyperparams(optax.adamw)(learning_rate=0.01) if tx is None else tx
+    kwargs = {"has_aux": True} if has_aux else {}
+    step = TrainStep(model, nnx.Optimizer(model, tx, wrt=nnx.Param), loss_fn, **kwargs)
+    return step, _ex_x(mesh)
+
+
+def _ex_aux() -> tuple[str, str]:
+    try:
+        step, x = _ex_step(True, lambda m, x: (jnp.mean(m(x) ** 2), {"peak": jnp.max(m(x))}))
+        metrics = step(x)
+    except TypeError as e:
+        return CONFUSING, f"{type(e).__name__}: {' '.join(str(e).split())[:110]}"
+    want = {"loss", "grad_norm", "lr", "peak"}
+    return (OK, str(sorted(metrics))) if set(metrics) == want else (
+        CONFUSING, f"metrics {sorted(metrics)}")
+
+
+def _ex_lr(tx_name: str) -> tuple[str, str]:
+    import optax  # noqa: PLC0415
+
+    tx = optax.multi_transform({"a": optax.inject_hyperparams(optax.adamw)(learning_rate=0.01)},
+                               lambda p: jax.tree.map(lambda _: "a", p))
+    step, x = _ex_step(False, lambda m, x: jnp.mean(m(x) ** 2), tx)
+    metrics = step(x)
+    return (OK, f"lr {float(metrics['lr']):g}") if "lr" in metrics else (
+        CONFUSING, f"no 'lr' for {tx_name} with an injected learning rate")
+
+
+def _ex_evaluate() -> tuple[str, str]:
+    step, x = _ex_step(False, lambda m, x: jnp.mean(m(x) ** 2))
+    try:
+        loss = step.evaluate(x)
+    except TypeError as e:
+        return CONFUSING, f"{type(e).__name__}: {' '.join(str(e).split())[:110]}"
+    return (OK, f"held-out loss {float(loss):.4g}") if np.ndim(loss) == 0 else (
+        CONFUSING, f"evaluate returned {loss!r}")
+
+
+def _ex_not_scalar() -> tuple[str, str]:
+    step, x = _ex_step(False, lambda m, x: jnp.mean(m(x) ** 2, axis=1))
+    return _lib(lambda: step(x), "not a scalar")
+
+
+add("exact", "TrainStep has_aux metrics", _ex_aux)
+add("exact", "TrainStep 'lr' with multi_transform(inject_hyperparams)", lambda: _ex_lr(
+    "multi_transform"))
+add("exact", "TrainStep.evaluate with the step's own loss", _ex_evaluate)
+add("exact", "TrainStep with a per-example (non-scalar) loss", _ex_not_scalar)
+
+
 # --------------------------------------------------------------------------- main
 
 

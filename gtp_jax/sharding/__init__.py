@@ -20,6 +20,7 @@ from gtp_jax.sharding.module import (
     unshard_values,
 )
 from gtp_jax.sharding.scan import scan_layers
+from gtp_jax.sharding.verify import LeafCheck, ShardCheck, check_sharded
 
 __all__ = [
     "Replicated",
@@ -27,9 +28,12 @@ __all__ = [
     "apply_fp8_history",
     "GatherSpec",
     "InputLayout",
+    "LeafCheck",
     "OutputLayout",
+    "ShardCheck",
     "ShardedModule",
     "bytes_per_device",
+    "check_sharded",
     "gather_weight",
     "reduce_scatter_grad",
     "replicated",

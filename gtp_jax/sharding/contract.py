@@ -9,6 +9,11 @@ outputs and written state must look like, and how they leave.
 - `side_rules` / `reduce_side_state`: state written in ``__call__`` is combined over the data
   shards by the rule its type implies (`gtp_jax.base.state`) or its ``gtp_reduce`` metadata
   (`gtp_jax.base.metadata.REDUCE`), never taken from one shard and never guessed.
+- `check_call_arguments`: arguments a sharded call refuses because every data shard would
+  see them differently from the unsharded module (randomness, modules and variables).
+- `replaced_read_only` / `same_values` / `refuse_write`: parameters (and RNG keys) written
+  in ``__call__`` are refused, never dropped; values NNX's lifted transforms only pass on
+  are not writes (for state without a combining rule either: `refuse_unruled`).
 - `has_user_remat`: whether the module's own code has remat regions (then weights are
   gathered where they are read, so the module's policy applies to them).
 """
@@ -23,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.extend import core as jcore
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
@@ -35,6 +41,13 @@ from gtp_jax.sharding.plan import path_str
 #: Variables written back after a call: everything but parameters and RNG keys (keys are
 #: folded per shard inside the call and must not be written back folded).
 SIDE_STATE = nnx.Not(nnx.Any(nnx.Param, nnx.RngKey))
+
+#: Variables a sharded call must not write (`refuse_write`): the complement of `SIDE_STATE`.
+READ_ONLY = nnx.Any(nnx.Param, nnx.RngKey)
+
+#: Graph nodes and variables of NNX's random number generation (``RngState``: keys and
+#: counts).
+_RNG_TYPES = (nnx.Rngs, nnx.RngStream, nnx.RngState)
 
 
 def key_name(key: Any) -> Any:
@@ -155,6 +168,187 @@ def arg_name(keys: tuple) -> str:
     return ("args" if getattr(head, "idx", 0) == 0 else "kwargs") + jax.tree_util.keystr(rest)
 
 
+def is_key_array(x: Any) -> bool:
+    """Whether `x` is a typed PRNG key array (``jax.random.key``, not a raw ``uint32`` key)."""
+    dtype = getattr(x, "dtype", None)
+    return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+
+
+def _is_node(x: Any) -> bool:
+    return isinstance(x, (nnx.Variable, Replicated)) or nnx.graph.is_graph_node(x)
+
+
+_RNG_FIX = ("hold the nnx.Rngs in the module instead (e.g. nnx.Dropout(rate, rngs=rngs), "
+            "whose keys are folded per data shard), or pass one key per example, "
+            "jax.random.split(key, batch), as a batch argument")
+
+
+def check_call_arguments(args: tuple, kwargs: dict) -> None:
+    """Refuses an argument whose use inside the sharded call would silently differ from the
+    unsharded module's (raised before anything is traced or changed).
+
+    - randomness handed to the call: an ``nnx.Rngs``, an ``nnx.RngStream``, RNG state, or a
+      typed PRNG key array that every shard receives whole (a scalar key, or one wrapped in
+      `replicated`): every data shard would draw the same random bits from it (the same
+      dropout mask on every shard), and a draw shaped by the shard's batch differs from the
+      unsharded module's. A key array with one key per example is a batch like any other.
+    - a module or variable: its arrays would be split over the batch like arguments and what
+      the call writes to it would be lost; a shared weight belongs in the sharded module.
+
+    A raw ``uint32`` key (``jax.random.PRNGKey``) is an ordinary array and cannot be told
+    apart; see `gtp_jax.ShardedModule`.
+    """
+    with_path = jax.tree_util.tree_flatten_with_path((args, kwargs), is_leaf=_is_node)[0]
+    for keys, x in with_path:
+        name = arg_name(keys)
+        inner = x.value if isinstance(x, Replicated) else x
+        if isinstance(inner, _RNG_TYPES):
+            raise UsageError(
+                f"{name}: an nnx.{type(inner).__name__} passed to a sharded module: every data "
+                "shard would draw the same random bits from it (the same dropout mask on "
+                f"each shard), unlike the unsharded module; {_RNG_FIX}.")
+        if isinstance(inner, nnx.Variable) or nnx.graph.is_graph_node(inner):
+            raise UsageError(
+                f"{name}: a {type(inner).__name__} (an NNX module or variable) passed to a "
+                "sharded module: its arrays would be split over the batch like arguments, "
+                "and what the call writes to it would be lost; make it part of the sharded "
+                "module (shard the module that holds every use of it), or pass its value as "
+                "gtp_jax.replicated(x).")
+        if is_key_array(inner) and (isinstance(x, Replicated) or jnp.ndim(inner) == 0):
+            how = "gtp_jax.replicated" if isinstance(x, Replicated) else "a scalar"
+            raise UsageError(
+                f"{name}: a PRNG key passed to a sharded module as {how} reaches every data "
+                "shard whole, so every shard would draw the same random bits (the same "
+                f"dropout mask on each shard), unlike the unsharded module; {_RNG_FIX}.")
+
+
+def _same_leaves(value: Any, old: Any) -> bool:
+    """Whether `value` holds the very arrays of `old` (a pytree value, e.g. a layer stack's
+    `GTPShard`, is rebuilt by an ``nnx.split`` / ``nnx.merge`` in the module's own code)."""
+    if value is old:
+        return True
+    new_leaves, new_tree = jax.tree.flatten(value)
+    old_leaves, old_tree = jax.tree.flatten(old)
+    return new_tree == old_tree and all(a is b for a, b in zip(new_leaves, old_leaves))
+
+
+def replaced_read_only(module: nnx.Module, before: dict[str, Any]) -> list[str]:
+    """Paths of the parameters and RNG keys whose value the call replaced (inside the body).
+
+    A replaced value is not necessarily a write: NNX's lifted transforms (``nnx.remat``,
+    ``nnx.scan``, ``nnx.jit``...) hand every variable back as a new traced value, equal to
+    the old one. `same_values` tells them apart.
+    """
+    out = []
+    for keys, var in nnx.to_flat_state(nnx.state(module, READ_ONLY)):
+        path = path_str(key_name(k) for k in keys)
+        if path in before and not _same_leaves(var.get_value(), before[path]):
+            out.append(path)
+    return out
+
+
+def refuse_write(path: str, var: nnx.Variable) -> None:
+    """Raises the `UsageError` for a parameter or RNG key written in ``__call__``.
+
+    A sharded module's parameters are stored 1/N and gathered on use: a value written in
+    ``__call__`` has one version per data shard and would never reach the stored shards
+    (before, the write was dropped: a counter kept as an ``nnx.Param`` read 0). RNG keys are
+    folded per shard for the call and are not written back either.
+    """
+    kind = type(var).__name__
+    if isinstance(var, nnx.RngKey):
+        raise UsageError(
+            f"{path!r}: an {kind} was written in __call__; a sharded module folds its RNG keys "
+            "per data shard for the call and does not write them back. Reseed outside the "
+            "call (e.g. nnx.reseed on the sharded module).")
+    raise UsageError(
+        f"{path!r}: {'an' if kind[:1] in 'AEIOU' else 'a'} {kind} was written in __call__; a "
+        "sharded module's parameters are stored 1/N over the mesh and only read in the call "
+        "(a write would be lost). Keep state the call updates in a variable that says how "
+        f"the data shards combine ({rule_choices('nnx.Variable')}), and change parameters "
+        "outside the call (e.g. with the optimizer).")
+
+
+# --------------------------------------------------------------------------- value identity
+
+
+def _call_jaxpr(eqn: Any) -> Any:
+    """The jaxpr of a call-like equation (``jit``, ``remat``, ``shard_map``, custom
+    derivatives...), whose inputs and outputs are the equation's one to one; None for
+    others."""
+    subs = [v for v in eqn.params.values() if isinstance(v, (jcore.Jaxpr, jcore.ClosedJaxpr))]
+    if len(subs) != 1:
+        return None
+    sub = subs[0].jaxpr if isinstance(subs[0], jcore.ClosedJaxpr) else subs[0]
+    if len(sub.invars) != len(eqn.invars) or len(sub.outvars) != len(eqn.outvars):
+        return None
+    return sub
+
+
+class _Origins:
+    """Where each value of a jaxpr comes from, looking through the equations that only pass
+    a value on: an output of a call-like equation, ``scan``, ``while`` or ``cond`` that is
+    one of its inputs unchanged is that input."""
+
+    def __init__(self, jaxpr: Any):
+        self.invars = {v: i for i, v in enumerate(jaxpr.invars)}
+        self.producer = {v: (eqn, i) for eqn in jaxpr.eqns for i, v in enumerate(eqn.outvars)}
+
+    def of(self, var: Any) -> Any:
+        """A token equal for two values exactly when they are the same value."""
+        while True:
+            if isinstance(var, jcore.Literal):
+                return ("literal", id(var))
+            if var in self.invars:
+                return ("in", self.invars[var])
+            if var not in self.producer:
+                return ("var", id(var))
+            eqn, i = self.producer[var]
+            passed = _passed_input(eqn, i)
+            if not isinstance(passed, int):
+                return passed
+            var = eqn.invars[passed]
+
+
+def _passed_input(eqn: Any, i: int) -> Any:
+    """The index of the input that output `i` of `eqn` is, unchanged; else a token for the
+    output (`_Origins.of`)."""
+    name = eqn.primitive.name
+    own = ("out", id(eqn), i)
+    if name == "scan":
+        body = eqn.params["jaxpr"].jaxpr
+        consts, carry = eqn.params["num_consts"], eqn.params["num_carry"]
+        got = _Origins(body).of(body.outvars[i])
+        if i < carry:  # a carry that every iteration passes on is its initial value
+            return consts + i if got == ("in", consts + i) else own
+        # a stacked output that is a stacked input, row for row
+        ok = got[0] == "in" and got[1] >= consts + carry
+        return got[1] if ok else own
+    if name == "while":
+        body = eqn.params["body_jaxpr"].jaxpr
+        cond_n, body_n = eqn.params["cond_nconsts"], eqn.params["body_nconsts"]
+        got = _Origins(body).of(body.outvars[i])
+        return cond_n + body_n + i if got == ("in", body_n + i) else own
+    if name == "cond":
+        # every branch passes on the same operand (the first input is the branch index)
+        found = {_Origins(b.jaxpr).of(b.jaxpr.outvars[i]) for b in eqn.params["branches"]}
+        got = found.pop() if len(found) == 1 else None
+        return 1 + got[1] if got is not None and got[0] == "in" else own
+    sub = _call_jaxpr(eqn)
+    if sub is None:
+        return own
+    got = _Origins(sub).of(sub.outvars[i])
+    return got[1] if got[0] == "in" else ("call", id(eqn), got)
+
+
+def same_values(jaxpr: Any, pairs: list[tuple[int, int]]) -> list[bool]:
+    """For each ``(a, b)`` of output indices of `jaxpr`: whether both outputs are the same
+    value, passed on unchanged by every equation between them and where it was made
+    (`_Origins`)."""
+    origins = _Origins(jaxpr)
+    return [origins.of(jaxpr.outvars[a]) == origins.of(jaxpr.outvars[b]) for a, b in pairs]
+
+
 def check_outputs(out: Any, local_batch: int | None) -> None:
     """Outputs of the default layout are concatenated over the data shards: per-example only."""
     if local_batch is None:
@@ -207,17 +401,29 @@ def rule_choices(kind: str) -> str:
             f"or metadata, e.g. {kind}(value, {REDUCE}='sum') with one of {_REDUCE_RULES}")
 
 
+def refuse_unruled(path: str, var: nnx.Variable) -> None:
+    """Raises the `UsageError` for state without a combining rule written in ``__call__``."""
+    kind = type(var).__name__
+    dtypes = sorted({str(jnp.result_type(x)) for x in jax.tree.leaves(var.get_value())})
+    raise UsageError(
+        f"{path!r}: {kind} state of dtype {'/'.join(dtypes)} is written in __call__ and each "
+        "data shard computes its own value, which gtp_jax does not guess how to combine; "
+        f"{rule_choices(kind)}.")
+
+
 def reduce_side_state(module: nnx.Module, before: dict[str, Any], rules: dict[str, str | None],
                        local_batch: int | None, axes: tuple[str, ...],
-                       seq_split: bool = False, split_rows: frozenset[str] = frozenset()
-                       ) -> list:
+                       seq_split: bool = False, split_rows: frozenset[str] = frozenset(),
+                       unruled: list[str] | None = None) -> list:
     """``[(keys, variable, combined value)]`` of the state the call wrote (inside the body).
 
     Rules (one value for the whole mesh, never one shard's): existing variables follow
     `side_rules` (``mean``: mean over the data shards; ``sum``: the old value plus the sum
     of every shard's change; ``same``: identical on every shard, kept as is; ``concat``:
     per-example rows concatenated over the shards); written variables without a rule are
-    refused (raised while tracing, before any state changes). ``concat`` variables named in
+    refused (raised while tracing, before any state changes), or, with `unruled`, appended
+    to it and left out (their value may only have been passed on by an NNX lifted transform:
+    the caller decides, `same_values`). ``concat`` variables named in
     `split_rows` entered the call split on dim 0 like a batch (`per_example_specs`). New
     variables
     (``sow``) must be per-example (leading dim = local batch) and are concatenated over the
@@ -256,11 +462,10 @@ def reduce_side_state(module: nnx.Module, before: dict[str, Any], rules: dict[st
             continue
         rule = rules.get(path)
         if rule is None:
-            dtypes = sorted({str(jnp.result_type(x)) for x in jax.tree.leaves(value)})
-            raise UsageError(
-                f"{path!r}: {kind} state of dtype {'/'.join(dtypes)} is written in __call__ "
-                "and each data shard computes its own value, which gtp_jax does not guess how "
-                f"to combine; {rule_choices(kind)}.")
+            if unruled is None:
+                refuse_unruled(path, var)
+            unruled.append(path)  # refused by the caller unless it is only passed on
+            continue
         if rule == "mean":  # checked on one device too: the same code must run on many
             for x in jax.tree.leaves(value):
                 if not jnp.issubdtype(jnp.result_type(x), jnp.floating):

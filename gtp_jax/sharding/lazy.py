@@ -12,8 +12,20 @@ from typing import Any
 
 import jax
 
+from gtp_jax.base.errors import UsageError
 from gtp_jax.sharding.collectives import gather_weight
 from gtp_jax.sharding.gather_spec import GatherSpec
+
+
+def _refuse_item_write(shape: tuple[int, ...]) -> None:
+    """``variable[...] = x`` on a sharded weight inside ``__call__`` (the written value
+    would have one version per data shard and never reach the stored shards)."""
+    raise UsageError(
+        f"A parameter of shape {shape} of a sharded module was written in __call__; its "
+        "shards are stored 1/N over the mesh and only read in the call (a write would be "
+        "lost). Keep state the call updates in a variable that says how the data shards "
+        "combine (gtp_jax.BatchMean, BatchSum, SameOnEveryShard, PerExample), and change "
+        "parameters outside the call (e.g. with the optimizer).")
 
 
 @jax.tree_util.register_pytree_node_class
@@ -50,6 +62,9 @@ class GTPShard:
         """Logical shape (with the layer dim, if the shard still has it)."""
         lead = tuple(self.shard.shape[: self.shard.ndim - len(self.spec.shard_shape)])
         return lead + self.spec.logical_shape
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        _refuse_item_write(self.shape)
 
     def __jax_array__(self):
         raise TypeError(
@@ -116,6 +131,9 @@ class LazyWeight:
 
     def __getitem__(self, key: Any) -> jax.Array:
         return self.gather()[key]
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        _refuse_item_write(self.shape)
 
     def __jax_array__(self) -> jax.Array:
         return self.gather()

@@ -27,13 +27,18 @@ from gtp_jax.sharding.contract import (
     OutputLayout,
     Replicated,
     arg_name,
+    check_call_arguments,
     check_outputs,
     has_user_remat,
     is_replicated,
     key_name,
     per_example_rows,
     reduce_side_state,
+    refuse_unruled,
+    refuse_write,
+    replaced_read_only,
     replicated,
+    same_values,
     side_rules,
     unwrap,
 )
@@ -47,6 +52,7 @@ from gtp_jax.sharding.plan import (
     plan_param,
 )
 from gtp_jax.sharding.scan import gathered_weight_policy
+from gtp_jax.sharding.sharing import check_not_shared, record_sources
 
 
 def _is_variable(x: Any) -> bool:
@@ -102,6 +108,16 @@ class ShardedModule(nnx.Module):
       ``gtp_reduce`` metadata (`REDUCE`: ``"mean"``, ``"sum"``, ``"same"``, ``"concat"``).
       Written state with neither is refused, naming the variable. New values (``sow``) must
       be per-example and are concatenated like outputs.
+    * parameters (and RNG keys) are only read: a write in ``__call__`` is refused, naming
+      the variable (values NNX's lifted transforms only pass on are not writes).
+    * randomness comes from ``nnx.Rngs`` held by the module; its keys are folded per data
+      shard (each shard draws its own bits, not the unsharded module's). Randomness handed
+      to the call (an ``nnx.Rngs``, a stream, RNG state, a typed PRNG key every shard would
+      receive whole) is refused, as is any module or variable argument; one key per
+      example is a batch. A raw ``uint32`` key is an ordinary array and is not detected.
+    * not checked: an operation across examples in ``__call__`` (``h - h.mean(0)``) runs
+      over each data shard's examples. `gtp_jax.check_sharded` compares one forward and
+      backward pass with the unsharded module's on a real batch.
     * memory policy: gathered weights are not saved for the backward pass
       (``GTPConfig.remat_gathered``) and the module's own ``nnx.remat`` /
       ``jax.checkpoint`` policies are kept: when the module has remat regions, each weight
@@ -129,6 +145,7 @@ class ShardedModule(nnx.Module):
         self.fp8_layers = fp8_layers
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        check_call_arguments(args, kwargs)
         mesh, axes = self.mesh, data_axes(self.mesh)
         plans = {p.path: p for p in self.plan}
         placed = {**{p.path: p for p in self.split_plan}, **plans}
@@ -179,7 +196,12 @@ class ShardedModule(nnx.Module):
         # the delayed FP8 recipe's amax histories are reduced over the same axes.
         amax_axes = () if single else tuple(mesh.axis_names)
 
-        def body(local_values, local_args, lazy=False):
+        # Parameters, RNG keys and state without a combining rule whose value the call
+        # replaced (set while tracing the body; `_check_writes` tells writes from values
+        # that NNX's lifted transforms only passed on).
+        replaced: list[str] = []
+
+        def body(local_values, local_args, lazy=False, probe=()):
             new_vars = []
             for path, var, x in zip(paths, variables, local_values):
                 if path in plans:
@@ -195,10 +217,18 @@ class ShardedModule(nnx.Module):
             call_args, call_kwargs = jax.tree.unflatten(arg_tree, call_leaves)
             with fp8.amax_axes(amax_axes):
                 out = module(*call_args, **call_kwargs)
+            if probe:  # `_check_writes`: the values before and after the call
+                now = {path_str(key_name(k) for k in keys): v.get_value()
+                       for keys, v in nnx.to_flat_state(nnx.state(module))}
+                return [jax.tree.leaves(before[p]) for p in probe], [
+                    jax.tree.leaves(now.get(p)) for p in probe]
+            replaced[:] = replaced_read_only(module, before)
             if default_layout:
                 check_outputs(out, local_batch)
+            unruled: list[str] = []
             side = reduce_side_state(module, before, rules, local_batch, reduce_axes,
-                                      bool(seq_split), split_rows)
+                                      bool(seq_split), split_rows, unruled)
+            replaced.extend(unruled)
             side_keys[:] = [(k, v) for k, v, _ in side]
             return out, [x for _, _, x in side]
 
@@ -209,11 +239,13 @@ class ShardedModule(nnx.Module):
         axes_in_use = ParallelAxes.from_mesh(mesh)
         if not seq_split:  # cp is published only to a module whose inputs are split over it
             axes_in_use = dataclasses.replace(axes_in_use, cp=None, cp_size=1)
+        call_body, lazy = body, False
         if self.config.remat_gathered and built:
             with use_axes(axes_in_use):
                 own_remat = has_user_remat(body, mesh, value_specs, arg_specs, values,
                                             [unwrap(leaves[i]) for i in dynamic])
             if own_remat:
+                lazy = True
                 # An outer checkpoint would impose its policy inside the module's own remat
                 # regions (JAX applies the outermost policy to nested ones). Instead each
                 # weight is gathered where it is read, inside those regions, whose policy
@@ -232,10 +264,41 @@ class ShardedModule(nnx.Module):
         # axes; backward rules never read them (they get axis names as static arguments).
         with use_axes(axes_in_use):
             out, side = run(values, [unwrap(leaves[i]) for i in dynamic])
+            if replaced:
+                probe = functools.partial(call_body, lazy=lazy, probe=tuple(replaced))
+                if not single:
+                    probe = jax.shard_map(probe, mesh=mesh, in_specs=(value_specs, arg_specs),
+                                          out_specs=P(), check_vma=False)
+                self._check_writes(probe, values, [unwrap(leaves[i]) for i in dynamic],
+                                   tuple(replaced), dict(zip(paths, variables)))
         if side_keys:
             nnx.update(self.module, nnx.from_flat_state(
                 [(k, v.replace(value=x)) for (k, v), x in zip(side_keys, side)]))
         return out if layout.finalize is None else layout.finalize(out)
+
+    @staticmethod
+    def _check_writes(probe: Any, values: list, args: list, replaced: tuple[str, ...],
+                      by_path: dict[str, nnx.Variable]) -> None:
+        """Refuses a parameter or RNG key the call wrote, and state without a combining rule
+        (before any state changes).
+
+        `replaced` holds those whose value the traced call replaced; `probe` is the call
+        returning their values before and after. A value that NNX's lifted transforms
+        (``nnx.remat``, ``nnx.scan``...) only passed on is the same value in the traced
+        program (`same_values`); anything else is a write, which a sharded call cannot keep
+        (`refuse_write`) or combine (`refuse_unruled`).
+        """
+        closed, (before, after) = jax.make_jaxpr(probe, return_shape=True)(values, args)
+        n = sum(len(x) for x in before)
+        start = 0
+        for path, old, new in zip(replaced, before, after):
+            pairs = [(start + i, n + start + i) for i in range(len(old))]
+            if len(old) != len(new) or not all(same_values(closed.jaxpr, pairs)):
+                var = by_path[path]
+                if isinstance(var, (nnx.Param, nnx.RngKey)):
+                    refuse_write(path, var)
+                refuse_unruled(path, var)
+            start += len(old)
 
     def _local_weight(self, x: jax.Array, plan: ParamPlan, lazy: bool = False) -> Any:
         """The weight the module's math sees, from this device's stored piece (in the body)."""
@@ -386,13 +449,17 @@ def shard(module: nnx.Module, mesh: Mesh, config: GTPConfig | None = None) -> Sh
       config: a `GTPConfig`; default ``GTPConfig()``.
 
     Returns:
-      A `ShardedModule` computing the same function.
+      A `ShardedModule` computing the same function, or refusing the call (see its call
+      contract). A variable or submodule that `module` shares with the model around it (a
+      tied embedding) is refused here: the copy would untie it; shard the whole model.
 
     Raises:
       TypeError: `module`, `mesh` or `config` has the wrong type, or an include pattern
         selects a non-floating parameter.
-      ValueError: the axis is not in the mesh, nothing is eligible to shard, or the module
-        keeps batch statistics (not supported under data parallelism).
+      ValueError: the axis is not in the mesh, nothing is eligible to shard, the module
+        keeps batch statistics (not supported under data parallelism), or a variable or
+        submodule of `module` is also held by the model around it (a tied weight, which the
+        copy would untie; `gtp_jax.sharding.sharing`).
 
     Example:
       >>> mesh = gtp_jax.make_mesh(dp=2, gtp=4)                        # doctest: +SKIP
@@ -400,6 +467,7 @@ def shard(module: nnx.Module, mesh: Mesh, config: GTPConfig | None = None) -> Sh
     """
     config = GTPConfig() if config is None else config
     _validate_shard_args(module, mesh, config)
+    check_not_shared(module)
     placement = plan_placement(module, mesh, config)
     # Validation is complete: from here on nothing can fail on user input.
     values = []
@@ -411,7 +479,9 @@ def shard(module: nnx.Module, mesh: Mesh, config: GTPConfig | None = None) -> Sh
             values.append(jax.device_put(value, NamedSharding(mesh, P())))
         else:
             values.append(value)
-    return assemble(placement, values)
+    sharded = assemble(placement, values)
+    record_sources(sharded, module)
+    return sharded
 
 
 @dataclasses.dataclass(frozen=True)

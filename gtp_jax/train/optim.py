@@ -188,8 +188,10 @@ def _check_number(name: str, value: Any, low: float, high: float, *, low_open: b
 
 def current_lr(opt_state: Any) -> jax.Array | None:
     """The learning rate the last update used, from the ``inject_hyperparams`` state inside
-    `opt_state` (an optax state tree, or an ``nnx.Optimizer``'s ``opt_state``); None when
-    the optimizer has none (a hand-built one)."""
+    `opt_state` (an optax state tree, or an ``nnx.Optimizer``'s ``opt_state``: the first
+    found, through tuples and named tuples (``chain``, ``MultiSteps``, ``masked``) and dicts
+    (``multi_transform``)); None when the optimizer has none (a fixed rate given to a plain
+    optimizer is not in its state)."""
     found: list[Any] = []
 
     def visit(node: Any) -> None:
@@ -201,6 +203,9 @@ def current_lr(opt_state: Any) -> jax.Array | None:
             return
         if isinstance(node, (tuple, list)):
             for child in node:
+                visit(child)
+        elif isinstance(node, dict):
+            for child in node.values():
                 visit(child)
 
     visit(opt_state)

@@ -8,11 +8,15 @@ between steps on GPUs.
     step = TrainStep(model, optimizer, functools.partial(lm_loss, aux_weight=cfg.moe_aux_weight))
     for batch in batches:
         metrics = step(batch)          # {"loss", "grad_norm", "lr"}: float32 device scalars
+    held_out = step.evaluate(batch)    # the loss of the current state, no update
     step.sync()                        # before reading or saving the model / optimizer
 
-Compiled programs are cached per (graph definition, loss function): a second `TrainStep`
-of an equal model and optimizer (a resumed run in the same process, a notebook re-run)
-reuses the first one's program.
+With ``has_aux=True`` the loss function returns ``(loss, aux)``, ``aux`` a dict of metrics
+returned beside the step's own (``{"loss", "grad_norm", "lr", **aux}``).
+
+Compiled programs are cached per (graph definition, loss function, its ``has_aux``): a second
+`TrainStep` of an equal model and optimizer (a resumed run in the same process, a notebook
+re-run) reuses the first one's program.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import collections
 import dataclasses
 import functools
 import re
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Mapping
 from typing import Any
 
 import jax
@@ -56,6 +60,7 @@ from gtp_jax.sharding.offload import (
     to_host,
     with_master_weights,
 )
+from gtp_jax.sharding.sharing import check_untied
 from gtp_jax.train.optim import current_lr, global_norm, narrower_than_float32
 
 #: The metric under which a delayed-FP8 step returns its layers' use counts (`history_uses`);
@@ -64,6 +69,9 @@ USES_METRIC = "fp8_uses"
 
 #: Programs kept (least recently used ones are dropped; a dropped one recompiles on reuse).
 CACHE_SIZE = 16
+
+#: The metrics a step returns itself; a loss function's auxiliary metrics may not reuse them.
+STEP_METRICS = ("loss", "grad_norm", "lr", USES_METRIC)
 
 @dataclasses.dataclass
 class _Program:
@@ -95,7 +103,12 @@ class TrainStep:
       loss_fn: ``loss_fn(model, batch) -> float scalar``; e.g. for the decoder
         ``functools.partial(lm_loss, aux_weight=model_cfg.moe_aux_weight)``. Equal
         functions (the same function, or partials of it with equal arguments) share one
-        compiled program.
+        compiled program. With `has_aux`: ``loss_fn(model, batch) -> (loss, aux)``.
+      has_aux: the loss function returns ``(loss, aux)``, ``aux`` a dict of metrics
+        (``{"accuracy": ...}``: names other than the step's own ``loss``, ``grad_norm``
+        and ``lr``, values arrays of any shape), returned by each step beside the step's
+        metrics (with `grad_accum` > 1: their mean over the microbatches, as the loss).
+        Computed by the same forward pass as the loss, so they cost nothing more.
       grad_norm: also return the gradients' global norm (one more pass over the
         gradients, unless the optimizer computes it anyway, e.g. to clip).
       offload_group_layers: with ``GTPConfig(offload_optimizer=True)``: the state is
@@ -119,15 +132,19 @@ class TrainStep:
     """
 
     def __init__(self, model: nnx.Module, optimizer: nnx.Optimizer,
-                 loss_fn: Callable[[nnx.Module, Any], jax.Array], *, grad_norm: bool = True,
-                 offload_group_layers: int | None = None, grad_accum: int = 1):
+                 loss_fn: Callable[[nnx.Module, Any], Any], *, grad_norm: bool = True,
+                 offload_group_layers: int | None = None, grad_accum: int = 1,
+                 has_aux: bool = False):
         if not isinstance(optimizer, nnx.Optimizer):
             raise UsageTypeError(f"TrainStep: optimizer={type(optimizer).__name__} must be an "
                                  "nnx.Optimizer of the model.")
         if not callable(loss_fn):
             raise UsageTypeError(f"TrainStep: loss_fn={loss_fn!r} must be callable "
                                  "(loss_fn(model, batch) -> scalar).")
+        if not isinstance(has_aux, bool):
+            raise UsageTypeError(f"TrainStep: has_aux={has_aux!r} must be True or False.")
         check_optimizer_of(model, optimizer)
+        check_untied(model, "TrainStep")
         _check_master_weights(model, optimizer)
         offload = offloads_optimizer(model)
         resident: frozenset[tuple[Any, ...]] = frozenset()
@@ -140,26 +157,39 @@ class TrainStep:
         self.state = map_opt_state(state, place_on_host, keep=resident) if offload else state
         self._program = _program(self.graphdef, loss_fn, bool(grad_norm),
                                  _offload_mode(offload, offload_group_layers),
-                                 int(grad_accum))
+                                 int(grad_accum), has_aux)
         self._offload = offload
         # An offloaded streamable state trains grouped (one host array per layer group:
         # its copies are DMA transfers); `sync` joins it back into stacked arrays.
         self._groups = (_group_layers(offload_group_layers)
                         if offload and isinstance(optimizer.tx, StreamableChain) else 0)
         self._grouped = False
-        self._loss_fn, self._grad_accum = loss_fn, int(grad_accum)
+        self._loss_fn, self._grad_accum, self._has_aux = loss_fn, int(grad_accum), has_aux
         # Delayed FP8: the first call checks that no layer ran twice (`_first_fp8_step`).
         self._check_uses = _has_history(model)
 
     def __call__(self, batch: Any) -> dict[str, jax.Array]:
-        """Runs one step; returns ``{"loss"}`` (and ``"grad_norm"``, and ``"lr"`` where the
-        optimizer injects its learning rate, as `gtp_jax.train.optim` does) as float32
-        device scalars: the loss before this step's update, the global norm of its
-        gradients before clipping, the learning rate of the update. Does not wait for the
-        device, except on the first call of a model with delayed FP8 scaling: that one
-        reads the layers' use counts and raises a `UsageError` where a layer ran more than
-        once (`gtp_jax.sharding.fp8_update.check_fp8_uses`), leaving the model and
-        optimizer as they were."""
+        """Runs one step; returns ``{"loss", "grad_norm", "lr"}`` as float32 device scalars:
+        the loss before this step's update, the global norm of its gradients before
+        clipping (with ``grad_norm=True``), the learning rate of the update; and with
+        ``has_aux`` the loss function's metrics.
+
+        ``"lr"`` is there whenever the optimizer's state holds its learning rate: an
+        ``optax.inject_hyperparams`` optimizer anywhere in it (`gtp_jax.train.make_optimizer`
+        builds one; inside ``optax.chain``, ``MultiSteps``, ``masked``,
+        ``multi_transform``: the first one found). A fixed rate given to a plain optimizer
+        (``optax.adamw(1e-3)``) is not in its state, and a step of it has no ``"lr"``.
+
+        Does not wait for the device, except on the first call of a model with delayed FP8
+        scaling: that one reads the layers' use counts and raises a `UsageError` where a
+        layer ran more than once (`gtp_jax.sharding.fp8_update.check_fp8_uses`), leaving the
+        model and optimizer as they were.
+
+        Raises:
+          UsageError: the loss function returned something else than a floating scalar
+            (with `has_aux`: ``(scalar, dict of metrics)`` whose names are not the step's
+            own), raised while the step is traced, before anything changes.
+        """
         if self._check_uses:
             return self._first_fp8_step(batch)
         self._regroup()
@@ -173,8 +203,8 @@ class TrainStep:
         step updates in place in host memory, is checked before it instead, by a program
         of the forward and backward passes alone (`_uses_program`): no copy of the state."""
         if self._offload:
-            uses = _uses_program(self.graphdef, self._loss_fn, self._grad_accum)(
-                self.state, batch)
+            uses = _uses_program(self.graphdef, self._loss_fn, self._grad_accum,
+                                 self._has_aux)(self.state, batch)
             check_fp8_uses(jax.device_get(uses))
             self._check_uses = False
             return self(batch)
@@ -191,21 +221,44 @@ class TrainStep:
         self._check_uses = False
         return metrics
 
-    def evaluate(self, batch: Any, loss_fn: Callable[[nnx.Module, Any], jax.Array]
-                 ) -> jax.Array:
-        """``loss_fn(model, batch)`` of the current state, without an update (e.g. a held-out
-        loss): a float32 device scalar. Does not wait for the device; compiled once per
-        (step program, loss function). Groups an offloaded state as a step does (one
-        program for the layout the steps train on)."""
+    def evaluate(self, batch: Any, loss_fn: Callable[[nnx.Module, Any], Any] | None = None,
+                 *, has_aux: bool | None = None) -> Any:
+        """The loss of the current state on `batch`, without an update (e.g. a held-out
+        loss): a float32 device scalar; ``(loss, aux)`` where the loss function has aux
+        metrics, as ``jax.value_and_grad(..., has_aux=True)`` returns them.
+
+        Does not wait for the device; compiled once per (step program, loss function,
+        `has_aux`). Groups an offloaded state as a step does (one program for the layout
+        the steps train on).
+
+        Args:
+          batch: a batch as the step takes it.
+          loss_fn: ``loss_fn(model, batch)``; default: the step's own loss function (and
+            its ``has_aux``).
+          has_aux: `loss_fn` returns ``(loss, aux)``, aux a dict of metrics; default: the
+            step's ``has_aux`` for its own loss function, False for another.
+
+        Raises:
+          UsageError: the loss function returned something else than a floating scalar
+            (with `has_aux`: ``(scalar, dict)``).
+        """
+        if loss_fn is None:
+            loss_fn, has_aux = self._loss_fn, self._has_aux if has_aux is None else has_aux
+        elif not callable(loss_fn):
+            raise UsageTypeError(f"TrainStep.evaluate: loss_fn={loss_fn!r} must be callable "
+                                 "(loss_fn(model, batch) -> scalar) or None.")
+        has_aux = bool(has_aux)
         self._regroup()
-        key = _loss_key(loss_fn)
+        key = (_loss_key(loss_fn), has_aux)
         fn = self._program.evals.get(key)
         if fn is None:
             graphdef = self.graphdef
+            checked = with_aux(loss_fn, has_aux, "TrainStep.evaluate")
 
-            def evaluate(state: nnx.State, batch: Any) -> jax.Array:
+            def evaluate(state: nnx.State, batch: Any) -> Any:
                 model, _ = nnx.merge(graphdef, state)
-                return loss_fn(model, batch).astype(jnp.float32)
+                loss, aux = checked(model, batch)
+                return (loss, aux) if has_aux else loss
 
             fn = self._program.evals[key] = jax.jit(evaluate)
         return fn(self.state, batch)
@@ -436,10 +489,10 @@ def map_opt_state(state: nnx.State, fn: Callable[[Any], Any], *,
     return nnx.from_flat_state(flat)
 
 
-def step_program(graphdef: Any, loss_fn: Callable[..., jax.Array], *, grad_norm: bool = True,
+def step_program(graphdef: Any, loss_fn: Callable[..., Any], *, grad_norm: bool = True,
                  offload: bool = False,
                  offload_group_layers: int | None = None,
-                 grad_accum: int = 1) -> Callable[..., Any]:
+                 grad_accum: int = 1, has_aux: bool = False) -> Callable[..., Any]:
     """The jitted ``step(state, batch) -> (state, metrics)`` that `TrainStep` runs for a
     ``(model, optimizer)`` of `graphdef` (the same cached program): lower it with abstract
     arguments (``jax.ShapeDtypeStruct`` with shardings) to compile a step ahead of time
@@ -450,7 +503,7 @@ def step_program(graphdef: Any, loss_fn: Callable[..., jax.Array], *, grad_norm:
     if offload:
         stream_units({}, {}, _group_layers(offload_group_layers))
     return _program(graphdef, loss_fn, grad_norm,
-                    _offload_mode(offload, offload_group_layers), grad_accum).fn
+                    _offload_mode(offload, offload_group_layers), grad_accum, has_aux).fn
 
 
 def _group_layers(group_layers: int | None) -> int:
@@ -464,15 +517,16 @@ def _offload_mode(offload: bool, group_layers: int | None) -> int:
     return _group_layers(group_layers) if offload else 0
 
 
-def _program(graphdef: Any, loss_fn: Callable[..., jax.Array], grad_norm: bool,
-             offload: int = 0, grad_accum: int = 1) -> _Program:
+def _program(graphdef: Any, loss_fn: Callable[..., Any], grad_norm: bool,
+             offload: int = 0, grad_accum: int = 1, has_aux: bool = False) -> _Program:
     """`offload`: see `_offload_mode`."""
-    key = (graphdef, _loss_key(loss_fn), grad_norm, offload, grad_accum)
+    key = (graphdef, _loss_key(loss_fn), grad_norm, offload, grad_accum, has_aux)
     program = _programs.get(key)
     if program is not None:
         _programs.move_to_end(key)
         return program
     program = _Program()
+    checked = with_aux(loss_fn, has_aux, "TrainStep")
 
     def step(state: nnx.State, batch: Any) -> tuple[nnx.State, dict[str, jax.Array]]:
         program.traces += 1
@@ -482,14 +536,15 @@ def _program(graphdef: Any, loss_fn: Callable[..., jax.Array], grad_norm: bool,
         model, optimizer = nnx.merge(graphdef, state)
         if not _has_history(model):
             if grad_accum == 1:
-                loss, grads = nnx.value_and_grad(loss_fn)(model, batch)
+                (loss, aux), grads = nnx.value_and_grad(checked, has_aux=True)(model, batch)
             else:
-                loss, grads = accumulate_grads(model, loss_fn, batch, grad_accum)
+                loss, aux, grads = _accumulate(model, checked, batch, grad_accum)
         else:
             # Delayed FP8 scaling: the backward pass returns each amax history's next value
             # as its "gradient"; it replaces the history and never reaches the optimizer
             # (no moments, clipping, weight decay, nor a share of the gradient norm).
-            loss, grads, history = _grads_and_history(model, loss_fn, batch, grad_accum)
+            loss, aux, grads, history = _grads_aux_and_history(model, checked, batch,
+                                                               grad_accum)
             uses = history_uses(history, layer_prefix(model))
             nnx.update(model, next_fp8_history(nnx.state(model, Fp8History), history))
         if offload and isinstance(optimizer.tx, StreamableChain):
@@ -501,7 +556,7 @@ def _program(graphdef: Any, loss_fn: Callable[..., jax.Array], grad_norm: bool,
                                                 keep=resident_paths(model, optimizer.wrt)))
         else:
             optimizer.update(model, grads)
-        metrics = {"loss": loss.astype(jnp.float32)}
+        metrics = {**aux, "loss": loss.astype(jnp.float32)}
         lr = current_lr(optimizer.opt_state)
         if lr is not None:
             lr = jnp.asarray(lr, jnp.float32)
@@ -524,14 +579,16 @@ def _program(graphdef: Any, loss_fn: Callable[..., jax.Array], grad_norm: bool,
 
 
 @functools.lru_cache(maxsize=CACHE_SIZE)
-def _uses_program(graphdef: Any, loss_fn: Callable[..., jax.Array], grad_accum: int
-                  ) -> Callable[..., dict[str, jax.Array]]:
+def _uses_program(graphdef: Any, loss_fn: Callable[..., Any], grad_accum: int,
+                  has_aux: bool = False) -> Callable[..., dict[str, jax.Array]]:
     """The jitted ``uses(state, batch)``: each delayed-FP8 layer's use count in the step
     `TrainStep` would run on `batch` (`history_uses`), from its forward and backward passes
     alone; nothing is donated or updated."""
+    checked = with_aux(loss_fn, has_aux, "TrainStep")
+
     def uses(state: nnx.State, batch: Any) -> dict[str, jax.Array]:
         model, _ = nnx.merge(graphdef, state)
-        _, _, history = _grads_and_history(model, loss_fn, batch, grad_accum)
+        _, _, _, history = _grads_aux_and_history(model, checked, batch, grad_accum)
         return history_uses(history, layer_prefix(model))
 
     return jax.jit(uses)
@@ -607,22 +664,38 @@ def accumulate_grads(model: nnx.Module, loss_fn: Callable[[nnx.Module, Any], jax
     Returns the gradients as ``nnx.value_and_grad`` does (an ``nnx.State`` of the
     ``nnx.Param`` variables), float32 loss.
     """
+    loss, _, grads = _accumulate(model, with_aux(loss_fn, False, "accumulate_grads"), batch,
+                                 microbatches)
+    return loss, grads
+
+
+def _accumulate(model: nnx.Module,
+                loss_fn: Callable[[nnx.Module, Any], tuple[jax.Array, dict[str, Any]]],
+                batch: Any, microbatches: int) -> tuple[jax.Array, dict[str, Any], nnx.State]:
+    """`accumulate_grads` of a `with_aux` loss function: (mean loss, the mean of each aux
+    metric over the microbatches, mean gradient)."""
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
 
     def slices(x: jax.Array) -> jax.Array:
         return _microbatches(x, microbatches)
 
-    def loss_of(params: nnx.State, micro: Any) -> jax.Array:
-        return loss_fn(nnx.merge(graphdef, params, rest), micro).astype(jnp.float32)
+    def loss_of(params: nnx.State, micro: Any) -> tuple[jax.Array, dict[str, Any]]:
+        return loss_fn(nnx.merge(graphdef, params, rest), micro)
 
     def body(carry: tuple[jax.Array, nnx.State], micro: Any
-             ) -> tuple[tuple[jax.Array, nnx.State], None]:
-        loss, grads = jax.value_and_grad(loss_of)(params, micro)
-        return jax.tree.map(jnp.add, carry, (loss, grads)), None
+             ) -> tuple[tuple[jax.Array, nnx.State], dict[str, Any]]:
+        (loss, aux), grads = jax.value_and_grad(loss_of, has_aux=True)(params, micro)
+        return jax.tree.map(jnp.add, carry, (loss, grads)), aux
 
     zero = (jnp.zeros((), jnp.float32), _grad_sum_zeros(params))
-    (loss, grads), _ = jax.lax.scan(body, zero, jax.tree.map(slices, batch))
-    return loss * (1.0 / microbatches), _grad_mean(grads, params, microbatches)
+    (loss, grads), aux = jax.lax.scan(body, zero, jax.tree.map(slices, batch))
+    return (loss * (1.0 / microbatches), _mean_over_microbatches(aux),
+            _grad_mean(grads, params, microbatches))
+
+
+def _mean_over_microbatches(aux: dict[str, Any]) -> dict[str, Any]:
+    """Each stacked ``[microbatches, ...]`` aux metric's mean over the microbatches."""
+    return jax.tree.map(lambda x: jnp.mean(x, axis=0), aux)
 
 
 def _grad_sum_zeros(params: nnx.State) -> nnx.State:
@@ -657,28 +730,41 @@ def _grads_and_history(model: nnx.Module, loss_fn: Callable[[nnx.Module, Any], j
     elementwise maximum of the microbatches' ones: the history rolled once, with the
     step's largest amax (a NaN in any microbatch stays NaN).
     """
+    loss, _, grads, history = _grads_aux_and_history(
+        model, with_aux(loss_fn, False, "TrainStep"), batch, microbatches)
+    return loss, grads, history
+
+
+def _grads_aux_and_history(
+        model: nnx.Module,
+        loss_fn: Callable[[nnx.Module, Any], tuple[jax.Array, dict[str, Any]]],
+        batch: Any, microbatches: int
+) -> tuple[jax.Array, dict[str, Any], nnx.State, nnx.State]:
+    """`_grads_and_history` of a `with_aux` loss function: (loss, aux metrics (their mean
+    over the microbatches), gradients, next `Fp8History` values)."""
     graphdef, params, history, rest = nnx.split(model, nnx.Param, Fp8History, ...)
 
-    def loss_of(p: nnx.State, h: nnx.State, micro: Any) -> jax.Array:
-        return loss_fn(nnx.merge(graphdef, p, h, rest), micro).astype(jnp.float32)
+    def loss_of(p: nnx.State, h: nnx.State, micro: Any) -> tuple[jax.Array, dict[str, Any]]:
+        return loss_fn(nnx.merge(graphdef, p, h, rest), micro)
 
-    grad = jax.value_and_grad(loss_of, argnums=(0, 1))
+    grad = jax.value_and_grad(loss_of, argnums=(0, 1), has_aux=True)
     if microbatches == 1:
-        loss, (grads, new_history) = grad(params, history, batch)
-        return loss, grads, new_history
+        (loss, aux), (grads, new_history) = grad(params, history, batch)
+        return loss, aux, grads, new_history
 
-    def body(carry: tuple, micro: Any) -> tuple[tuple, None]:
+    def body(carry: tuple, micro: Any) -> tuple[tuple, dict[str, Any]]:
         loss_sum, grad_sum, hist_max = carry
-        loss, (grads, new_history) = grad(params, history, micro)
+        (loss, aux), (grads, new_history) = grad(params, history, micro)
         return (loss_sum + loss, jax.tree.map(jnp.add, grad_sum, grads),
-                jax.tree.map(jnp.maximum, hist_max, new_history)), None
+                jax.tree.map(jnp.maximum, hist_max, new_history)), aux
 
     # Histories hold amaxes (>= 0 or NaN): zeros are the identity of their maximum.
     zero = (jnp.zeros((), jnp.float32), _grad_sum_zeros(params),
             jax.tree.map(jnp.zeros_like, history))
-    (loss, grads, new_history), _ = jax.lax.scan(
+    (loss, grads, new_history), aux = jax.lax.scan(
         body, zero, jax.tree.map(lambda x: _microbatches(x, microbatches), batch))
-    return loss * (1.0 / microbatches), _grad_mean(grads, params, microbatches), new_history
+    return (loss * (1.0 / microbatches), _mean_over_microbatches(aux),
+            _grad_mean(grads, params, microbatches), new_history)
 
 
 def _microbatches(x: jax.Array, microbatches: int) -> jax.Array:
@@ -690,6 +776,80 @@ def _microbatches(x: jax.Array, microbatches: int) -> jax.Array:
                              f"{microbatches} equal microbatches.")
     x = x.reshape(rows // microbatches, microbatches, *x.shape[1:])
     return jnp.swapaxes(x, 0, 1)
+
+
+def with_aux(loss_fn: Callable[[nnx.Module, Any], Any], has_aux: bool, where: str
+             ) -> Callable[[nnx.Module, Any], tuple[jax.Array, dict[str, Any]]]:
+    """``loss_fn`` as ``fn(model, batch) -> (float32 scalar loss, aux metrics dict)`` (an
+    empty dict without `has_aux`), checking what it returns while it is traced.
+
+    Raises:
+      UsageError: (one line, naming `where`) a loss that is not a floating scalar, a tuple
+        without `has_aux`, or with `has_aux` something else than ``(loss, dict)`` whose
+        keys are strings other than the step's own metrics (`STEP_METRICS`) and whose
+        values are arrays.
+    """
+    def fn(model: nnx.Module, batch: Any) -> tuple[jax.Array, dict[str, Any]]:
+        out = loss_fn(model, batch)
+        if has_aux:
+            if not isinstance(out, (tuple, list)) or len(out) != 2:
+                raise UsageError(
+                    f"{where}: has_aux=True, but loss_fn returned {_described(out)}; return "
+                    "(loss, aux), aux a dict of metrics, e.g. (loss, {'accuracy': acc}).")
+            loss, aux = out
+            _check_aux(aux, where)
+        else:
+            if isinstance(out, (tuple, list)):
+                raise UsageError(
+                    f"{where}: loss_fn returned {_described(out)}, not a scalar loss; to "
+                    "return metrics beside the loss, return (loss, aux) with aux a dict and "
+                    "pass has_aux=True.")
+            loss, aux = out, {}
+        return _scalar_loss(loss, where), dict(aux)
+
+    return fn
+
+
+def _described(x: Any) -> str:
+    if isinstance(x, (tuple, list)):
+        return f"a {type(x).__name__} of {len(x)}"
+    shape = getattr(x, "shape", None)
+    return f"{type(x).__name__}" + ("" if shape is None else f" of shape {tuple(shape)}")
+
+
+def _scalar_loss(loss: Any, where: str) -> jax.Array:
+    """`loss` as a float32 scalar, or one line saying what it is instead."""
+    if not hasattr(loss, "shape") and not isinstance(loss, (int, float)):
+        raise UsageError(f"{where}: loss_fn returned {_described(loss)} as the loss; return "
+                         "a floating scalar array (e.g. jnp.mean(per_example_losses)).")
+    shape = tuple(jnp.shape(loss))
+    if shape:
+        raise UsageError(
+            f"{where}: loss_fn returned a loss of shape {shape}, not a scalar; reduce it to "
+            "one number (e.g. jnp.mean over the batch), and return per-example values as "
+            "aux metrics (has_aux=True) if you need them.")
+    dtype = jnp.result_type(loss)
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise UsageError(f"{where}: loss_fn returned a loss of dtype {dtype}; gradients need "
+                         "a floating loss (e.g. jnp.float32).")
+    return jnp.asarray(loss).astype(jnp.float32)
+
+
+def _check_aux(aux: Any, where: str) -> None:
+    """Aux metrics: a dict of arrays whose keys are strings other than `STEP_METRICS`."""
+    if not isinstance(aux, Mapping):
+        raise UsageError(f"{where}: loss_fn's aux is {_described(aux)}; return a dict of "
+                         "metrics, e.g. (loss, {'accuracy': acc}).")
+    for name, value in aux.items():
+        if not isinstance(name, str):
+            raise UsageError(f"{where}: aux metric name {name!r} must be a string.")
+        if name in STEP_METRICS:
+            raise UsageError(f"{where}: aux metric {name!r} is one of the step's own metrics "
+                             f"{list(STEP_METRICS[:3])}; rename it (e.g. 'aux_{name}').")
+        for leaf in jax.tree.leaves(value):
+            if not hasattr(leaf, "dtype") and not isinstance(leaf, (int, float, bool)):
+                raise UsageError(f"{where}: aux metric {name!r} holds {_described(leaf)}; "
+                                 "metrics must be arrays (or numbers).")
 
 
 def _loss_key(loss_fn: Callable[..., Any]) -> Hashable:

@@ -1,0 +1,225 @@
+"""Weights shared between a sharded module and the rest of a model are refused, not untied.
+
+`gtp_jax.shard` returns a copy of the module it is given: new variables in the sharded
+layout. A variable or submodule that the module shares with the rest of a model (a tied
+embedding read by the sharded head and by the unsharded input layer) would then be two
+variables, trained apart, and the model's losses would drift from the unsharded model's
+without an error. Two checks refuse it instead:
+
+- `check_not_shared` (in `shard`): a model that holds the module (found upward from the
+  module through the objects that refer to it) also reaches a variable or submodule of it
+  other than through it, or holds the module itself at two places. This finds the usual
+  pattern ``model.head = gtp_jax.shard(model.head, mesh)`` of a model built beforehand.
+- `check_untied` (`gtp_jax.train.TrainStep`, `gtp_jax.check_sharded`): a model holds, outside
+  a `ShardedModule`, a variable or submodule that `shard` copied into that module
+  (`record_sources`). This finds a model assembled after the sharding, from the sharded
+  module and the originals of its parts.
+
+Random number state (``nnx.Rngs``, streams, keys, counts) is exempt: a sharded module folds
+its keys per data shard, so its draws never equal the unsharded module's anyway.
+"""
+
+from __future__ import annotations
+
+import gc
+import weakref
+from typing import Any
+
+from flax import nnx
+
+from gtp_jax.base.errors import UsageError
+from gtp_jax.sharding.contract import key_name
+from gtp_jax.sharding.plan import path_str
+
+_RNG = (nnx.Rngs, nnx.RngStream, nnx.RngState)
+_CONTAINERS = (dict, list, tuple)
+#: Bounds of the upward search from the module to the models that hold it: plain containers
+#: passed through between two graph nodes (a ``__dict__``, a list attribute, a tuple in
+#: it), and graph nodes climbed (the nesting depth of a model).
+_MAX_CONTAINERS = 4
+_MAX_LEVELS = 64
+
+_FIX = ("shard the module that holds every use of it (e.g. the whole model: a weight used "
+        "in several places stays one weight there)")
+
+
+def _is_node(x: Any) -> bool:
+    """A graph node (module, ``nnx.List``...) or a variable."""
+    return isinstance(x, nnx.Variable) or nnx.graph.is_graph_node(x)
+
+
+def _children(node: Any) -> list[tuple[Any, Any]]:
+    """``(key, child)`` of a graph node or plain container (as ``nnx.iter_graph`` walks)."""
+    if isinstance(node, nnx.Variable):
+        return []
+    if not nnx.graph.is_node(node):
+        return []
+    impl = nnx.graph.get_node_impl(node)
+    return [] if impl is None else list(impl.node_dict(node).items())
+
+
+def _a(name: str) -> str:
+    return ("an " if name[:1].lower() in "aeiou" else "a ") + name
+
+
+def _walk(top: Any, stop: Any = None, stops: list[str] | None = None
+          ) -> dict[int, tuple[str, Any]]:
+    """``{id: (path, node)}`` of the graph nodes and variables reachable from `top` (first
+    path found), not descending into `stop`; the path of every reference to `stop` is
+    appended to `stops`."""
+    out: dict[int, tuple[str, Any]] = {}
+    stack: list[tuple[tuple, Any]] = [((), top)]
+    while stack:
+        keys, node = stack.pop()
+        if node is stop and stops is not None:
+            stops.append(path_str(key_name(k) for k in keys))
+        if id(node) in out:
+            continue
+        if _is_node(node):
+            out[id(node)] = (path_str(key_name(k) for k in keys), node)
+        if node is stop:
+            continue
+        for key, child in reversed(_children(node)):
+            if child is stop or id(child) not in out and (
+                    _is_node(child) or nnx.graph.is_node(child)):
+                stack.append(((*keys, key), child))
+    return out
+
+
+def _enclosing(module: nnx.Module) -> list[Any]:
+    """The NNX graph nodes that hold `module`, directly or through other graph nodes,
+    outermost first: found by following the objects that refer to it upward
+    (``gc.get_referrers``) through plain containers (a ``__dict__``, a list attribute)."""
+    ancestors: list[Any] = []
+    level = [module]
+    seen = {id(module), id(ancestors)}
+    for _ in range(_MAX_LEVELS):
+        holders: list[Any] = []
+        frontier = level
+        for _ in range(_MAX_CONTAINERS):
+            containers: list[Any] = []
+            # This function's own lists refer to the nodes too.
+            seen.update((id(level), id(holders), id(frontier), id(containers)))
+            for ref in gc.get_referrers(*frontier):
+                if id(ref) in seen:
+                    continue
+                seen.add(id(ref))
+                if _is_node(ref) and not isinstance(ref, nnx.Variable):
+                    holders.append(ref)
+                elif isinstance(ref, _CONTAINERS):
+                    containers.append(ref)
+            if not containers:
+                break
+            frontier = containers
+        if not holders:
+            break
+        ancestors.extend(holders)
+        level = holders
+    return ancestors[::-1]
+
+
+def check_not_shared(module: nnx.Module, where: str = "gtp_jax.shard") -> None:
+    """Raises `UsageError` when a variable or submodule of `module` (other than `module`
+    itself) is also reachable from a model that holds `module`, other than through `module`
+    (see the module docstring).
+
+    The models holding `module` are found from the Python objects that refer to it
+    (``gc.get_referrers``: one pass over the interpreter's objects per level of nesting);
+    nothing is changed.
+    """
+    tops = _enclosing(module)
+    if not tops:  # held by no model: nothing to share with
+        return
+    inside = _walk(module)
+    name = type(module).__name__
+    for top in tops:
+        stops: list[str] = []
+        reached = _walk(top, stop=module, stops=stops)
+        for node_id, (path, node) in reached.items():
+            if node_id in inside and node is not module and not isinstance(node, _RNG):
+                inner = inside[node_id][0]
+                raise UsageError(
+                    f"{where}: {inner!r} ({_a(type(node).__name__)}) of this {name} is also "
+                    f"held at {path!r} of the {type(top).__name__} that holds it, a weight "
+                    "shared with the rest of the model (e.g. a tied embedding); shard() "
+                    "copies the module, which would untie the two uses and train them apart: "
+                    f"{_FIX}.")
+        if len(stops) > 1:
+            raise UsageError(
+                f"{where}: this {name} is held at {len(stops)} places of the "
+                f"{type(top).__name__} that holds it ({', '.join(map(repr, stops))}), a module "
+                "shared with the rest of the model; shard() returns one copy, and a place "
+                f"left holding the original would train apart from it: {_FIX}.")
+
+
+# --------------------------------------------------------------------------- after shard()
+
+#: ``id(sharded module) -> (weakref to it, {id(source node): guard})``: what `shard` copied
+#: into each sharded module. A guard is a weak reference to the source node, or (variables
+#: cannot be weakly referenced) to its value when it was copied; an entry counts only
+#: while its guard is alive and still the node's (or the node's value), so a recycled id
+#: never matches.
+_SOURCES: dict[int, tuple[weakref.ref, dict[int, weakref.ref]]] = {}
+
+
+def _guard(node: Any) -> weakref.ref | None:
+    for target in (node, node.get_value() if isinstance(node, nnx.Variable) else None):
+        if target is None:
+            continue
+        try:
+            return weakref.ref(target)
+        except TypeError:
+            continue
+    return None
+
+
+def record_sources(sharded: nnx.Module, source: nnx.Module) -> None:
+    """Remembers the variables and submodules of `source` that `sharded` holds copies of
+    (for `check_untied`); keeps none of them alive."""
+    for key in [k for k, (ref, _) in _SOURCES.items() if ref() is None]:
+        del _SOURCES[key]
+    guards = {}
+    for _, node in _walk(source).values():
+        if _is_node(node) and not isinstance(node, _RNG):
+            guard = _guard(node)
+            if guard is not None:
+                guards[id(node)] = guard
+    _SOURCES[id(sharded)] = (weakref.ref(sharded), guards)
+
+
+def _copied(sharded: Any, node: Any) -> bool:
+    entry = _SOURCES.get(id(sharded))
+    if entry is None or entry[0]() is not sharded:
+        return False
+    guard = entry[1].get(id(node))
+    if guard is None:
+        return False
+    held = guard()
+    return held is not None and (held is node or (
+        isinstance(node, nnx.Variable) and held is node.get_value()))
+
+
+def check_untied(model: Any, where: str) -> None:
+    """Raises `UsageError` when `model` (any NNX graph: a module, or a tuple of them) holds,
+    outside one of its `ShardedModule`s, a variable or submodule that `gtp_jax.shard`
+    copied into that sharded module (see the module docstring)."""
+    from gtp_jax.sharding.module import ShardedModule  # noqa: PLC0415 - module imports this
+
+    nodes = _walk(model).values()
+    sharded = [(path, node) for path, node in nodes if isinstance(node, ShardedModule)]
+    if not sharded:
+        return
+    for path, node in nodes:
+        if isinstance(node, _RNG):
+            continue
+        for where_sm, sm in sharded:
+            if not where_sm or path == where_sm or path.startswith(where_sm + "/"):
+                continue  # inside the sharded module (every path is, for the root)
+            if _copied(sm, node):
+                at = f"the sharded module at {where_sm!r}" if where_sm else "the sharded module"
+                raise UsageError(
+                    f"{where}: the model holds {path!r} ({_a(type(node).__name__)}) outside "
+                    f"{at}, which gtp_jax.shard copied from the module it sharded: a weight "
+                    "shared with the rest of the model (e.g. a tied embedding) is now two "
+                    f"weights, trained apart; {_FIX}.")
+
