@@ -7,9 +7,10 @@ without prefetch) and `module` (`shard` / `unshard`: where each weight is stored
 call runs inside ``jax.shard_map``).
 """
 
-from gtp_jax.sharding.collectives import GatherSpec, gather_weight, reduce_scatter_grad
+from gtp_jax.sharding.collectives import gather_weight, reduce_scatter_grad
 from gtp_jax.sharding.contract import InputLayout, OutputLayout, Replicated, replicated
 from gtp_jax.sharding.fp8_update import apply_fp8_history
+from gtp_jax.sharding.gather_spec import GatherSpec
 from gtp_jax.sharding.init import shard_init
 from gtp_jax.sharding.lazy import GTPShard
 from gtp_jax.sharding.module import (

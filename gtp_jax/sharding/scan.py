@@ -8,7 +8,8 @@ from typing import Any, TypeVar
 
 import jax
 
-from gtp_jax.sharding.collectives import GATHERED_WEIGHT, GatherSpec, regather_policy
+from gtp_jax.sharding.collectives import GATHERED_WEIGHT, regather_policy
+from gtp_jax.sharding.gather_spec import GatherSpec
 from gtp_jax.sharding.lazy import is_shard
 from gtp_jax.sharding.loop import layer_loop
 
