@@ -52,7 +52,7 @@ from gtp_jax.sharding.plan import (
     plan_param,
 )
 from gtp_jax.sharding.scan import gathered_weight_policy
-from gtp_jax.sharding.sharing import check_not_shared, record_sources
+from gtp_jax.sharding.sharing import HoldsShards, check_not_shared, record_sources
 
 
 def _is_variable(x: Any) -> bool:
@@ -66,7 +66,7 @@ def _flat_variables(state: Any) -> tuple[list[str], list[nnx.Variable], Any]:
     return paths, [v for _, v in with_path], treedef
 
 
-class ShardedModule(nnx.Module):
+class ShardedModule(nnx.Module, HoldsShards):
     """A Flax NNX module whose eligible weights are stored as 1/N shards on a mesh axis.
 
     Built by `gtp_jax.shard`. Calling it runs the wrapped module inside ``jax.shard_map``:

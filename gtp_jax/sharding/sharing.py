@@ -199,14 +199,17 @@ def _copied(sharded: Any, node: Any) -> bool:
         isinstance(node, nnx.Variable) and held is node.get_value()))
 
 
+class HoldsShards:
+    """Base of `gtp_jax.ShardedModule`: lets this module recognise sharded modules in a
+    graph without importing the module that defines them (which imports this one)."""
+
+
 def check_untied(model: Any, where: str) -> None:
     """Raises `UsageError` when `model` (any NNX graph: a module, or a tuple of them) holds,
     outside one of its `ShardedModule`s, a variable or submodule that `gtp_jax.shard`
     copied into that sharded module (see the module docstring)."""
-    from gtp_jax.sharding.module import ShardedModule  # noqa: PLC0415 - module imports this
-
     nodes = _walk(model).values()
-    sharded = [(path, node) for path, node in nodes if isinstance(node, ShardedModule)]
+    sharded = [(path, node) for path, node in nodes if isinstance(node, HoldsShards)]
     if not sharded:
         return
     for path, node in nodes:
