@@ -336,7 +336,7 @@ for name, ms, gib in rows:
     print(f"{name:<42} {ms:8.1f} ms {gib:7.2f} GiB")
 PY
 fi
-# One archive of everything written, beside the folders, for a harness that brings back only
+# One archive of everything written, beside the folders, for tools that copy back only
 # a few files or none from deep folders.
 [ "${ARCHIVE:-0}" = 1 ] && tar czf "$OUT/campaign.tgz" -C "$OUT" --exclude campaign.tgz . 2>/dev/null
 log done

@@ -6,7 +6,8 @@ device), ``both`` (the two, independent, in one program). hidden = (gemm + ag - 
 
 Run directly (single process, all local GPUs):
     python docs/results/2026-11-22_2xH200/overlap_probe.py
-or as one process per GPU (``PROBE_NPROC=2 python docs/results/2026-11-22_2xH200/overlap_probe.py`` spawns them),
+or as one process per GPU (``PROBE_NPROC=2 python docs/results/2026-11-22_2xH200/overlap_probe.py``
+spawns them),
 to compare the two launch modes. Prints one JSON line per process 0.
 """
 
