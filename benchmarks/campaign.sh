@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # The campaign runner: PARTS="part part ..." bash benchmarks/campaign.sh, on a GPU host, from
-# the repository root. Every part writes a log and a JSON file under $OUT (default
+# the repository root. Every part writes its logs and JSON files under $OUT (default
 # runs/campaign); SCALE=cpu runs each part scaled down on simulated CPU devices (no PyTorch
-# peer), to check the script without GPUs.
+# peer), to check the script without GPUs (parts that need GPUs say so and are skipped).
 #
-# Parts:
+# Parts run here:
 #   breakdown  where one step's time and memory go, gtp_jax beside compiled FSDP2
 #              (python -m gtp_jax.bench breakdown), for each of SHAPES ("SEQxSEQS_PER_GPU",
 #              default "2048x1 8192x1") on PRESET (default llama3-8b) and every GPU;
@@ -24,8 +24,40 @@
 #              cp2 x gtp2 on llama3-8b at 32k.
 #   processes  the command line's own multi-process launch (--processes): 4 x 1 and 2 x 2
 #              GPUs beside 1 x 4, a SIGTERM to one process then --resume auto, a kill -9.
+#   fp8_loss   1000 steps of the 1b preset on real text (DATA, default .carry/text: a folder
+#              of .txt files; TOKENIZER, default .carry/tok: a tokenizer.json folder), seq
+#              512 x 4, for each of RECIPES (default "bf16 fp8"; fp8 = --fp8-compute
+#              tensorwise, delayed = --fp8-compute delayed), the held-out loss every 250
+#              steps ($OUT/loss_<recipe>.json; plot with benchmarks/plot_loss.py).
+# Parts that run a per-question script, each in its own folder under $OUT:
+#   matrix     every path a user takes (benchmarks/matrix.sh; CELLS, PROFILE_CELLS).
+#   fp8        FP8 compute on one GPU: Llama-3-8B-shaped blocks and the GEMM sweep, beside
+#              torchao float8 (benchmarks/fp8.sh; ROWS, PROFILE, LAYERS; $OUT/fp8_blocks).
+#   fp8_1b, fp8_8b
+#              FP8 compute fed by FP8 gathers against gtp_jax's bf16 step and FSDP2 +
+#              torch.compile + torchao float8 all-gather on every GPU, the 1b preset and 8
+#              llama3-8b layers (benchmarks/fp8_2gpu.sh; FP8_VARIANTS, default
+#              none:none,fp8:delayed,fp8:tensorwise; REMAT_8B; $OUT/fp8); a table at the end.
+#   plan_1b, plan_8b
+#              the planner's predictions against runs of its TOP (default 5) layouts
+#              (benchmarks/plan_accuracy.sh; $OUT/plan): 1b at seq 2048 and 4096, 8
+#              sequences; llama3-8b (32 layers) at SEQS_8B (default 4096), 2 sequences; a
+#              table at the end.
+#   offload    optimizer state in host memory against on the device, sharded over every GPU
+#              (benchmarks/offload.sh; $OUT/offload): the 1b step's cost, and the largest
+#              llama3-8b shape that trains at seq 4096 (OFFLOAD_BIG, default 96, 80, 64, 56,
+#              48, 40, then 32 layers, largest first; MODES="device offload master").
+#   preempt    seconds from SIGTERM to exit, and the requeue (benchmarks/preempt.sh).
+#   kernels    the quantize kernels (python -m gtp_jax.bench quant --check), the SwiGLU
+#              backward kernel (benchmarks/swiglu_bwd.py) and ring attention's block
+#              kernels (benchmarks/flash_block.py), each against XLA.
+#   tp         TP + SP with ring collective matmuls against plain TP + SP, the collective
+#              matmul alone, and a two-process run (benchmarks/parallel_tp.sh; $OUT/tp).
 # Environment: OUT, PARTS, SHAPES, PRESET, STEPS (timed steps, default 8), LIMIT (seconds per
-# side, default 400).
+# side, default 400). BUDGET=seconds: a part starts only while the budget lasts, and the
+# per-question scripts are stopped when it runs out. REQUIRE_GPU=H200: run nothing (status 3)
+# unless every GPU's name contains it. ARCHIVE=1: everything written, again as
+# $OUT/campaign.tgz.
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -47,6 +79,18 @@ else
 fi
 LIMIT=${LIMIT:-400}
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+if [ -n "${REQUIRE_GPU:-}" ]; then
+  nvidia-smi -L > "$OUT/gpus.txt" 2>&1
+  if ! grep -q . "$OUT/gpus.txt" || grep -v -q -- "$REQUIRE_GPU" "$OUT/gpus.txt"; then
+    echo "not run: REQUIRE_GPU=$REQUIRE_GPU, and not every GPU above is one"; exit 3
+  fi
+fi
+left() { echo $(( ${BUDGET:-0} - ($(date +%s) - T0) )); }
+budgeted() { if [ -n "${BUDGET:-}" ]; then timeout "$(left)" "$@"; else "$@"; fi; }
+gpu_only() {  # a part that needs GPUs: skipped under SCALE=cpu
+  [ "${SCALE:-gpu}" = cpu ] && { log "$1: skipped under SCALE=cpu (needs GPUs)"; return 0; }
+  return 1
+}
 
 part_breakdown() {
   for shape in $SHAPES; do
@@ -180,11 +224,119 @@ part_processes() {
   grep -E "^error" "$OUT/proc_kill.log" | head -3
 }
 
+part_fp8_loss() {
+  gpu_only fp8_loss && return
+  for recipe in ${RECIPES:-bf16 fp8}; do
+    local extra=()
+    [ "$recipe" = fp8 ] && extra=(--fp8-compute tensorwise --fp8-min-features 2048)
+    [ "$recipe" = delayed ] && extra=(--fp8-compute delayed --fp8-min-features 2048)
+    log "1b on ${DATA:-.carry/text}, 1000 steps, $recipe"
+    timeout 300 python3 -m gtp_jax train --preset 1b --seq 512 --batch 4 --steps 1000 \
+      --gtp 1 --dp 1 --data "${DATA:-.carry/text}" --tokenizer "${TOKENIZER:-.carry/tok}" \
+      --eval-every 250 --eval-batches 16 \
+      "${extra[@]}" --metrics-json "$OUT/loss_$recipe.json" 2>&1 | grep -v -i deprecat \
+      | grep -E "loss|step time|memory|eval|held|rror" | tail -12
+  done
+}
+
+part_matrix() {
+  gpu_only matrix && return
+  OUT="$OUT/matrix" budgeted bash benchmarks/matrix.sh
+}
+
+part_fp8() {
+  gpu_only fp8 && return
+  OUT="$OUT/fp8_blocks" budgeted bash benchmarks/fp8.sh
+}
+
+fp8_step() {  # fp8_1b / fp8_8b
+  gpu_only "fp8_$1" && return
+  OUT="$OUT/fp8" MODELS=$1 \
+    VARIANTS="${FP8_VARIANTS:-none:none,fp8:delayed,fp8:tensorwise}" \
+    budgeted bash benchmarks/fp8_2gpu.sh
+}
+part_fp8_1b() { fp8_step 1b; }
+part_fp8_8b() { fp8_step 8b; }
+
+plan_case() {  # preset, seqs, batch, steps, timeout
+  if [ "${SCALE:-gpu}" = cpu ]; then
+    OUT="$OUT/plan" PRESETS=tiny SEQS=64 BATCH=8 TOP=${TOP:-2} STEPS=3 TIMEOUT=300 \
+      bash benchmarks/plan_accuracy.sh
+    return
+  fi
+  OUT="$OUT/plan" PRESETS=$1 SEQS="$2" BATCH=$3 TOP=${TOP:-5} STEPS=$4 TIMEOUT=$5 \
+    budgeted bash benchmarks/plan_accuracy.sh
+}
+part_plan_1b() { plan_case 1b "2048 4096" 8 8 300; }
+part_plan_8b() { plan_case llama3-8b "${SEQS_8B:-4096}" 2 6 420; }
+
+part_offload() {
+  local n
+  if [ "${SCALE:-gpu}" = cpu ]; then
+    n=$(python3 -c "import jax; print(jax.device_count())")
+    OUT="$OUT/offload" GTP=$n SMALL=tiny SEQ1=32 BIG=tiny SEQ2=64 STEPS=2 BIG_STEPS=2 \
+      bash benchmarks/offload.sh
+    return
+  fi
+  n=$(nvidia-smi -L | wc -l)
+  OUT="$OUT/offload" GTP=$n BIG_STEPS=3 LIMIT=300 \
+    BIG="${OFFLOAD_BIG:-llama3-8b:96 llama3-8b:80 llama3-8b:64 llama3-8b:56 llama3-8b:48 llama3-8b:40 llama3-8b}" \
+    budgeted bash benchmarks/offload.sh
+}
+
+part_preempt() {
+  gpu_only preempt && return
+  OUT="$OUT/preempt" budgeted bash benchmarks/preempt.sh
+}
+
+part_kernels() {
+  gpu_only kernels && return
+  log "quantize kernels"
+  python3 -m gtp_jax.bench quant --check --json "$OUT/quant_kernels.json" 2>&1 \
+    | tee "$OUT/quant_kernels.log" | grep -E "^\|"
+  log "SwiGLU backward kernel"
+  python3 benchmarks/swiglu_bwd.py --json "$OUT/swiglu_bwd.json" 2>&1 | grep -v -i deprecat
+  log "ring attention's block kernels"
+  python3 benchmarks/flash_block.py --lengths 4096,8192 --json "$OUT/flash_block.json" 2>&1 \
+    | tee "$OUT/flash_block.log" | grep -v -i deprecat
+}
+
+part_tp() {
+  gpu_only tp && return
+  OUT="$OUT/tp" budgeted bash benchmarks/parallel_tp.sh
+}
+
 for part in $PARTS; do
   if ! declare -F "part_$part" >/dev/null; then
     echo "unknown part '$part'; parts: $(declare -F | sed -n 's/.*part_//p' | tr '\n' ' ')"
     exit 2
   fi
+  if [ -n "${BUDGET:-}" ] && [ "$(left)" -lt 30 ]; then log "skip $part: the budget is spent"; continue; fi
   "part_$part"
 done
+if [ -d "$OUT/plan/plan_accuracy" ]; then
+  log "planner accuracy: every case run so far"
+  SUMMARY_ONLY=1 OUT="$OUT/plan" bash benchmarks/plan_accuracy.sh
+fi
+if [ -d "$OUT/fp8" ]; then
+  log "FP8 steps"
+  python3 - "$OUT/fp8" <<'PY'
+import glob, json, os, sys
+out = sys.argv[1]
+rows = []
+for path in sorted(glob.glob(f"{out}/*_gtp_*.json")):
+    for r in json.load(open(path)):
+        rows.append((os.path.basename(path)[:-5], r["step_ms"], r["peak_mem_gib"]))
+for path in sorted(glob.glob(f"{out}/*_torch.jsonl")):
+    for line in open(path):
+        if line.startswith("RESULT "):
+            r = json.loads(line[7:])
+            rows.append((f"{r['preset']}_{r['variant']}", r["step_ms"], r["peak_mem_gib"]))
+for name, ms, gib in rows:
+    print(f"{name:<42} {ms:8.1f} ms {gib:7.2f} GiB")
+PY
+fi
+# One archive of everything written, beside the folders, for tools that copy back only
+# a few files or none from deep folders.
+[ "${ARCHIVE:-0}" = 1 ] && tar czf "$OUT/campaign.tgz" -C "$OUT" --exclude campaign.tgz . 2>/dev/null
 log done

@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
+# Kept beside the results it produced (this folder); run it from the repository root.
 # One-GPU checks of this release, in one call (each part under its own timeout):
 #   1. the FP8 GEMM size sweep (python -m gtp_jax.bench fp8 --rows gemm);
 #   2. the main job on the 1b preset (seq 2048, 4 sequences), bf16 and with --fp8-compute;
 #   3. the main job on the llama3.2-1b preset (grouped-query attention);
 #   4. the layout planner's predictions against runs of its top layouts
 #      (benchmarks/plan_accuracy.sh, 1b preset, seq 2048);
-#   5. fp8loss: 1000 steps of the 1b preset on real text (DATA, default .carry/text: carry
+#   5. fp8loss (now `PARTS=fp8_loss bash benchmarks/campaign.sh`): 1000 steps of the 1b preset on real text (DATA, default .carry/text: carry
 #      a folder of .txt files; TOKENIZER, default .carry/tok: a tokenizer.json folder), seq
 #      512 x 4, bf16 and --fp8-compute tensorwise (RECIPES="bf16 fp8"; "delayed" for
 #      --fp8-compute delayed), the held-out loss every 250 steps;
@@ -17,7 +18,7 @@
 # Writes $OUT/gemm.json, $OUT/cli_*.json (--metrics-json), $OUT/campaign.log and
 # $OUT/plan_accuracy/.
 # Usage: OUT=dir [STEPS=15] [PARTS="gemm cli llama plan fp8loss offload fp8gathers"] [RECIPES=...] [DATA=dir]
-#   [TOKENIZER=dir] bash benchmarks/gpu1_campaign.sh
+#   [TOKENIZER=dir] bash docs/results/2026-11-25_1xH200/gpu1_campaign.sh
 set -u
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1 PYTHONPATH="$PWD"
 OUT=${OUT:-runs/gpu1}; mkdir -p "$OUT"

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# Kept beside the results it produced (this folder); run it from the repository root.
 # Training step of the 0.95B decoder on all GPUs of the host (gtp = number of GPUs): compute
 # only, replicated weights, XLA automatic FSDP, gtp_jax without and with prefetch, and the
 # PyTorch FSDP2 peer, in one invocation. A profiler trace of each sharded variant is read per

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# Kept beside the results it produced (this folder); run it from the repository root.
 # The 1b training step on ONE GPU, side by side in one call (seq 2048, 4 sequences, bf16):
 #   part "model": `bench overlap` compute-only and gtp_jax at gtp=1 (remat dots and none:
 #                 the wrapper's own cost where it has nothing to communicate, and whether
@@ -10,7 +11,7 @@
 #   part "user":  a user's own decoder (python loop of blocks, nnx.remat per block; see
 #                 gtp_jax/bench/user_model.py) unwrapped and under gtp_jax.shard, with and
 #                 without the user's remat.
-# Usage: OUT=dir PART=model|user|all bash benchmarks/step_1gpu.sh
+# Usage: OUT=dir PART=model|user|all bash docs/results/2026-11-23_1xH200/step_1gpu.sh
 set -u
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1 PYTHONPATH="$PWD"
 OUT=${OUT:-runs/step_1gpu}; PART=${PART:-all}; mkdir -p "$OUT"

@@ -5,8 +5,8 @@ times every (tile, warps) pair of a small grid for the shapes the FP8 blocks qua
 (activations and gradients ``[8192, 4096]`` and ``[8192, 14336]``, weights ``[4096,
 14336]``) and layouts, and prints one table row per pair: median time and the effective
 bandwidth (bf16 read, one byte written per payload). The kernels are queued back to back and
-waited for once, so dispatch does not count. Usage: python benchmarks/cast_transpose_tiles.py
-[--json out.json]
+waited for once, so dispatch does not count. Usage:
+python docs/results/2026-11-27_1xH100/cast_tiles/cast_transpose_tiles.py [--json out.json]
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# Kept beside the results it produced (this folder); run it from the repository root.
 # The headline figures on all GPUs of the host, side by side in one call (1b preset, seq 2048,
 # 4 sequences per GPU, gtp = number of GPUs, the defaults otherwise):
 #   1. two rounds alternating gtp_jax's default step (`bench overlap --variants gtp_dots`) with
@@ -10,7 +11,7 @@
 #      remat full, traced: the ring's hidden share).
 # Writes $OUT/round{1,2}.json, torch_round{1,2}.jsonl, compute_only.json, trace_gtp.log,
 # context_16k.json, headline.log.
-# Usage: OUT=dir [ROUNDS=2] [SKIP_CONTEXT=1] bash benchmarks/headline.sh
+# Usage: OUT=dir [ROUNDS=2] [SKIP_CONTEXT=1] bash docs/results/2026-11-24_1xH200/headline/headline.sh
 set -u
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1 PYTHONPATH="$PWD"
 OUT=${OUT:-runs/headline}; mkdir -p "$OUT"

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# Kept beside the results it produced (this folder); run it from the repository root.
 # Low-precision weight gathers on all GPUs of the host (gtp = number of GPUs):
 #  (1) step time of the 0.95B decoder with bf16, fp8 and nvfp4 gathers, 1 sequence per GPU so
 #      that communication weighs more: $OUT/lowp_step_1b_{none,fp8,nvfp4}.json;

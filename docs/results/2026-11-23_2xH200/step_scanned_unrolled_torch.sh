@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# Kept beside the results it produced (this folder); run it from the repository root.
 # The 1b step on all GPUs of the host (gtp = number of GPUs, remat dots, seq 2048, 4 sequences
 # per GPU), short and in one call: gtp_jax with scanned layers (without and with prefetch),
 # with unrolled layers (TransformerConfig.unroll_layers), and the torch.compile'd PyTorch
@@ -6,7 +7,7 @@
 # pass (GTPConfig.remat_gathered, the default) and the one-GPU compute-only unrolled step.
 # Writes $OUT/step_2gpu_scanned.json, step_2gpu_unrolled.json, torch_2gpu.jsonl,
 # step_2gpu_unrolled_remat_gathered.json (named for the 2-GPU host it was written for).
-# Usage: OUT=dir bash benchmarks/step_scanned_unrolled_torch.sh
+# Usage: OUT=dir bash docs/results/2026-11-23_2xH200/step_scanned_unrolled_torch.sh
 set -u
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1 PYTHONPATH="$PWD"
 OUT=${OUT:-runs/step_scanned_unrolled_torch}; mkdir -p "$OUT"

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
+# Kept beside the results it produced (this folder); run it from the repository root.
 # The 1b step of an older revision of gtp_jax beside this one, alternating, in one call
 # (compute-only and gtp_jax at gtp = all GPUs, remat dots, seq 2048, 4 sequences per GPU).
-# Usage: OUT=dir bash benchmarks/step_before_after.sh OLD_REV   (run in a git checkout;
+# Usage: OUT=dir bash docs/results/2026-11-23_1xH200/step_before_after.sh OLD_REV   (run in a git checkout;
 # on a machine without git, put the old tree in .carry/old and pass no revision)
 set -u
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1

@@ -8,7 +8,7 @@ from an artifact of the chain's glue. Also prints the calibration itself.
 
 Usage (all GPUs of the host; on a CPU it runs over 8 simulated devices to check itself):
 
-    python benchmarks/collective_latency.py [--elems 1024]
+    python docs/results/2026-11-26_2xH100/collective_latency.py [--elems 1024]
 """
 
 from __future__ import annotations

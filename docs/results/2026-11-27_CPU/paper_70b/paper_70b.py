@@ -8,8 +8,8 @@ in-node bandwidth, the measured overlap and the budget change at 64 GPUs.
 
 Usage:
 
-    python benchmarks/paper_70b.py
-    python benchmarks/paper_70b.py --calibration FILE --memory-gib 139
+    python docs/results/2026-11-27_CPU/paper_70b/paper_70b.py
+    python docs/results/2026-11-27_CPU/paper_70b/paper_70b.py --calibration FILE --memory-gib 139
 """
 
 from __future__ import annotations

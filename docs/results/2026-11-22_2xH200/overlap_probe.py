@@ -5,8 +5,9 @@ One JAX program per case, inside ``jax.shard_map`` over all visible GPUs:
 device), ``both`` (the two, independent, in one program). hidden = (gemm + ag - both) / ag.
 
 Run directly (single process, all local GPUs):
-    python benchmarks/overlap_probe.py
-or as one process per GPU (``PROBE_NPROC=2 python benchmarks/overlap_probe.py`` spawns them),
+    python docs/results/2026-11-22_2xH200/overlap_probe.py
+or as one process per GPU (``PROBE_NPROC=2 python docs/results/2026-11-22_2xH200/overlap_probe.py``
+spawns them),
 to compare the two launch modes. Prints one JSON line per process 0.
 """
 

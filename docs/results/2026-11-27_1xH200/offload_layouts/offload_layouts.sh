@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
+# Kept beside the results it produced (this folder); run it from the repository root.
 # The offloaded optimizer state's two host layouts side by side, on ONE GPU, in one call:
 # the stacked layout (one host buffer per layer-stacked moment, copied by dynamic-slice
 # kernels on the compute stream) of an earlier gtp_jax at $BASE, against this tree's
 # (one host array per layer group while it trains: DMA transfers on the copy stream).
-#   1. python benchmarks/host_copies.py: the update alone, both layouts (PART copies);
+#   1. python docs/results/2026-11-27_1xH100/host_copies/host_copies.py: the update alone, both layouts (PART copies);
 #   2. the 1b preset (seq 2048, 4 sequences, remat dots) on the device and offloaded with
 #      each layout (PART small);
 #   3. LAYERS8 llama3-8b layers (seq 4096, 1 sequence, remat full), offloaded with each
@@ -12,9 +13,9 @@
 # Step times are the medians the trainer prints (steps 2 on). BASE: a copy of an earlier
 # gtp_jax package (e.g. `git archive <commit> gtp_jax | tar -x -C dir`); without it the
 # stacked-layout rows are skipped.
-# Usage: OUT=dir [BASE=dir] [PARTS="copies small eight big"] bash benchmarks/offload_layouts.sh
+# Usage: OUT=dir [BASE=dir] [PARTS="copies small eight big"] bash docs/results/2026-11-27_1xH200/offload_layouts/offload_layouts.sh
 # On a CPU (checks the script): SMALL=tiny SEQ1=32 EIGHT=tiny SEQ2=64 PARTS="small eight"
-#   STEPS=2 bash benchmarks/offload_layouts.sh
+#   STEPS=2 bash docs/results/2026-11-27_1xH200/offload_layouts/offload_layouts.sh
 set -u
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
 OUT=${OUT:-runs/offload_layouts}; mkdir -p "$OUT"
@@ -38,7 +39,7 @@ for part in $PARTS; do
   case $part in
     copies)
       log "host_copies"
-      PYTHONPATH="$PWD" python3 benchmarks/host_copies.py --layers 16 --elements 100000000 \
+      PYTHONPATH="$PWD" python3 docs/results/2026-11-27_1xH100/host_copies/host_copies.py --layers 16 --elements 100000000 \
         --forms stacked,trainer,grouped 2>&1 | grep -v "^W\|^I0" | tee "$OUT/host_copies.log" ;;
     small)
       run small_device grouped --preset "$SMALL" --seq "$SEQ1" --batch 4 --steps "$STEPS" \

@@ -31,7 +31,8 @@ except in ``mixed``):
 Prints one table: ms per step, and GB/s of moment bytes moved (both moments, both ways for
 the updates). Usage (one GPU):
 
-    python benchmarks/host_copies.py [--layers 16] [--elements 50000000]
+    python docs/results/2026-11-27_1xH100/host_copies/host_copies.py [--layers 16]
+        [--elements 50000000]
 
 On a CPU it runs with small sizes to check itself (`--elements 1000`).
 """
