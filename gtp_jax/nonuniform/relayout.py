@@ -206,13 +206,17 @@ def relayout(state: Any, splits: Any, src: Mesh, dst: Mesh, axis: str = "tp") ->
                               or _names(entries[split.dim]) != (axis,)):
                 raise UsageError(f"{where}: leaf {name} has spec {sh.spec} but LeafSplit.dim="
                                  f"{split.dim}; the spec must name {axis!r} alone on that dim.")
-            entries[split.dim] = axis
+            if whole:  # put the axis back where the split says (trailing Nones trimmed)
+                entries[split.dim] = axis
+                while entries and entries[-1] is None:
+                    entries.pop()
             if x.shape[split.dim] != split.stored_size(n_old):
                 raise UsageError(
                     f"{where}: leaf {name} has {x.shape[split.dim]} rows on dim {split.dim}, "
                     f"not the stored size {split.stored_size(n_old)} of LeafSplit(size="
                     f"{split.size}, fused={split.fused}) at {axis}={n_old}; fix its split.")
-        jobs.append(("array", x, P(*entries) if split is not None else sh.spec, split))
+        jobs.append(("array", x, P(*entries) if split is not None and whole else sh.spec,
+                     split))
     out = []
     for kind, x, spec, split in jobs:
         target = NamedSharding(dst, spec)
