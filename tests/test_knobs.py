@@ -5,6 +5,7 @@ host-memory check of simulated CPU runs (`gtp_jax.train.memory.check_host_memory
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import jax
 import jax.numpy as jnp
@@ -29,7 +30,7 @@ from gtp_jax.train import memory as train_memory
 from gtp_jax.train.cli import _parser
 from gtp_jax.train.cli import main as cli_main
 from gtp_jax.train.config import model_json, resolve_auto
-from gtp_jax.train.job_file import expand_job_file
+from gtp_jax.train.job_file import PathArg, expand_job_file
 from gtp_jax.train.memory import (
     POOL_GROWTH,
     check_host_memory,
@@ -215,7 +216,9 @@ def test_job_file_sets_flags_and_flags_override(tmp_path) -> None:
     args = _args(tmp_path, text)
     assert (args.steps, args.lr, args.grad_accum, args.lr_schedule) == (7, 1e-3, 2, "wsd")
     assert args.overlap is True and args.unroll_layers is False
-    assert args.data == ["a.txt", "b.txt"] and args.log_dir == "logs"
+    # Relative to the job file's folder (test_job_file_paths_are_relative_to_the_file).
+    assert args.data == [str(tmp_path / "a.txt"), str(tmp_path / "b.txt")]
+    assert args.log_dir == str(tmp_path / "logs")
     args = _args(tmp_path, text, "--steps", "9", "--lr-schedule=cosine", "--unroll-layers")
     assert (args.steps, args.lr_schedule, args.unroll_layers, args.lr) == (9, "cosine", True,
                                                                            1e-3)
@@ -324,3 +327,55 @@ def test_the_clip_takes_the_global_norm_in_float32_and_matches_optax_on_float32(
     kept, _ = clip_by_global_norm(norm * 1.0001).update(narrow, optax.EmptyState())
     for a, b in zip(kept, narrow):  # under the threshold: unchanged
         np.testing.assert_array_equal(a, b)
+
+
+def test_job_file_that_is_not_utf8_is_one_line(tmp_path, capsys) -> None:
+    path = tmp_path / "job.toml"
+    path.write_bytes(b"steps = 2\n# caf\xe9 in Latin-1\n")
+    assert cli_main(["train", "--config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "is not UTF-8 text (byte 0xe9" in err, err
+
+
+def test_job_file_paths_are_relative_to_the_file(tmp_path, monkeypatch) -> None:
+    """A job requeued from another folder finds its checkpoints, data and logs again: the
+    file's relative paths name the same places wherever the command runs."""
+    jobs, elsewhere = tmp_path / "jobs", tmp_path / "elsewhere"
+    jobs.mkdir()
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    text = ('checkpoint-dir = "runs/a"\ndata = ["corpus/a.txt", "/abs/b.txt"]\n'
+            'tokenizer = "tok/tokenizer.json"\nlog-dir = "~/logs"\ncompile-cache = "off"\n'
+            'init-from = "gs://bucket/run"\nmetrics-json = "m.json"\n')
+    path = jobs / "job.toml"
+    path.write_text(text)
+    args = _parser().parse_args(expand_job_file(_parser(), ["train", "--config", "../jobs/job.toml",
+                                                            "--export-hf", "out"]))
+    assert args.checkpoint_dir == str(jobs / "runs/a")
+    assert args.data == [str(jobs / "corpus/a.txt"), "/abs/b.txt"]
+    assert args.tokenizer == str(jobs / "tok/tokenizer.json")
+    assert args.metrics_json == str(jobs / "m.json")
+    assert args.log_dir == os.path.expanduser("~/logs")
+    assert (args.compile_cache, args.init_from) == ("off", "gs://bucket/run")
+    assert args.export_hf == "out"  # the command line's own paths: the working folder's
+
+
+def test_every_path_flag_is_marked_for_job_files() -> None:
+    """A path flag added later without `PathArg` would resolve against the working folder
+    from a job file: every flag that names a file or folder must carry it."""
+    train = next(a for a in _parser()._actions if a.dest == "command").choices["train"]
+    paths = {a.option_strings[0] for a in train._actions
+             if a.metavar in ("DIR", "PATH") or a.dest.endswith(("_dir", "_json"))
+             or a.dest in ("data", "val_data", "tokenizer", "init_from", "export_hf")}
+    paths.discard("--config")
+    unmarked = sorted(f for f in paths
+                      if not isinstance(next(a for a in train._actions
+                                             if f in a.option_strings).type, PathArg))
+    assert len(paths) >= 12 and not unmarked, unmarked
+
+
+@pytest.mark.parametrize("text, resume", [("resume = true\n", True),
+                                          ('resume = "auto"\n', "auto"),
+                                          ("resume = false\n", False)])
+def test_job_file_resume_takes_a_bool_or_auto(tmp_path, text, resume) -> None:
+    assert _args(tmp_path, 'checkpoint-dir = "ck"\n' + text).resume == resume

@@ -86,6 +86,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from gtp_jax.base.errors import UsageError, UsageTypeError
+from gtp_jax.base.paths import local_path
 from gtp_jax.train.fingerprint import digest
 from gtp_jax.train.layout import (
     array_info,
@@ -150,7 +151,11 @@ class CheckpointConfig:
             raise UsageError(
                 f"CheckpointConfig.directory={self.directory!r} must be a non-empty path."
             )
-        if "://" not in directory:  # keep gs:// and other URLs as given
+        try:
+            directory = local_path(directory, storage=True)
+        except UsageError as err:
+            raise UsageError(f"CheckpointConfig.directory={err}.") from None
+        if "://" not in directory:  # keep gs:// and other object stores as given
             directory = os.path.abspath(directory)
         object.__setattr__(self, "directory", directory)
         for name, minimum in (("every", 0), ("keep", 1)):

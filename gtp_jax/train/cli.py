@@ -13,13 +13,13 @@ import math
 import re
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 from gtp_jax.base.compile_cache import HELP as COMPILE_CACHE_HELP
 from gtp_jax.base.compile_cache import compile_cache_dir, use_compile_cache
 from gtp_jax.base.errors import UsageError
-from gtp_jax.base.xla_flags import simulate_cpu_devices
-from gtp_jax.train.job_file import expand_job_file
+from gtp_jax.base.xla_flags import MAX_SIMULATED_DEVICES, simulate_cpu_devices
+from gtp_jax.train.job_file import PathArg, expand_job_file
 from gtp_jax.train.optim import LR_SCHEDULES
 
 #: ``planner(cfg, fixed layout fields, memory GiB or None) -> laid-out cfg`` (``--plan auto``).
@@ -107,6 +107,21 @@ def _fail(err: BaseException, code: int) -> int:
     return code
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse whose mistakes (an unknown flag, ``--lr abc``) are one line, ``error: ...``
+    naming the flag, with exit status 2, instead of the whole usage text."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"error: {' '.join(message.split()).rstrip('.')} ({self.prog} --help "
+                     "lists the options).\n")
+
+
+#: The ``type`` of path flags (see `PathArg`): relative to a job file's folder when set there.
+PATH = PathArg()
+#: Checkpoint directories: also the object stores orbax writes to (gs://, ...).
+STORAGE_PATH = PathArg(urls=True)
+
+
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Shows defaults, except None ones (their help says what an unset flag means)."""
 
@@ -117,7 +132,7 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="python -m gtp_jax",
         description="gtp_jax: Generalized Tensor Parallelism for JAX.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -241,32 +256,32 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--memory-gib", type=float, default=None,
                        help="with --plan auto: the budget per device in GiB (default: the "
                        "device's memory)")
-    train.add_argument("--compile-cache", default=None, metavar="DIR",
+    train.add_argument("--compile-cache", default=None, metavar="DIR", type=PathArg("off"),
                        help=COMPILE_CACHE_HELP)
 
     hf = train.add_argument_group("Hugging Face checkpoints (Llama family; docs/models.md)")
-    hf.add_argument("--init-from-hf", default=None, metavar="DIR",
+    hf.add_argument("--init-from-hf", default=None, metavar="DIR", type=PATH,
                     help="start from this checkpoint's weights; its config.json sets the "
                          "model shape (--preset is not used)")
-    hf.add_argument("--export-hf", default=None, metavar="DIR",
+    hf.add_argument("--export-hf", default=None, metavar="DIR", type=PATH,
                     help="write the trained model there as a Hugging Face checkpoint")
     data = train.add_argument_group(
         "data (default: the bundled byte corpus; docs/data.md)")
-    data.add_argument("--data", nargs="+", default=None, metavar="PATH",
+    data.add_argument("--data", nargs="+", default=None, metavar="PATH", type=PATH,
                       help="text or JSONL files, or folders of them (*.txt, *.md, *.jsonl), "
                            "tokenized once into a token file beside them and reused")
-    data.add_argument("--tokenizer", default=None, metavar="DIR",
+    data.add_argument("--tokenizer", default=None, metavar="DIR", type=PATH,
                       help="Hugging Face tokenizer folder (tokenizer.json) for --data; the "
                            "model's vocabulary is its size")
     data.add_argument("--data-field", default="text", metavar="KEY",
                       help="the JSONL key holding each document's text")
-    data.add_argument("--val-data", nargs="+", default=None, metavar="PATH",
+    data.add_argument("--val-data", nargs="+", default=None, metavar="PATH", type=PATH,
                       help="held-out files for the validation loss (instead of "
                            "--val-fraction)")
     data.add_argument("--val-fraction", type=float, default=None,
                       help="share of --data's tokens held out for the validation loss "
                            "(default 0.05)")
-    data.add_argument("--data-cache", default=None, metavar="DIR",
+    data.add_argument("--data-cache", default=None, metavar="DIR", type=PATH,
                       help="where token files go when the data's folder is not writable "
                            "(default ~/.cache/gtp_jax/tokens)")
     data.add_argument("--eval-every", type=int, default=0, metavar="N",
@@ -289,7 +304,7 @@ def _parser() -> argparse.ArgumentParser:
 
     ckpt = train.add_argument_group("checkpoints (orbax; sharded, each process writes its own "
                                     "shards)")
-    ckpt.add_argument("--checkpoint-dir", default=None,
+    ckpt.add_argument("--checkpoint-dir", default=None, type=STORAGE_PATH,
                       help="save checkpoints here (shared by all processes)")
     ckpt.add_argument("--checkpoint-every", type=int, default=0,
                       help="save every K steps (0: only after the last step)")
@@ -301,7 +316,7 @@ def _parser() -> argparse.ArgumentParser:
                            "(the mesh may differ from the saving run's); --resume auto: the "
                            "same, or start a new run if nothing was saved there yet (one "
                            "command to start a job and to requeue it)")
-    ckpt.add_argument("--init-from", default=None, metavar="DIR",
+    ckpt.add_argument("--init-from", default=None, metavar="DIR", type=STORAGE_PATH,
                       help="start a new run from the weights of the newest intact checkpoint "
                            "in DIR (any mesh; same model shape), with a fresh optimizer and "
                            "this run's hyperparameters")
@@ -324,13 +339,13 @@ def _parser() -> argparse.ArgumentParser:
                       help="how long to wait for every process to join the run")
 
     obs = train.add_argument_group("observability")
-    obs.add_argument("--profile-dir", default=None,
+    obs.add_argument("--profile-dir", default=None, type=PATH,
                      help="write a jax.profiler trace (incl. perfetto_trace.json.gz) here")
     obs.add_argument("--profile-steps", default=None, metavar="A:B",
                      help="steps to trace, inclusive; unset: the 3 steps after the first")
-    obs.add_argument("--metrics-json", default=None, metavar="PATH",
+    obs.add_argument("--metrics-json", default=None, metavar="PATH", type=PATH,
                      help="write per-step metrics and the summary as JSON at the end")
-    obs.add_argument("--log-dir", default=None, metavar="DIR",
+    obs.add_argument("--log-dir", default=None, metavar="DIR", type=PATH,
                      help="stream metrics while training: DIR/metrics.jsonl (flushed per "
                      "logged step) and TensorBoard event files (pip install "
                      "'gtp-jax[tensorboard]')")
@@ -438,6 +453,18 @@ def main(argv: list[str] | None = None, *, planner: Planner | None = None) -> in
     """``python -m gtp_jax train [options]``; `planner` is the ``--plan auto`` layout choice
     (`gtp_jax.plan.cli.auto_layout`, a higher layer, passed in by ``python -m gtp_jax``)."""
     try:
+        return _main(argv, planner)
+    except KeyboardInterrupt:
+        # Only reached outside the training loop's signal handlers (which stop after the
+        # step in flight and save): checks, planning and building, before anything is
+        # written.
+        print("gtp_jax train: interrupted (Ctrl-C) before training started; nothing was "
+              "trained or saved.", file=sys.stderr, flush=True)
+        return 128 + 2  # SIGINT, as a shell reports a process it interrupted
+
+
+def _main(argv: list[str] | None, planner: Planner | None) -> int:
+    try:
         argv = expand_job_file(_parser(), sys.argv[1:] if argv is None else list(argv))
     except UsageError as err:
         return _fail(err, 2)
@@ -474,6 +501,16 @@ def main(argv: list[str] | None = None, *, planner: Planner | None = None) -> in
     total = math.prod(cpu_sizes.values())
     if dist.num_processes and total % dist.num_processes:  # fail before joining a run
         return _processes_error(dist.num_processes, total)
+    if total > MAX_SIMULATED_DEVICES * (dist.num_processes or 1):
+        # On a CPU host each process simulates its share of the mesh; so many devices only
+        # make sense on accelerators, where this count is never simulated (a CPU backend
+        # asked for a million devices would take minutes and gigabytes before any message).
+        given = " ".join(f"--{k} {v}" for k, v in sizes.items() if v is not None)
+        return _fail(UsageError(
+            f"the mesh {given} has {total} devices: more than the "
+            f"{MAX_SIMULATED_DEVICES} CPU devices one process simulates; choose mesh "
+            "sizes whose product fits (dp*ep*gtp*cp*tp) or run on accelerators with "
+            "several processes (--num-processes)."), 2)
 
     from gtp_jax.train.distributed import (  # noqa: PLC0415
         DistributedJoinError,
@@ -572,7 +609,8 @@ def _run(args: argparse.Namespace, sizes: dict[str, int | None], cpu_sizes: dict
     except UsageError as err:  # other exceptions are bugs: they keep their traceback
         if jax.default_backend() == "cpu" and any(v is None for v in sizes.values()) and (
                 type(err).__name__ != "DeviceMemoryError") and (
-                "TrainConfig.batch_size" in str(err) or "the mesh dp*ep*gtp*cp*tp" in str(err)):
+                "must be a multiple of dp" in str(err) or "grad_accum*dp" in str(err)
+                or "the mesh dp*ep*gtp*cp*tp" in str(err)):
             given = {k: v for k, v in cpu_sizes.items() if sizes[k] is None}
             err = UsageError(f"{err} (with defaults {given} for the mesh sizes not given; "
                              "pass --dp/--gtp/--tp/--ep/--cp explicitly)")

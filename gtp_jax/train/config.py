@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gtp_jax.base.config import FP8_COMPUTE_RECIPES, GTPConfig
+from gtp_jax.base.config import FP8_COMPUTE_RECIPES, GTPConfig, check_patterns
 from gtp_jax.base.errors import UsageError, UsageTypeError
 from gtp_jax.data import VOCAB_SIZE
 from gtp_jax.models import TransformerConfig, preset
@@ -40,6 +40,8 @@ AUTO_FIELDS = ("dtype", "gather_dtype", "remat")
 #: Model options that change how the step computes, not what: a run may resume with others.
 MODEL_MAY_DIFFER = frozenset({"remat", "tp_overlap", "attention_impl", "unroll_layers",
                               "swiglu_backend", "cp_attention_backend"})
+#: Tokens of one step's batch the loss can count (`gtp_jax.models.cross_entropy`: int32).
+MAX_TOKENS_PER_STEP = 2**31 - 1
 _GATHER_FORMATS = (None, "fp8", "mxfp8", "nvfp4")
 _REMAT = ("auto", "none", "dots", "full")
 _ATTENTION = ("auto", "cudnn", "xla")
@@ -211,7 +213,8 @@ class TrainConfig:
         if not isinstance(exclude, (tuple, list)) or not all(isinstance(p, str) for p in exclude):
             raise UsageTypeError(f"TrainConfig.offload_exclude={self.offload_exclude!r} must be "
                                  "a sequence of regular expressions, e.g. ('blocks/mlp/down',).")
-        object.__setattr__(self, "offload_exclude", tuple(exclude))
+        object.__setattr__(self, "offload_exclude",
+                           check_patterns("TrainConfig.offload_exclude", exclude))
         if self.offload_exclude and not self.offload_optimizer:
             raise UsageError(f"TrainConfig.offload_exclude={self.offload_exclude!r} needs "
                              "TrainConfig.offload_optimizer (it keeps some of an offloaded "
@@ -256,6 +259,12 @@ class TrainConfig:
                                  decay_steps=self.decay_steps,
                                  clip_grad_norm=self.clip_grad_norm, adam_b1=self.adam_b1,
                                  adam_b2=self.adam_b2, adam_eps=self.adam_eps)
+        if self.batch_size * self.seq_len > MAX_TOKENS_PER_STEP:
+            raise UsageError(
+                f"TrainConfig.batch_size={self.batch_size} x TrainConfig.seq_len={self.seq_len}"
+                f" = {self.batch_size * self.seq_len} tokens per step: at most "
+                f"{MAX_TOKENS_PER_STEP} (the loss counts them in int32); lower "
+                "TrainConfig.batch_size or TrainConfig.seq_len.")
         shards = self.dp * self.ep * self.gtp
         fit = max(shards, self.batch_size // shards * shards)
         if self.batch_size % shards:
