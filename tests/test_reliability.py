@@ -390,6 +390,75 @@ def test_train_stops_before_saving_a_non_finite_state(tmp_path: Path,
     assert not (directory / LOCK_FILE).exists()  # released after the failure
 
 
+def test_full_disk_is_one_line_and_keeps_the_older_checkpoints(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    # The disk fills after two saves: the third does not fit. orbax used to fail part way
+    # in its writer threads (179 tracebacks); the save is refused before it writes.
+    import gtp_jax.train.checkpoint as checkpoint_module
+
+    real = shutil.disk_usage
+    saves = []
+
+    def filling(path):
+        usage = real(path)
+        saves.append(path)
+        return usage._replace(free=usage.free if len(saves) < 3 else 1 << 20)
+
+    monkeypatch.setattr(checkpoint_module.shutil, "disk_usage", filling)
+    directory = tmp_path / "ck"
+    flags = ["train", "--steps", "4", "--batch", "8", "--seq", "32", "--warmup", "1",
+             "--checkpoint-dir", str(directory), "--checkpoint-every", "1"]
+    assert cli_main(flags) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(
+        f"error: no room to save checkpoint step 3 in --checkpoint-dir={str(directory)!r} "
+        "(it needs about "), err
+    assert ("MiB are free); the older checkpoints (steps [1, 2]) are kept, so the run can "
+            "continue from step 2. Free disk space, lower --keep-checkpoints or choose another "
+            "--checkpoint-dir, then run the same command with --resume auto.") in err
+    ckpt = Checkpointer(CheckpointConfig(directory))
+    assert ckpt.all_steps() == [1, 2]
+    ckpt.verify(2)
+    ckpt.close()
+    assert not (directory / LOCK_FILE).exists()
+    # Space freed: the same command with --resume auto continues from step 2.
+    monkeypatch.setattr(checkpoint_module.shutil, "disk_usage", real)
+    assert cli_main([*flags, "--resume", "auto"]) == 0
+    assert "resumed from" in capsys.readouterr().out
+
+
+def test_disk_full_while_writing_is_reported_once(tmp_path: Path, mesh_dp2_gtp4,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    # Space taken by someone else between the check and the write: orbax's error (text
+    # from tensorstore) becomes the same one error, and closing does not raise it again.
+    from gtp_jax.train.checkpoint import CheckpointWriteError
+
+    model = _linear(mesh_dp2_gtp4)
+    ckpt = Checkpointer(CheckpointConfig(tmp_path / "ck"))
+    ckpt.save(1, model)
+    ckpt.wait()
+
+    errors = [ValueError('RESOURCE_EXHAUSTED: Error writing "w/0" in OCDBT database: Failed '
+                         "to write 1276773 bytes to file 4: No space left on device "
+                         "[os_error_code='28']"), ValueError("unrelated")]
+    wait = ckpt._manager.wait_until_finished
+
+    def failing() -> None:  # as orbax: a background write's error is raised once
+        if errors:
+            raise errors.pop(0)
+        wait()
+
+    monkeypatch.setattr(ckpt._manager, "wait_until_finished", failing)
+    with pytest.raises(CheckpointWriteError, match=r"no room to save checkpoint step 1 .*"
+                                                   r"the file system is full\); the older "
+                                                   r"checkpoints \(steps \[1\]\) are kept"):
+        ckpt.save(2, model)
+    with pytest.raises(ValueError, match="unrelated"):  # other errors pass unchanged
+        ckpt.wait()
+    ckpt.close()
+
+
 # ---------------------------------------------------------------------- resume checks
 
 

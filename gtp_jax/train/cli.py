@@ -271,8 +271,9 @@ def _parser() -> argparse.ArgumentParser:
                       help="text or JSONL files, or folders of them (*.txt, *.md, *.jsonl), "
                            "tokenized once into a token file beside them and reused")
     data.add_argument("--tokenizer", default=None, metavar="DIR", type=PATH,
-                      help="Hugging Face tokenizer folder (tokenizer.json) for --data; the "
-                           "model's vocabulary is its size")
+                      help="Hugging Face tokenizer folder (holding tokenizer.json), or the "
+                           "tokenizer.json file itself, for --data; the model's vocabulary "
+                           "is its size")
     data.add_argument("--data-field", default="text", metavar="KEY",
                       help="the JSONL key holding each document's text")
     data.add_argument("--val-data", nargs="+", default=None, metavar="PATH", type=PATH,
@@ -405,7 +406,7 @@ def _text_data(args: argparse.Namespace) -> object | None:
         return None
     if args.tokenizer is None:
         raise UsageError("--data needs --tokenizer DIR (a Hugging Face tokenizer folder with "
-                         "tokenizer.json).")
+                         "tokenizer.json, or that file).")
     if args.val_data is not None and args.val_fraction is not None:
         raise UsageError("--val-data and --val-fraction both choose the held-out text; pass "
                          "one of them.")
@@ -566,8 +567,8 @@ def _run(args: argparse.Namespace, sizes: dict[str, int | None], cpu_sizes: dict
          data: object | None = None, planner: Planner | None = None) -> int:
     import jax  # noqa: PLC0415
 
-    from gtp_jax.train import TrainConfig, train  # noqa: PLC0415
-    from gtp_jax.train.preempt import stop_on_signals  # noqa: PLC0415
+    from gtp_jax.train import CheckpointWriteError, TrainConfig, train  # noqa: PLC0415
+    from gtp_jax.train.preempt import RESUMABLE_EXIT, RunStopped, stop_on_signals  # noqa: PLC0415
     from gtp_jax.train.resume import RunFinished  # noqa: PLC0415
 
     primary = jax.process_index() == 0
@@ -617,32 +618,47 @@ def _run(args: argparse.Namespace, sizes: dict[str, int | None], cpu_sizes: dict
         return _fail(err, 2)
     except FloatingPointError as err:  # NaN/inf loss or state: not a bug, not a usage error
         return _fail(err, 1)
+    except CheckpointWriteError as err:  # a full disk: the older checkpoints are kept
+        return _fail(err, 1)
     except RunFinished as done:  # a re-launch of a completed run: nothing to do, no error
         if primary:
             print(f"gtp_jax train: {cli_message(done)}", flush=True)
         return 0
+    except RunStopped as early:  # a signal before the first step: nothing to save
+        if primary:
+            kept = (f"; its checkpoint of step {early.step} is kept" if early.step else "")
+            print(f"gtp_jax train: {early}{kept}; run the same command to "
+                  f"{'continue' if early.step else 'start'} it (exit status "
+                  f"{RESUMABLE_EXIT}: unfinished).", flush=True)
+        return RESUMABLE_EXIT
     if result.stopped_by is not None:
-        return _stopped(result, primary)
+        return _stopped(result, primary, args.steps, args.export_hf)
     if primary:
         print(result.summary(), flush=True)
     return 0
 
 
-def _stopped(result: object, primary: bool) -> int:
-    """One line for a run stopped by a signal; status 0 when its checkpoint was saved (a
-    requeued job continues from it), else 128 + the signal's number."""
+def _stopped(result: object, primary: bool, steps: int, export_hf: str | None) -> int:
+    """One line for a run stopped by a signal. Never status 0, which would let ``train &&
+    upload`` publish a partial run: `RESUMABLE_EXIT` when its checkpoint was saved (a
+    requeued job continues from it), else 128 + the signal's number (the steps are lost)."""
     import signal  # noqa: PLC0415
+
+    from gtp_jax.train.preempt import RESUMABLE_EXIT  # noqa: PLC0415
 
     step = result.first_step + len(result.losses) - 1
     saved = result.checkpoint_dir is not None and step in result.checkpoint_steps
+    number = getattr(signal, result.stopped_by.split()[0], 0)  # "SIGTERM on process 1"
+    code = RESUMABLE_EXIT if saved else 128 + int(number)
     if primary:
         where = (f"checkpoint saved in {result.checkpoint_dir!r}; run the same command with "
                  "--resume auto to continue" if saved else
                  "no --checkpoint-dir, nothing was saved")
-        print(f"gtp_jax train: stopped by {result.stopped_by} after step {step}: {where}.",
-              flush=True)
-    number = getattr(signal, result.stopped_by.split()[0], 0)  # "SIGTERM on process 1"
-    return 0 if saved else 128 + int(number)
+        unexported = (f"; --export-hf {export_hf!r} is written only when the run finishes"
+                      if export_hf is not None else "")
+        print(f"gtp_jax train: stopped by {result.stopped_by} after step {step} of {steps}: "
+              f"{where} (exit status {code}: unfinished){unexported}.", flush=True)
+    return code
 
 
 #: The placeholder mesh of a run whose layout the planner chooses.
