@@ -479,11 +479,14 @@ def _other_value(value: object) -> object:
 
 
 def test_resume_compares_every_field_that_is_not_layout_only() -> None:
-    cfg = TrainConfig(steps=6, schedule_steps=6, moe_experts=4, moe_top_k=2)
+    # The schedule set explicitly (None would adopt the checkpoint's, by design).
+    cfg = TrainConfig(steps=6, schedule_steps=6, warmup=1, schedule_version=2, moe_experts=4,
+                      moe_top_k=2)
     assert RESUME_MAY_DIFFER <= {f.name for f in dataclasses.fields(TrainConfig)}
     compared = [f.name for f in dataclasses.fields(TrainConfig)
                 if f.name not in RESUME_MAY_DIFFER]
-    assert {"moe_top_k", "moe_capacity_factor", "lr", "dtype", "schedule_steps"} <= set(compared)
+    assert {"moe_top_k", "moe_capacity_factor", "lr", "dtype", "schedule_steps", "warmup",
+            "schedule_version"} <= set(compared)
     for name in compared:
         meta = _meta(cfg)
         # Change the saved value directly (some changed values would not validate).
@@ -536,6 +539,25 @@ def test_extending_a_finished_run_equals_an_uninterrupted_run(tmp_path: Path) ->
     schedule = train_module.make_optimizer(dataclasses.replace(RUN, schedule_steps=4))
     assert schedule is train_module.make_optimizer(
         _check_resume(again, model_config(again), meta, "/ck"))
+
+
+def test_an_extended_run_trains_its_added_steps_at_the_final_rate(tmp_path: Path) -> None:
+    """The README's promise with the defaults, end to end: a 6-step run extended to 12.
+    It used to warm up over 10 steps (step 1 at rate 0), keep warming up to the peak in the
+    added steps, then drop 10x in one step."""
+    common = ["train", "--batch", "8", "--seq", "32", "--checkpoint-dir", str(tmp_path / "ck"),
+              "--resume", "auto", "--log-every", "1"]
+    lrs = {}
+    for steps in (6, 12):
+        logs = tmp_path / f"logs{steps}"
+        assert cli_main([*common, "--steps", str(steps), "--log-dir", str(logs)]) == 0
+        lrs.update({r["step"]: r["lr"] for r in map(
+            json.loads, (logs / "metrics.jsonl").read_text().splitlines())})
+    peak = 3e-3  # --lr's default
+    assert sorted(lrs) == list(range(1, 13))
+    assert peak / 2 < lrs[1] < peak  # no warm-up in 6 steps: the decay's first step
+    assert all(lrs[k] > lrs[k + 1] for k in range(1, 6))
+    np.testing.assert_allclose([lrs[k] for k in range(6, 13)], peak / 10, rtol=1e-5)
 
 
 def test_cli_relaunch_of_a_finished_run_is_one_line_and_status_0(

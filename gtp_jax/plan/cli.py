@@ -51,8 +51,9 @@ def _parser() -> argparse.ArgumentParser:
                         help="optimizer steps of the run (as train's --steps: the LR schedule "
                              "is part of the compiled step, so with JAX's persistent "
                              "compilation cache on, the run reuses the plan's compile)")
-    parser.add_argument("--warmup", type=int, default=10,
-                        help="warm-up steps of the run (as train's --warmup)")
+    parser.add_argument("--warmup", type=int, default=None,
+                        help="warm-up steps of the run (as train's --warmup; default: a tenth "
+                        "of --steps, at most 10)")
     parser.add_argument("--memory-gib", type=float, default=None,
                         help="budget per device in GiB; default: the device's memory "
                         "(none on CPU)")
@@ -148,6 +149,7 @@ def _plan(args: argparse.Namespace) -> int:
     base = TrainConfig(preset=args.preset, layers=args.layers, batch_size=args.batch,
                        seq_len=args.seq, steps=args.steps, warmup=args.warmup,
                        dtype=args.dtype, dp=1, gtp=1)
+    base.with_schedule()  # a warm-up the run would refuse, refused before planning
     t0 = time.perf_counter()
     parts: dict[str, float] = {}
     cal = calibration(resolve_auto(base).dtype, refresh=args.calibrate, timings=parts)
@@ -174,8 +176,8 @@ def _plan(args: argparse.Namespace) -> int:
     print(f"planned in {t2 - t0:.1f} s: rates {t1 - t0:.1f} s{rates}, {compiled} layouts "
           f"compiled in {t2 - t1:.1f} s")
     if result.best is not None:
-        schedule = "" if (args.steps, args.warmup) == (100, 10) else (
-            f"--steps {args.steps} --warmup {args.warmup} ")
+        schedule = ("" if args.steps == 100 else f"--steps {args.steps} ") + (
+            "" if args.warmup is None else f"--warmup {args.warmup} ")
         layers = "" if args.layers is None else f"--layers {args.layers} "
         print(f"best: python -m gtp_jax train --preset {args.preset} {layers}--batch "
               f"{args.batch} --seq {args.seq} {schedule}{result.best.layout.flags()}")

@@ -63,6 +63,7 @@ FLAGS = {
     "TrainConfig.offload_master_weights": "--offload-master-weights",
     "TrainConfig.unroll_layers": "--[no-]unroll-layers",
     "TrainConfig.schedule_steps": "schedule_steps (no flag; kept from the checkpoint)",
+    "TrainConfig.schedule_version": "schedule_version (no flag; kept from the checkpoint)",
     "TrainConfig.init_from_hf": "--init-from-hf", "TrainConfig.export_hf": "--export-hf",
     "TrainConfig.init_from": "--init-from",
     "CheckpointConfig.directory": "--checkpoint-dir",
@@ -174,7 +175,9 @@ def _parser() -> argparse.ArgumentParser:
                        help="context-parallel size: sequences split over cp devices, ring "
                        "attention (default 1)")
     train.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
-    train.add_argument("--warmup", type=int, default=10, help="warm-up steps")
+    train.add_argument("--warmup", type=int, default=None,
+                       help="warm-up steps: step k of them trains at k/warmup of --lr "
+                       "(default: a tenth of --steps, at most 10; a resumed run keeps its own)")
     opt = train.add_argument_group("optimizer (AdamW; docs/training_options.md)")
     opt.add_argument("--lr-schedule", choices=LR_SCHEDULES, default="cosine",
                      help="after the linear warm-up: cosine or linear decay to 10%% of --lr, "

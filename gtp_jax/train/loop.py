@@ -220,6 +220,8 @@ def _train(cfg: TrainConfig, *, on_step: OnStep | None, progress: bool,
     source = DataSource.check(None) if source is None else source
     cfg, candidates = select_candidates(cfg, model_config(cfg), ckpt, auto=auto,
                                         source=source.fingerprint() if ckpt else None)
+    # Recorded explicitly in checkpoints, so extending the run keeps this schedule.
+    cfg = cfg.with_schedule()
     model_cfg = model_config(cfg)
     # A warm start applies to a new run only; a resumed one continues its own weights.
     warm = check_init_from(cfg, model_cfg) if cfg.init_from and not candidates else None
@@ -234,9 +236,6 @@ def _train(cfg: TrainConfig, *, on_step: OnStep | None, progress: bool,
     held_out = (source.eval_batches(cfg.batch_size, cfg.seq_len, cfg.eval_batches)
                 if cfg.eval_every else None)
     # Validation: nothing below this line fails on user input before training starts.
-    if cfg.schedule_steps is None:
-        # Recorded explicitly in checkpoints, so extending the run keeps this schedule.
-        cfg = dataclasses.replace(cfg, schedule_steps=cfg.steps)
     window = observe.profile_window((candidates[0][0] if candidates else 0) + 1, cfg.steps)
     if on_start is not None:
         on_start(cfg, model_cfg)
