@@ -249,7 +249,7 @@ def _train(cfg: TrainConfig, *, on_step: OnStep | None, progress: bool,
         print(f"gtp_jax train: resumed from {os.path.join(ckpt.config.directory, str(start))} "
               f"(step {start} of {cfg.steps})", flush=True)
     if stop is not None and stop.agreed(start):  # no step started: nothing to save
-        raise RunStopped(stop.name, "building the model", start)
+        raise RunStopped(stop.name, "preparing the run", start)
     batcher = source.batcher(cfg.batch_size, cfg.seq_len, cfg.seed,
                              meta["extra"]["data"] if meta is not None else None)
     loss_fn = functools.partial(lm_loss, aux_weight=model_cfg.moe_aux_weight)

@@ -50,7 +50,7 @@ class RunStopped(Exception):  # noqa: N818 - not an error: the run was asked to 
 
     Attributes:
       cause: what stopped it (`StopRequest.name`, e.g. ``"SIGTERM"``).
-      during: what the run was doing, e.g. ``"tokenizing the data"``.
+      during: what the run was doing: ``"tokenizing the data"``, ``"preparing the run"``.
       step: the checkpoint step the run was resuming from (0: a new run).
     """
 
