@@ -28,12 +28,15 @@ from gtp_jax.train import (
     RESUMABLE_EXIT,
     CheckpointConfig,
     Checkpointer,
+    RunStopped,
     TrainConfig,
     TrainStep,
+    train,
 )
 from gtp_jax.train.cli import main as cli_main
 from gtp_jax.train.data_source import DataSource
 from gtp_jax.train.loop import _global_batch, build_model_and_optimizer
+from gtp_jax.train.preempt import StopRequest
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN = ["train", "--steps", "6", "--batch", "8", "--seq", "32", "--warmup", "1"]
@@ -261,3 +264,15 @@ def test_fp8_compute_may_change_on_resume_and_for_a_warm_start(
     assert sorted(p.name for p in ck.iterdir() if p.name.startswith("broken")) == []
     run(2, "--init-from", str(ck), *fp8, "--checkpoint-dir", str(tmp_path / "warm"))
     run(2, "--init-from", str(tmp_path / "warm"))  # histories saved, none wanted
+
+
+def test_a_stop_before_the_first_step_trains_and_saves_nothing(tmp_path: Path) -> None:
+    # A signal while the run is prepared (here: requested before it starts) is honoured
+    # before step 1 instead of after it.
+    stop = StopRequest()
+    stop.request(signal.SIGTERM)
+    with pytest.raises(RunStopped, match=r"stopped by SIGTERM while preparing the run, "
+                                         r"before step 1: nothing was trained"):
+        train(TrainConfig(steps=2, batch_size=8, seq_len=32, dp=2, gtp=4), progress=False,
+              checkpoint=CheckpointConfig(tmp_path / "ck"), stop=stop)
+    assert not Checkpointer(CheckpointConfig(tmp_path / "ck")).all_steps()
