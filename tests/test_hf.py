@@ -268,3 +268,23 @@ def test_checkpoint_without_new_model_fields_resumes() -> None:
     meta["extra"]["model_config"]["rope_factor"] = 2.0
     with pytest.raises(UsageError, match="model rope_factor: checkpoint"):
         _check_resume(cfg, model_config(cfg), meta, "/ck")
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027])
+def test_exported_files_share_the_configs_permissions(umask, tmp_path) -> None:
+    # safetensors wrote owner-only files: a colleague could read config.json but not the
+    # weights, and from_pretrained failed.
+    model = Transformer(preset("tiny", n_kv_heads=2), rngs=nnx.Rngs(0))
+    old = os.umask(umask)
+    try:
+        files = to_hf(model, str(tmp_path / "one"))
+        files += to_hf(model, str(tmp_path / "many"), max_shard_bytes=400_000)
+    finally:
+        os.umask(old)
+    for folder in ("one", "many"):
+        mode = (tmp_path / folder / "config.json").stat().st_mode & 0o777
+        assert mode == 0o666 & ~umask
+        written = sorted(p.name for p in (tmp_path / folder).iterdir())
+        assert {(name, (tmp_path / folder / name).stat().st_mode & 0o777)
+                for name in written} == {(name, mode) for name in written}
+    assert len(files) > 2

@@ -5,6 +5,7 @@ host-memory check of simulated CPU runs (`gtp_jax.train.memory.check_host_memory
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import jax
 import jax.numpy as jnp
@@ -29,7 +30,7 @@ from gtp_jax.train import memory as train_memory
 from gtp_jax.train.cli import _parser
 from gtp_jax.train.cli import main as cli_main
 from gtp_jax.train.config import model_json, resolve_auto
-from gtp_jax.train.job_file import expand_job_file
+from gtp_jax.train.job_file import PathArg, expand_job_file
 from gtp_jax.train.memory import (
     POOL_GROWTH,
     check_host_memory,
@@ -40,7 +41,7 @@ from gtp_jax.train.memory import (
     pinned_host_peak,
     pinned_host_problem,
 )
-from gtp_jax.train.optim import lr_schedule
+from gtp_jax.train.optim import current_lr, lr_schedule
 from gtp_jax.train.resume import check_resume
 from gtp_jax.train.step import accumulate_grads
 
@@ -92,16 +93,20 @@ def test_grad_accum_matches_one_step_on_the_whole_batch() -> None:
     """Two optimizer steps with 2 microbatches of 8 rows = two steps on 16 rows. float32:
     the loss is a mean of 2 means instead of one (rounding ~1e-7 relative). The gradients
     differ by summation order (~1e-6 relative, checked above); AdamW divides each entry by
-    its own magnitude, which amplifies that for entries whose gradient is near rounding
-    noise: measured 2.1e-5 of each parameter's largest entry. 1e-4 bounds it; a wrong
+    its own magnitude: with the default eps (1e-8) its first update is about +-lr for every
+    entry, so an entry whose gradient is rounding noise may move by +-lr either way (1.3e-3
+    of the largest entry measured). With eps 1e-5 such entries barely move, and the rest
+    agree to 1.4e-5 of each parameter's largest entry (measured). 1e-4 bounds it; a wrong
     microbatch changes the update of most entries by O(lr) = 3e-3 of ~0.1 weights."""
-    whole_losses, whole_lrs, whole = _run(CFG)
-    accum_losses, accum_lrs, accum = _run(dataclasses.replace(CFG, grad_accum=2))
+    cfg = dataclasses.replace(CFG, adam_eps=1e-5)
+    whole_losses, whole_lrs, whole = _run(cfg)
+    accum_losses, accum_lrs, accum = _run(dataclasses.replace(cfg, grad_accum=2))
     assert_close(accum_losses, whole_losses, 1e-6, "losses")
-    # The reported LR is the one each update used: the schedule's at counts 0, 1.
+    # The reported LR is the one each update used: the schedule's at counts 0, 1 (steps 1
+    # and 2: the one warm-up step at the peak, the last step at the end rate).
     rate = lr_schedule(CFG.lr, CFG.warmup, CFG.steps)
     assert accum_lrs == whole_lrs == [float(rate(0)), float(rate(1))]
-    assert accum_lrs == [0.0, pytest.approx(CFG.lr, rel=1e-7)]
+    assert accum_lrs == [pytest.approx(CFG.lr, rel=1e-7), pytest.approx(CFG.lr / 10, rel=1e-6)]
     assert accum.keys() == whole.keys()
     for key, value in accum.items():
         assert_close(value, whole[key], 1e-4, str(key))
@@ -109,26 +114,91 @@ def test_grad_accum_matches_one_step_on_the_whole_batch() -> None:
 
 def test_schedules() -> None:
     lr = 1.0
+
+    def rates(schedule, n):  # the rate of steps 1..n (counts 0..n-1)
+        return [float(schedule(i)) for i in range(n)]
+
     wsd = lr_schedule(lr, 2, 10, schedule="wsd", decay_steps=4)
-    # warm-up 0, 0.5; stable 1.0 for steps 2..5; linear decay over steps 6..9 to 10%.
-    np.testing.assert_allclose([float(wsd(i)) for i in range(12)],
-                               [0, .5, 1, 1, 1, 1, 1, .775, .55, .325, .1, .1], atol=1e-6)
+    # warm-up .5, 1; stable 1.0 for steps 3..6; linear decay over steps 7..10 to 10%.
+    np.testing.assert_allclose(rates(wsd, 12), [.5, 1, 1, 1, 1, 1, .775, .55, .325, .1, .1, .1],
+                               atol=1e-6)
     lin = lr_schedule(lr, 0, 4, schedule="linear")
-    np.testing.assert_allclose([float(lin(i)) for i in range(6)],
-                               [1, .775, .55, .325, .1, .1], atol=1e-6)
+    np.testing.assert_allclose(rates(lin, 6), [.775, .55, .325, .1, .1, .1], atol=1e-6)
     const = lr_schedule(lr, 2, 10, schedule="constant")
-    np.testing.assert_allclose([float(const(i)) for i in range(4)], [0, .5, 1, 1], atol=1e-6)
+    np.testing.assert_allclose(rates(const, 4), [.5, 1, 1, 1], atol=1e-6)
     # The default wsd decays over the last 20% of the steps after the warm-up.
     wsd = lr_schedule(lr, 0, 10, schedule="wsd")
-    assert float(wsd(7)) == 1.0 and float(wsd(9)) == pytest.approx(0.55)
-    # Warm-up longer than the run: the rate only warms up (no negative phases).
-    short = lr_schedule(lr, 10, 4, schedule="wsd")
-    np.testing.assert_allclose([float(short(i)) for i in range(4)], [0, .1, .2, .3], atol=1e-6)
+    assert rates(wsd, 10)[7] == 1.0 and rates(wsd, 10)[8] == pytest.approx(0.55)
+    # Version 1 (runs started before version 2): optax's schedules of the update count.
+    wsd = lr_schedule(lr, 2, 10, schedule="wsd", decay_steps=4, version=1)
+    np.testing.assert_allclose(rates(wsd, 12), [0, .5, 1, 1, 1, 1, 1, .775, .55, .325, .1, .1],
+                               atol=1e-6)
+    short = lr_schedule(lr, 10, 4, schedule="wsd", version=1)
+    np.testing.assert_allclose(rates(short, 4), [0, .1, .2, .3], atol=1e-6)
+
+
+@pytest.mark.parametrize("schedule", ["cosine", "linear", "wsd", "constant"])
+@pytest.mark.parametrize("steps, warmup", [(6, None), (12, None), (40, None), (100, None),
+                                           (6, 2), (20, 19), (1, None)])
+def test_every_step_trains_and_the_schedule_ends_where_the_docs_say(schedule, steps,
+                                                                    warmup) -> None:
+    """Step 1 trains (it used to train at rate 0); the warm-up rises to the peak; the last
+    step of a decaying schedule trains at 10% of lr and so does every step added later (an
+    extended 6-step run with the old default 10-step warm-up climbed back to the peak, then
+    dropped 10x in one step)."""
+    if schedule == "constant" and steps == 20:
+        warmup = 20  # the constant schedule may warm up over all of its steps
+    cfg = TrainConfig(steps=steps, warmup=warmup, lr_schedule=schedule).with_schedule()
+    lr, w = cfg.lr, cfg.warmup
+    rate = lr_schedule(lr, w, steps, schedule=schedule)
+    got = [float(rate(k - 1)) for k in range(1, 3 * steps + 1)]  # steps 1 .. 3 * steps
+    assert got[0] > 0
+    np.testing.assert_allclose(got[:w], [lr * k / w for k in range(1, w + 1)], rtol=1e-6)
+    end = lr if schedule == "constant" else lr / 10
+    np.testing.assert_allclose(got[steps - 1:], end, rtol=1e-6)  # the last step and after
+    assert all(a >= b - 1e-9 for a, b in zip(got[w:], got[w + 1:]))  # no rise after warm-up
+
+
+def test_default_warmup_is_a_small_part_of_short_runs() -> None:
+    # The README's runs (6, 10, 40 steps) were all warm-up with the old default of 10.
+    assert [TrainConfig(steps=n).with_schedule().warmup
+            for n in (1, 6, 10, 40, 100, 5000)] == [0, 0, 1, 4, 10, 10]
+    # Refused once the schedule is fixed (a resumed run keeps its checkpoint's length).
+    with pytest.raises(UsageError, match=r"TrainConfig\.warmup=10 leaves no step of the "
+                                         r"6-step schedule .*warmup <= 5, or leave it unset"):
+        TrainConfig(steps=6, warmup=10).with_schedule()
+
+
+def test_a_checkpoint_keeps_the_schedule_it_started_with() -> None:
+    """Recorded once: an extension keeps its warm-up (not a default of the new length), and
+    a checkpoint of version 1 (none recorded) resumes with version 1's rates."""
+    first = resolve_auto(TrainConfig(steps=6, batch_size=16, seq_len=16, dp=2, gtp=4))
+    saved = first.with_schedule()
+    extended = dataclasses.replace(first, steps=120)  # default warm-up of 120 steps: 10
+    kept = check_resume(extended, model_config(extended), _meta(saved), "d")
+    assert (kept.warmup, kept.schedule_steps, kept.schedule_version) == (0, 6, 2)
+    # Written before version 2: warm-up 10 recorded, no schedule_version.
+    old = dataclasses.replace(saved, warmup=10, schedule_version=1)
+    meta = _meta(old, drop=("schedule_version",))
+    resumed = check_resume(extended, model_config(extended), meta, "d")
+    assert (resumed.warmup, resumed.schedule_steps, resumed.schedule_version) == (10, 6, 1)
+    before = optax.schedules.warmup_cosine_decay_schedule(0.0, 3e-3, warmup_steps=10,
+                                                          decay_steps=11, end_value=3e-4)
+    tx = make_optimizer(resumed)
+    params = {"w": jnp.ones((2,))}
+    state = tx.init(params)
+    for count in range(13):
+        _, state = tx.update({"w": jnp.ones((2,))}, state, params)
+        assert float(current_lr(state)) == pytest.approx(float(before(count)), rel=1e-6)
+    with pytest.raises(UsageError, match="schedule_version"):  # not this run's schedule
+        check_resume(dataclasses.replace(extended, schedule_version=2), model_config(extended),
+                     meta, "d")
 
 
 def test_default_optimizer_updates_as_before() -> None:
-    """The defaults reproduce the optimizer of earlier versions (resumed runs continue)."""
-    cfg = TrainConfig(steps=20, warmup=3, lr=1e-2)
+    """Schedule version 1 reproduces the optimizer of earlier versions (their runs resume
+    with it)."""
+    cfg = TrainConfig(steps=20, warmup=3, lr=1e-2, schedule_version=1)
     old = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(
         optax.warmup_cosine_decay_schedule(0.0, 1e-2, warmup_steps=3, decay_steps=20,
                                            end_value=1e-3), b2=0.95, weight_decay=0.1))
@@ -215,7 +285,9 @@ def test_job_file_sets_flags_and_flags_override(tmp_path) -> None:
     args = _args(tmp_path, text)
     assert (args.steps, args.lr, args.grad_accum, args.lr_schedule) == (7, 1e-3, 2, "wsd")
     assert args.overlap is True and args.unroll_layers is False
-    assert args.data == ["a.txt", "b.txt"] and args.log_dir == "logs"
+    # Relative to the job file's folder (test_job_file_paths_are_relative_to_the_file).
+    assert args.data == [str(tmp_path / "a.txt"), str(tmp_path / "b.txt")]
+    assert args.log_dir == str(tmp_path / "logs")
     args = _args(tmp_path, text, "--steps", "9", "--lr-schedule=cosine", "--unroll-layers")
     assert (args.steps, args.lr_schedule, args.unroll_layers, args.lr) == (9, "cosine", True,
                                                                            1e-3)
@@ -324,3 +396,55 @@ def test_the_clip_takes_the_global_norm_in_float32_and_matches_optax_on_float32(
     kept, _ = clip_by_global_norm(norm * 1.0001).update(narrow, optax.EmptyState())
     for a, b in zip(kept, narrow):  # under the threshold: unchanged
         np.testing.assert_array_equal(a, b)
+
+
+def test_job_file_that_is_not_utf8_is_one_line(tmp_path, capsys) -> None:
+    path = tmp_path / "job.toml"
+    path.write_bytes(b"steps = 2\n# caf\xe9 in Latin-1\n")
+    assert cli_main(["train", "--config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "is not UTF-8 text (byte 0xe9" in err, err
+
+
+def test_job_file_paths_are_relative_to_the_file(tmp_path, monkeypatch) -> None:
+    """A job requeued from another folder finds its checkpoints, data and logs again: the
+    file's relative paths name the same places wherever the command runs."""
+    jobs, elsewhere = tmp_path / "jobs", tmp_path / "elsewhere"
+    jobs.mkdir()
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    text = ('checkpoint-dir = "runs/a"\ndata = ["corpus/a.txt", "/abs/b.txt"]\n'
+            'tokenizer = "tok/tokenizer.json"\nlog-dir = "~/logs"\ncompile-cache = "off"\n'
+            'init-from = "gs://bucket/run"\nmetrics-json = "m.json"\n')
+    path = jobs / "job.toml"
+    path.write_text(text)
+    args = _parser().parse_args(expand_job_file(_parser(), ["train", "--config", "../jobs/job.toml",
+                                                            "--export-hf", "out"]))
+    assert args.checkpoint_dir == str(jobs / "runs/a")
+    assert args.data == [str(jobs / "corpus/a.txt"), "/abs/b.txt"]
+    assert args.tokenizer == str(jobs / "tok/tokenizer.json")
+    assert args.metrics_json == str(jobs / "m.json")
+    assert args.log_dir == os.path.expanduser("~/logs")
+    assert (args.compile_cache, args.init_from) == ("off", "gs://bucket/run")
+    assert args.export_hf == "out"  # the command line's own paths: the working folder's
+
+
+def test_every_path_flag_is_marked_for_job_files() -> None:
+    """A path flag added later without `PathArg` would resolve against the working folder
+    from a job file: every flag that names a file or folder must carry it."""
+    train = next(a for a in _parser()._actions if a.dest == "command").choices["train"]
+    paths = {a.option_strings[0] for a in train._actions
+             if a.metavar in ("DIR", "PATH") or a.dest.endswith(("_dir", "_json"))
+             or a.dest in ("data", "val_data", "tokenizer", "init_from", "export_hf")}
+    paths.discard("--config")
+    unmarked = sorted(f for f in paths
+                      if not isinstance(next(a for a in train._actions
+                                             if f in a.option_strings).type, PathArg))
+    assert len(paths) >= 12 and not unmarked, unmarked
+
+
+@pytest.mark.parametrize("text, resume", [("resume = true\n", True),
+                                          ('resume = "auto"\n', "auto"),
+                                          ("resume = false\n", False)])
+def test_job_file_resume_takes_a_bool_or_auto(tmp_path, text, resume) -> None:
+    assert _args(tmp_path, 'checkpoint-dir = "ck"\n' + text).resume == resume

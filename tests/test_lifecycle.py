@@ -24,10 +24,19 @@ from flax import nnx
 import gtp_jax
 from gtp_jax.base.errors import UsageError
 from gtp_jax.models import Transformer, lm_loss, preset
-from gtp_jax.train import CheckpointConfig, Checkpointer, TrainConfig, TrainStep
+from gtp_jax.train import (
+    RESUMABLE_EXIT,
+    CheckpointConfig,
+    Checkpointer,
+    RunStopped,
+    TrainConfig,
+    TrainStep,
+    train,
+)
 from gtp_jax.train.cli import main as cli_main
 from gtp_jax.train.data_source import DataSource
 from gtp_jax.train.loop import _global_batch, build_model_and_optimizer
+from gtp_jax.train.preempt import StopRequest
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN = ["train", "--steps", "6", "--batch", "8", "--seq", "32", "--warmup", "1"]
@@ -92,24 +101,38 @@ def test_sigterm_saves_and_the_same_command_resumes_exactly(
         reference: tuple[Path, list[float]], tmp_path: Path,
         capsys: pytest.CaptureFixture[str]) -> None:
     _, expected = reference
-    flags = [*RUN, "--checkpoint-dir", str(tmp_path / "ck"), "--resume", "auto"]
+    export = tmp_path / "hf"
+    flags = [*RUN, "--checkpoint-dir", str(tmp_path / "ck"), "--resume", "auto",
+             "--export-hf", str(export)]
     proc = _child([*flags, "--metrics-json", str(tmp_path / "first.json")], tmp_path)
     _wait_for_step_2(proc)
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=300)
-    assert proc.returncode == 0, err
+    # Unfinished: not status 0 (`train && upload` must not ship it), nothing exported.
+    assert proc.returncode == RESUMABLE_EXIT == 75, err
     assert "Traceback" not in err and "error" not in err.lower()
     # The host dispatched step 3 before printing step 2, so the run stops after step 4.
     lines = out.strip().splitlines()
-    assert lines[-1].startswith("gtp_jax train: stopped by SIGTERM after step 4: checkpoint "
-                                "saved in"), out
+    assert lines[-1] == (
+        f"gtp_jax train: stopped by SIGTERM after step 4 of 6: checkpoint saved in "
+        f"{str(tmp_path / 'ck')!r}; run the same command with --resume auto to continue "
+        f"(exit status 75: unfinished); --export-hf {str(export)!r} is written only when the "
+        "run finishes."), out
+    assert not export.exists()
     assert Checkpointer(CheckpointConfig(tmp_path / "ck")).all_steps() == [4]
     first = _losses(tmp_path / "first.json")
     assert first == expected[:4]
-    # The requeued job: the same command continues with the uninterrupted run's losses.
-    assert cli_main([*flags, "--metrics-json", str(tmp_path / "second.json")]) == 0
-    assert first + _losses(tmp_path / "second.json") == expected
     capsys.readouterr()
+    # The requeued job: the same command continues with the uninterrupted run's losses,
+    # says where it resumed from, and exports the finished model.
+    assert cli_main([*flags, "--metrics-json", str(tmp_path / "second.json"),
+                     "--log-dir", str(tmp_path / "logs")]) == 0
+    assert first + _losses(tmp_path / "second.json") == expected
+    out = capsys.readouterr().out
+    assert f"gtp_jax train: resumed from {tmp_path / 'ck' / '4'} (step 4 of 6)\n" in out
+    assert f"  Hugging Face export: {export}\n" in out
+    assert f"  metrics log: {tmp_path / 'logs' / 'metrics.jsonl'}\n" in out + "\n"
+    assert sorted(os.listdir(export)) == ["config.json", "model.safetensors"]
     # Requeued once more after it finished: one line, status 0, nothing trained.
     assert cli_main(flags) == 0
     out, err = capsys.readouterr()
@@ -262,3 +285,46 @@ def test_requeue_with_only_damaged_checkpoints_starts_over(
     meta = Checkpointer(CheckpointConfig(directory)).read_meta()
     # A new run's schedule: its own steps, not the damaged checkpoint's.
     assert meta["step"] == steps and meta["extra"]["train_config"]["schedule_steps"] == steps
+
+
+def test_fp8_compute_may_change_on_resume_and_for_a_warm_start(
+        reference: tuple[Path, list[float]], tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """`--fp8-compute` is documented as changeable on resume: delayed scaling's amax
+    histories are started fresh where the checkpoint has none, and left unread where the
+    run has none (the restore refused both, and a resume then set the newest checkpoint
+    aside as damaged and silently went back to an older one)."""
+    directory, _ = reference
+    ck = tmp_path / "ck"
+    shutil.copytree(directory, ck)
+    fp8 = ["--fp8-compute", "delayed", "--fp8-min-features", "16"]
+    steps = RUN.index("--steps") + 1
+
+    def run(n: int, *flags: str) -> str:
+        argv = list(RUN)
+        argv[steps] = str(n)
+        assert cli_main([*argv, *flags]) == 0
+        out, err = capsys.readouterr()
+        assert "skipping" not in err and "Traceback" not in err, err
+        return out
+
+    capsys.readouterr()
+    assert f"resumed from {ck / '6'} (step 6 of 8)" in run(8, "--checkpoint-dir", str(ck),
+                                                           "--resume", *fp8)
+    assert f"resumed from {ck / '8'} (step 8 of 10)" in run(10, "--checkpoint-dir", str(ck),
+                                                            "--resume")
+    assert sorted(p.name for p in ck.iterdir() if p.name.startswith("broken")) == []
+    run(2, "--init-from", str(ck), *fp8, "--checkpoint-dir", str(tmp_path / "warm"))
+    run(2, "--init-from", str(tmp_path / "warm"))  # histories saved, none wanted
+
+
+def test_a_stop_before_the_first_step_trains_and_saves_nothing(tmp_path: Path) -> None:
+    # A signal while the run is prepared (here: requested before it starts) is honoured
+    # before step 1 instead of after it.
+    stop = StopRequest()
+    stop.request(signal.SIGTERM)
+    with pytest.raises(RunStopped, match=r"stopped by SIGTERM while preparing the run, "
+                                         r"before step 1: nothing was trained"):
+        train(TrainConfig(steps=2, batch_size=8, seq_len=32, dp=2, gtp=4), progress=False,
+              checkpoint=CheckpointConfig(tmp_path / "ck"), stop=stop)
+    assert not Checkpointer(CheckpointConfig(tmp_path / "ck")).all_steps()

@@ -41,9 +41,12 @@ LOSS_RTOL = 1e-6
 #: What the coordination service prints when a process leaves under a pending call.
 ERROR_TEXT = re.compile(r"CANCELLED|UNAVAILABLE|Connection refused|Traceback|DEADLINE_EXCEEDED")
 #: The saved parameters and AdamW moments after 6 steps, per array: max |diff| / max |ref|.
-#: Measured at most 2.4e-6 (the embedding: Adam divides by sqrt(nu) of rows whose gradients
-#: are tiny, which amplifies rounding differences); 1e-5 bounds that.
-STATE_RTOL = 1e-5
+#: Adam divides by sqrt(nu), so entries whose gradients are tiny (rounding noise) amplify
+#: the reductions' ulp differences, most in the first update (about +-lr for every entry):
+#: measured 8.0e-5 (the MLP's down projection) now that step 1 trains (at lr / 2 with this
+#: warm-up), 2.4e-6 when it trained at rate 0. 2e-4 bounds that; a wrong or missing
+#: reduction changes a moment by O(1) of itself. Deterministic (both orders are fixed).
+STATE_RTOL = 2e-4
 
 
 def _free_ompi_port() -> int:

@@ -697,3 +697,38 @@ def test_plan_replay_predicts_recorded_runs_again_with_other_rates(capsys):
             assert abs(r["predicted_ms"] - r["recorded_ms"]) < 1e-6 * r["recorded_ms"]
         else:
             assert r["predicted_ms"] > r["recorded_ms"]
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--gpus", "1000000000"], "error: --gpus 1000000000: plan for at most 1024 devices"),
+    (["--gpus", "1e9"], "error: argument --gpus: invalid int value: '1e9'"),
+    (["--seq", "100000000"], "error: no layout of --batch 16 --seq 100000000 fits in this "
+                             "host's memory"),
+    (["--batch", "1000000000"], "error: --batch=1000000000 x --seq=128 = 128000000000 tokens"),
+    (["--json", "."], "error: --json='.' is a directory"),
+])
+def test_plan_refuses_absurd_requests_in_one_line_at_once(argv, needle, capsys, fixed_rates):
+    # Each of these ran for minutes (or was killed) with no output, or failed with a
+    # traceback at the end of the planning (--json naming a folder).
+    try:
+        code = main(["plan", *argv])
+    except SystemExit as exit_:  # argparse's own refusals
+        code = exit_.code
+    assert code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(needle), err
+
+
+def test_ctrl_c_while_planning_is_one_line(monkeypatch, capsys):
+    from gtp_jax.plan import cli as plan_cli
+    from gtp_jax.train.cli import main as train_main
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    assert train_main(["train", "--plan", "auto", *TRAIN_FLAGS], planner=interrupted) == 130
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "interrupted (Ctrl-C) before training started" in err
+    monkeypatch.setattr(plan_cli, "_plan", interrupted)
+    assert main(["plan", "--gpus", "8"]) == 130
+    assert capsys.readouterr().err == "gtp_jax plan: interrupted (Ctrl-C); nothing was written.\n"

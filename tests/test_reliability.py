@@ -436,6 +436,75 @@ def test_train_stops_before_saving_a_non_finite_state(tmp_path: Path,
     assert not (directory / LOCK_FILE).exists()  # released after the failure
 
 
+def test_full_disk_is_one_line_and_keeps_the_older_checkpoints(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    # The disk fills after two saves: the third does not fit. orbax used to fail part way
+    # in its writer threads (179 tracebacks); the save is refused before it writes.
+    import gtp_jax.train.checkpoint as checkpoint_module
+
+    real = shutil.disk_usage
+    saves = []
+
+    def filling(path):
+        usage = real(path)
+        saves.append(path)
+        return usage._replace(free=usage.free if len(saves) < 3 else 1 << 20)
+
+    monkeypatch.setattr(checkpoint_module.shutil, "disk_usage", filling)
+    directory = tmp_path / "ck"
+    flags = ["train", "--steps", "4", "--batch", "8", "--seq", "32", "--warmup", "1",
+             "--checkpoint-dir", str(directory), "--checkpoint-every", "1"]
+    assert cli_main(flags) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(
+        f"error: no room to save checkpoint step 3 in --checkpoint-dir={str(directory)!r} "
+        "(it needs about "), err
+    assert ("MiB are free); the older checkpoints (steps [1, 2]) are kept, so the run can "
+            "continue from step 2. Free disk space, lower --keep-checkpoints or choose another "
+            "--checkpoint-dir, then run the same command with --resume auto.") in err
+    ckpt = Checkpointer(CheckpointConfig(directory))
+    assert ckpt.all_steps() == [1, 2]
+    ckpt.verify(2)
+    ckpt.close()
+    assert not (directory / LOCK_FILE).exists()
+    # Space freed: the same command with --resume auto continues from step 2.
+    monkeypatch.setattr(checkpoint_module.shutil, "disk_usage", real)
+    assert cli_main([*flags, "--resume", "auto"]) == 0
+    assert "resumed from" in capsys.readouterr().out
+
+
+def test_disk_full_while_writing_is_reported_once(tmp_path: Path, mesh_dp2_gtp4,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    # Space taken by someone else between the check and the write: orbax's error (text
+    # from tensorstore) becomes the same one error, and closing does not raise it again.
+    from gtp_jax.train.checkpoint import CheckpointWriteError
+
+    model = _linear(mesh_dp2_gtp4)
+    ckpt = Checkpointer(CheckpointConfig(tmp_path / "ck"))
+    ckpt.save(1, model)
+    ckpt.wait()
+
+    errors = [ValueError('RESOURCE_EXHAUSTED: Error writing "w/0" in OCDBT database: Failed '
+                         "to write 1276773 bytes to file 4: No space left on device "
+                         "[os_error_code='28']"), ValueError("unrelated")]
+    wait = ckpt._manager.wait_until_finished
+
+    def failing() -> None:  # as orbax: a background write's error is raised once
+        if errors:
+            raise errors.pop(0)
+        wait()
+
+    monkeypatch.setattr(ckpt._manager, "wait_until_finished", failing)
+    with pytest.raises(CheckpointWriteError, match=r"no room to save checkpoint step 1 .*"
+                                                   r"the file system is full\); the older "
+                                                   r"checkpoints \(steps \[1\]\) are kept"):
+        ckpt.save(2, model)
+    with pytest.raises(ValueError, match="unrelated"):  # other errors pass unchanged
+        ckpt.wait()
+    ckpt.close()
+
+
 # ---------------------------------------------------------------------- resume checks
 
 
@@ -456,11 +525,14 @@ def _other_value(value: object) -> object:
 
 
 def test_resume_compares_every_field_that_is_not_layout_only() -> None:
-    cfg = TrainConfig(steps=6, schedule_steps=6, moe_experts=4, moe_top_k=2)
+    # The schedule set explicitly (None would adopt the checkpoint's, by design).
+    cfg = TrainConfig(steps=6, schedule_steps=6, warmup=1, schedule_version=2, moe_experts=4,
+                      moe_top_k=2)
     assert RESUME_MAY_DIFFER <= {f.name for f in dataclasses.fields(TrainConfig)}
     compared = [f.name for f in dataclasses.fields(TrainConfig)
                 if f.name not in RESUME_MAY_DIFFER]
-    assert {"moe_top_k", "moe_capacity_factor", "lr", "dtype", "schedule_steps"} <= set(compared)
+    assert {"moe_top_k", "moe_capacity_factor", "lr", "dtype", "schedule_steps", "warmup",
+            "schedule_version"} <= set(compared)
     for name in compared:
         meta = _meta(cfg)
         # Change the saved value directly (some changed values would not validate).
@@ -513,6 +585,25 @@ def test_extending_a_finished_run_equals_an_uninterrupted_run(tmp_path: Path) ->
     schedule = train_module.make_optimizer(dataclasses.replace(RUN, schedule_steps=4))
     assert schedule is train_module.make_optimizer(
         _check_resume(again, model_config(again), meta, "/ck"))
+
+
+def test_an_extended_run_trains_its_added_steps_at_the_final_rate(tmp_path: Path) -> None:
+    """The README's promise with the defaults, end to end: a 6-step run extended to 12.
+    It used to warm up over 10 steps (step 1 at rate 0), keep warming up to the peak in the
+    added steps, then drop 10x in one step."""
+    common = ["train", "--batch", "8", "--seq", "32", "--checkpoint-dir", str(tmp_path / "ck"),
+              "--resume", "auto", "--log-every", "1"]
+    lrs = {}
+    for steps in (6, 12):
+        logs = tmp_path / f"logs{steps}"
+        assert cli_main([*common, "--steps", str(steps), "--log-dir", str(logs)]) == 0
+        lrs.update({r["step"]: r["lr"] for r in map(
+            json.loads, (logs / "metrics.jsonl").read_text().splitlines())})
+    peak = 3e-3  # --lr's default
+    assert sorted(lrs) == list(range(1, 13))
+    assert peak / 2 < lrs[1] < peak  # no warm-up in 6 steps: the decay's first step
+    assert all(lrs[k] > lrs[k + 1] for k in range(1, 6))
+    np.testing.assert_allclose([lrs[k] for k in range(6, 13)], peak / 10, rtol=1e-5)
 
 
 def test_cli_relaunch_of_a_finished_run_is_one_line_and_status_0(

@@ -8,11 +8,16 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
+from helpers import cli_env
 from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
 
 import gtp_jax
@@ -33,6 +38,7 @@ from gtp_jax.train.cli import cli_message
 from gtp_jax.train.cli import main as cli_main
 from gtp_jax.train.loop import _global_batch, build_model_and_optimizer
 
+ROOT = Path(__file__).resolve().parents[1]
 SENTENCES = [
     "the quick brown fox jumps over the lazy dog",
     "a lazy dog sleeps in the sun all day long",
@@ -320,3 +326,54 @@ def test_errors_are_one_clear_line(tmp_path: Path, capsys: pytest.CaptureFixture
         p.suffix == ".tokens" for p in (tmp_path / "empty" / ".gtp_jax_tokens").iterdir())
     shutil.rmtree(tmp_path / "empty")
     assert os.path.exists(tok)
+
+
+#: The CLI in a child process whose tokenizer takes ten minutes: a stop must not wait for it.
+SLOW_TOKENIZER = """
+import sys, time
+from gtp_jax.data import text
+def slow(self, texts):
+    print("tokenizing", file=sys.stderr, flush=True)
+    time.sleep(600)
+text.Tokenizer.encode = slow
+from gtp_jax.__main__ import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_sigterm_while_tokenizing_stops_at_once(corpus, tmp_path: Path) -> None:
+    # The signal used to be honoured only after step 1: a minute on 30 MB of text.
+    data, tok_dir, _ = corpus
+    env = cli_env(PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.Popen([sys.executable, "-c", SLOW_TOKENIZER, "train", "--data", str(data),
+                             "--tokenizer", str(tok_dir), "--steps", "2", "--batch", "8",
+                             "--seq", "16"], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        for line in proc.stderr:
+            if line.startswith("tokenizing"):
+                break
+        started = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert time.monotonic() - started < 10
+    assert proc.returncode == 75, err
+    assert out.strip() == ("gtp_jax train: stopped by SIGTERM while tokenizing the data, "
+                           "before step 1: nothing was trained; run the same command to start "
+                           "it (exit status 75: unfinished).")
+    assert "Traceback" not in err
+    assert not list(data.glob(".gtp_jax_tokens/*.tokens*"))  # nothing half-written kept
+
+
+def test_tokenizer_may_be_the_tokenizer_json_file(corpus) -> None:
+    data, tok_dir, docs = corpus
+    (tok_dir / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
+    as_file = load_tokenizer(str(tok_dir / "tokenizer.json"))
+    assert as_file.digest == load_tokenizer(str(tok_dir)).digest  # the same key either way
+    text = TextData(paths=(str(data),), tokenizer=str(tok_dir / "tokenizer.json"))
+    tokens = token_file(data_files(text.paths), as_file, home=data).tokens
+    np.testing.assert_array_equal(tokens, reference_tokens(tok_dir, docs))
+    with pytest.raises(gtp_jax.UsageError, match="is neither a tokenizer.json file nor a folder"):
+        TextData(paths=(str(data),), tokenizer=str(data / "b.txt.missing"))

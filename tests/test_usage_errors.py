@@ -6,6 +6,8 @@ an unrelated exception (AttributeError, a tuple-multiplication TypeError) from d
 
 from __future__ import annotations
 
+import os
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -13,6 +15,8 @@ import pytest
 import gtp_jax
 from gtp_jax import pallas as gp
 from gtp_jax.base.errors import UsageError, UsageTypeError
+from gtp_jax.train import CheckpointConfig, TrainConfig
+from gtp_jax.train.cli import main as cli_main
 
 
 @pytest.mark.parametrize("call, match", [
@@ -48,3 +52,56 @@ def test_type_errors_are_also_type_errors() -> None:
 
 def test_include_none_means_no_patterns() -> None:
     assert gtp_jax.GTPConfig(include=None) == gtp_jax.GTPConfig()
+
+
+# --------------------------------------------------------------------------- command line
+
+ONE_STEP = ["train", "--steps", "1", "--batch", "8", "--seq", "32"]
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--lr", "abc"], "error: argument --lr: invalid float value: 'abc'"),
+    (["--stpes", "2"], "error: unrecognized arguments: --stpes 2"),
+    (["--checkpoint-dir", "http://host/ck"],
+     "error: argument --checkpoint-dir: 'http://host/ck': http:// is not supported here"),
+    (["--log-dir", "gs://bucket/logs"],
+     "error: argument --log-dir: 'gs://bucket/logs': gs:// is not supported here"),
+    (["--export-hf", "file://otherhost/x"],
+     "error: argument --export-hf: 'file://otherhost/x': a file:// URL names a local path"),
+])
+def test_command_line_mistakes_are_one_line(argv, needle, capsys) -> None:
+    # argparse's own refusal printed its 47-line usage before the one line that mattered.
+    with pytest.raises(SystemExit) as exit_:
+        cli_main(["train", *argv])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(needle) and "--help lists" in err, err
+
+
+def test_bad_regular_expression_is_one_line_naming_the_flag(capsys) -> None:
+    assert cli_main([*ONE_STEP, "--offload-optimizer", "--offload-exclude", "("]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(
+        "error: --offload-exclude has an invalid regular expression '('"), err
+    with pytest.raises(UsageError, match=r"TrainConfig\.offload_exclude has an invalid"):
+        TrainConfig(offload_optimizer=True, offload_exclude=("blocks/[",))
+    with pytest.raises(UsageError, match=r"GTPConfig\.fp8_include has an invalid"):
+        gtp_jax.GTPConfig(fp8_include=("*",))
+
+
+def test_file_url_checkpoint_directory_is_the_local_path(tmp_path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert cli_main([*ONE_STEP, "--checkpoint-dir", f"file://{tmp_path}/ck"]) == 0
+    assert (tmp_path / "ck" / "1").is_dir() and sorted(os.listdir(tmp_path)) == ["ck"]
+    assert CheckpointConfig("file:///tmp/ck").directory == "/tmp/ck"
+    with pytest.raises(UsageError, match=r"CheckpointConfig\.directory='ftp://h/ck'"):
+        CheckpointConfig("ftp://h/ck")
+
+
+def test_absurd_sizes_are_refused_before_jax_starts(capsys) -> None:
+    # A million simulated CPU devices ran for minutes, then out of memory, with no output.
+    assert cli_main(["train", "--gtp", "1000000"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--gtp 1000000 has 2000000 devices" in err, err
+    with pytest.raises(UsageError, match="tokens per step"):
+        TrainConfig(batch_size=2**20, seq_len=2**12, dp=1, gtp=1)

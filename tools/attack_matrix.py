@@ -26,6 +26,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -1188,6 +1189,291 @@ add("exact", "TrainStep 'lr' with multi_transform(inject_hyperparams)", lambda: 
     "multi_transform"))
 add("exact", "TrainStep.evaluate with the step's own loss", _ex_evaluate)
 add("exact", "TrainStep with a per-example (non-scalar) loss", _ex_not_scalar)
+
+
+# ---- first hour: stopping, one-line refusals, what a run says, the LR schedule
+# (area "first-hour": a stopped run is not published; what printed a traceback, hung or
+# flooded the screen is one line; resumes, exports and logs name where; the schedule does
+# what the docs say)
+FIRST = "first-hour"
+#: A child CLI whose tokenizer takes ten minutes (a stop must not wait for it).
+_SLOW_TOKENIZER = """
+import sys, time
+from gtp_jax.data import text
+def slow(self, texts):
+    print("tokenizing", file=sys.stderr, flush=True)
+    time.sleep(600)
+text.Tokenizer.encode = slow
+from gtp_jax.__main__ import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def _child(argv: list[str], *, code: str | None = None,
+           cwd: Path | None = None) -> subprocess.Popen:
+    env = dict(os.environ)
+    env.pop("XLA_FLAGS", None)
+    head = [sys.executable, "-c", code] if code else [sys.executable, "-m", "gtp_jax"]
+    return subprocess.Popen([*head, *argv], env=env, cwd=cwd, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def _tokenizer(folder: Path) -> Path:
+    """A small word-level tokenizer (with an EOS) saved as ``folder/tokenizer.json``."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    words = (WORK / "words.txt")
+    words.write_text("the quick brown fox jumps over the lazy dog " * 400)
+    tok = Tokenizer(models.WordLevel(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train_from_iterator([words.read_text()],
+                            trainers.WordLevelTrainer(special_tokens=["[UNK]", "</s>"]))
+    folder.mkdir(parents=True, exist_ok=True)
+    tok.save(str(folder / "tokenizer.json"))
+    return folder / "tokenizer.json"
+
+
+def _sigterm_mid_run() -> tuple[str, str]:
+    d, export = WORK / "fh_stop", WORK / "fh_stop_hf"
+    proc = _child(["train", "--steps", "400", *SMALL, "--checkpoint-dir", str(d), "--resume",
+                   "auto", "--export-hf", str(export)])
+    for line in proc.stderr:
+        if " step 5/" in line:
+            break
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=300)
+    if proc.returncode == 0:
+        return WRONG, "exit 0: `train && upload` would publish the partial run"
+    if export.exists():
+        return WRONG, "--export-hf written by a stopped run"
+    last = (out.strip().splitlines() or [""])[-1]
+    if proc.returncode != 75 or "stopped by SIGTERM" not in last:
+        return CONFUSING, f"exit {proc.returncode}: {last[:140]}"
+    return OK, last[:140]
+
+
+def _sigterm_while_tokenizing() -> tuple[str, str]:
+    data = WORK / "fh_text"
+    data.mkdir(exist_ok=True)
+    (data / "a.txt").write_text("the quick brown fox jumps over the lazy dog " * 200)
+    tok = _tokenizer(WORK / "fh_tok")
+    proc = _child(["train", "--data", str(data), "--tokenizer", str(tok.parent), "--steps", "2",
+                   "--batch", "8", "--seq", "16"], code=_SLOW_TOKENIZER)
+    for line in proc.stderr:
+        if line.startswith("tokenizing"):
+            break
+    started = time.time()
+    proc.send_signal(signal.SIGTERM)
+    try:
+        out, _ = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return WRONG, "still tokenizing 60 s after SIGTERM"
+    took = time.time() - started
+    if proc.returncode != 75 or "while tokenizing" not in out:
+        return CONFUSING, f"exit {proc.returncode} after {took:.0f} s: {out.strip()[-140:]}"
+    return OK, f"{took:.1f} s: {out.strip()[:120]}"
+
+
+def _job_file(text: bytes | str, *flags: str) -> Run:
+    jobs = WORK / f"fh_job{time.monotonic_ns()}"
+    jobs.mkdir()
+    (jobs / "job.toml").write_bytes(text if isinstance(text, bytes) else text.encode())
+    return Run(["train", "--config", str(jobs / "job.toml"), *flags])
+
+
+def _job_paths_from_elsewhere() -> tuple[str, str]:
+    jobs, elsewhere = WORK / "fh_jobs", WORK / "fh_elsewhere"
+    jobs.mkdir(exist_ok=True)
+    elsewhere.mkdir(exist_ok=True)
+    (jobs / "job.toml").write_text('steps = 2\nbatch = 8\nseq = 32\nwarmup = 1\n'
+                                   'checkpoint-dir = "ck"\nresume = "auto"\n')
+    here = os.getcwd()
+    try:
+        os.chdir(jobs)
+        first = Run(["train", "--config", "job.toml"])
+        os.chdir(elsewhere)
+        again = Run(["train", "--config", str(jobs / "job.toml")])
+    finally:
+        os.chdir(here)
+    if first.code != 0:
+        return expect_ok(first)
+    if "is finished" not in again.out:
+        return WRONG, f"the requeue from another folder did not find the run: {again.out[-140:]}"
+    return OK, again.out.strip()[:140]
+
+
+def _ctrl_c_while_planning() -> tuple[str, str]:
+    from gtp_jax.train.cli import main as train_main
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = train_main(["train", "--plan", "auto", "--steps", "2", *SMALL],
+                              planner=interrupted)
+        except KeyboardInterrupt:
+            return WRONG, "traceback KeyboardInterrupt"
+    lines = err.getvalue().strip().splitlines()
+    if code == 130 and len(lines) == 1:
+        return OK, lines[0][:140]
+    return CONFUSING, f"exit {code}: {err.getvalue()[-140:]}"
+
+
+def _plan(*argv: str) -> Run:
+    from gtp_jax.__main__ import main as top_main
+
+    run = Run.__new__(Run)
+    out, err = io.StringIO(), io.StringIO()
+    run.exc = None
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            run.code = top_main(["plan", *argv])
+        except SystemExit as e:
+            run.code = e.code if isinstance(e.code, int) else 2
+        except BaseException as e:  # noqa: BLE001 - a traceback reaching the user
+            run.code, run.exc = None, f"{type(e).__name__}: {' '.join(str(e).split())[:160]}"
+    run.out, run.err = out.getvalue(), err.getvalue()
+    return run
+
+
+def _timed(fn: Callable[[], tuple[str, str]], limit: float) -> tuple[str, str]:
+    started = time.time()
+    outcome, detail = fn()
+    took = time.time() - started
+    if outcome == OK and took > limit:
+        return CONFUSING, f"took {took:.0f} s: {detail}"
+    return outcome, detail
+
+
+def _full_disk() -> tuple[str, str]:
+    import gtp_jax.train.checkpoint as checkpoint_module
+
+    real, calls = shutil.disk_usage, []
+
+    def filling(path):
+        calls.append(path)
+        usage = real(path)
+        return usage._replace(free=usage.free if len(calls) < 3 else 1 << 20)
+
+    d = WORK / "fh_full"
+    checkpoint_module.shutil.disk_usage = filling
+    try:
+        run = cli("--steps", "4", *SMALL, "--checkpoint-dir", str(d), "--checkpoint-every", "1")
+    finally:
+        checkpoint_module.shutil.disk_usage = real
+    kept = sorted(p.name for p in d.iterdir() if p.name.isdigit()) if d.exists() else []
+    outcome, detail = expect_error(run, "--checkpoint-dir", code=1)
+    if outcome == OK and kept != ["1", "2"]:
+        return WRONG, f"older checkpoints not kept: {kept}"
+    return outcome, detail
+
+
+def _fp8_toggle(*flags: str) -> tuple[str, str]:
+    d = fresh_copy("fh_fp8")
+    fp8 = ["--fp8-compute", "delayed", "--fp8-min-features", "16"]
+    run = cli("--steps", "6", *SMALL, "--checkpoint-dir", str(d), "--resume", *fp8, *flags)
+    if run.code == 0 and ("skipping" in run.err or any(p.name.startswith("broken")
+                                                       for p in d.iterdir())):
+        return WRONG, "the newest checkpoint was set aside as damaged"
+    if run.code == 0 and "resumed from" not in run.out:
+        return CONFUSING, "did not say where it resumed from"
+    return expect_ok(run)
+
+
+def _fp8_warm_start() -> tuple[str, str]:
+    return expect_ok(cli("--steps", "2", *SMALL, "--init-from", str(BASE), "--fp8-compute",
+                         "delayed", "--fp8-min-features", "16"))
+
+
+def _says_where() -> tuple[str, str]:
+    d, export, logs = fresh_copy("fh_where"), WORK / "fh_where_hf", WORK / "fh_where_logs"
+    run = cli("--steps", "6", *SMALL, "--checkpoint-dir", str(d), "--resume", "--export-hf",
+              str(export), "--log-dir", str(logs))
+    if run.code != 0:
+        return expect_ok(run)
+    missing = [what for what, text in (
+        ("resumed from", f"resumed from {d / '4'} (step 4 of 6)"),
+        ("export", f"Hugging Face export: {export}"),
+        ("log", f"metrics log: {logs / 'metrics.jsonl'}")) if text not in run.out]
+    if missing:
+        return CONFUSING, f"does not name: {missing}"
+    modes = {p.name: p.stat().st_mode & 0o777 for p in export.iterdir()}
+    if len(set(modes.values())) != 1:
+        return WRONG, f"exported files' permissions differ: {modes}"
+    return OK, f"named where it resumed, exported and logged; files {oct(modes['config.json'])}"
+
+
+def _tokenizer_file() -> tuple[str, str]:
+    data = WORK / "fh_text2"
+    data.mkdir(exist_ok=True)
+    (data / "a.txt").write_text("the quick brown fox jumps over the lazy dog " * 200)
+    tok = _tokenizer(WORK / "fh_tok2")
+    return expect_ok(cli("--data", str(data), "--tokenizer", str(tok), "--steps", "2",
+                         "--batch", "8", "--seq", "16"))
+
+
+def _schedule_extension() -> tuple[str, str]:
+    d = WORK / "fh_sched"
+    lrs: dict[int, float] = {}
+    for steps in (6, 12):
+        logs = WORK / f"fh_sched_logs{steps}"
+        run = cli("--steps", str(steps), "--batch", "8", "--seq", "32", "--checkpoint-dir",
+                  str(d), "--resume", "auto", "--log-dir", str(logs), "--log-every", "1")
+        if run.code != 0:
+            return expect_ok(run)
+        lrs.update({r["step"]: r["lr"] for r in map(
+            json.loads, (logs / "metrics.jsonl").read_text().splitlines())})
+    if lrs.get(1, 0) <= 0:
+        return WRONG, "step 1 trained at lr 0"
+    added = [lrs[k] for k in range(7, 13)]
+    if any(abs(v - 3e-4) > 1e-9 for v in added):
+        return WRONG, f"added steps 7-12 not at 10% of --lr: {[f'{v:.2e}' for v in added]}"
+    return OK, f"step 1 at {lrs[1]:.2e}, steps 6-12 at {lrs[6]:.1e}"
+
+
+add(FIRST, "SIGTERM at step 5 of 400 with --export-hf", _sigterm_mid_run)
+add(FIRST, "SIGTERM while tokenizing", _sigterm_while_tokenizing)
+add(FIRST, "job file not UTF-8", lambda: expect_error(_job_file(b"steps = 2\n# caf\xe9\n"),
+                                                      "--config"))
+add(FIRST, "job file: relative checkpoint-dir, requeued from another folder",
+    _job_paths_from_elsewhere)
+add(FIRST, "job file: resume = true", lambda: expect_ok(_job_file(
+    f'steps = 6\nbatch = 8\nseq = 32\nwarmup = 1\ncheckpoint-dir = "{fresh_copy("fh_rt")}"\n'
+    "resume = true\n")))
+add(FIRST, "--offload-exclude '('", lambda: expect_error(
+    cli("--steps", "2", *SMALL, "--offload-optimizer", "--offload-exclude", "("),
+    "--offload-exclude"))
+add(FIRST, "--checkpoint-dir file:///...", lambda: expect_ok(
+    cli("--steps", "2", *SMALL, "--checkpoint-dir", f"file://{WORK}/fh_url_ck"),
+    lambda: None if (WORK / "fh_url_ck" / "2").is_dir() else "not saved at the local path"))
+add(FIRST, "--checkpoint-dir http://...", lambda: expect_error(
+    cli("--steps", "2", *SMALL, "--checkpoint-dir", "http://host/ck"), "--checkpoint-dir"))
+add(FIRST, "--log-dir gs://...", lambda: expect_error(
+    cli("--steps", "2", *SMALL, "--log-dir", "gs://bucket/logs"), "--log-dir"))
+add(FIRST, "Ctrl-C during --plan auto", _ctrl_c_while_planning)
+add(FIRST, "full disk at the third save", _full_disk)
+add(FIRST, "plan --gpus 1000000000", lambda: _timed(
+    lambda: expect_error(_plan("--gpus", "1000000000"), "--gpus"), 10))
+add(FIRST, "plan --seq 100000000", lambda: _timed(
+    lambda: expect_error(_plan("--seq", "100000000"), "--seq"), 30))
+add(FIRST, "plan --batch 1000000000", lambda: _timed(
+    lambda: expect_error(_plan("--batch", "1000000000"), "--batch"), 30))
+add(FIRST, "plan --json DIR", lambda: _timed(
+    lambda: expect_error(_plan("--json", str(WORK)), "--json"), 10))
+add(FIRST, "train --gtp 1000000", lambda: _timed(
+    lambda: expect_error(cli("--gtp", "1000000"), "--gtp"), 10))
+add(FIRST, "--lr abc", lambda: expect_error(cli("--lr", "abc"), "--lr"))
+add(FIRST, "resume toggling --fp8-compute delayed", lambda: _fp8_toggle())
+add(FIRST, "--init-from with --fp8-compute delayed", _fp8_warm_start)
+add(FIRST, "resume names where; export and log dir named; export permissions", _says_where)
+add(FIRST, "--tokenizer given the tokenizer.json file", _tokenizer_file)
+add(FIRST, "6-step run extended to 12: lr of step 1 and of the added steps",
+    _schedule_extension)
+add(FIRST, "--steps 6 --warmup 10", lambda: expect_error(
+    cli("--steps", "6", "--batch", "8", "--seq", "32", "--warmup", "10"), "--warmup"))
 
 
 # --------------------------------------------------------------------------- main

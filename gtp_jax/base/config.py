@@ -49,6 +49,38 @@ def _as_float_dtype(value: Any, field: str) -> np.dtype | None:
     return dtype
 
 
+def check_patterns(name: str, patterns: Any) -> tuple[str, ...]:
+    """`patterns` (None, one regular expression or a sequence of them) as a tuple, each
+    compiled once so that a bad one is refused where it is written (naming `name`), not as
+    ``re.error`` from whatever first matches it.
+
+    Raises:
+      UsageTypeError: not strings.
+      UsageError: an invalid regular expression.
+    """
+    if patterns is None:
+        patterns = ()  # no patterns: the same as the default
+    elif isinstance(patterns, str):
+        patterns = (patterns,)
+    try:
+        patterns = tuple(patterns)
+    except TypeError as err:
+        raise UsageTypeError(f"{name}={patterns!r} must be a regular expression or a sequence "
+                             "of them, e.g. ('mlp/.*kernel',).") from err
+    for pattern in patterns:
+        if not isinstance(pattern, str):
+            raise UsageTypeError(f"{name} holds {pattern!r}; each entry must be a regular "
+                                 "expression string.")
+        try:
+            re.compile(pattern)
+        except re.error as err:
+            raise UsageError(
+                f"{name} has an invalid regular expression {pattern!r} ({err}); fix it, or "
+                "escape the characters meant literally (a backslash before ( [ . * + ?)."
+            ) from None
+    return patterns
+
+
 @dataclasses.dataclass(frozen=True)
 class GTPConfig:
     """How `gtp_jax.shard` stores and moves weights.
@@ -173,29 +205,8 @@ class GTPConfig:
                 or self.min_elements < 0):
             raise UsageError(f"GTPConfig.min_elements={self.min_elements!r} must be an int >= 0.")
         for field in ("include", "exclude", "fp8_include", "fp8_exclude", "offload_exclude"):
-            patterns = getattr(self, field)
-            if patterns is None:
-                patterns = ()  # no patterns: the same as the default
-            elif isinstance(patterns, str):
-                patterns = (patterns,)
-            try:
-                patterns = tuple(patterns)
-            except TypeError as err:
-                raise UsageTypeError(
-                    f"GTPConfig.{field}={patterns!r} must be a regular expression or a "
-                    "sequence of them, e.g. ('mlp/.*kernel',).") from err
-            for pattern in patterns:
-                if not isinstance(pattern, str):
-                    raise UsageTypeError(
-                        f"GTPConfig.{field} holds {pattern!r}; each entry must be a regular "
-                        "expression string.")
-                try:
-                    re.compile(pattern)
-                except re.error as err:
-                    raise UsageError(
-                        f"GTPConfig.{field} has an invalid regular expression {pattern!r}: {err}"
-                    ) from err
-            object.__setattr__(self, field, patterns)
+            object.__setattr__(self, field, check_patterns(f"GTPConfig.{field}",
+                                                           getattr(self, field)))
         object.__setattr__(self, "gather_dtype", _as_float_dtype(self.gather_dtype, "gather_dtype"))
         reduce_dtype = _as_float_dtype(self.reduce_dtype, "reduce_dtype")
         if reduce_dtype is None:

@@ -101,6 +101,11 @@ def apply_default_xla_flags(environ: dict[str, str] | None = None,
     return added
 
 
+#: The most CPU devices the command lines simulate in one process (JAX starts 1024 in about
+#: a second; a count in the millions runs for minutes and out of memory before any message).
+MAX_SIMULATED_DEVICES = 1024
+
+
 def simulate_cpu_devices(count: int, environ: dict[str, str] | None = None) -> None:
     """Asks XLA for `count` CPU devices (``--xla_force_host_platform_device_count``) unless
     ``XLA_FLAGS`` already sets a count. Effective only before JAX starts its CPU backend;

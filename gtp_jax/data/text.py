@@ -38,7 +38,8 @@ class TextData:
     Attributes:
       paths: text or JSONL files, or folders of them (tokens follow this order; a folder's
         files are sorted by path).
-      tokenizer: a folder holding a Hugging Face ``tokenizer.json``.
+      tokenizer: a folder holding a Hugging Face ``tokenizer.json``, or that file (any
+        name); the EOS configuration files are read from its folder.
       field: the JSONL key whose string is a document.
       val_paths: held-out files (same forms as `paths`) for the validation loss; empty: the
         last `val_fraction` of the tokens of `paths` is held out instead.
@@ -76,10 +77,11 @@ class TextData:
                     raise UsageError(f"TextData.{name}: {path!r} does not exist; pass text or "
                                      "JSONL files or a folder of them.")
         object.__setattr__(self, "tokenizer", os.fspath(self.tokenizer))
-        if not os.path.isfile(os.path.join(self.tokenizer, "tokenizer.json")):
-            raise UsageError(f"TextData.tokenizer: {self.tokenizer!r} has no tokenizer.json; "
-                             "pass a Hugging Face tokenizer folder (one that "
-                             "tokenizer.save_pretrained or Tokenizer.save wrote).")
+        if tokenizer_file(self.tokenizer) is None:
+            raise UsageError(f"TextData.tokenizer: {self.tokenizer!r} is neither a tokenizer.json "
+                             "file nor a folder holding one; pass a Hugging Face tokenizer "
+                             "folder (one that tokenizer.save_pretrained wrote) or the file "
+                             "Tokenizer.save wrote.")
         if not isinstance(self.field, str) or not self.field:
             raise UsageError(f"TextData.field={self.field!r} must be a non-empty JSONL key, "
                              "e.g. 'text'.")
@@ -205,8 +207,17 @@ class Tokenizer:
         return out
 
 
+def tokenizer_file(path: str) -> Path | None:
+    """The ``tokenizer.json`` that `path` names: the file itself, or the one in the folder;
+    None when there is none."""
+    given = Path(path)
+    found = given if given.is_file() else given / "tokenizer.json"
+    return found if found.is_file() else None
+
+
 def load_tokenizer(directory: str) -> Tokenizer:
-    """Reads the tokenizer folder `directory` (no network).
+    """Reads the tokenizer folder `directory`, or the ``tokenizer.json`` file it names (no
+    network).
 
     The EOS token is the ``eos_token`` of ``tokenizer_config.json`` or
     ``special_tokens_map.json`` when present, else the first of `KNOWN_EOS` in the
@@ -218,17 +229,18 @@ def load_tokenizer(directory: str) -> Tokenizer:
     """
     from tokenizers import Tokenizer as HFTokenizer  # noqa: PLC0415 (import cost)
 
-    path = Path(directory) / "tokenizer.json"
-    if not path.is_file():
-        raise UsageError(f"TextData.tokenizer: {directory!r} has no tokenizer.json; pass a "
-                         "Hugging Face tokenizer folder.")
+    path = tokenizer_file(directory)
+    if path is None:
+        raise UsageError(f"TextData.tokenizer: {directory!r} is neither a tokenizer.json file "
+                         "nor a folder holding one; pass a Hugging Face tokenizer folder or "
+                         "its tokenizer.json.")
     raw = path.read_bytes()
     try:
         tokenizer = HFTokenizer.from_str(raw.decode("utf-8"))
     except Exception as err:  # the library raises plain Exception subclasses
         raise UsageError(f"TextData.tokenizer: {str(path)!r} cannot be read by the tokenizers "
                          f"library ({' '.join(str(err).split())}).") from None
-    eos = _configured_eos(Path(directory))
+    eos = _configured_eos(path.parent)
     if eos is None:
         eos = next((t for t in KNOWN_EOS if tokenizer.token_to_id(t) is not None), None)
     eos_id = tokenizer.token_to_id(eos) if eos is not None else None

@@ -20,6 +20,7 @@ import hashlib
 import io
 import json
 import os
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -43,6 +44,10 @@ _FILE_FORMAT = "gtp_jax tokens 2"
 _BATCH_CHARS = 1 << 22
 
 Progress = Callable[[int, int], None]
+#: Called while tokenizing; raises to stop it (e.g. on a stop request).
+Interrupt = Callable[[], None]
+#: Seconds between an interruptible tokenization's checks.
+_POLL_S = 0.05
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,7 +127,8 @@ class _HashedReader(io.RawIOBase):
 
 def token_file(files: list[Path], tokenizer: Tokenizer, *, field: str = "text",
                home: Path | None = None, cache_dir: str | Path | None = None,
-               key: str | None = None, progress: Progress | None = None) -> TokenFile:
+               key: str | None = None, progress: Progress | None = None,
+               interrupt: Interrupt | None = None) -> TokenFile:
     """The token file of `files`: reused when one with their fingerprint exists, else
     tokenized now (``progress(bytes_done, bytes_total)`` is called as it goes).
 
@@ -134,6 +140,8 @@ def token_file(files: list[Path], tokenizer: Tokenizer, *, field: str = "text",
       cache_dir: where to look and write when `home` is not writable (None:
         `default_cache_dir`).
       key: `fingerprint(files, tokenizer, field)` when the caller has it already.
+      interrupt: called every `_POLL_S` seconds while tokenizing, also in the middle of one
+        large document; what it raises ends the tokenization (nothing is published).
 
     Raises:
       UsageError: the files hold no document, a document a JSONL line lacks, invalid UTF-8,
@@ -155,7 +163,7 @@ def token_file(files: list[Path], tokenizer: Tokenizer, *, field: str = "text",
             probe.unlink()
         except OSError:
             continue
-        count, docs = _write(folder, key, files, tokenizer, field, dtype, progress)
+        count, docs = _write(folder, key, files, tokenizer, field, dtype, progress, interrupt)
         meta = {"format": _FILE_FORMAT, "fingerprint": key, "dtype": np.dtype(dtype).name,
                 "num_tokens": count, "documents": docs, "vocab_size": tokenizer.vocab_size,
                 "eos_id": tokenizer.eos_id, "files": [str(p) for p in files]}
@@ -182,7 +190,8 @@ def _load(folder: Path, key: str) -> TokenFile | None:
 
 
 def _write(folder: Path, key: str, files: list[Path], tokenizer: Tokenizer, field: str,
-           dtype: type, progress: Progress | None) -> tuple[int, int]:
+           dtype: type, progress: Progress | None,
+           interrupt: Interrupt | None = None) -> tuple[int, int]:
     """Tokenizes `files` into ``<key>.tokens`` in `folder`; returns (tokens, documents).
 
     Raises:
@@ -202,7 +211,7 @@ def _write(folder: Path, key: str, files: list[Path], tokenizer: Tokenizer, fiel
 
                 def flush() -> None:
                     nonlocal count, docs, done, batch, chars
-                    for ids in tokenizer.encode(batch):
+                    for ids in _encode(tokenizer, batch, interrupt):
                         out.write(np.asarray(ids, dtype=dtype).tobytes())
                         count += len(ids)
                     docs += len(batch)
@@ -250,6 +259,35 @@ def _write(folder: Path, key: str, files: list[Path], tokenizer: Tokenizer, fiel
         if tmp.exists():
             tmp.unlink()
     return count, docs
+
+
+def _encode(tokenizer: Tokenizer, texts: list[str],
+            interrupt: Interrupt | None) -> list[list[int]]:
+    """``tokenizer.encode(texts)``; with `interrupt`, on a worker thread while this one calls
+    `interrupt` every `_POLL_S` seconds. One text file is one document, and one call on 30 MB
+    takes a minute, during which a signal's Python handler cannot run on the calling thread
+    (the tokenizers library releases the GIL while it works, so the handler runs here). An
+    interrupted call's thread is abandoned (a daemon: it cannot hold up the process's exit)."""
+    if interrupt is None:
+        return tokenizer.encode(texts)
+    interrupt()
+    done: list[list[list[int]]] = []
+    failed: list[BaseException] = []
+
+    def work() -> None:
+        try:
+            done.append(tokenizer.encode(texts))
+        except BaseException as err:  # noqa: BLE001 - re-raised on the calling thread
+            failed.append(err)
+
+    worker = threading.Thread(target=work, name="gtp_jax tokenize", daemon=True)
+    worker.start()
+    while worker.is_alive():
+        interrupt()
+        worker.join(_POLL_S)
+    if failed:
+        raise failed[0]
+    return done[0]
 
 
 def _publish(path: Path, data: bytes) -> None:

@@ -35,6 +35,7 @@ import dataclasses
 import json
 import math
 import os
+import stat
 from collections.abc import Callable
 from typing import Any
 
@@ -521,10 +522,14 @@ def to_hf(model: Transformer | ShardedModule, directory: str, *,
     cfg = inner.cfg
     dtype = np.dtype(cfg.param_dtype)
     writer = jax.process_index() == 0
+    mode = None
     if writer:
         os.makedirs(directory, exist_ok=True)
         with open(os.path.join(directory, "config.json"), "w") as f:
             json.dump(config_to_hf(cfg, dtype.name), f, indent=2)
+        # safetensors creates its files owner-only; the weights are read by whoever may
+        # read the config beside them (a colleague's from_pretrained needs both).
+        mode = stat.S_IMODE(os.stat(os.path.join(directory, "config.json")).st_mode)
     total = sum(math.prod(s) for s in _hf_names(cfg).values()) * dtype.itemsize
     many = total > max_shard_bytes
     files: list[str] = []
@@ -535,6 +540,7 @@ def to_hf(model: Transformer | ShardedModule, directory: str, *,
         name = f"model-{len(files) + 1:05d}.safetensors" if many else _SINGLE
         if writer:
             save_file(pending, os.path.join(directory, name), metadata={"format": "pt"})
+            os.chmod(os.path.join(directory, name), mode)
         files.append(name)
         weight_map.update({k: name for k in pending})
         pending.clear()

@@ -18,8 +18,10 @@ from typing import Any
 from gtp_jax.base.compile_cache import HELP as COMPILE_CACHE_HELP
 from gtp_jax.base.compile_cache import compile_cache_dir, use_compile_cache
 from gtp_jax.base.errors import UsageError
-from gtp_jax.base.xla_flags import simulate_cpu_devices
+from gtp_jax.base.xla_flags import MAX_SIMULATED_DEVICES, simulate_cpu_devices
 
+#: How `gtp_jax.plan.plan` words a layout rejected for the host's memory.
+HOST_REJECTION = "host:"
 #: Flags of ``python -m gtp_jax train`` that fix a layout choice under ``--plan auto``.
 LAYOUT_FLAGS = {"dp": "--dp", "gtp": "--gtp", "tp": "--tp", "cp": "--cp", "ep": "--ep",
                 "remat": "--remat", "unroll_layers": "--[no-]unroll-layers",
@@ -28,7 +30,9 @@ LAYOUT_FLAGS = {"dp": "--dp", "gtp": "--gtp", "tp": "--tp", "cp": "--cp", "ep": 
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    from gtp_jax.train.cli import OneLineParser, PathArg  # noqa: PLC0415
+
+    parser = OneLineParser(
         prog="python -m gtp_jax plan",
         description="Rank the layouts of a training run (mesh sizes, remat, layer loop, "
         "gather format, optimizer offload): exact peak memory per device from the compiled "
@@ -47,12 +51,13 @@ def _parser() -> argparse.ArgumentParser:
                         help="optimizer steps of the run (as train's --steps: the LR schedule "
                              "is part of the compiled step, so with JAX's persistent "
                              "compilation cache on, the run reuses the plan's compile)")
-    parser.add_argument("--warmup", type=int, default=10,
-                        help="warm-up steps of the run (as train's --warmup)")
+    parser.add_argument("--warmup", type=int, default=None,
+                        help="warm-up steps of the run (as train's --warmup; default: a tenth "
+                        "of --steps, at most 10)")
     parser.add_argument("--memory-gib", type=float, default=None,
                         help="budget per device in GiB; default: the device's memory "
                         "(none on CPU)")
-    parser.add_argument("--compile-cache", default=None, metavar="DIR",
+    parser.add_argument("--compile-cache", default=None, metavar="DIR", type=PathArg("off"),
                         help=COMPILE_CACHE_HELP)
     parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
                         help="compute dtype (auto: bfloat16 on GPUs, float32 on CPUs)")
@@ -69,7 +74,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--calibrate", action="store_true",
                         help="measure the rates again (GEMM, attention, collectives, host "
                         "copies) instead of using the cached ones")
-    parser.add_argument("--json", default=None, metavar="PATH",
+    parser.add_argument("--json", default=None, metavar="PATH", type=PathArg(),
                         help="also write the ranked candidates as JSON")
     paper = parser.add_argument_group(
         "on paper", "plan for GPUs that are not here, compiling nothing: memory in closed "
@@ -98,11 +103,24 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m gtp_jax plan [options]`` (`argv` without the ``plan`` word)."""
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        print("gtp_jax plan: interrupted (Ctrl-C); nothing was written.", file=sys.stderr,
+              flush=True)
+        return 128 + 2  # SIGINT, as a shell reports a process it interrupted
+
+
+def _main(argv: list[str] | None) -> int:
+    from gtp_jax.train.cli import cli_message  # noqa: PLC0415
+    from gtp_jax.train.observe import check_writable_file  # noqa: PLC0415
+
     args = _parser().parse_args(argv)
-    for name in ("gpus", "seq", "batch", "top", "steps", "layers"):
+    for name in ("gpus", "seq", "batch", "top", "steps", "layers", "warmup"):
         value = getattr(args, name)
-        if value is not None and value < 1:
-            print(f"error: --{name} {value} must be >= 1.", file=sys.stderr)
+        if value is not None and value < (0 if name == "warmup" else 1):
+            print(f"error: --{name} {value} must be >= {0 if name == 'warmup' else 1}.",
+                  file=sys.stderr)
             return 2
     if args.on_paper:  # no devices, no compiles: gtp_jax.plan.paper
         from gtp_jax.plan.paper import main_on_paper  # noqa: PLC0415
@@ -114,10 +132,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {', '.join(given)} apply with --on-paper only: add --on-paper to plan "
               "on paper, or drop them to plan on this machine's devices.", file=sys.stderr)
         return 2
+    if args.gpus is not None and args.gpus > MAX_SIMULATED_DEVICES:
+        print(f"error: --gpus {args.gpus}: plan for at most {MAX_SIMULATED_DEVICES} devices "
+              "(on a CPU host each is simulated in this process; on a GPU host --gpus must "
+              "equal the GPUs present).", file=sys.stderr)
+        return 2
     try:
+        if args.json is not None:  # before minutes of planning, not after
+            check_writable_file(args.json, "--json")
         cache = compile_cache_dir(args.compile_cache)
     except UsageError as err:
-        print(f"error: {err}", file=sys.stderr)
+        print(f"error: {cli_message(err)}", file=sys.stderr)
         return 2
     simulate_cpu_devices(args.gpus or 8)
     use_compile_cache(cache)
@@ -125,8 +150,6 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return _plan(args)
     except UsageError as err:  # other exceptions are bugs: they keep their traceback
-        from gtp_jax.train.cli import cli_message  # noqa: PLC0415
-
         print(f"error: {cli_message(err)}", file=sys.stderr)
         return 2
 
@@ -158,6 +181,7 @@ def _plan(args: argparse.Namespace) -> int:
     base = TrainConfig(preset=args.preset, layers=args.layers, batch_size=args.batch,
                        seq_len=args.seq, steps=args.steps, warmup=args.warmup,
                        dtype=args.dtype, dp=1, gtp=1)
+    base.with_schedule()  # a warm-up the run would refuse, refused before planning
     t0 = time.perf_counter()
     parts: dict[str, float] = {}
     cal = calibration(resolve_auto(base).dtype, refresh=args.calibrate, timings=parts)
@@ -169,6 +193,14 @@ def _plan(args: argparse.Namespace) -> int:
         result = keep_what_fits(plan(base, memory_gib=args.memory_gib, space=space,
                                      top=args.top, cal=cal), args.top)
     t2 = time.perf_counter()
+    if (result.best is None and result.candidates and jax.default_backend() == "cpu"
+            and all((c.rejected or "").startswith(HOST_REJECTION) for c in result.candidates)):
+        # Nothing was compiled: one line instead of a table of the same refusal.
+        smallest = min(result.candidates, key=lambda c: c.bound_bytes)
+        raise UsageError(
+            f"no layout of --batch {args.batch} --seq {args.seq} fits in this host's memory "
+            f"(the smallest, {smallest.layout.describe()}, needs "
+            f"{smallest.rejected[len(HOST_REJECTION):].strip()}); lower --batch or --seq.")
     print(format_table(result, limit=args.limit or None), flush=True)
     compiled = sum(c.peak_bytes is not None for c in result.candidates)
     rates = (" (measured: " + ", ".join(f"{k} {v:.1f} s" for k, v in parts.items()) + ")"
@@ -176,8 +208,8 @@ def _plan(args: argparse.Namespace) -> int:
     print(f"planned in {t2 - t0:.1f} s: rates {t1 - t0:.1f} s{rates}, {compiled} layouts "
           f"compiled in {t2 - t1:.1f} s")
     if result.best is not None:
-        schedule = "" if (args.steps, args.warmup) == (100, 10) else (
-            f"--steps {args.steps} --warmup {args.warmup} ")
+        schedule = ("" if args.steps == 100 else f"--steps {args.steps} ") + (
+            "" if args.warmup is None else f"--warmup {args.warmup} ")
         layers = "" if args.layers is None else f"--layers {args.layers} "
         print(f"best: python -m gtp_jax train --preset {args.preset} {layers}--batch "
               f"{args.batch} --seq {args.seq} {schedule}{result.best.layout.flags()}")

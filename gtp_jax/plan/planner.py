@@ -121,16 +121,24 @@ def plan(base: TrainConfig, *, memory_gib: float | None = None,
     cal = calibration(base.dtype) if cal is None else cal
     devices = jax.device_count()
     layouts, skipped = enumerate_layouts(base, devices, space)
-    # The CPU backend's pinned host memory is its ordinary memory: no pool to fit.
-    host_problem_of = None if jax.default_backend() == "cpu" else functools.partial(
-        pinned_host_problem, pool_bytes=pinned_pool_bytes(),
-        available_bytes=available_host_bytes(), local_devices=jax.local_device_count())
+    # The CPU backend's pinned host memory is its ordinary memory: no pool to fit, but every
+    # simulated device lives in this process, and tracing a layout that cannot fit there
+    # (--seq 1e8) runs for minutes before the compiler refuses it: such a layout is
+    # rejected by its bound, as `train` refuses it (`check_host_memory`).
+    if jax.default_backend() == "cpu":
+        host_problem_of = functools.partial(_simulated_host_problem,
+                                            available=available_host_bytes(),
+                                            devices=jax.local_device_count())
+    else:
+        host_problem_of = functools.partial(pinned_host_problem, pool_bytes=pinned_pool_bytes(),
+                                            available_bytes=available_host_bytes(),
+                                            local_devices=jax.local_device_count())
     pending, rejected = [], []
     for layout in layouts:
         cfg = layout.apply(base)
         bound = memory_bound(cfg)["total"]
         seconds = step_seconds(cfg, cal)["total"]
-        host_problem = host_problem_of(cfg) if host_problem_of else None
+        host_problem = host_problem_of(cfg)
         if budget is not None and bound > budget:
             rejected.append(Candidate(layout, bound, None, seconds,
                                       f"bound {bound / GIB:.2f} GiB > {budget / GIB:.2f} GiB"))
@@ -168,6 +176,19 @@ def plan(base: TrainConfig, *, memory_gib: float | None = None,
     rejected.sort(key=lambda c: (c.peak_bytes or c.bound_bytes, c.layout.sort_key))
     return Plan(base=base, devices=devices, budget_bytes=budget, calibration=cal,
                 candidates=(*fitting, *uncompiled, *rejected), skipped=skipped)
+
+
+def _simulated_host_problem(cfg: TrainConfig, *, available: int | None,
+                            devices: int) -> str | None:
+    """Why `cfg` cannot run on `devices` simulated CPU devices in `available` host bytes
+    (its memory bound on each), or None."""
+    if available is None:
+        return None
+    need = memory_bound(cfg)["total"] * devices
+    if need <= available:
+        return None
+    return (f"{need / GIB:.2f} GiB for {devices} simulated devices > {available / GIB:.2f} "
+            "GiB available")
 
 
 def plan_fitting(base: TrainConfig, *, memory_gib: float | None = None,

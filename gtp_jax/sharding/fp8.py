@@ -214,6 +214,9 @@ def fp8_einsum(subscripts: str, *operands: Any, **kwargs: Any) -> jax.Array:
     return jnp.einsum(subscripts, *operands, _dot_general=fp8_dot_general, **kwargs)
 
 
+#: The attribute of `Fp8DelayedMatmul` holding its history: the last name of its path in a
+#: checkpoint (where `gtp_jax.train.checkpoint` recognizes a history as optional).
+FP8_HISTORY_NAME = "amax_history"
 #: The layer types FP8 compute applies to, and the attribute each injects its matmul by.
 _INJECTION = ((nnx.LinearGeneral, "dot_general"), (nnx.Linear, "dot_general"),
               (nnx.Einsum, "einsum_op"))

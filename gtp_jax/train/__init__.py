@@ -11,6 +11,7 @@ from gtp_jax.train.checkpoint import (
     CheckpointConfig,
     CheckpointCorruptError,
     Checkpointer,
+    CheckpointWriteError,
     NonFiniteStateError,
 )
 from gtp_jax.train.config import (
@@ -24,21 +25,25 @@ from gtp_jax.train.distributed import DistributedConfig
 from gtp_jax.train.loop import build_model_and_optimizer, replicated_bytes, train
 from gtp_jax.train.memory import check_memory_fits, memory_bound
 from gtp_jax.train.observe import DeviceMemoryError, ObserveConfig
+from gtp_jax.train.preempt import RESUMABLE_EXIT, RunStopped
 from gtp_jax.train.report import TrainResult
 from gtp_jax.train.resume import RunFinished
 from gtp_jax.train.step import TrainStep, replicate_stray_leaves
 
 __all__ = [
     "MODEL_MAY_DIFFER",
+    "RESUMABLE_EXIT",
     "RESUME_MAY_DIFFER",
     "CheckpointConfig",
     "CheckpointCorruptError",
+    "CheckpointWriteError",
     "Checkpointer",
     "DeviceMemoryError",
     "DistributedConfig",
     "NonFiniteStateError",
     "ObserveConfig",
     "RunFinished",
+    "RunStopped",
     "TrainConfig",
     "TrainResult",
     "TrainStep",

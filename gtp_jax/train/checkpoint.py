@@ -73,9 +73,13 @@ checkpoints does not need it installed.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import errno
+import logging
 import os
-from collections.abc import Callable, Mapping
+import shutil
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import jax
@@ -86,6 +90,9 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from gtp_jax.base.errors import UsageError, UsageTypeError
+from gtp_jax.base.fp8_history import Fp8History
+from gtp_jax.base.paths import local_path
+from gtp_jax.sharding.fp8 import FP8_HISTORY_NAME
 from gtp_jax.train.fingerprint import digest
 from gtp_jax.train.layout import (
     array_info,
@@ -119,6 +126,12 @@ class NonFiniteStateError(FloatingPointError):
     """The state to save holds NaN or inf; nothing was written."""
 
 
+class CheckpointWriteError(OSError):
+    """A checkpoint could not be written: its file system is full (or over its quota). The
+    checkpoint being saved is not listed (orbax publishes a save only once it is complete)
+    and the older ones are kept, so a run resumes from the newest of them."""
+
+
 @dataclasses.dataclass(frozen=True)
 class CheckpointConfig:
     """Where and how often training checkpoints are written.
@@ -150,7 +163,11 @@ class CheckpointConfig:
             raise UsageError(
                 f"CheckpointConfig.directory={self.directory!r} must be a non-empty path."
             )
-        if "://" not in directory:  # keep gs:// and other URLs as given
+        try:
+            directory = local_path(directory, storage=True)
+        except UsageError as err:
+            raise UsageError(f"CheckpointConfig.directory={err}.") from None
+        if "://" not in directory:  # keep gs:// and other object stores as given
             directory = os.path.abspath(directory)
         object.__setattr__(self, "directory", directory)
         for name, minimum in (("every", 0), ("keep", 1)):
@@ -205,6 +222,10 @@ class Checkpointer:
             cleanup_tmp_directories=not read_only,
         )
         self._closed = False
+        if not any(isinstance(f, _QuietDiskFull) for f in logging.getLogger("absl").filters):
+            logging.getLogger("absl").addFilter(_QuietDiskFull())
+        self._pending_step: int | None = None  # the newest save started
+        self._write_failed = False  # a CheckpointWriteError was raised already
         # (orbax's own read_only option logs three warnings per open; never saving
         # through this manager and leaving its leftovers alone is what read-only needs.)
         self._manager = ocp.CheckpointManager(
@@ -326,7 +347,7 @@ class Checkpointer:
         # The previous save's background writes finish first: that makes it visible to
         # `latest_step` below (named by the NaN refusal), and saves are many steps apart,
         # so this rarely waits.
-        self._manager.wait_until_finished()
+        self.wait()
         checksums, nonfinite = digest(arrays, infos, _mesh_of_model(model))
         if nonfinite:
             last = self.latest_step()
@@ -348,11 +369,13 @@ class Checkpointer:
         if overwrite and step in steps:
             self._manager.wait_until_finished()
             self._manager.delete(step)
+        self._check_room(step, arrays)
         ocp = self._ocp
         tree = _nest(arrays)
-        started = self._manager.save(step, force=overwrite, args=ocp.args.Composite(
-            **{name: ocp.args.StandardSave(sub) for name, sub in tree.items()},
-            **{_META_ITEM: ocp.args.JsonSave(meta)}))
+        with self._disk_full(step):
+            started = self._manager.save(step, force=overwrite, args=ocp.args.Composite(
+                **{name: ocp.args.StandardSave(sub) for name, sub in tree.items()},
+                **{_META_ITEM: ocp.args.JsonSave(meta)}))
         if not started:  # orbax declined (e.g. a step written concurrently by another run)
             raise UsageError(
                 f"Checkpointer.save: orbax did not save step {step} in "
@@ -383,6 +406,16 @@ class Checkpointer:
             _check_model_alone(model)
         meta = self._read_meta(step)
         flat = _flat_arrays(model, optimizer)
+        # FP8 amax histories (delayed scaling) may be switched on or off across a restore
+        # (`TrainConfig.fp8_compute` may change on resume): a history the checkpoint lacks
+        # keeps its fresh start, as a new delayed run's; a saved one the target lacks is
+        # not read.
+        fresh = {k for k, (var, _) in flat.items()
+                 if isinstance(var, Fp8History) and k not in meta["arrays"]}
+        flat = {k: v for k, v in flat.items() if k not in fresh}
+        unread = {k: v for k, v in meta["arrays"].items()
+                  if k not in flat and _is_fp8_history(k)}
+        meta = {**meta, "arrays": {k: v for k, v in meta["arrays"].items() if k not in unread}}
         _check_compatible(meta, flat, self.config.directory, step)
         stored = meta["arrays"]
         mesh = _mesh_of_model(model)
@@ -399,11 +432,17 @@ class Checkpointer:
                                                     numpy_dtype(stored[path]["dtype"]),
                                                     sharding=replicated)
         ocp = self._ocp
-        tree = _nest(target)
+        # orbax restores whole items: the histories the target lacks are read (small,
+        # replicated) and dropped.
+        whole = replicated or jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+        dropped = {k: jax.ShapeDtypeStruct(tuple(info["shape"]), numpy_dtype(info["dtype"]),
+                                           sharding=whole) for k, info in unread.items()}
+        tree = _nest({**target, **dropped})
         restored = self._read_items(step, ocp.args.Composite(**{
             # strict=False: padded dims may be restored into another padded size (re-padding).
             name: ocp.args.StandardRestore(sub, strict=False) for name, sub in tree.items()}))
-        values = _flatten_nested({name: restored[name] for name in tree})
+        values = {k: v for k, v in _flatten_nested({name: restored[name] for name in tree}).items()
+                  if k in target}
         new_values, infos = {}, {}
         for key, (var, old) in flat.items():
             new, info = values[key], array_info(var, old)
@@ -421,6 +460,8 @@ class Checkpointer:
             new_vars = []
             for path, var in nnx.to_flat_state(nnx.state(obj)):
                 key = _join((prefix, *path))
+                if key in fresh:
+                    continue
                 new_vars.append((path, var.replace(value=unsavable(new_values[key],
                                                                     flat[key][1]))))
             nnx.update(obj, nnx.from_flat_state(new_vars))
@@ -462,8 +503,55 @@ class Checkpointer:
         self.read_arrays(step)
 
     def wait(self) -> None:
-        """Blocks until every started save is finalized (renamed into place)."""
-        self._manager.wait_until_finished()
+        """Blocks until every started save is finalized (renamed into place).
+
+        Raises:
+          CheckpointWriteError: a save's background writes ran out of disk space.
+        """
+        with self._disk_full(self._pending_step):
+            self._manager.wait_until_finished()
+
+    def _check_room(self, step: int, arrays: Mapping[str, Any]) -> None:
+        """Refuses a save that cannot fit in its file system's free space, before orbax
+        writes anything: a save that fills the disk part way fails in orbax's background
+        threads, each printing its own traceback (179 for one save), and leaves its partial
+        files taking the space until the next start. A local directory of a one-process
+        run only: processes must all save or none (they would wait for each other), and
+        each sees the free space at another moment."""
+        if jax.process_count() > 1 or "://" in self.config.directory:
+            self._pending_step = step
+            return
+        need = sum(int(np.prod(np.shape(a))) * np.dtype(a.dtype).itemsize
+                   for a in arrays.values()) + SAVE_HEADROOM
+        free = shutil.disk_usage(self.config.directory).free
+        if need > free:
+            raise CheckpointWriteError(self._full_message(
+                step, f"it needs about {need / 2**20:.1f} MiB and {free / 2**20:.1f} MiB are "
+                "free"))
+        self._pending_step = step
+
+    def _full_message(self, step: int | None, why: str) -> str:
+        kept = self.all_steps()
+        older = (f"the older checkpoints (steps {kept}) are kept, so the run can continue "
+                 f"from step {kept[-1]}" if kept else "no older checkpoint exists")
+        return (f"no room to save checkpoint step {step} in "
+                f"CheckpointConfig.directory={self.config.directory!r} ({why}); {older}. "
+                "Free disk space, lower CheckpointConfig.keep or choose another "
+                "CheckpointConfig.directory, then run the same command with "
+                "CheckpointConfig.resume='auto'.")
+
+    @contextlib.contextmanager
+    def _disk_full(self, step: int | None) -> Iterator[None]:
+        """Turns orbax's error for a full file system (whatever type it arrives as) into a
+        `CheckpointWriteError`; other errors pass."""
+        try:
+            yield
+        except Exception as err:
+            if not _is_disk_full(err):
+                raise
+            self._write_failed = True
+            raise CheckpointWriteError(
+                self._full_message(step, "the file system is full")) from None
 
     def close(self) -> None:
         """Waits for pending saves and for the clean-up of unfinished saves' leftovers, then
@@ -480,8 +568,13 @@ class Checkpointer:
             if await_cleanup is not None:
                 await_cleanup()
         finally:
-            self._manager.wait_until_finished()
-            self._manager.close()
+            try:
+                self.wait()
+            except CheckpointWriteError:
+                if not self._write_failed:  # reported here, not by an earlier save
+                    raise
+            finally:
+                self._manager.close()
 
     def __enter__(self) -> Checkpointer:
         return self
@@ -605,6 +698,44 @@ def _flat_arrays(model: nnx.Module,
                 )
             out[_join((prefix, *path))] = (var, value)
     return out
+
+
+#: Bytes a save needs beyond its arrays' (the metadata and orbax's files), for the free space
+#: check: the tiny preset's 10.4 MB of arrays took 9.6 MB on disk, OCDBT adds little.
+SAVE_HEADROOM = 1 << 20
+#: errno values of a file system that has no room left.
+_DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
+
+
+def _is_fp8_history(path: str) -> bool:
+    """Whether a stored array is an FP8 layer's `Fp8History` (the attribute
+    `gtp_jax.sharding.fp8` gives it)."""
+    return path.rsplit("/", 1)[-1] == FP8_HISTORY_NAME
+
+
+class _QuietDiskFull(logging.Filter):
+    """Drops orbax's log records of writes that failed for a full disk: each of its writer
+    threads logs its own traceback, and `CheckpointWriteError` says it once."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        return not (_is_disk_full(error) or _is_disk_full(Exception(record.getMessage())))
+
+
+def _is_disk_full(err: BaseException | None) -> bool:
+    """Whether `err` (or an exception it was raised from) says the file system is full:
+    tensorstore's errors reach Python as ValueError text ("No space left on device
+    [os_error_code='28']"), Python's own as OSError."""
+    seen = 0
+    while err is not None and seen < 8:
+        if isinstance(err, OSError) and err.errno in _DISK_FULL_ERRNOS:
+            return True
+        text = str(err)
+        if any(f"os_error_code='{code}'" in text for code in _DISK_FULL_ERRNOS) or \
+                "No space left on device" in text or "Disk quota exceeded" in text:
+            return True
+        err, seen = err.__cause__ or err.__context__, seen + 1
+    return False
 
 
 def _mesh_of_model(model: nnx.Module) -> Mesh | None:

@@ -13,13 +13,13 @@ import math
 import re
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 from gtp_jax.base.compile_cache import HELP as COMPILE_CACHE_HELP
 from gtp_jax.base.compile_cache import compile_cache_dir, use_compile_cache
 from gtp_jax.base.errors import UsageError
-from gtp_jax.base.xla_flags import simulate_cpu_devices
-from gtp_jax.train.job_file import expand_job_file
+from gtp_jax.base.xla_flags import MAX_SIMULATED_DEVICES, simulate_cpu_devices
+from gtp_jax.train.job_file import PathArg, expand_job_file
 from gtp_jax.train.optim import LR_SCHEDULES
 
 #: ``planner(cfg, fixed layout fields, memory GiB or None) -> laid-out cfg`` (``--plan auto``).
@@ -63,6 +63,7 @@ FLAGS = {
     "TrainConfig.offload_master_weights": "--offload-master-weights",
     "TrainConfig.unroll_layers": "--[no-]unroll-layers",
     "TrainConfig.schedule_steps": "schedule_steps (no flag; kept from the checkpoint)",
+    "TrainConfig.schedule_version": "schedule_version (no flag; kept from the checkpoint)",
     "TrainConfig.init_from_hf": "--init-from-hf", "TrainConfig.export_hf": "--export-hf",
     "TrainConfig.init_from": "--init-from",
     "CheckpointConfig.directory": "--checkpoint-dir",
@@ -107,6 +108,21 @@ def _fail(err: BaseException, code: int) -> int:
     return code
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse whose mistakes (an unknown flag, ``--lr abc``) are one line, ``error: ...``
+    naming the flag, with exit status 2, instead of the whole usage text."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"error: {' '.join(message.split()).rstrip('.')} ({self.prog} --help "
+                     "lists the options).\n")
+
+
+#: The ``type`` of path flags (see `PathArg`): relative to a job file's folder when set there.
+PATH = PathArg()
+#: Checkpoint directories: also the object stores orbax writes to (gs://, ...).
+STORAGE_PATH = PathArg(urls=True)
+
+
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Shows defaults, except None ones (their help says what an unset flag means)."""
 
@@ -117,7 +133,7 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="python -m gtp_jax",
         description="gtp_jax: Generalized Tensor Parallelism for JAX.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -160,7 +176,9 @@ def _parser() -> argparse.ArgumentParser:
                        help="context-parallel size: sequences split over cp devices, ring "
                        "attention (default 1)")
     train.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
-    train.add_argument("--warmup", type=int, default=10, help="warm-up steps")
+    train.add_argument("--warmup", type=int, default=None,
+                       help="warm-up steps: step k of them trains at k/warmup of --lr "
+                       "(default: a tenth of --steps, at most 10; a resumed run keeps its own)")
     opt = train.add_argument_group("optimizer (AdamW; docs/training_options.md)")
     opt.add_argument("--lr-schedule", choices=LR_SCHEDULES, default="cosine",
                      help="after the linear warm-up: cosine or linear decay to 10%% of --lr, "
@@ -242,32 +260,33 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--memory-gib", type=float, default=None,
                        help="with --plan auto: the budget per device in GiB (default: the "
                        "device's memory)")
-    train.add_argument("--compile-cache", default=None, metavar="DIR",
+    train.add_argument("--compile-cache", default=None, metavar="DIR", type=PathArg("off"),
                        help=COMPILE_CACHE_HELP)
 
     hf = train.add_argument_group("Hugging Face checkpoints (Llama family; docs/models.md)")
-    hf.add_argument("--init-from-hf", default=None, metavar="DIR",
+    hf.add_argument("--init-from-hf", default=None, metavar="DIR", type=PATH,
                     help="start from this checkpoint's weights; its config.json sets the "
                          "model shape (--preset is not used)")
-    hf.add_argument("--export-hf", default=None, metavar="DIR",
+    hf.add_argument("--export-hf", default=None, metavar="DIR", type=PATH,
                     help="write the trained model there as a Hugging Face checkpoint")
     data = train.add_argument_group(
         "data (default: the bundled byte corpus; docs/data.md)")
-    data.add_argument("--data", nargs="+", default=None, metavar="PATH",
+    data.add_argument("--data", nargs="+", default=None, metavar="PATH", type=PATH,
                       help="text or JSONL files, or folders of them (*.txt, *.md, *.jsonl), "
                            "tokenized once into a token file beside them and reused")
-    data.add_argument("--tokenizer", default=None, metavar="DIR",
-                      help="Hugging Face tokenizer folder (tokenizer.json) for --data; the "
-                           "model's vocabulary is its size")
+    data.add_argument("--tokenizer", default=None, metavar="DIR", type=PATH,
+                      help="Hugging Face tokenizer folder (holding tokenizer.json), or the "
+                           "tokenizer.json file itself, for --data; the model's vocabulary "
+                           "is its size")
     data.add_argument("--data-field", default="text", metavar="KEY",
                       help="the JSONL key holding each document's text")
-    data.add_argument("--val-data", nargs="+", default=None, metavar="PATH",
+    data.add_argument("--val-data", nargs="+", default=None, metavar="PATH", type=PATH,
                       help="held-out files for the validation loss (instead of "
                            "--val-fraction)")
     data.add_argument("--val-fraction", type=float, default=None,
                       help="share of --data's tokens held out for the validation loss "
                            "(default 0.05)")
-    data.add_argument("--data-cache", default=None, metavar="DIR",
+    data.add_argument("--data-cache", default=None, metavar="DIR", type=PATH,
                       help="where token files go when the data's folder is not writable "
                            "(default ~/.cache/gtp_jax/tokens)")
     data.add_argument("--eval-every", type=int, default=0, metavar="N",
@@ -290,7 +309,7 @@ def _parser() -> argparse.ArgumentParser:
 
     ckpt = train.add_argument_group("checkpoints (orbax; sharded, each process writes its own "
                                     "shards)")
-    ckpt.add_argument("--checkpoint-dir", default=None,
+    ckpt.add_argument("--checkpoint-dir", default=None, type=STORAGE_PATH,
                       help="save checkpoints here (shared by all processes)")
     ckpt.add_argument("--checkpoint-every", type=int, default=0,
                       help="save every K steps (0: only after the last step)")
@@ -302,7 +321,7 @@ def _parser() -> argparse.ArgumentParser:
                            "(the mesh may differ from the saving run's); --resume auto: the "
                            "same, or start a new run if nothing was saved there yet (one "
                            "command to start a job and to requeue it)")
-    ckpt.add_argument("--init-from", default=None, metavar="DIR",
+    ckpt.add_argument("--init-from", default=None, metavar="DIR", type=STORAGE_PATH,
                       help="start a new run from the weights of the newest intact checkpoint "
                            "in DIR (any mesh; same model shape), with a fresh optimizer and "
                            "this run's hyperparameters")
@@ -325,13 +344,13 @@ def _parser() -> argparse.ArgumentParser:
                       help="how long to wait for every process to join the run")
 
     obs = train.add_argument_group("observability")
-    obs.add_argument("--profile-dir", default=None,
+    obs.add_argument("--profile-dir", default=None, type=PATH,
                      help="write a jax.profiler trace (incl. perfetto_trace.json.gz) here")
     obs.add_argument("--profile-steps", default=None, metavar="A:B",
                      help="steps to trace, inclusive; unset: the 3 steps after the first")
-    obs.add_argument("--metrics-json", default=None, metavar="PATH",
+    obs.add_argument("--metrics-json", default=None, metavar="PATH", type=PATH,
                      help="write per-step metrics and the summary as JSON at the end")
-    obs.add_argument("--log-dir", default=None, metavar="DIR",
+    obs.add_argument("--log-dir", default=None, metavar="DIR", type=PATH,
                      help="stream metrics while training: DIR/metrics.jsonl (flushed per "
                      "logged step) and TensorBoard event files (pip install "
                      "'gtp-jax[tensorboard]')")
@@ -391,7 +410,7 @@ def _text_data(args: argparse.Namespace) -> object | None:
         return None
     if args.tokenizer is None:
         raise UsageError("--data needs --tokenizer DIR (a Hugging Face tokenizer folder with "
-                         "tokenizer.json).")
+                         "tokenizer.json, or that file).")
     if args.val_data is not None and args.val_fraction is not None:
         raise UsageError("--val-data and --val-fraction both choose the held-out text; pass "
                          "one of them.")
@@ -439,6 +458,18 @@ def main(argv: list[str] | None = None, *, planner: Planner | None = None) -> in
     """``python -m gtp_jax train [options]``; `planner` is the ``--plan auto`` layout choice
     (`gtp_jax.plan.cli.auto_layout`, a higher layer, passed in by ``python -m gtp_jax``)."""
     try:
+        return _main(argv, planner)
+    except KeyboardInterrupt:
+        # Only reached outside the training loop's signal handlers (which stop after the
+        # step in flight and save): checks, planning and building, before anything is
+        # written.
+        print("gtp_jax train: interrupted (Ctrl-C) before training started; nothing was "
+              "trained or saved.", file=sys.stderr, flush=True)
+        return 128 + 2  # SIGINT, as a shell reports a process it interrupted
+
+
+def _main(argv: list[str] | None, planner: Planner | None) -> int:
+    try:
         argv = expand_job_file(_parser(), sys.argv[1:] if argv is None else list(argv))
     except UsageError as err:
         return _fail(err, 2)
@@ -475,6 +506,16 @@ def main(argv: list[str] | None = None, *, planner: Planner | None = None) -> in
     total = math.prod(cpu_sizes.values())
     if dist.num_processes and total % dist.num_processes:  # fail before joining a run
         return _processes_error(dist.num_processes, total)
+    if total > MAX_SIMULATED_DEVICES * (dist.num_processes or 1):
+        # On a CPU host each process simulates its share of the mesh; so many devices only
+        # make sense on accelerators, where this count is never simulated (a CPU backend
+        # asked for a million devices would take minutes and gigabytes before any message).
+        given = " ".join(f"--{k} {v}" for k, v in sizes.items() if v is not None)
+        return _fail(UsageError(
+            f"the mesh {given} has {total} devices: more than the "
+            f"{MAX_SIMULATED_DEVICES} CPU devices one process simulates; choose mesh "
+            "sizes whose product fits (dp*ep*gtp*cp*tp) or run on accelerators with "
+            "several processes (--num-processes)."), 2)
 
     from gtp_jax.train.distributed import (  # noqa: PLC0415
         DistributedJoinError,
@@ -530,8 +571,8 @@ def _run(args: argparse.Namespace, sizes: dict[str, int | None], cpu_sizes: dict
          data: object | None = None, planner: Planner | None = None) -> int:
     import jax  # noqa: PLC0415
 
-    from gtp_jax.train import TrainConfig, train  # noqa: PLC0415
-    from gtp_jax.train.preempt import stop_on_signals  # noqa: PLC0415
+    from gtp_jax.train import CheckpointWriteError, TrainConfig, train  # noqa: PLC0415
+    from gtp_jax.train.preempt import RESUMABLE_EXIT, RunStopped, stop_on_signals  # noqa: PLC0415
     from gtp_jax.train.resume import RunFinished  # noqa: PLC0415
 
     primary = jax.process_index() == 0
@@ -573,39 +614,55 @@ def _run(args: argparse.Namespace, sizes: dict[str, int | None], cpu_sizes: dict
     except UsageError as err:  # other exceptions are bugs: they keep their traceback
         if jax.default_backend() == "cpu" and any(v is None for v in sizes.values()) and (
                 type(err).__name__ != "DeviceMemoryError") and (
-                "TrainConfig.batch_size" in str(err) or "the mesh dp*ep*gtp*cp*tp" in str(err)):
+                "must be a multiple of dp" in str(err) or "grad_accum*dp" in str(err)
+                or "the mesh dp*ep*gtp*cp*tp" in str(err)):
             given = {k: v for k, v in cpu_sizes.items() if sizes[k] is None}
             err = UsageError(f"{err} (with defaults {given} for the mesh sizes not given; "
                              "pass --dp/--gtp/--tp/--ep/--cp explicitly)")
         return _fail(err, 2)
     except FloatingPointError as err:  # NaN/inf loss or state: not a bug, not a usage error
         return _fail(err, 1)
+    except CheckpointWriteError as err:  # a full disk: the older checkpoints are kept
+        return _fail(err, 1)
     except RunFinished as done:  # a re-launch of a completed run: nothing to do, no error
         if primary:
             print(f"gtp_jax train: {cli_message(done)}", flush=True)
         return 0
+    except RunStopped as early:  # a signal before the first step: nothing to save
+        if primary:
+            kept = (f"; its checkpoint of step {early.step} is kept" if early.step else "")
+            print(f"gtp_jax train: {early}{kept}; run the same command to "
+                  f"{'continue' if early.step else 'start'} it (exit status "
+                  f"{RESUMABLE_EXIT}: unfinished).", flush=True)
+        return RESUMABLE_EXIT
     if result.stopped_by is not None:
-        return _stopped(result, primary)
+        return _stopped(result, primary, args.steps, args.export_hf)
     if primary:
         print(result.summary(), flush=True)
     return 0
 
 
-def _stopped(result: object, primary: bool) -> int:
-    """One line for a run stopped by a signal; status 0 when its checkpoint was saved (a
-    requeued job continues from it), else 128 + the signal's number."""
+def _stopped(result: object, primary: bool, steps: int, export_hf: str | None) -> int:
+    """One line for a run stopped by a signal. Never status 0, which would let ``train &&
+    upload`` publish a partial run: `RESUMABLE_EXIT` when its checkpoint was saved (a
+    requeued job continues from it), else 128 + the signal's number (the steps are lost)."""
     import signal  # noqa: PLC0415
+
+    from gtp_jax.train.preempt import RESUMABLE_EXIT  # noqa: PLC0415
 
     step = result.first_step + len(result.losses) - 1
     saved = result.checkpoint_dir is not None and step in result.checkpoint_steps
+    number = getattr(signal, result.stopped_by.split()[0], 0)  # "SIGTERM on process 1"
+    code = RESUMABLE_EXIT if saved else 128 + int(number)
     if primary:
         where = (f"checkpoint saved in {result.checkpoint_dir!r}; run the same command with "
                  "--resume auto to continue" if saved else
                  "no --checkpoint-dir, nothing was saved")
-        print(f"gtp_jax train: stopped by {result.stopped_by} after step {step}: {where}.",
-              flush=True)
-    number = getattr(signal, result.stopped_by.split()[0], 0)  # "SIGTERM on process 1"
-    return 0 if saved else 128 + int(number)
+        unexported = (f"; --export-hf {export_hf!r} is written only when the run finishes"
+                      if export_hf is not None else "")
+        print(f"gtp_jax train: stopped by {result.stopped_by} after step {step} of {steps}: "
+              f"{where} (exit status {code}: unfinished){unexported}.", flush=True)
+    return code
 
 
 #: The placeholder mesh of a run whose layout the planner chooses.

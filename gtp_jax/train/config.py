@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gtp_jax.base.config import FP8_COMPUTE_RECIPES, GTPConfig
+from gtp_jax.base.config import FP8_COMPUTE_RECIPES, GTPConfig, check_patterns
 from gtp_jax.base.errors import UsageError, UsageTypeError
 from gtp_jax.data import VOCAB_SIZE
 from gtp_jax.models import TransformerConfig, preset
@@ -40,6 +40,8 @@ AUTO_FIELDS = ("dtype", "gather_dtype", "remat")
 #: Model options that change how the step computes, not what: a run may resume with others.
 MODEL_MAY_DIFFER = frozenset({"remat", "tp_overlap", "attention_impl", "unroll_layers",
                               "swiglu_backend", "cp_attention_backend"})
+#: Tokens of one step's batch the loss can count (`gtp_jax.models.cross_entropy`: int32).
+MAX_TOKENS_PER_STEP = 2**31 - 1
 _GATHER_FORMATS = (None, "fp8", "mxfp8", "nvfp4")
 _REMAT = ("auto", "none", "dots", "full")
 _ATTENTION = ("auto", "cudnn", "xla")
@@ -62,7 +64,10 @@ class TrainConfig:
       cp: context-parallel size: each sequence is split over ``cp`` devices and attention
         runs as ring attention (`gtp_jax.parallel.context`); 1: off.
       lr: peak AdamW learning rate (of the `lr_schedule`).
-      warmup: warm-up steps (linear from 0).
+      warmup: warm-up steps: step k <= warmup trains at ``lr * k / warmup``; None: a tenth
+        of the schedule's steps, at most 10 (`gtp_jax.train.optim.default_warmup`), fixed
+        when the run starts and recorded in its checkpoints. Must leave at least one step
+        of the schedule to decay in (the constant schedule: at most its steps).
       weight_decay: AdamW decoupled weight decay.
       lr_schedule: "cosine" (warm-up, cosine decay to 10% of `lr`), "linear" (warm-up,
         linear decay to 10%), "wsd" (warm-up, stable, linear decay to 10% over the last
@@ -102,11 +107,16 @@ class TrainConfig:
       overlap: ring collective matmuls for the tp GEMMs (`TransformerConfig.tp_overlap`).
       moe_experts: experts per MoE layer (0: dense MLP); `moe_top_k`, `moe_capacity_factor`
         (None: dropless) as in `TransformerConfig`.
-      schedule_steps: length of the LR schedule (warm-up + cosine decay to 10% of `lr`);
-        None: `steps`. Steps past it train at the final LR (10% of `lr`). A run that is
-        extended (resumed with a larger `steps`) keeps the schedule_steps recorded in its
-        checkpoint, so an extended run equals an uninterrupted run with
-        ``steps=<new steps>, schedule_steps=<original steps>``.
+      schedule_steps: length of the LR schedule (warm-up + decay to 10% of `lr` on its last
+        step); None: `steps`. Steps past it train at the final LR (10% of `lr`; `lr` with
+        the constant schedule). A run that is extended (resumed with a larger `steps`) keeps
+        the schedule_steps (and warm-up) recorded in its checkpoint, so an extended run
+        equals an uninterrupted run with ``steps=<new steps>, schedule_steps=<original
+        steps>``.
+      schedule_version: how the schedule maps steps to rates
+        (`gtp_jax.train.optim.SCHEDULE_VERSION`); None: the current one, 2. A resumed run
+        keeps its checkpoint's, and a checkpoint without one was written by version 1
+        (step 1 at rate 0; see `gtp_jax.train.optim`).
       init_from_hf: a Hugging Face Llama-family checkpoint directory
         (`gtp_jax.models.from_hf`): the model's shape comes from its config.json (`preset`
         is not used) and its weights replace the random init; None: a random `preset`.
@@ -139,7 +149,7 @@ class TrainConfig:
     ep: int = 1
     cp: int = 1
     lr: float = 3e-3
-    warmup: int = 10
+    warmup: int | None = None
     weight_decay: float = 0.1
     seed: int = 0
     dtype: str = "auto"
@@ -160,6 +170,7 @@ class TrainConfig:
     moe_top_k: int = 2
     moe_capacity_factor: float | None = 1.25
     schedule_steps: int | None = None
+    schedule_version: int | None = None
     init_from_hf: str | None = None
     init_from: str | None = None
     export_hf: str | None = None
@@ -177,13 +188,14 @@ class TrainConfig:
     def __post_init__(self) -> None:
         # Every field is checked for type and range, so nothing silently trains wrong.
         for name, minimum in (("steps", 1), ("batch_size", 1), ("seq_len", 1), ("dp", 1),
-                              ("gtp", 1), ("tp", 1), ("ep", 1), ("cp", 1), ("warmup", 0),
+                              ("gtp", 1), ("tp", 1), ("ep", 1), ("cp", 1),
                               ("seed", 0), ("pad_for_alignment", 0), ("moe_experts", 0),
                               ("moe_top_k", 1), ("eval_every", 0), ("eval_batches", 1),
                               ("grad_accum", 1)):
             _check_int(name, getattr(self, name), minimum)
-        if self.schedule_steps is not None:
-            _check_int("schedule_steps", self.schedule_steps, 1)
+        for name, minimum in (("schedule_steps", 1), ("warmup", 0), ("schedule_version", 1)):
+            if getattr(self, name) is not None:
+                _check_int(name, getattr(self, name), minimum)
         for name in ("vocab_size", "layers"):
             if getattr(self, name) is not None:
                 _check_int(name, getattr(self, name), 1)
@@ -211,7 +223,8 @@ class TrainConfig:
         if not isinstance(exclude, (tuple, list)) or not all(isinstance(p, str) for p in exclude):
             raise UsageTypeError(f"TrainConfig.offload_exclude={self.offload_exclude!r} must be "
                                  "a sequence of regular expressions, e.g. ('blocks/mlp/down',).")
-        object.__setattr__(self, "offload_exclude", tuple(exclude))
+        object.__setattr__(self, "offload_exclude",
+                           check_patterns("TrainConfig.offload_exclude", exclude))
         if self.offload_exclude and not self.offload_optimizer:
             raise UsageError(f"TrainConfig.offload_exclude={self.offload_exclude!r} needs "
                              "TrainConfig.offload_optimizer (it keeps some of an offloaded "
@@ -251,11 +264,19 @@ class TrainConfig:
             raise UsageError(
                 f"TrainConfig.init_from_hf with moe_experts={self.moe_experts}: a Hugging Face "
                 "Llama checkpoint has a dense MLP; drop moe_experts.")
-        check_optimizer_settings(lr_schedule=self.lr_schedule, warmup=self.warmup,
+        check_optimizer_settings(lr_schedule=self.lr_schedule, warmup=self.lr_warmup,
                                  schedule_steps=self.lr_schedule_steps,
                                  decay_steps=self.decay_steps,
                                  clip_grad_norm=self.clip_grad_norm, adam_b1=self.adam_b1,
-                                 adam_b2=self.adam_b2, adam_eps=self.adam_eps)
+                                 adam_b2=self.adam_b2, adam_eps=self.adam_eps,
+                                 version=self.lr_schedule_version,
+                                 check_warmup=self.schedule_steps is not None)
+        if self.batch_size * self.seq_len > MAX_TOKENS_PER_STEP:
+            raise UsageError(
+                f"TrainConfig.batch_size={self.batch_size} x TrainConfig.seq_len={self.seq_len}"
+                f" = {self.batch_size * self.seq_len} tokens per step: at most "
+                f"{MAX_TOKENS_PER_STEP} (the loss counts them in int32); lower "
+                "TrainConfig.batch_size or TrainConfig.seq_len.")
         shards = self.dp * self.ep * self.gtp
         fit = max(shards, self.batch_size // shards * shards)
         if self.batch_size % shards:
@@ -285,6 +306,31 @@ class TrainConfig:
         """The LR schedule's length: `schedule_steps`, or `steps` when it is None."""
         return self.schedule_steps if self.schedule_steps is not None else self.steps
 
+    @property
+    def lr_warmup(self) -> int:
+        """The warm-up: `warmup`, or `default_warmup` of the schedule when it is None."""
+        return self.warmup if self.warmup is not None else optim.default_warmup(
+            self.lr_schedule_steps)
+
+    @property
+    def lr_schedule_version(self) -> int:
+        """`schedule_version`, or the current `gtp_jax.train.optim.SCHEDULE_VERSION`."""
+        return (self.schedule_version if self.schedule_version is not None
+                else optim.SCHEDULE_VERSION)
+
+    def with_schedule(self) -> TrainConfig:
+        """This config with its schedule fixed: `schedule_steps`, `warmup` and
+        `schedule_version` set to what None stands for now, as a run records them (so a
+        later extension, or a later default, does not change the run's schedule).
+
+        Raises:
+          UsageError: a warm-up that leaves no step of the schedule to decay in (checked
+            here, once the schedule's length is known: a resumed run keeps its own).
+        """
+        return dataclasses.replace(self, schedule_steps=self.lr_schedule_steps,
+                                   warmup=self.lr_warmup,
+                                   schedule_version=self.lr_schedule_version)
+
 
 def _check_int(name: str, value: Any, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
@@ -312,10 +358,10 @@ def make_optimizer(cfg: TrainConfig) -> StreamableChain:
     ``nnx.Optimizer``, so an equal object lets a `TrainStep` reuse its compiled program.
     """
     return optim.make_optimizer(
-        float(cfg.lr), int(cfg.warmup), int(cfg.lr_schedule_steps), float(cfg.weight_decay),
+        float(cfg.lr), int(cfg.lr_warmup), int(cfg.lr_schedule_steps), float(cfg.weight_decay),
         schedule=cfg.lr_schedule, decay_steps=cfg.decay_steps,
         clip_grad_norm=float(cfg.clip_grad_norm), b1=float(cfg.adam_b1),
-        b2=float(cfg.adam_b2), eps=float(cfg.adam_eps))
+        b2=float(cfg.adam_b2), eps=float(cfg.adam_eps), version=int(cfg.lr_schedule_version))
 
 
 def resolve_auto(cfg: TrainConfig, backend: str | None = None) -> TrainConfig:

@@ -32,6 +32,7 @@ from gtp_jax.data import (
     split_train_eval,
     token_file,
 )
+from gtp_jax.data.token_file import Interrupt
 from gtp_jax.train.progress import ProgressBar
 
 #: What a checkpoint of a run on the bundled corpus records as its data source (and what a
@@ -78,19 +79,26 @@ class DataSource:
                            "field": self.data.field}
         return self.record
 
-    def open(self, *, progress: bool) -> None:
+    def open(self, *, progress: bool, interrupt: Interrupt | None = None) -> None:
         """Sets `train_tokens` and `val_tokens`: the bundled corpus split 95/5, or the token
         file of `TextData.paths` (tokenized now unless an up-to-date one exists; a progress
         bar on process 0 when `progress`) split by `TextData.val_fraction` or, with
-        `TextData.val_paths`, those files' tokens."""
+        `TextData.val_paths`, those files' tokens.
+
+        `interrupt` is called every fraction of a second while tokenizing (in a run of one
+        process: elsewhere process 0 tokenizes while the others wait for it); what it
+        raises stops the tokenization, publishing nothing."""
         if self.data is None:
             self.train_tokens, self.val_tokens = split_train_eval(load_corpus())
             return
+        if jax.process_count() > 1:
+            interrupt = None
         tokens = self._tokens(self.files, self.data.paths, self.fingerprint()["fingerprint"],
-                              progress)
+                              progress, interrupt)
         if self.val_files:
             self.train_tokens = tokens
-            self.val_tokens = self._tokens(self.val_files, self.data.val_paths, None, progress)
+            self.val_tokens = self._tokens(self.val_files, self.data.val_paths, None, progress,
+                                           interrupt)
         elif self.data.val_fraction > 0:
             held = max(1, round(len(tokens) * self.data.val_fraction))
             self.train_tokens, self.val_tokens = tokens[:-held], tokens[-held:]
@@ -122,12 +130,13 @@ class DataSource:
         return eval_batches(PackedRows(self.val_tokens, seq_len), batch_size, count)
 
     def _tokens(self, files: list[Path], paths: tuple[str, ...], key: str | None,
-                progress: bool) -> np.ndarray:
+                progress: bool, interrupt: Interrupt | None = None) -> np.ndarray:
         home = Path(paths[0]) if Path(paths[0]).is_dir() else Path(paths[0]).parent
         kwargs = dict(field=self.data.field, home=home, cache_dir=self.data.cache_dir, key=key)
         report = _progress() if progress and jax.process_index() == 0 else None
         if jax.process_count() == 1:
-            return token_file(files, self.tokenizer, progress=report, **kwargs).tokens
+            return token_file(files, self.tokenizer, progress=report, interrupt=interrupt,
+                              **kwargs).tokens
         # Process 0 tokenizes; the others then find its file (a shared file system) or,
         # where the folder is local to each host, tokenize their own copy.
         from jax.experimental import multihost_utils  # noqa: PLC0415

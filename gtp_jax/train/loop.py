@@ -15,6 +15,7 @@ import contextlib
 import dataclasses
 import functools
 import gc
+import os
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -53,7 +54,7 @@ from gtp_jax.train.observe import (
     peak_flops,
     write_json,
 )
-from gtp_jax.train.preempt import StopRequest
+from gtp_jax.train.preempt import RunStopped, StopRequest
 from gtp_jax.train.progress import ProgressBar
 from gtp_jax.train.report import TrainResult
 from gtp_jax.train.resume import StartOver, restore_newest, select_candidates
@@ -105,7 +106,9 @@ def train(cfg: TrainConfig, *, on_step: OnStep | None = None,
       stop: checked after each step is dispatched (`gtp_jax.train.preempt`; the command
         line sets it on SIGTERM / SIGINT): once requested (on any process), the run finishes
         the step in flight, checkpoints it (with `checkpoint`) and returns a result whose
-        ``stopped_by`` names the cause.
+        ``stopped_by`` names the cause; ``cfg.export_hf`` is not written (the model is not
+        the run's result). Requested before the first step (while the data is tokenized or
+        the model built), the run raises `RunStopped` at once.
 
     Returns:
       A `TrainResult` with per-step losses (float32 scalars), timings and, with
@@ -120,6 +123,7 @@ def train(cfg: TrainConfig, *, on_step: OnStep | None = None,
         before any model is built), a profile window outside the run; out of device memory.
       FloatingPointError: the loss or the state to save became NaN/inf (the last finite
         checkpoint is kept).
+      RunStopped: `stop` was requested before the first step; nothing was trained.
     """
     observe = ObserveConfig() if observe is None else observe
     primary = jax.process_index() == 0
@@ -233,17 +237,22 @@ def _train(cfg: TrainConfig, *, on_step: OnStep | None, progress: bool,
     source = DataSource.check(None) if source is None else source
     cfg, candidates = select_candidates(cfg, model_config(cfg), ckpt, auto=auto,
                                         source=source.fingerprint() if ckpt else None)
+    # Recorded explicitly in checkpoints, so extending the run keeps this schedule.
+    cfg = cfg.with_schedule()
     model_cfg = model_config(cfg)
     # A warm start applies to a new run only; a resumed one continues its own weights.
     warm = check_init_from(cfg, model_cfg) if cfg.init_from and not candidates else None
     failure_plan = check_failure(cfg, failure, start=candidates[0][0] if candidates else 0)
-    source.open(progress=progress)
+
+    def interrupt(during: str, step: int) -> None:
+        if stop is not None and stop.requested:
+            raise RunStopped(stop.name, during, step)
+
+    source.open(progress=progress, interrupt=functools.partial(
+        interrupt, "tokenizing the data", candidates[0][0] if candidates else 0))
     held_out = (source.eval_batches(cfg.batch_size, cfg.seq_len, cfg.eval_batches)
                 if cfg.eval_every else None)
     # Validation: nothing below this line fails on user input before training starts.
-    if cfg.schedule_steps is None:
-        # Recorded explicitly in checkpoints, so extending the run keeps this schedule.
-        cfg = dataclasses.replace(cfg, schedule_steps=cfg.steps)
     window = observe.profile_window((candidates[0][0] if candidates else 0) + 1, cfg.steps)
     if on_start is not None:
         on_start(cfg, model_cfg)
@@ -253,6 +262,11 @@ def _train(cfg: TrainConfig, *, on_step: OnStep | None, progress: bool,
                                  source=source.record)
     if warm is not None:
         load_weights(cfg, warm, model)
+    if meta is not None and jax.process_index() == 0:
+        print(f"gtp_jax train: resumed from {os.path.join(ckpt.config.directory, str(start))} "
+              f"(step {start} of {cfg.steps})", flush=True)
+    if stop is not None and stop.agreed(start):  # no step started: nothing to save
+        raise RunStopped(stop.name, "preparing the run", start)
     batcher = source.batcher(cfg.batch_size, cfg.seq_len, cfg.seed,
                              meta["extra"]["data"] if meta is not None else None)
     loss_fn = functools.partial(lm_loss, aux_weight=model_cfg.moe_aux_weight)
@@ -281,7 +295,8 @@ def _train(cfg: TrainConfig, *, on_step: OnStep | None, progress: bool,
             log.close()
     step_fn.sync()
     model, optimizer = step_fn.objects
-    if cfg.export_hf is not None:
+    finished = start + len(losses) == cfg.steps
+    if cfg.export_hf is not None and finished:  # a stopped run's model is not the result
         to_hf(model, cfg.export_hf)
     if ckpt is not None:
         # Report only the checkpoints still on disk (CheckpointConfig.keep deletes older).
@@ -292,8 +307,12 @@ def _train(cfg: TrainConfig, *, on_step: OnStep | None, progress: bool,
                      first_step=start + 1, saved=saved, ckpt=ckpt, window=window,
                      trace=profiler.trace_path if profiler is not None else None,
                      recovery=recovery, val_losses=val_losses)
-    if start + len(losses) < cfg.steps:  # the loop returned early: a stop request
+    if not finished:  # the loop returned early: a stop request
         result.stopped_by = stop.name
+    elif cfg.export_hf is not None:
+        result.export_hf = os.path.abspath(cfg.export_hf)
+    if observe.log_dir is not None and jax.process_index() == 0:
+        result.log_dir = os.path.abspath(observe.log_dir)
     if observe.metrics_json is not None and jax.process_index() == 0:
         _write_metrics(observe.metrics_json, cfg, model_cfg, result)
     return result

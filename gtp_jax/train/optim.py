@@ -5,15 +5,24 @@ the schedules of `optax.schedules`), and the checks of its settings.
 The learning rate is an injected hyperparameter: the optimizer state records the rate each
 update used (`current_lr`), so a jitted step reports it without recomputing the schedule.
 
-Schedules (`LR_SCHEDULES`), with ``lr`` the peak and every decay ending at `END_FRACTION`
-of it, held there after the schedule's last step (what an extended run trains at):
+Schedules (`LR_SCHEDULES`) over ``schedule_steps`` steps, with ``lr`` the peak and every
+decay ending at `END_FRACTION` of it on the schedule's last step and held there after it
+(what the steps of an extended run train at). Step ``k`` (1, 2, ...) trains at:
 
-  * ``constant``: linear warm-up from 0 over ``warmup`` steps, then ``lr``.
-  * ``cosine``: linear warm-up, then cosine decay over ``decay_steps``
-    (`optax.warmup_cosine_decay_schedule`; its warm-up lasts at least one step).
-  * ``linear``: linear warm-up, then linear decay over ``decay_steps``.
-  * ``wsd`` (warm-up, stable, decay): linear warm-up, ``lr`` until the last ``decay_steps``
-    steps of the schedule, then linear decay over them.
+  * warm-up, ``k <= warmup``: ``lr * k / warmup`` (step 1 at ``lr / warmup``, never 0;
+    ``warmup`` 0: none);
+  * then ``constant``: ``lr``; ``cosine`` / ``linear``: cosine or linear decay from ``lr``
+    after the warm-up to the end rate ``decay_steps`` later (default: the schedule's last
+    step); ``wsd`` (warm-up, stable, decay): ``lr`` until the last ``decay_steps`` steps of
+    the schedule (default: the last 20% after the warm-up), then linear decay over them.
+
+`default_warmup` is a tenth of the schedule, at most `MAX_DEFAULT_WARMUP` steps, so a short
+run is not all warm-up. That is schedule version 2 (`SCHEDULE_VERSION`). Runs started
+before it (checkpoints without ``schedule_version``) keep version 1 when resumed: update
+``n`` (0, 1, ...) at optax's rate for count ``n``, so step 1 trained at 0 and the cosine
+warm-up lasted ``max(1, warmup)`` steps, whatever the schedule's length (a 6-step run with
+the old default 10-step warm-up, extended, warmed up to the peak after its 6th step and
+then dropped to the end rate).
 """
 
 from __future__ import annotations
@@ -35,13 +44,27 @@ LR_SCHEDULES = ("constant", "cosine", "linear", "wsd")
 END_FRACTION = 0.1
 #: The share of a wsd schedule's steps that decay when ``decay_steps`` is not given.
 WSD_DECAY_FRACTION = 0.2
+#: The longest default warm-up (`default_warmup`), and the share of the schedule it takes
+#: in shorter runs.
+MAX_DEFAULT_WARMUP = 10
+DEFAULT_WARMUP_FRACTION = 0.1
+#: How schedules map steps to rates (see the module docstring): 2, or 1 for runs started
+#: before version 2 (kept when they resume).
+SCHEDULE_VERSION = 2
+SCHEDULE_VERSIONS = (1, 2)
+
+
+def default_warmup(schedule_steps: int) -> int:
+    """The warm-up when none is given: a tenth of the schedule's steps (rounded down), at
+    most `MAX_DEFAULT_WARMUP`; 0 below 10 steps."""
+    return min(MAX_DEFAULT_WARMUP, int(schedule_steps * DEFAULT_WARMUP_FRACTION))
 
 
 @functools.cache
 def make_optimizer(lr: float, warmup: int, schedule_steps: int, weight_decay: float, *,
                    schedule: str = "cosine", decay_steps: int | None = None,
                    clip_grad_norm: float = 1.0, b1: float = 0.9, b2: float = 0.95,
-                   eps: float = 1e-8) -> StreamableChain:
+                   eps: float = 1e-8, version: int = SCHEDULE_VERSION) -> StreamableChain:
     """``clip_by_global_norm(clip_grad_norm)`` (0: no clipping), then AdamW (decoupled
     `weight_decay`, moments ``b1``/``b2``, ``eps``) at the learning rate of `lr_schedule`.
 
@@ -49,7 +72,8 @@ def make_optimizer(lr: float, warmup: int, schedule_steps: int, weight_decay: fl
     ``nnx.Optimizer``, so an equal object lets a `gtp_jax.train.step.TrainStep` reuse its
     compiled program).
     """
-    rate = lr_schedule(lr, warmup, schedule_steps, schedule=schedule, decay_steps=decay_steps)
+    rate = lr_schedule(lr, warmup, schedule_steps, schedule=schedule, decay_steps=decay_steps,
+                       version=version)
     adamw = optax.inject_hyperparams(optax.adamw, static_args=("b1", "b2", "eps",
                                                                "weight_decay"))(
         learning_rate=rate, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay)
@@ -101,12 +125,38 @@ def global_norm(tree: Any) -> jax.Array:
 
 
 def lr_schedule(lr: float, warmup: int, schedule_steps: int, *, schedule: str = "cosine",
-                decay_steps: int | None = None) -> optax.Schedule:
-    """The learning rate per optimizer step (``count`` = updates done before it), an optax
-    schedule (see the module docstring); ``decay_steps`` None: `default_decay_steps`."""
+                decay_steps: int | None = None,
+                version: int = SCHEDULE_VERSION) -> optax.Schedule:
+    """The learning rate per optimizer step as an optax schedule of ``count``, the updates
+    done before it (see the module docstring): ``rate(k - 1)`` is step ``k``'s.
+    ``decay_steps`` None: `default_decay_steps`; `version` 1: the schedules of runs started
+    before version 2."""
     decay = default_decay_steps(schedule, warmup, schedule_steps) if decay_steps is None \
         else decay_steps
     end = lr * END_FRACTION
+    if version == 1:
+        return _lr_schedule_v1(lr, warmup, schedule_steps, schedule, decay, end)
+    stable_until = schedule_steps - decay if schedule == "wsd" else warmup
+
+    def rate(count: Any) -> jax.Array:
+        step = jnp.asarray(count, jnp.float32) + 1.0  # the step this update trains
+        warm = lr * step / warmup if warmup else jnp.full_like(step, lr)
+        if schedule == "constant":
+            after = jnp.full_like(step, lr)
+        else:
+            progress = jnp.clip((step - stable_until) / decay, 0.0, 1.0)
+            if schedule == "cosine":
+                after = end + (lr - end) * 0.5 * (1.0 + jnp.cos(jnp.pi * progress))
+            else:  # linear, wsd
+                after = lr + (end - lr) * progress
+        return jnp.where(step <= warmup, warm, after)
+
+    return rate
+
+
+def _lr_schedule_v1(lr: float, warmup: int, schedule_steps: int, schedule: str, decay: int,
+                    end: float) -> optax.Schedule:
+    """Schedule version 1: optax's schedules of the update count (step 1 at rate 0)."""
     if schedule == "cosine":
         # As it always was: a resumed run of an older version sees the same rates.
         return optax.schedules.warmup_cosine_decay_schedule(
@@ -145,14 +195,33 @@ def default_decay_steps(schedule: str, warmup: int, schedule_steps: int) -> int:
 
 def check_optimizer_settings(*, lr_schedule: str, warmup: int, schedule_steps: int,
                              decay_steps: int | None, clip_grad_norm: Any, adam_b1: Any,
-                             adam_b2: Any, adam_eps: Any, owner: str = "TrainConfig") -> None:
+                             adam_b2: Any, adam_eps: Any, owner: str = "TrainConfig",
+                             version: int = SCHEDULE_VERSION,
+                             check_warmup: bool = True) -> None:
     """Raises UsageError / UsageTypeError naming ``<owner>.<field>`` for an optimizer setting
     out of range: an unknown schedule, ``decay_steps`` < 1 or with the constant schedule, a
-    wsd decay longer than the steps after the warm-up, a negative or non-finite clipping
-    norm, ``adam_b1``/``adam_b2`` outside [0, 1), ``adam_eps`` <= 0."""
+    wsd decay longer than the steps after the warm-up, a warm-up that leaves no step to
+    decay in (schedule version 2; constant: longer than the schedule), a negative or
+    non-finite clipping norm, ``adam_b1``/``adam_b2`` outside [0, 1), ``adam_eps`` <= 0.
+    `check_warmup` False: the schedule's length is not known yet (a run that may resume
+    keeps its checkpoint's), so the warm-up is not compared with it."""
     if lr_schedule not in LR_SCHEDULES:
         raise UsageError(f"{owner}.lr_schedule={lr_schedule!r}: use one of "
                          f"{list(LR_SCHEDULES)}.")
+    if version not in SCHEDULE_VERSIONS:
+        raise UsageError(f"{owner}.schedule_version={version!r}: use one of "
+                         f"{list(SCHEDULE_VERSIONS)} (None: {SCHEDULE_VERSION}).")
+    decays = lr_schedule != "constant"
+    if check_warmup and version >= 2 and (warmup >= schedule_steps if decays
+                                          else warmup > schedule_steps):
+        # The rate would still be warming up when the schedule ends: steps added to the run
+        # later would climb to the peak, then drop to the end rate in one step.
+        longest = schedule_steps - 1 if decays else schedule_steps
+        raise UsageError(
+            f"{owner}.warmup={warmup} leaves no step of the {schedule_steps}-step schedule "
+            f"({owner}.steps) to {'decay in' if decays else 'train at the peak'}; use "
+            f"{owner}.warmup <= {longest}, or leave it unset (a tenth of the steps, at most "
+            f"{MAX_DEFAULT_WARMUP}).")
     for name, value, low, high, low_open in (
             ("clip_grad_norm", clip_grad_norm, 0.0, math.inf, False),
             ("adam_b1", adam_b1, 0.0, 1.0, False), ("adam_b2", adam_b2, 0.0, 1.0, False),

@@ -4,7 +4,11 @@
 entry; the previous handlers come back on exit). The first signal only sets a flag
 (`StopRequest`); the step loop (`gtp_jax.train.loop`) checks it after dispatching each step,
 finishes that step, writes a checkpoint (atomic, as every save) and returns, and the command
-line exits with status 0. A second signal exits at once (status 128 + signal number): orbax
+line exits with status `RESUMABLE_EXIT` (75): the run is unfinished, nothing is lost, and
+the same command continues it. Not 0, so that ``train && upload`` never publishes a partial
+run; nor is ``--export-hf`` written. Before the first step (tokenizing the data, building
+the model) the request is honoured at once: `RunStopped`, nothing trained. A second signal
+exits at once (status 128 + signal number): orbax
 publishes a checkpoint by renaming its temporary directory only when every item is written,
 so a save cut short is never listed, and the newest intact checkpoint stays the newest one a
 resume finds.
@@ -33,6 +37,27 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 #: How long (ms) a process waits at a step's stop vote for the slowest one: processes run the
 #: same steps in lockstep (every step has collectives), so this only bounds a hang.
 VOTE_TIMEOUT_MS = 300_000
+#: The exit status of a run stopped early by a signal when nothing is lost (its progress is
+#: in a checkpoint, or nothing was trained yet): the same command continues it. sysexits.h's
+#: EX_TEMPFAIL, "try again later", which schedulers and wrappers can requeue on.
+RESUMABLE_EXIT = 75
+
+
+class RunStopped(Exception):  # noqa: N818 - not an error: the run was asked to stop
+    """A stop request arrived before the run's first step (while the data was tokenized or
+    the model built): nothing was trained or saved, and the same command starts (or
+    resumes) the run again.
+
+    Attributes:
+      cause: what stopped it (`StopRequest.name`, e.g. ``"SIGTERM"``).
+      during: what the run was doing: ``"tokenizing the data"``, ``"preparing the run"``.
+      step: the checkpoint step the run was resuming from (0: a new run).
+    """
+
+    def __init__(self, cause: str, during: str, step: int = 0):
+        self.cause, self.during, self.step = cause, during, step
+        super().__init__(f"stopped by {cause} while {during}, before step {step + 1}: "
+                         "nothing was trained")
 
 
 class StopRequest:
@@ -115,7 +140,8 @@ def stop_on_signals(signals: Sequence[int] = STOP_SIGNALS) -> Iterator[StopReque
             os._exit(128 + signum)
         request.request(signum)
         _say(f"gtp_jax train: {name} received: finishing the step in flight, then saving a "
-             "checkpoint and exiting (send it again to exit at once).")
+             "checkpoint and exiting; before the first step, exiting at once (send it again "
+             "to exit at once).")
 
     previous = {s: signal.signal(s, handle) for s in signals}
     try:
@@ -131,4 +157,4 @@ def _say(line: str) -> None:
     os.write(2, (line + "\n").encode())
 
 
-__all__ = ["STOP_SIGNALS", "StopRequest", "stop_on_signals"]
+__all__ = ["RESUMABLE_EXIT", "STOP_SIGNALS", "RunStopped", "StopRequest", "stop_on_signals"]

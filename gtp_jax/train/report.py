@@ -38,6 +38,9 @@ class TrainResult:
       val_losses: held-out loss after each evaluated step (`TrainConfig.eval_every`).
       stopped_by: the signal that stopped the run early (``"SIGTERM"``), or None (the run
         trained every step; see `gtp_jax.train.preempt`).
+      export_hf: the folder the Hugging Face export was written to (absolute), or None
+        (none asked for, or the run stopped early: a partial run is not exported).
+      log_dir: the folder of the streamed metrics (``metrics.jsonl``, absolute), or None.
     """
 
     losses: list[float]
@@ -65,6 +68,8 @@ class TrainResult:
     failure: dict[str, Any] | None = None
     val_losses: dict[int, float] = dataclasses.field(default_factory=dict)
     stopped_by: str | None = None
+    export_hf: str | None = None
+    log_dir: str | None = None
 
     @property
     def median_step_time(self) -> float:
@@ -127,6 +132,10 @@ class TrainResult:
                 f"step {step} {loss:.4f}" for step, loss in sorted(self.val_losses.items())))
         if self.checkpoint_steps:
             lines.append(f"  checkpoints: steps {self.checkpoint_steps} in {self.checkpoint_dir}")
+        if self.export_hf is not None:
+            lines.append(f"  Hugging Face export: {self.export_hf}")
+        if self.log_dir is not None:
+            lines.append(f"  metrics log: {self.log_dir}/metrics.jsonl")
         if self.profile_steps is not None:
             lines.append(f"  profile: steps {self.profile_steps[0]}-{self.profile_steps[1]} -> "
                          f"{self.profile_trace or '(no perfetto trace written)'}")
@@ -170,6 +179,8 @@ class TrainResult:
             "first_step": self.first_step,
             "last_step": self.first_step + len(self.losses) - 1,
             "stopped_by": self.stopped_by,
+            "export_hf": self.export_hf,
+            "log_dir": self.log_dir,
             "first_loss": self.losses[0],
             "last_loss_mean5": float(np.mean(self.losses[-5:])),
             "median_step_time_s": self.median_step_time,

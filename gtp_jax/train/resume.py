@@ -195,8 +195,9 @@ def check_resume(cfg: TrainConfig, model_cfg: TransformerConfig, meta: dict[str,
     with `steps_left`, has steps left to train); with `source` (the run's data-source
     record), unless the checkpoint was trained on the same data and tokenizer.
 
-    Returns `cfg` with ``schedule_steps`` set to the saved run's schedule length, so that
-    a run extended with a larger ``steps`` keeps its original LR schedule, and the fields
+    Returns `cfg` with ``schedule_steps``, ``warmup`` and ``schedule_version`` (those left
+    None) set to the saved run's, so that a run extended with a larger ``steps`` keeps its
+    original LR schedule, and the fields
     named in `auto` (`TrainConfig.auto_fields` of the caller's config) set to the saved
     run's values.
     """
@@ -216,12 +217,20 @@ def check_resume(cfg: TrainConfig, model_cfg: TransformerConfig, meta: dict[str,
         adopted = resolve_auto(adopt_saved(cfg, saved_cfg, auto))
         if adopted is not cfg:
             cfg, model_cfg = adopted, model_config(adopted)
-    saved_schedule = saved_cfg.get("schedule_steps") or saved_cfg.get("steps")
-    if cfg.schedule_steps is None:
-        cfg = dataclasses.replace(cfg, schedule_steps=saved_schedule)
+    # The schedule the run started with: its length, its warm-up (a default one was fixed
+    # then) and the version of its step-to-rate mapping (none recorded: version 1).
+    saved_schedule = {"schedule_steps": saved_cfg.get("schedule_steps") or saved_cfg.get("steps"),
+                      "warmup": saved_cfg.get("warmup"),
+                      "schedule_version": saved_cfg.get("schedule_version") or 1}
+    adopted = {k: v for k, v in saved_schedule.items() if getattr(cfg, k) is None}
+    if adopted:
+        try:
+            cfg = dataclasses.replace(cfg, **adopted)  # in one go: validated together
+        except UsageError:
+            pass  # with another run's schedule set: the comparison below names it
     # A field the checkpoint lacks was added later: its default is what that run used.
     saved_cfg = {**{f.name: f.default for f in dataclasses.fields(TrainConfig)}, **saved_cfg,
-                 "schedule_steps": saved_schedule}
+                 **saved_schedule}
     mine = dataclasses.asdict(cfg)
     differ = [f"TrainConfig.{k}: checkpoint {saved_cfg.get(k)!r} vs now {mine[k]!r}"
               for k in mine if k not in RESUME_MAY_DIFFER and saved_cfg.get(k) != mine[k]]
