@@ -448,3 +448,14 @@ def test_every_path_flag_is_marked_for_job_files() -> None:
                                           ("resume = false\n", False)])
 def test_job_file_resume_takes_a_bool_or_auto(tmp_path, text, resume) -> None:
     assert _args(tmp_path, 'checkpoint-dir = "ck"\n' + text).resume == resume
+
+
+def test_reduce_dtype_reaches_the_gathers_and_the_header():
+    from gtp_jax.train.config import describe_choices, gtp_config, model_config
+
+    cfg = TrainConfig(reduce_dtype="bfloat16")
+    assert gtp_config(cfg).reduce_dtype == jnp.bfloat16
+    assert gtp_config(TrainConfig()).reduce_dtype == jnp.float32
+    assert "reduce-scattered in bfloat16" in describe_choices(cfg, model_config(cfg))
+    with pytest.raises(UsageError, match="TrainConfig.reduce_dtype"):
+        TrainConfig(reduce_dtype="float16")

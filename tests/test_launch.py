@@ -81,3 +81,62 @@ def test_each_process_gets_its_block_of_gpus():
 def test_how_a_process_ended_is_said_in_words():
     assert describe_end(-9) == "killed by SIGKILL"
     assert describe_end(2) == "exit status 2"
+
+
+def _pids_of(marker: str, process_id: int) -> list[int]:
+    """Processes whose command line holds `marker` and ``--process-id <process_id>``."""
+    found = []
+    for proc in os.listdir("/proc"):
+        if not proc.isdigit():
+            continue
+        try:
+            with open(f"/proc/{proc}/cmdline", "rb") as f:
+                args = f.read().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+        if marker in args and "--process-id" in args and \
+                args[args.index("--process-id") + 1] == str(process_id):
+            found.append(int(proc))
+    return found
+
+
+def test_the_command_line_launch_trains_and_a_killed_process_is_named(tmp_path):
+    import subprocess
+
+    from helpers import cli_env
+
+    marker = str(tmp_path / "m.json")
+    cmd = [sys.executable, "-m", "gtp_jax", "train", "--steps", "400", "--batch", "8",
+           "--seq", "32", "--dp", "2", "--gtp", "4", "--processes", "2",
+           "--metrics-json", marker, "--log-every", "1"]
+    proc = subprocess.Popen(cmd, env=cli_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    seen = []
+    while proc.poll() is None:
+        seen.append(proc.stderr.readline())  # the progress line (process 0's)
+        if "step 3/" in seen[-1]:  # both processes train (steps have collectives)
+            break
+    assert proc.poll() is None, "".join(seen)
+    victims = _pids_of(marker, 1)
+    assert len(victims) == 1
+    killed = time.monotonic()
+    os.kill(victims[0], signal.SIGKILL)
+    _, rest = proc.communicate(timeout=120)
+    assert time.monotonic() - killed < 60
+    err = "".join(seen) + rest
+    assert proc.returncode == 1
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and "process 1 of 2" in lines[0] and "SIGKILL" in lines[0], err
+    assert not _pids_of(marker, 0)  # the survivor was stopped too
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--processes", "1"], "--processes 1 must be >= 2"),
+    (["--processes", "2", "--process-id", "0"], "drop --process-id"),
+])
+def test_launch_flag_mistakes_are_one_line(flags, message, capsys):
+    from gtp_jax.train.cli import main
+
+    assert main(["train", "--steps", "2", *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and message in err, err

@@ -245,3 +245,17 @@ def test_expert_weights_gathered_and_reduce_scattered_once_per_layer() -> None:
         assert scatters.count((t(spec.logical_shape), t(spec.shard_shape))) == 1, scatters
         # nothing of one expert's shape is gathered
         assert not any(out == t(spec.logical_shape[1:]) for _, out in gathers)
+
+
+def test_the_progress_line_shows_the_routing_dropped(capsys) -> None:
+    from gtp_jax.train.cli import main as cli_main
+
+    run = ["train", "--steps", "2", "--batch", "8", "--seq", "32", "--moe-experts", "4",
+           "--log-every", "1"]
+    assert cli_main([*run, "--moe-capacity", "0.5"]) == 0
+    err = capsys.readouterr().err
+    shown = [float(line.split("dropped ")[1].split("%")[0]) for line in err.splitlines()
+             if "dropped " in line]
+    assert shown and all(0 < x < 100 for x in shown), err
+    assert cli_main([*run, "--moe-capacity", "0"]) == 0  # dropless
+    assert "dropped 0.0%" in capsys.readouterr().err

@@ -7,8 +7,9 @@ from gtp_jax.models.transformer import (
     Transformer,
     TransformerConfig,
     lm_loss,
+    lm_loss_and_metrics,
     preset,
 )
 
 __all__ = ["LMOutput", "PRESETS", "Transformer", "TransformerConfig", "from_hf", "lm_loss",
-           "preset", "to_hf"]
+           "lm_loss_and_metrics", "preset", "to_hf"]

@@ -876,6 +876,16 @@ def lm_loss(model: nnx.Module, tokens: jax.Array, aux_weight: float = 0.0) -> ja
       aux_weight: weight of the MoE load-balancing loss (mean over sequences), e.g.
         ``TransformerConfig.moe_aux_weight``; 0 ignores it.
     """
+    return lm_loss_and_metrics(model, tokens, aux_weight)[0]
+
+
+def lm_loss_and_metrics(model: nnx.Module, tokens: jax.Array, aux_weight: float = 0.0
+                        ) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """`lm_loss` and what the step reports beside it: ``{"moe_dropped": float32 scalar}``,
+    the (token, choice) assignments the experts' capacity dropped per token, summed over
+    layers (divide by ``moe_top_k * n_layers`` for the share of routing dropped; 0 for a
+    dense model). For ``TrainStep(..., has_aux=True)``."""
     out = model(tokens[:, :-1])
     ce = cross_entropy(out.logits, tokens[:, 1:])
-    return ce + aux_weight * out.aux.mean() if aux_weight else ce
+    loss = ce + aux_weight * out.aux.mean() if aux_weight else ce
+    return loss, {"moe_dropped": jnp.mean(out.dropped) / (tokens.shape[1] - 1)}

@@ -28,7 +28,8 @@ from gtp_jax.train.optim import check_optimizer_settings
 #: later) must equal the checkpoint's. ``steps`` may grow: that extends a run (see
 #: `TrainConfig.schedule_steps`).
 RESUME_MAY_DIFFER = frozenset({"steps", "dp", "gtp", "tp", "ep", "cp", "pad_for_alignment",
-                               "gather_dtype", "gather_format", "prefetch", "remat", "overlap",
+                               "gather_dtype", "reduce_dtype", "gather_format", "prefetch",
+                               "remat", "overlap",
                                "attention", "unroll_layers", "export_hf", "eval_every",
                                "eval_batches", "offload_optimizer", "offload_exclude",
                                "fp8_compute", "fp8_min_features", "grad_accum"})
@@ -87,6 +88,10 @@ class TrainConfig:
       gather_dtype: dtype weights are all-gathered in ("float32", "bfloat16", None: the
         parameter dtype, or "auto": the compute dtype when it is bfloat16 (the same values,
         half the bytes), else the parameter dtype).
+      reduce_dtype: `GTPConfig.reduce_dtype`: the dtype weight gradients are reduce-scattered
+        (summed over the GTP axis) in: "float32" (the default, as torchtitan and
+        Megatron-LM) or "bfloat16" (half the bytes; the sum is rounded to bfloat16 at each
+        hop, so it drifts from the unsharded model's gradients).
       pad_for_alignment: `GTPConfig.pad_for_alignment`.
       remat: `TransformerConfig.remat`, or "auto": "dots" on GPUs, "none" elsewhere.
       attention: `TransformerConfig.attention_impl` ("auto": cuDNN's fused attention on a
@@ -154,6 +159,7 @@ class TrainConfig:
     seed: int = 0
     dtype: str = "auto"
     gather_dtype: str | None = "auto"
+    reduce_dtype: str = "float32"
     pad_for_alignment: int = 0
     remat: str = "auto"
     attention: str = "auto"
@@ -209,6 +215,7 @@ class TrainConfig:
             raise UsageError(f"TrainConfig.preset={self.preset!r}: use one of {sorted(PRESETS)}.")
         for name, allowed in (("dtype", ("auto", "float32", "bfloat16")),
                               ("gather_dtype", ("auto", None, "float32", "bfloat16")),
+                              ("reduce_dtype", ("float32", "bfloat16")),
                               ("gather_format", _GATHER_FORMATS), ("remat", _REMAT),
                               ("fp8_compute", FP8_COMPUTE_RECIPES),
                               ("attention", _ATTENTION)):
@@ -434,7 +441,8 @@ def gtp_config(cfg: TrainConfig) -> GTPConfig:
     """The `GTPConfig` that `train` shards the model with for `cfg` ("auto" fields resolved
     for JAX's default backend)."""
     cfg = resolve_auto(cfg)
-    return GTPConfig(gather_dtype=cfg.gather_dtype, pad_for_alignment=cfg.pad_for_alignment,
+    return GTPConfig(gather_dtype=cfg.gather_dtype, reduce_dtype=cfg.reduce_dtype,
+                     pad_for_alignment=cfg.pad_for_alignment,
                      gather_format=cfg.gather_format, prefetch=cfg.prefetch,
                      offload_optimizer=cfg.offload_optimizer,
                      offload_exclude=cfg.offload_exclude,
@@ -472,8 +480,10 @@ def describe_choices(cfg: TrainConfig, model_cfg: TransformerConfig) -> str:
     if cfg.fp8_compute is not None:
         emulated = "" if jax.default_backend() == "gpu" else ", emulated on this backend"
         fp8 = f", projections in fp8 ({cfg.fp8_compute}{emulated})"
-    return (f"compute {cfg.dtype}, gathers {gather}, remat {model_cfg.remat}, attention "
-            f"{attention}, {loop}{offload}{fp8}")
+    reduce = ", gradients reduce-scattered in bfloat16" if cfg.reduce_dtype == "bfloat16" \
+        else ""
+    return (f"compute {cfg.dtype}, gathers {gather}{reduce}, remat {model_cfg.remat}, "
+            f"attention {attention}, {loop}{offload}{fp8}")
 
 
 def model_json(model_cfg: TransformerConfig) -> dict[str, Any]:

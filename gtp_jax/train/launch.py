@@ -19,6 +19,8 @@ mesh's devices). The launcher:
 from __future__ import annotations
 
 import dataclasses
+import os
+import re
 import signal
 import socket
 import subprocess
@@ -146,10 +148,29 @@ def _stop(children: Sequence[subprocess.Popen], grace: float, poll: float) -> No
             child.wait()
 
 
+def without_flag(argv: Sequence[str], flag: str) -> list[str]:
+    """`argv` without `flag` and its value (``--flag V`` or ``--flag=V``)."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == flag:
+            skip = True
+        elif not arg.startswith(flag + "="):
+            out.append(arg)
+    return out
+
+
 def launch(argv: Sequence[str], processes: int, gpus: int | None) -> int:
     """Starts and supervises the `processes` processes of ``train argv`` on this host
-    (`gpus`: this host's GPU count, None on a CPU host); returns the exit status."""
+    (`gpus`: this host's GPU count, None on a CPU host); returns the exit status.
+
+    On a CPU host each process simulates its share of the mesh's devices: a device count
+    in this process's ``XLA_FLAGS`` is not passed on."""
     commands = child_commands(argv, processes, gpus, free_port())
     print(f"launching {processes} processes on this host"
           + (f", {gpus // processes} GPUs each" if gpus else ""), flush=True)
-    return supervise(commands).code
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = re.sub(r"--xla_force_host_platform_device_count=\S+", "",
+                              env.get("XLA_FLAGS", "")).strip()
+    return supervise(commands, popen=lambda cmd: subprocess.Popen(cmd, env=env)).code

@@ -29,7 +29,14 @@ import gtp_jax
 from gtp_jax.base.errors import UsageError
 from gtp_jax.base.metadata import LOGICAL_SHAPE
 from gtp_jax.data import ByteBatcher, PackedBatcher, RowBatch, TextData
-from gtp_jax.models import Transformer, TransformerConfig, from_hf, lm_loss, to_hf
+from gtp_jax.models import (
+    Transformer,
+    TransformerConfig,
+    from_hf,
+    lm_loss,
+    lm_loss_and_metrics,
+    to_hf,
+)
 from gtp_jax.train.checkpoint import CheckpointConfig, Checkpointer, DirectoryLock
 from gtp_jax.train.config import (
     TrainConfig,
@@ -270,7 +277,14 @@ def _train(cfg: TrainConfig, *, on_step: OnStep | None, progress: bool,
     batcher = source.batcher(cfg.batch_size, cfg.seq_len, cfg.seed,
                              meta["extra"]["data"] if meta is not None else None)
     loss_fn = functools.partial(lm_loss, aux_weight=model_cfg.moe_aux_weight)
-    step_fn = TrainStep(model, optimizer, loss_fn, grad_accum=cfg.grad_accum)
+    # A mixture of experts reports the routing its capacity dropped beside the loss (the
+    # nonuniform step after a failure takes the plain loss).
+    moe_metrics = bool(model_cfg.moe_experts) and failure_plan is None
+    step_fn = TrainStep(model, optimizer,
+                        functools.partial(lm_loss_and_metrics,
+                                          aux_weight=model_cfg.moe_aux_weight)
+                        if moe_metrics else loss_fn, grad_accum=cfg.grad_accum,
+                        has_aux=moe_metrics)
     _print_init_memory()
     profiler = StepProfiler(observe.profile_dir, window) if window is not None else None
     log = (open_metrics_log(observe, cfg, model_cfg, start=start,
@@ -379,7 +393,7 @@ def _step_loop(cfg: TrainConfig, model_cfg: TransformerConfig, step_fn: TrainSte
         so this is the mean over all their tokens)."""
         if not placed_held_out:
             placed_held_out.extend(_global_batch(b, placement) for b in held_out)
-        values = [step_fn.evaluate(b, lm_loss) for b in placed_held_out]
+        values = [step_fn.evaluate(b, lm_loss, has_aux=False) for b in placed_held_out]
         return float(np.mean([float(v) for v in values]))
 
     def finish(step: int, metrics: dict[str, jax.Array], *, save: bool = False) -> None:
@@ -409,11 +423,11 @@ def _step_loop(cfg: TrainConfig, model_cfg: TransformerConfig, step_fn: TrainSte
         logged = bool(shown) or step % log_every == 0 or step == cfg.steps
         if logged or (bar is not None and bar.tty):
             # Computed by the step that produced the loss: no further wait.
-            shown.update(step_extras(metrics))
+            shown.update(step_extras(metrics, model_cfg))
         if log is not None and logged:
             log.write(step, loss=loss, step_s=times[-1], tokens=tokens_per_step,
                       lr=shown.get("lr"), grad_norm=shown.get("grad_norm"),
-                      val_loss=shown.get("val_loss"))
+                      val_loss=shown.get("val_loss"), moe_dropped=shown.get("dropped"))
         if bar is not None:
             bar.update(step, keep="val_loss" in shown, loss=loss, **shown,
                        tok_s=tokens_per_step / times[-1])

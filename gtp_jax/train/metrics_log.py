@@ -90,9 +90,11 @@ class MetricsLog:
 
     def write(self, step: int, *, loss: float, step_s: float, tokens: int,
               lr: float | None = None, grad_norm: float | None = None,
-              val_loss: float | None = None) -> dict[str, Any]:
+              val_loss: float | None = None, moe_dropped: float | None = None
+              ) -> dict[str, Any]:
         """Writes and flushes the record of `step` (`tokens` trained in `step_s` seconds);
-        returns it."""
+        returns it. `moe_dropped`: a mixture of experts' share of routing dropped at
+        capacity (`step_extras`)."""
         tokens_per_s = tokens / step_s if step_s > 0 else math.inf
         record: dict[str, Any] = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
                                   "tokens_per_s": tokens_per_s, "step_ms": step_s * 1e3}
@@ -103,6 +105,8 @@ class MetricsLog:
             record["mfu"] = self.flops_per_token * tokens_per_s / self.peak_flops
         if val_loss is not None:
             record["val_loss"] = val_loss
+        if moe_dropped is not None:
+            record["moe_dropped"] = moe_dropped
         record = {k: v for k, v in record.items() if v is not None}
         if self._writer is not None:  # TensorBoard shows NaN and inf as they are
             for key, value in record.items():
@@ -266,7 +270,13 @@ def open_metrics_log(observe: Any, cfg: Any, model_cfg: Any, *, start: int = 0,
                       start=start, checkpoint_dir=checkpoint_dir)
 
 
-def step_extras(metrics: dict[str, Any]) -> dict[str, float]:
+def step_extras(metrics: dict[str, Any], model_cfg: Any = None) -> dict[str, float]:
     """``grad_norm`` and ``lr`` of a step's metrics (`gtp_jax.train.step.TrainStep`) as
-    floats, those present."""
-    return {k: float(metrics[k]) for k in ("grad_norm", "lr") if k in metrics}
+    floats, those present; for a mixture of experts (`model_cfg`) also ``dropped``, the
+    share of (token, choice) assignments its capacity dropped
+    (`gtp_jax.models.lm_loss_and_metrics`)."""
+    out = {k: float(metrics[k]) for k in ("grad_norm", "lr") if k in metrics}
+    if "moe_dropped" in metrics and model_cfg is not None and model_cfg.moe_experts:
+        per_token = float(metrics["moe_dropped"])
+        out["dropped"] = per_token / (model_cfg.moe_top_k * model_cfg.n_layers)
+    return out

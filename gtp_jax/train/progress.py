@@ -47,6 +47,8 @@ def _fmt(name: str, value: float) -> str:
         return f"lr {value:.3g}"
     if name == "grad_norm":
         return f"grad_norm {value:.3f}"
+    if name == "dropped":  # a mixture of experts' routing dropped at capacity
+        return f"dropped {value:.1%}"
     if name == "MiB":
         return f"{value:.1f} MiB"
     return f"{name} {value:.4f}"
