@@ -25,7 +25,7 @@ from gtp_jax.plan.layout import Layout
 from gtp_jax.plan.paper import load_calibration, memory_estimate
 from gtp_jax.plan.timing import Topology, step_seconds
 from gtp_jax.train.config import TrainConfig
-from gtp_jax.train.memory import memory_bound
+from gtp_jax.train.step.memory import memory_bound
 
 CALIBRATION = "docs/results/2026-11-27_2xH200/plan_top5/calibration.json"
 

@@ -1,4 +1,4 @@
-"""``python -m gtp_jax train [options]`` (`gtp_jax.train.cli`) and ``python -m gtp_jax
+"""``python -m gtp_jax train [options]`` (`gtp_jax.train.cli.command`) and ``python -m gtp_jax
 plan [options]`` (`gtp_jax.plan.cli`)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import sys
 
 from gtp_jax.plan.cli import auto_layout
 from gtp_jax.plan.cli import main as plan_main
-from gtp_jax.train.cli import main as train_main
+from gtp_jax.train.cli.command import main as train_main
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,5 +1,5 @@
-"""Sharded checkpoints (`gtp_jax.train.checkpoint`): bit-exact restore onto other meshes, keeping
-the newest N, a save killed before finalization, and every bad-input error."""
+"""Sharded checkpoints (`gtp_jax.train.lifecycle.checkpoint`): bit-exact restore onto other
+meshes, keeping the newest N, a save killed before finalization, and every bad-input error."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ from gtp_jax.train import (
     model_config,
     train,
 )
-from gtp_jax.train.checkpoint import CheckpointConfig, Checkpointer
+from gtp_jax.train.lifecycle.checkpoint import CheckpointConfig, Checkpointer
 
 pytestmark = pytest.mark.slow  # minutes on 2 cores: `pytest -m "not slow"` skips it
 
@@ -172,7 +172,7 @@ _KILLED_SAVE = textwrap.dedent("""
     import numpy as np
     from flax import nnx
     import gtp_jax
-    from gtp_jax.train.checkpoint import CheckpointConfig, Checkpointer
+    from gtp_jax.train.lifecycle.checkpoint import CheckpointConfig, Checkpointer
 
     mesh = gtp_jax.make_mesh(dp=2, gtp=4)
     model = gtp_jax.shard(nnx.Linear(64, 48, rngs=nnx.Rngs(0)), mesh,

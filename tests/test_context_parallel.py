@@ -387,7 +387,7 @@ def test_cli_trains_with_cp_like_without(tmp_path, capsys) -> None:
     # `--cp 2` example runs the command line as a process).
     import json
 
-    from gtp_jax.train.cli import main as cli_main
+    from gtp_jax.train.cli.command import main as cli_main
 
     losses = {}
     for name, flags in (("cp", ["--cp", "2"]), ("plain", [])):

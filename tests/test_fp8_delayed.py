@@ -36,7 +36,7 @@ from gtp_jax.pallas.fp8_matmul import (
 from gtp_jax.sharding import fp8
 from gtp_jax.sharding.fp8_update import check_fp8_uses
 from gtp_jax.train import CheckpointConfig, Checkpointer, TrainConfig, TrainStep, train
-from gtp_jax.train.cli import main as cli_main
+from gtp_jax.train.cli.command import main as cli_main
 
 #: float32 reduction order in the sharded run's sums (the loss, the activations whose
 #: amax is recorded), including an occasional FP8 rounding flip of an element in a sum:
@@ -196,7 +196,7 @@ def _histories(module: nnx.Module) -> dict[str, np.ndarray]:
 
 
 def test_grad_accumulation_rolls_the_history_once_with_the_largest_amax(key, seed):
-    from gtp_jax.train.step import _grads_and_history
+    from gtp_jax.train.step.train_step import _grads_and_history
 
     model = Mixed(nnx.Rngs(seed))
     fp8.inject(model, fp8.fp8_layers(model, DELAYED), DELAYED)
@@ -411,7 +411,7 @@ def test_offloaded_optimizer_state_with_delayed_scaling_is_checked_before_the_fi
     twice is found by a program of the forward and backward passes before the first step:
     refused with nothing changed, and no copy of the state kept for it. Without the reused
     layer in FP8 the offloaded steps equal the on-device ones."""
-    from gtp_jax.train.step import make_nnx_optimizer
+    from gtp_jax.train.step.train_step import make_nnx_optimizer
 
     mesh = get_mesh("dp2_gtp4")
     model = _Reuse(nnx.Rngs(seed))

@@ -1,6 +1,6 @@
-"""The trainer's optimizer knobs (`gtp_jax.train.optim`), gradient accumulation
-(`gtp_jax.train.step.accumulate_grads`), job files (`gtp_jax.train.job_file`) and the
-host-memory check of simulated CPU runs (`gtp_jax.train.memory.check_host_memory`)."""
+"""The trainer's optimizer knobs (`gtp_jax.train.step.optim`), gradient accumulation
+(`gtp_jax.train.step.train_step.accumulate_grads`), job files (`gtp_jax.train.cli.job_file`) and the
+host-memory check of simulated CPU runs (`gtp_jax.train.step.memory.check_host_memory`)."""
 
 from __future__ import annotations
 
@@ -26,12 +26,13 @@ from gtp_jax.train import (
     make_optimizer,
     model_config,
 )
-from gtp_jax.train import memory as train_memory
-from gtp_jax.train.cli import _parser
-from gtp_jax.train.cli import main as cli_main
+from gtp_jax.train.cli.command import _parser
+from gtp_jax.train.cli.command import main as cli_main
+from gtp_jax.train.cli.job_file import PathArg, expand_job_file
 from gtp_jax.train.config import model_json, resolve_auto
-from gtp_jax.train.job_file import PathArg, expand_job_file
-from gtp_jax.train.memory import (
+from gtp_jax.train.lifecycle.resume import check_resume
+from gtp_jax.train.step import memory as train_memory
+from gtp_jax.train.step.memory import (
     POOL_GROWTH,
     check_host_memory,
     check_pinned_host,
@@ -41,9 +42,8 @@ from gtp_jax.train.memory import (
     pinned_host_peak,
     pinned_host_problem,
 )
-from gtp_jax.train.optim import current_lr, lr_schedule
-from gtp_jax.train.resume import check_resume
-from gtp_jax.train.step import accumulate_grads
+from gtp_jax.train.step.optim import current_lr, lr_schedule
+from gtp_jax.train.step.train_step import accumulate_grads
 
 #: float32 on the suite's dp=2 x gtp=4 mesh; 16 rows so 2 microbatches split over 8 shards.
 CFG = TrainConfig(steps=2, batch_size=16, seq_len=16, warmup=1, dp=2, gtp=4)
@@ -368,7 +368,7 @@ def test_pinned_pools_that_could_outgrow_the_host_are_refused_with_the_cap_that_
 
 
 def test_host_memory_refusal_at_the_cli(monkeypatch, capsys) -> None:
-    monkeypatch.setattr(train_memory.host_memory, "available_host_bytes", lambda: 2 * 2**30)
+    monkeypatch.setattr(train_memory.host, "available_bytes", lambda: 2 * 2**30)
     assert cli_main(["train", "--preset", "1b", "--steps", "1"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "of host memory, but 2.00 GiB are available" in err
@@ -376,7 +376,7 @@ def test_host_memory_refusal_at_the_cli(monkeypatch, capsys) -> None:
 
 
 def test_the_clip_takes_the_global_norm_in_float32_and_matches_optax_on_float32():
-    from gtp_jax.train.optim import clip_by_global_norm
+    from gtp_jax.train.step.optim import clip_by_global_norm
 
     rng = np.random.default_rng(0)
     wide = [jnp.asarray(rng.normal(size=(4096,)), jnp.float32) for _ in range(300)]

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from gtp_jax.train.launch import child_commands, describe_end, supervise
+from gtp_jax.train.processes.launch import child_commands, describe_end, supervise
 
 #: A child that runs until told to stop, and stops cleanly on SIGTERM.
 WAITS = [sys.executable, "-c",
@@ -135,7 +135,7 @@ def test_the_command_line_launch_trains_and_a_killed_process_is_named(tmp_path):
     (["--processes", "2", "--process-id", "0"], "drop --process-id"),
 ])
 def test_launch_flag_mistakes_are_one_line(flags, message, capsys):
-    from gtp_jax.train.cli import main
+    from gtp_jax.train.cli.command import main
 
     assert main(["train", "--steps", "2", *flags]) == 2
     err = capsys.readouterr().err

@@ -33,10 +33,10 @@ from gtp_jax.train import (
     TrainStep,
     train,
 )
-from gtp_jax.train.cli import main as cli_main
+from gtp_jax.train.cli.command import main as cli_main
 from gtp_jax.train.data_source import DataSource
+from gtp_jax.train.lifecycle.preempt import StopRequest
 from gtp_jax.train.loop import _global_batch, build_model_and_optimizer
-from gtp_jax.train.preempt import StopRequest
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN = ["train", "--steps", "6", "--batch", "8", "--seq", "32", "--warmup", "1"]
@@ -46,7 +46,8 @@ RUN = ["train", "--steps", "6", "--batch", "8", "--seq", "32", "--warmup", "1"]
 #: line is printed (the bar prints every 5th step when not on a terminal).
 CHILD = """
 import sys, threading
-from gtp_jax.train import preempt, progress
+from gtp_jax.train.lifecycle import preempt
+from gtp_jax.train.outputs import progress
 asked = threading.Event()
 request = preempt.StopRequest.request
 def record(self, signum=0):

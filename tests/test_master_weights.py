@@ -37,11 +37,11 @@ from gtp_jax.sharding.offload import (
     with_master_weights,
 )
 from gtp_jax.train import TrainConfig
-from gtp_jax.train.checkpoint import CheckpointConfig, Checkpointer
 from gtp_jax.train.config import make_optimizer
+from gtp_jax.train.lifecycle.checkpoint import CheckpointConfig, Checkpointer
 from gtp_jax.train.loop import build_model_and_optimizer
-from gtp_jax.train.memory import memory_bound, pinned_host_bound
-from gtp_jax.train.step import TrainStep, group_offloaded, make_nnx_optimizer
+from gtp_jax.train.step.memory import memory_bound, pinned_host_bound
+from gtp_jax.train.step.train_step import TrainStep, group_offloaded, make_nnx_optimizer
 
 CFG = TrainConfig(preset="tiny", batch_size=8, seq_len=32, dp=2, gtp=4, steps=3, warmup=1,
                   offload_optimizer=True, offload_master_weights=True)
@@ -323,7 +323,7 @@ def test_the_planner_compiles_the_master_weight_step_the_trainer_runs():
 def test_microbatch_gradients_of_bfloat16_parameters_are_summed_in_float32():
     # Each microbatch's bfloat16 gradient is added into a float32 sum and the mean is
     # rounded once: a bfloat16 sum would round at every add.
-    from gtp_jax.train.step import accumulate_grads
+    from gtp_jax.train.step.train_step import accumulate_grads
 
     model = _UserMLP(nnx.Rngs(0))
     nnx.update(model, jax.tree.map(lambda p: p.astype(BF16), nnx.state(model, nnx.Param)))

@@ -1,5 +1,6 @@
-"""``--log-dir``: per-step metrics streamed while the run trains (`gtp_jax.train.metrics_log`),
-readable while it is alive and kept when it crashes; TensorBoard event files."""
+"""``--log-dir``: per-step metrics streamed while the run trains
+(`gtp_jax.train.outputs.metrics_log`), readable while it is alive and kept when it crashes;
+TensorBoard event files."""
 
 from __future__ import annotations
 
@@ -14,9 +15,9 @@ import pytest
 
 from gtp_jax.base.errors import UsageError
 from gtp_jax.train import ObserveConfig, TrainConfig, train
-from gtp_jax.train.checkpoint import CheckpointConfig
-from gtp_jax.train.cli import main as cli_main
-from gtp_jax.train.metrics_log import METRICS_FILE, NO_TENSORBOARD, MetricsLog
+from gtp_jax.train.cli.command import main as cli_main
+from gtp_jax.train.lifecycle.checkpoint import CheckpointConfig
+from gtp_jax.train.outputs.metrics_log import METRICS_FILE, NO_TENSORBOARD, MetricsLog
 
 KEYS = {"step", "loss", "lr", "grad_norm", "tokens_per_s", "step_ms"}
 

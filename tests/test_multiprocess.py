@@ -1,4 +1,4 @@
-"""Multi-process runs (`gtp_jax.train.distributed`): 2 CPU processes x 4 devices (gloo
+"""Multi-process runs (`gtp_jax.train.processes.distributed`): 2 CPU processes x 4 devices (gloo
 collectives) train like 1 process x 8 devices; configuration errors."""
 
 from __future__ import annotations
@@ -16,10 +16,11 @@ import pytest
 from helpers import cli_env, max_rel_err
 
 from gtp_jax.base.errors import UsageError, UsageTypeError
-from gtp_jax.train import TrainConfig, distributed, train
-from gtp_jax.train.checkpoint import CheckpointConfig, Checkpointer
-from gtp_jax.train.cli import main as cli_main
-from gtp_jax.train.distributed import DistributedConfig, initialize, parse_address
+from gtp_jax.train import TrainConfig, train
+from gtp_jax.train.cli.command import main as cli_main
+from gtp_jax.train.lifecycle.checkpoint import CheckpointConfig, Checkpointer
+from gtp_jax.train.processes import distributed
+from gtp_jax.train.processes.distributed import DistributedConfig, initialize, parse_address
 
 pytestmark = pytest.mark.slow  # minutes on 2 cores: `pytest -m "not slow"` skips it
 
@@ -64,7 +65,7 @@ def _free_ompi_port() -> int:
 def _launch_env(process_id: int, port: int) -> tuple[dict[str, str], list[str]]:
     """How each process joins: process 0 by the JAX_* environment variables, process 1 as
     `mpirun` would start it (Open MPI's variables) with --distributed-auto, so both launch
-    paths of `gtp_jax.train.distributed` join one real run."""
+    paths of `gtp_jax.train.processes.distributed` join one real run."""
     env = cli_env()  # the CLI gives each process 8 / 2 = 4 simulated devices
     if process_id == 0:
         env.update(JAX_COORDINATOR_ADDRESS=f"localhost:{port}", JAX_NUM_PROCESSES="2",

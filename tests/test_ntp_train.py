@@ -1,5 +1,5 @@
-"""Nonuniform tensor parallelism in training (gtp_jax.train.ntp): a simulated device failure
-in the middle of a run, the switch to a healthy tp=4 and a degraded tp=2 replica, against a
+"""Nonuniform tensor parallelism in training (gtp_jax.train.lifecycle.ntp): a simulated device
+failure in the middle of a run, the switch to a healthy tp=4 and a degraded tp=2 replica, against a
 uniform run and a reduced-layout reference; checkpoints after the failure restored onto
 uniform meshes; the CLI run; and the errors of bad failure specs.
 
@@ -40,8 +40,8 @@ from gtp_jax.train import (
     replicate_stray_leaves,
     train,
 )
-from gtp_jax.train.cli import main as cli_main
-from gtp_jax.train.ntp import SimulatedFailure, check_failure, parse_failure
+from gtp_jax.train.cli.command import main as cli_main
+from gtp_jax.train.lifecycle.ntp import SimulatedFailure, check_failure, parse_failure
 
 pytestmark = pytest.mark.slow  # minutes on 2 cores: `pytest -m "not slow"` skips it
 

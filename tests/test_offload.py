@@ -43,10 +43,15 @@ from gtp_jax.sharding.offload import (
     supported_compiler_options,
 )
 from gtp_jax.train import TrainConfig
-from gtp_jax.train.checkpoint import CheckpointConfig, Checkpointer
 from gtp_jax.train.config import make_optimizer
+from gtp_jax.train.lifecycle.checkpoint import CheckpointConfig, Checkpointer
 from gtp_jax.train.loop import build_model_and_optimizer
-from gtp_jax.train.step import TrainStep, group_offloaded, make_nnx_optimizer, step_program
+from gtp_jax.train.step.train_step import (
+    TrainStep,
+    group_offloaded,
+    make_nnx_optimizer,
+    step_program,
+)
 
 CFG = TrainConfig(preset="tiny", batch_size=8, seq_len=32, dp=2, gtp=4, steps=3, warmup=1)
 LOSS = functools.partial(lm_loss, aux_weight=0.0)
@@ -462,7 +467,7 @@ def test_offload_with_a_simulated_failure_is_refused_before_training():
     # The nonuniform step after a failure updates a device-resident optimizer state: an
     # offloaded one is refused up front, not mid-run.
     from gtp_jax.train import train
-    from gtp_jax.train.ntp import SimulatedFailure
+    from gtp_jax.train.lifecycle.ntp import SimulatedFailure
 
     cfg = dataclasses.replace(CFG, offload_optimizer=True, dp=2, gtp=1, tp=4, steps=4)
     for master in (False, True):
@@ -475,7 +480,7 @@ def test_a_refused_step_selects_every_array_of_a_grouped_offloaded_state():
     # A delayed-FP8 step that must be refused keeps the device arrays' old values and the
     # offloaded state's new ones, array by array: a grouped moment (HostGroups) is one
     # variable of several arrays, and must not shift the arrays after it.
-    from gtp_jax.train.step import _refuse_reuse
+    from gtp_jax.train.step.train_step import _refuse_reuse
 
     def state(scale: float) -> nnx.State:
         return nnx.from_flat_state([

@@ -21,7 +21,7 @@ from gtp_jax.train.config import (
     model_config,
     resolve_auto,
 )
-from gtp_jax.train.resume import check_resume
+from gtp_jax.train.lifecycle.resume import check_resume
 
 BF16, F32 = jnp.bfloat16, jnp.float32
 

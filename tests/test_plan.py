@@ -52,14 +52,14 @@ from gtp_jax.plan.layout import enumerate_layouts
 from gtp_jax.train import TrainConfig
 from gtp_jax.train.config import make_optimizer, model_config, resolve_auto
 from gtp_jax.train.loop import build_model_and_optimizer
-from gtp_jax.train.memory import (
+from gtp_jax.train.outputs.observe import DeviceMemoryError
+from gtp_jax.train.step.memory import (
     check_memory_fits,
     param_sizes,
     pinned_host_bound,
     resident_params,
 )
-from gtp_jax.train.observe import DeviceMemoryError
-from gtp_jax.train.step import TrainStep, step_program
+from gtp_jax.train.step.train_step import TrainStep, step_program
 
 BASE = TrainConfig(preset="tiny", batch_size=8, seq_len=32, steps=2, warmup=1, dp=1, gtp=1)
 #: The layout most tests share (its compiled figure is cached after the first test).
@@ -721,7 +721,7 @@ def test_plan_refuses_absurd_requests_in_one_line_at_once(argv, needle, capsys, 
 
 def test_ctrl_c_while_planning_is_one_line(monkeypatch, capsys):
     from gtp_jax.plan import cli as plan_cli
-    from gtp_jax.train.cli import main as train_main
+    from gtp_jax.train.cli.command import main as train_main
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt

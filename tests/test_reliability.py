@@ -31,7 +31,7 @@ from jax.sharding import PartitionSpec as P
 import gtp_jax
 import gtp_jax.train as train_module
 import gtp_jax.train.loop as loop_module
-import gtp_jax.train.observe as observe_module
+import gtp_jax.train.outputs.observe as observe_module
 from gtp_jax.base.errors import UsageError, UsageTypeError
 from gtp_jax.sharding.plan import DimSplit
 from gtp_jax.train import (
@@ -45,25 +45,25 @@ from gtp_jax.train import (
     model_config,
     train,
 )
-from gtp_jax.train.checkpoint import (
+from gtp_jax.train.cli.command import main as cli_main
+from gtp_jax.train.config import model_json as _model_json
+from gtp_jax.train.config import resolve_auto
+from gtp_jax.train.lifecycle.checkpoint import (
     CheckpointConfig,
     CheckpointCorruptError,
     Checkpointer,
     NonFiniteStateError,
 )
-from gtp_jax.train.cli import main as cli_main
-from gtp_jax.train.config import model_json as _model_json
-from gtp_jax.train.config import resolve_auto
-from gtp_jax.train.fingerprint import digest
-from gtp_jax.train.fingerprint import fingerprint as _fingerprint
-from gtp_jax.train.lock import GUARD_FILE, LOCK_FILE, CheckpointLockedError, DirectoryLock
-from gtp_jax.train.memory import memory_advice
-from gtp_jax.train.observe import (
+from gtp_jax.train.lifecycle.fingerprint import digest
+from gtp_jax.train.lifecycle.fingerprint import fingerprint as _fingerprint
+from gtp_jax.train.lifecycle.lock import GUARD_FILE, LOCK_FILE, CheckpointLockedError, DirectoryLock
+from gtp_jax.train.lifecycle.resume import check_resume as _check_resume
+from gtp_jax.train.outputs.observe import (
     DeviceMemoryError,
     check_writable_dir,
     check_writable_file,
 )
-from gtp_jax.train.resume import check_resume as _check_resume
+from gtp_jax.train.step.memory import memory_advice
 
 pytestmark = pytest.mark.slow  # minutes on 2 cores: `pytest -m "not slow"` skips it
 
@@ -441,7 +441,7 @@ def test_full_disk_is_one_line_and_keeps_the_older_checkpoints(
         capsys: pytest.CaptureFixture[str]) -> None:
     # The disk fills after two saves: the third does not fit. orbax used to fail part way
     # in its writer threads (179 tracebacks); the save is refused before it writes.
-    import gtp_jax.train.checkpoint as checkpoint_module
+    import gtp_jax.train.lifecycle.checkpoint as checkpoint_module
 
     real = shutil.disk_usage
     saves = []
@@ -478,7 +478,7 @@ def test_disk_full_while_writing_is_reported_once(tmp_path: Path, mesh_dp2_gtp4,
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     # Space taken by someone else between the check and the write: orbax's error (text
     # from tensorstore) becomes the same one error, and closing does not raise it again.
-    from gtp_jax.train.checkpoint import CheckpointWriteError
+    from gtp_jax.train.lifecycle.checkpoint import CheckpointWriteError
 
     model = _linear(mesh_dp2_gtp4)
     ckpt = Checkpointer(CheckpointConfig(tmp_path / "ck"))
@@ -715,7 +715,7 @@ def _race_for_the_lock(directory: str, start, results, done) -> None:
     """One of several runs starting together: takes the lock or is refused; a holder keeps
     it until `done`. The holder check is slowed (as on a loaded machine) to widen the
     window between finding a dead holder and taking its lock over."""
-    import gtp_jax.train.lock as lock_module  # noqa: PLC0415
+    import gtp_jax.train.lifecycle.lock as lock_module  # noqa: PLC0415
 
     check = lock_module.lock_is_stale
 
@@ -764,7 +764,7 @@ def test_runs_starting_together_on_a_dead_holders_lock_get_one_holder(tmp_path: 
 
 def test_without_file_locking_a_dead_holders_lock_is_not_taken_over(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import gtp_jax.train.lock as lock_module  # noqa: PLC0415
+    import gtp_jax.train.lifecycle.lock as lock_module  # noqa: PLC0415
 
     monkeypatch.setattr(lock_module, "_flock", lambda fd, path: False)
     free = DirectoryLock(str(tmp_path / "free"))

@@ -33,9 +33,9 @@ from gtp_jax.data import (
 )
 from gtp_jax.models import lm_loss
 from gtp_jax.train import TrainConfig, train
-from gtp_jax.train.checkpoint import CheckpointConfig, Checkpointer
-from gtp_jax.train.cli import cli_message
-from gtp_jax.train.cli import main as cli_main
+from gtp_jax.train.cli.command import cli_message
+from gtp_jax.train.cli.command import main as cli_main
+from gtp_jax.train.lifecycle.checkpoint import CheckpointConfig, Checkpointer
 from gtp_jax.train.loop import _global_batch, build_model_and_optimizer
 
 ROOT = Path(__file__).resolve().parents[1]

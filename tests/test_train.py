@@ -21,8 +21,8 @@ from helpers import cli_env, train_until
 from gtp_jax.data import VOCAB_SIZE
 from gtp_jax.models import Transformer, preset
 from gtp_jax.train import TrainConfig, train
-from gtp_jax.train.checkpoint import CheckpointConfig, Checkpointer
-from gtp_jax.train.cli import main as cli_main
+from gtp_jax.train.cli.command import main as cli_main
+from gtp_jax.train.lifecycle.checkpoint import CheckpointConfig, Checkpointer
 
 pytestmark = pytest.mark.slow  # minutes on 2 cores: `pytest -m "not slow"` skips it
 

@@ -16,7 +16,7 @@ import gtp_jax
 from gtp_jax import pallas as gp
 from gtp_jax.base.errors import UsageError, UsageTypeError
 from gtp_jax.train import CheckpointConfig, TrainConfig
-from gtp_jax.train.cli import main as cli_main
+from gtp_jax.train.cli.command import main as cli_main
 
 
 @pytest.mark.parametrize("call, match", [

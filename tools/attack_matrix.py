@@ -49,7 +49,7 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import gtp_jax  # noqa: E402
-from gtp_jax.train.cli import main as cli_main  # noqa: E402
+from gtp_jax.train.cli.command import main as cli_main  # noqa: E402
 
 OK, CONFUSING, WRONG = "OK", "confusing", "wrong"
 SMALL = ["--batch", "8", "--seq", "32", "--warmup", "1"]
@@ -606,7 +606,7 @@ def _data_rewritten_while_tokenized() -> tuple[str, str]:
 
 
 def _race(directory: str, start, results, done) -> None:
-    import gtp_jax.train.lock as lock_module  # noqa: PLC0415
+    import gtp_jax.train.lifecycle.lock as lock_module  # noqa: PLC0415
 
     check = lock_module.lock_is_stale
     lock_module.lock_is_stale = lambda holder: (time.sleep(0.02), check(holder))[1]
@@ -681,7 +681,7 @@ def _log_after_resume() -> tuple[str, str]:
 
 
 def _nan_in_metrics() -> tuple[str, str]:
-    from gtp_jax.train.metrics_log import MetricsLog  # noqa: PLC0415
+    from gtp_jax.train.outputs.metrics_log import MetricsLog  # noqa: PLC0415
 
     logs = WORK / "nanlog"
     shutil.rmtree(logs, ignore_errors=True)
@@ -1304,7 +1304,7 @@ def _job_paths_from_elsewhere() -> tuple[str, str]:
 
 
 def _ctrl_c_while_planning() -> tuple[str, str]:
-    from gtp_jax.train.cli import main as train_main
+    from gtp_jax.train.cli.command import main as train_main
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
@@ -1349,7 +1349,7 @@ def _timed(fn: Callable[[], tuple[str, str]], limit: float) -> tuple[str, str]:
 
 
 def _full_disk() -> tuple[str, str]:
-    import gtp_jax.train.checkpoint as checkpoint_module
+    import gtp_jax.train.lifecycle.checkpoint as checkpoint_module
 
     real, calls = shutil.disk_usage, []
 

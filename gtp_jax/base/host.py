@@ -4,7 +4,7 @@ does not show: inside a container limited to 24 GiB on a 256 GiB host it still r
 the host's memory).
 
 Read by the pinned host pool default (`gtp_jax.base.xla_flags`) and by the checks that
-refuse a run before it allocates more than the host has (`gtp_jax.train.memory`).
+refuse a run before it allocates more than the host has (`gtp_jax.train.step.memory`).
 """
 
 from __future__ import annotations

@@ -100,7 +100,7 @@ def run_worker(args: argparse.Namespace) -> dict:
     from gtp_jax.base.mesh import cp_size, data_size
     from gtp_jax.models import Transformer, lm_loss, preset
     from gtp_jax.train import TrainStep
-    from gtp_jax.train.observe import memory_per_device, peak_flops
+    from gtp_jax.train.outputs.observe import memory_per_device, peak_flops
 
     sizes = parse_mesh(args.worker_mesh)
     n = math.prod(sizes.values())

@@ -77,7 +77,7 @@ def run_blocks(args: argparse.Namespace, row: str) -> dict[str, Any]:
 
     import gtp_jax
     from gtp_jax.train import TrainStep
-    from gtp_jax.train.step import step_program
+    from gtp_jax.train.step.train_step import step_program
 
     d, ff, heads, kv, seq = args.d_model, args.d_ff, args.heads, args.kv_heads, args.seq
     hd = d // heads

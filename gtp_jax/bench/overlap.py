@@ -53,7 +53,7 @@ def run_variant(args: argparse.Namespace) -> dict:
     import gtp_jax
     from gtp_jax.models import Transformer, lm_loss, preset
     from gtp_jax.train import TrainStep
-    from gtp_jax.train.observe import memory_per_device, peak_flops
+    from gtp_jax.train.outputs.observe import memory_per_device, peak_flops
 
     variant = args.worker
     remat = "dots" if variant.endswith("_dots") else args.remat

@@ -103,7 +103,7 @@ def run_model_variant(args: argparse.Namespace) -> dict:
     import gtp_jax
     from gtp_jax.models import Transformer, lm_loss
     from gtp_jax.train import TrainStep
-    from gtp_jax.train.observe import memory_per_device
+    from gtp_jax.train.outputs.observe import memory_per_device
 
     variant = args.worker
     devices = jax.devices()

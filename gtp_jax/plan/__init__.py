@@ -31,7 +31,7 @@ from gtp_jax.plan.planner import (
     plan_fitting,
 )
 from gtp_jax.plan.timing import Calibration, Topology, calibration, measure, step_seconds
-from gtp_jax.train.memory import memory_bound  # the trainer's refusal bound, used to prune
+from gtp_jax.train.step.memory import memory_bound  # the trainer's refusal bound, used to prune
 
 __all__ = ["Calibration", "Candidate", "Layout", "MemoryFigure", "Plan", "PlanSpace", "Topology",
            "abstract_train_state", "calibration", "compiled_memories", "compiled_memory",

@@ -30,7 +30,7 @@ LAYOUT_FLAGS = {"dp": "--dp", "gtp": "--gtp", "tp": "--tp", "cp": "--cp", "ep": 
 
 
 def _parser() -> argparse.ArgumentParser:
-    from gtp_jax.train.cli import OneLineParser, PathArg  # noqa: PLC0415
+    from gtp_jax.train.cli.command import OneLineParser, PathArg  # noqa: PLC0415
 
     parser = OneLineParser(
         prog="python -m gtp_jax plan",
@@ -112,8 +112,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(argv: list[str] | None) -> int:
-    from gtp_jax.train.cli import cli_message  # noqa: PLC0415
-    from gtp_jax.train.observe import check_writable_file  # noqa: PLC0415
+    from gtp_jax.train.cli.command import cli_message  # noqa: PLC0415
+    from gtp_jax.train.outputs.observe import check_writable_file  # noqa: PLC0415
 
     args = _parser().parse_args(argv)
     for name in ("gpus", "seq", "batch", "top", "steps", "layers", "warmup"):

@@ -1,9 +1,9 @@
 """A layout's memory per device: the exact figure of the compiled training step
 (`compiled_memory`); the closed-form lower bound that prunes without compiling is the
-trainer's own refusal check (`gtp_jax.train.memory.memory_bound`).
+trainer's own refusal check (`gtp_jax.train.step.memory.memory_bound`).
 
 `compiled_memory` lowers and compiles the very program `gtp_jax.train.train` runs (the
-`gtp_jax.train.step.step_program` of the model and optimizer `build_model_and_optimizer`
+`gtp_jax.train.step.train_step.step_program` of the model and optimizer `build_model_and_optimizer`
 builds), with abstract arguments: the model and optimizer are built under
 ``nnx.eval_shape`` (no weight is materialized) and given the shardings `gtp_jax.shard` and
 `gtp_jax.train.TrainStep` place them with. No step runs. The peak is read from XLA's
@@ -47,7 +47,12 @@ from gtp_jax.train.config import (
     model_config,
     resolve_auto,
 )
-from gtp_jax.train.step import group_offloaded, map_opt_state, resident_paths, step_program
+from gtp_jax.train.step.train_step import (
+    group_offloaded,
+    map_opt_state,
+    resident_paths,
+    step_program,
+)
 
 #: Programs compiled at a time on a GPU host (`compiled_memories`).
 CONCURRENT_COMPILES = 3

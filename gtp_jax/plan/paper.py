@@ -41,8 +41,8 @@ from gtp_jax.plan.timing import (
     step_seconds,
 )
 from gtp_jax.train.config import TrainConfig, model_config, resolve_auto
-from gtp_jax.train.memory import memory_bound, resident_params
-from gtp_jax.train.observe import peak_flops
+from gtp_jax.train.outputs.observe import peak_flops
+from gtp_jax.train.step.memory import memory_bound, resident_params
 
 GIB = 2**30
 
@@ -58,7 +58,7 @@ INTER_NODE_GBPS = 50.0
 ESTIMATE_SHORTFALL = 0.23
 
 #: Units of an offloaded optimizer state the step holds at once while its copies overlap
-#: the updates (`gtp_jax.train.memory.memory_bound` counts the one it cannot do without).
+#: the updates (`gtp_jax.train.step.memory.memory_bound` counts the one it cannot do without).
 _UNITS_IN_FLIGHT = 4
 
 
@@ -389,7 +389,7 @@ def main_on_paper(args: argparse.Namespace) -> int:
     try:
         return _main(args)
     except UsageError as err:
-        from gtp_jax.train.cli import cli_message  # noqa: PLC0415
+        from gtp_jax.train.cli.command import cli_message  # noqa: PLC0415
 
         print(f"error: {cli_message(err)}", file=sys.stderr)
         return 2

@@ -11,14 +11,14 @@ import jax
 import numpy as np
 
 from gtp_jax.base.errors import UsageError
+from gtp_jax.base.host import available_bytes as available_host_bytes
 from gtp_jax.base.xla_flags import pinned_pool_bytes
 from gtp_jax.plan.layout import Layout, PlanSpace, enumerate_layouts
 from gtp_jax.plan.memory import CONCURRENT_COMPILES, compiled_memories
 from gtp_jax.plan.timing import Calibration, calibration, step_seconds
 from gtp_jax.train.config import TrainConfig, model_config, resolve_auto
-from gtp_jax.train.host_memory import available_host_bytes
-from gtp_jax.train.memory import memory_bound, param_sizes, pinned_host_problem
-from gtp_jax.train.observe import device_memory_limit
+from gtp_jax.train.outputs.observe import device_memory_limit
+from gtp_jax.train.step.memory import memory_bound, param_sizes, pinned_host_problem
 
 GIB = 2**30
 
@@ -30,7 +30,7 @@ class Candidate:
     Attributes:
       layout: the `Layout`.
       bound_bytes: the closed-form lower bound of the peak bytes per device
-        (`gtp_jax.train.memory.memory_bound`).
+        (`gtp_jax.train.step.memory.memory_bound`).
       peak_bytes: the compiled training step's peak bytes per device
         (`gtp_jax.plan.memory.compiled_memory`); None where it was not compiled.
       step_seconds: predicted seconds per step (`gtp_jax.plan.timing.step_seconds`).
@@ -95,7 +95,7 @@ def plan(base: TrainConfig, *, memory_gib: float | None = None,
     Every layout of `space` valid for the model and devices is bounded in closed form;
     those whose bound exceeds the budget are rejected without compiling, and so (on a GPU
     host) are offloaded layouts whose optimizer state cannot fit in pinned host memory
-    (`gtp_jax.train.memory.pinned_host_problem`). The rest are
+    (`gtp_jax.train.step.memory.pinned_host_problem`). The rest are
     compiled (`compiled_memories`, cached) in order of predicted step time, in batches of as
     many as are still needed (on a GPU host at least the 3 that compile at once), until
     `top` of them fit; the slower ones are left uncompiled.

@@ -62,7 +62,7 @@ from gtp_jax.sharding.offload import (
     streaming_compiler_options,
 )
 from gtp_jax.train.config import TrainConfig, make_optimizer, model_config, resolve_auto
-from gtp_jax.train.memory import pinned_host_bound
+from gtp_jax.train.step.memory import pinned_host_bound
 
 #: Environment variable naming the calibration cache directory (default
 #: ``~/.cache/gtp_jax``).

@@ -215,7 +215,7 @@ def fp8_einsum(subscripts: str, *operands: Any, **kwargs: Any) -> jax.Array:
 
 
 #: The attribute of `Fp8DelayedMatmul` holding its history: the last name of its path in a
-#: checkpoint (where `gtp_jax.train.checkpoint` recognizes a history as optional).
+#: checkpoint (where `gtp_jax.train.lifecycle.checkpoint` recognizes a history as optional).
 FP8_HISTORY_NAME = "amax_history"
 #: The layer types FP8 compute applies to, and the attribute each injects its matmul by.
 _INJECTION = ((nnx.LinearGeneral, "dot_general"), (nnx.Linear, "dot_general"),

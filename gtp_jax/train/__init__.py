@@ -7,13 +7,6 @@ the one jitted training step, also used by the benchmarks), `loop` (`train`), `r
 (``python -m gtp_jax train``).
 """
 
-from gtp_jax.train.checkpoint import (
-    CheckpointConfig,
-    CheckpointCorruptError,
-    Checkpointer,
-    CheckpointWriteError,
-    NonFiniteStateError,
-)
 from gtp_jax.train.config import (
     MODEL_MAY_DIFFER,
     RESUME_MAY_DIFFER,
@@ -21,14 +14,21 @@ from gtp_jax.train.config import (
     make_optimizer,
     model_config,
 )
-from gtp_jax.train.distributed import DistributedConfig
+from gtp_jax.train.lifecycle.checkpoint import (
+    CheckpointConfig,
+    CheckpointCorruptError,
+    Checkpointer,
+    CheckpointWriteError,
+    NonFiniteStateError,
+)
+from gtp_jax.train.lifecycle.preempt import RESUMABLE_EXIT, RunStopped
+from gtp_jax.train.lifecycle.resume import RunFinished
 from gtp_jax.train.loop import build_model_and_optimizer, replicated_bytes, train
-from gtp_jax.train.memory import check_memory_fits, memory_bound
-from gtp_jax.train.observe import DeviceMemoryError, ObserveConfig
-from gtp_jax.train.preempt import RESUMABLE_EXIT, RunStopped
-from gtp_jax.train.report import TrainResult
-from gtp_jax.train.resume import RunFinished
-from gtp_jax.train.step import TrainStep, replicate_stray_leaves
+from gtp_jax.train.outputs.observe import DeviceMemoryError, ObserveConfig
+from gtp_jax.train.outputs.report import TrainResult
+from gtp_jax.train.processes.distributed import DistributedConfig
+from gtp_jax.train.step.memory import check_memory_fits, memory_bound
+from gtp_jax.train.step.train_step import TrainStep, replicate_stray_leaves
 
 __all__ = [
     "MODEL_MAY_DIFFER",

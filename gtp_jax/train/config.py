@@ -1,7 +1,7 @@
 """What a training run is: `TrainConfig` and its field checks, the model and optimizer it
 implies (`model_config`, `make_optimizer`), which fields a resumed run may change, and the
-checks of a run against the machine (`check_devices`; memory: `gtp_jax.train.memory`) done before
-anything is built."""
+checks of a run against the machine (`check_devices`; memory: `gtp_jax.train.step.memory`)
+done before anything is built."""
 
 from __future__ import annotations
 
@@ -20,8 +20,8 @@ from gtp_jax.models import TransformerConfig, preset
 from gtp_jax.models.attention import cudnn_unsupported, resolve_attention_impl
 from gtp_jax.models.hf import read_config
 from gtp_jax.sharding.offload import StreamableChain
-from gtp_jax.train import optim
-from gtp_jax.train.optim import check_optimizer_settings
+from gtp_jax.train.step import optim
+from gtp_jax.train.step.optim import check_optimizer_settings
 
 #: TrainConfig fields that only change the layout or the schedule of the computation, not
 #: its math: a resumed run may change them. Every other field (including fields added
@@ -66,13 +66,13 @@ class TrainConfig:
         runs as ring attention (`gtp_jax.parallel.context`); 1: off.
       lr: peak AdamW learning rate (of the `lr_schedule`).
       warmup: warm-up steps: step k <= warmup trains at ``lr * k / warmup``; None: a tenth
-        of the schedule's steps, at most 10 (`gtp_jax.train.optim.default_warmup`), fixed
+        of the schedule's steps, at most 10 (`gtp_jax.train.step.optim.default_warmup`), fixed
         when the run starts and recorded in its checkpoints. Must leave at least one step
         of the schedule to decay in (the constant schedule: at most its steps).
       weight_decay: AdamW decoupled weight decay.
       lr_schedule: "cosine" (warm-up, cosine decay to 10% of `lr`), "linear" (warm-up,
         linear decay to 10%), "wsd" (warm-up, stable, linear decay to 10% over the last
-        `decay_steps`) or "constant" (warm-up, then `lr`); `gtp_jax.train.optim`.
+        `decay_steps`) or "constant" (warm-up, then `lr`); `gtp_jax.train.step.optim`.
       decay_steps: steps of the decay; None: the steps after the warm-up (cosine, linear),
         the last 20% of them (wsd).
       clip_grad_norm: clip the gradients to this global L2 norm before the update; 0: off.
@@ -119,14 +119,14 @@ class TrainConfig:
         equals an uninterrupted run with ``steps=<new steps>, schedule_steps=<original
         steps>``.
       schedule_version: how the schedule maps steps to rates
-        (`gtp_jax.train.optim.SCHEDULE_VERSION`); None: the current one, 2. A resumed run
+        (`gtp_jax.train.step.optim.SCHEDULE_VERSION`); None: the current one, 2. A resumed run
         keeps its checkpoint's, and a checkpoint without one was written by version 1
-        (step 1 at rate 0; see `gtp_jax.train.optim`).
+        (step 1 at rate 0; see `gtp_jax.train.step.optim`).
       init_from_hf: a Hugging Face Llama-family checkpoint directory
         (`gtp_jax.models.from_hf`): the model's shape comes from its config.json (`preset`
         is not used) and its weights replace the random init; None: a random `preset`.
       init_from: a `train` checkpoint directory whose newest intact checkpoint's weights
-        replace the random init of a new run (a warm start, `gtp_jax.train.warm_start`):
+        replace the random init of a new run (a warm start, `gtp_jax.train.lifecycle.warm_start`):
         any mesh, the model shape must match, the optimizer starts fresh and every other
         field is this run's. Ignored when the run resumes from its own checkpoint.
       export_hf: write the trained model there as a Hugging Face checkpoint
@@ -321,7 +321,7 @@ class TrainConfig:
 
     @property
     def lr_schedule_version(self) -> int:
-        """`schedule_version`, or the current `gtp_jax.train.optim.SCHEDULE_VERSION`."""
+        """`schedule_version`, or the current `gtp_jax.train.step.optim.SCHEDULE_VERSION`."""
         return (self.schedule_version if self.schedule_version is not None
                 else optim.SCHEDULE_VERSION)
 
@@ -356,7 +356,7 @@ def _check_float(name: str, value: Any, *, positive: bool) -> None:
 
 def make_optimizer(cfg: TrainConfig) -> StreamableChain:
     """AdamW with the run's LR schedule and global-norm clipping
-    (`gtp_jax.train.optim.make_optimizer`).
+    (`gtp_jax.train.step.optim.make_optimizer`).
 
     The schedule spans `TrainConfig.lr_schedule_steps`; it holds its end value after that,
     which is what extended steps train at.

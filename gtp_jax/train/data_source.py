@@ -33,7 +33,7 @@ from gtp_jax.data import (
     token_file,
 )
 from gtp_jax.data.token_file import Interrupt
-from gtp_jax.train.progress import ProgressBar
+from gtp_jax.train.outputs.progress import ProgressBar
 
 #: What a checkpoint of a run on the bundled corpus records as its data source (and what a
 #: checkpoint without a record, written before data sources were recorded, stands for).

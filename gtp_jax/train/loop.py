@@ -4,9 +4,9 @@ tokenized text (`gtp_jax.train.data_source`).
 `train` checks its input, then runs a short sequence of steps: pick the checkpoint to resume
 from, build the model and optimizer once (and restore into them), run the step loop
 (checkpointing as it goes), and report. Optional extras, each off by default: sharded
-checkpoints with exact resume (`gtp_jax.train.checkpoint`), multi-process runs
-(`gtp_jax.train.distributed`; the batch placement below works for any process count),
-profiler traces, MFU/memory reporting and JSON metrics (`gtp_jax.train.observe`).
+checkpoints with exact resume (`gtp_jax.train.lifecycle.checkpoint`), multi-process runs
+(`gtp_jax.train.processes.distributed`; the batch placement below works for any process count),
+profiler traces, MFU/memory reporting and JSON metrics (`gtp_jax.train.outputs.observe`).
 """
 
 from __future__ import annotations
@@ -37,7 +37,6 @@ from gtp_jax.models import (
     lm_loss_and_metrics,
     to_hf,
 )
-from gtp_jax.train.checkpoint import CheckpointConfig, Checkpointer, DirectoryLock
 from gtp_jax.train.config import (
     TrainConfig,
     check_devices,
@@ -48,10 +47,18 @@ from gtp_jax.train.config import (
     resolve_auto,
 )
 from gtp_jax.train.data_source import DataSource
-from gtp_jax.train.memory import check_memory_fits, memory_advice, memory_bound, memory_parts
-from gtp_jax.train.metrics_log import MetricsLog, claim_log_dir, open_metrics_log, step_extras
-from gtp_jax.train.ntp import NonuniformStep, Recovery, SimulatedFailure, check_failure
-from gtp_jax.train.observe import (
+from gtp_jax.train.lifecycle.checkpoint import CheckpointConfig, Checkpointer, DirectoryLock
+from gtp_jax.train.lifecycle.ntp import NonuniformStep, Recovery, SimulatedFailure, check_failure
+from gtp_jax.train.lifecycle.preempt import RunStopped, StopRequest
+from gtp_jax.train.lifecycle.resume import StartOver, restore_newest, select_candidates
+from gtp_jax.train.lifecycle.warm_start import check_init_from, load_weights
+from gtp_jax.train.outputs.metrics_log import (
+    MetricsLog,
+    claim_log_dir,
+    open_metrics_log,
+    step_extras,
+)
+from gtp_jax.train.outputs.observe import (
     DeviceMemoryError,
     ObserveConfig,
     StepProfiler,
@@ -61,12 +68,10 @@ from gtp_jax.train.observe import (
     peak_flops,
     write_json,
 )
-from gtp_jax.train.preempt import RunStopped, StopRequest
-from gtp_jax.train.progress import ProgressBar
-from gtp_jax.train.report import TrainResult
-from gtp_jax.train.resume import StartOver, restore_newest, select_candidates
-from gtp_jax.train.step import TrainStep, make_nnx_optimizer, replicate_stray_leaves
-from gtp_jax.train.warm_start import check_init_from, load_weights
+from gtp_jax.train.outputs.progress import ProgressBar
+from gtp_jax.train.outputs.report import TrainResult
+from gtp_jax.train.step.memory import check_memory_fits, memory_advice, memory_bound, memory_parts
+from gtp_jax.train.step.train_step import TrainStep, make_nnx_optimizer, replicate_stray_leaves
 
 OnStep = Callable[[int, float, float], None]
 OnStart = Callable[[TrainConfig, TransformerConfig], None]
@@ -105,12 +110,12 @@ def train(cfg: TrainConfig, *, on_step: OnStep | None = None,
         starts over from step 0 (one line on stderr says so).
       observe: profiler trace window and JSON metrics file.
       failure: simulate losing devices after a step and keep training with nonuniform
-        tensor parallelism (`gtp_jax.train.ntp`); validated before anything is built.
+        tensor parallelism (`gtp_jax.train.lifecycle.ntp`); validated before anything is built.
       data: train on this text (tokenized once into a token file beside it, packed into
         rows of ``seq_len + 1`` tokens, each process reading only its own rows); the model's
         vocabulary is the tokenizer's (unless `cfg.vocab_size` is set, at least as large).
         None: the bundled byte corpus. A resumed run must use the same data and tokenizer.
-      stop: checked after each step is dispatched (`gtp_jax.train.preempt`; the command
+      stop: checked after each step is dispatched (`gtp_jax.train.lifecycle.preempt`; the command
         line sets it on SIGTERM / SIGINT): once requested (on any process), the run finishes
         the step in flight, checkpoints it (with `checkpoint`) and returns a result whose
         ``stopped_by`` names the cause; ``cfg.export_hf`` is not written (the model is not
@@ -362,7 +367,7 @@ def _step_loop(cfg: TrainConfig, model_cfg: TransformerConfig, step_fn: TrainSte
     on a non-terminal (with grad norm and LR) and a record in `log`, flushed at once.
 
     After step `failure_step`, ``switch(step_fn.state)`` re-plans and re-lays out the state
-    (see `gtp_jax.train.ntp`) and the loop continues with the nonuniform step it returns.
+    (see `gtp_jax.train.lifecycle.ntp`) and the loop continues with the nonuniform step it returns.
 
     Once ``stop.agreed(step)`` (asked after step ``step`` is dispatched, on every process),
     the loop finishes that step like a checkpoint step (waits, saves with `ckpt`) and

@@ -3,7 +3,7 @@ whether its loss was ready when the dispatch returned."""
 import sys
 import time
 
-import gtp_jax.train.step as st
+import gtp_jax.train.step.train_step as st
 
 orig = st.TrainStep.__call__
 

@@ -21,7 +21,7 @@ from gtp_jax.sharding.offload import (
 )
 from gtp_jax.train import TrainConfig
 from gtp_jax.train.loop import build_model_and_optimizer
-from gtp_jax.train.step import TrainStep
+from gtp_jax.train.step.train_step import TrainStep
 
 OP = re.compile(r"\s*(?:ROOT )?(\S+) = (.*?) (copy-start|copy-done|fusion|custom-call)\((.*)")
 

@@ -93,8 +93,8 @@ from gtp_jax.base.errors import UsageError, UsageTypeError
 from gtp_jax.base.fp8_history import Fp8History
 from gtp_jax.base.paths import local_path
 from gtp_jax.sharding.fp8 import FP8_HISTORY_NAME
-from gtp_jax.train.fingerprint import digest
-from gtp_jax.train.layout import (
+from gtp_jax.train.lifecycle.fingerprint import digest
+from gtp_jax.train.lifecycle.layout import (
     array_info,
     is_key,
     numpy_dtype,
@@ -107,9 +107,9 @@ from gtp_jax.train.layout import (
     unsavable,
     zero_padding,
 )
-from gtp_jax.train.lock import CheckpointLockedError, DirectoryLock
-from gtp_jax.train.optim import narrower_than_float32
-from gtp_jax.train.step import offloads_master_weights
+from gtp_jax.train.lifecycle.lock import CheckpointLockedError, DirectoryLock
+from gtp_jax.train.step.optim import narrower_than_float32
+from gtp_jax.train.step.train_step import offloads_master_weights
 
 #: Bumped when the layout below changes incompatibly.
 FORMAT_VERSION = 1

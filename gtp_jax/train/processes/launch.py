@@ -7,7 +7,7 @@ block of this host's GPUs (none on a CPU host: each process then simulates its s
 mesh's devices). The launcher:
 
 - forwards SIGTERM and SIGINT to every process, which then stop after the same step (their
-  stop vote, `gtp_jax.train.preempt`) and write one checkpoint;
+  stop vote, `gtp_jax.train.lifecycle.preempt`) and write one checkpoint;
 - when a process ends with an error or is killed while the others run (a lost GPU, an
   out-of-memory kill, ``kill -9``), prints one line naming it and how it ended, stops the
   others (SIGTERM, then SIGKILL after `GRACE_S`: they may be waiting in a collective that

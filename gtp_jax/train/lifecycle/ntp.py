@@ -53,7 +53,7 @@ from gtp_jax.nonuniform.config import AXES
 from gtp_jax.sharding.module import plan_placement
 from gtp_jax.sharding.plan import ParamPlan
 from gtp_jax.train.config import TrainConfig, gtp_config, make_optimizer, model_config
-from gtp_jax.train.step import replicate_stray_leaves
+from gtp_jax.train.step.train_step import replicate_stray_leaves
 
 
 @dataclasses.dataclass(frozen=True)

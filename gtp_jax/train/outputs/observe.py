@@ -79,7 +79,7 @@ class ObserveConfig:
       metrics_json: write per-step metrics and the summary to this JSON file (process 0)
         at the end of the run.
       log_dir: stream per-step metrics while training (process 0): ``metrics.jsonl`` and
-        TensorBoard event files (`gtp_jax.train.metrics_log`). None: none.
+        TensorBoard event files (`gtp_jax.train.outputs.metrics_log`). None: none.
       log_every: log (the progress line on a non-terminal, `log_dir`'s records) every
         `log_every` steps, and the last step.
     """

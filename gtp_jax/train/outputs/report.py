@@ -23,21 +23,21 @@ class TrainResult:
       mesh_shape: mesh axis sizes.
       backend: JAX backend ("cpu", "gpu", "tpu").
       first_step: the first step run here (1, or the resumed checkpoint's step + 1).
-      flops_per_token: model FLOPs per trained token (see `gtp_jax.train.observe`).
+      flops_per_token: model FLOPs per trained token (see `gtp_jax.train.outputs.observe`).
       device_kind: ``jax.devices()[0].device_kind``.
       num_devices: devices in the mesh (all processes).
       compute_dtype: "float32" or "bfloat16".
       peak_flops_per_device: the peak FLOP/s used for MFU, or None when unknown.
-      memory: `gtp_jax.train.observe.memory_per_device` of this process's devices, or None.
+      memory: `gtp_jax.train.outputs.observe.memory_per_device` of this process's devices, or None.
       process_count: JAX processes in the run.
       checkpoint_dir, checkpoint_steps: where checkpoints went, and their steps.
       profile_steps, profile_trace: traced steps and the Perfetto trace file, if any.
       failure: a simulated device failure and the switch to nonuniform tensor parallelism
-        (`gtp_jax.train.ntp.Recovery` as a dict: step, devices, layout_before/after,
+        (`gtp_jax.train.lifecycle.ntp.Recovery` as a dict: step, devices, layout_before/after,
         replan_s, relayout_s, rebuild_s), or None.
       val_losses: held-out loss after each evaluated step (`TrainConfig.eval_every`).
       stopped_by: the signal that stopped the run early (``"SIGTERM"``), or None (the run
-        trained every step; see `gtp_jax.train.preempt`).
+        trained every step; see `gtp_jax.train.lifecycle.preempt`).
       export_hf: the folder the Hugging Face export was written to (absolute), or None
         (none asked for, or the run stopped early: a partial run is not exported).
       log_dir: the folder of the streamed metrics (``metrics.jsonl``, absolute), or None.

@@ -61,7 +61,7 @@ from gtp_jax.sharding.offload import (
     with_master_weights,
 )
 from gtp_jax.sharding.sharing import check_untied
-from gtp_jax.train.optim import current_lr, global_norm, narrower_than_float32
+from gtp_jax.train.step.optim import current_lr, global_norm, narrower_than_float32
 
 #: The metric under which a delayed-FP8 step returns its layers' use counts (`history_uses`);
 #: `TrainStep` removes it from what it returns.

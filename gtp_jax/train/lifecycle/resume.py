@@ -12,7 +12,6 @@ from flax import nnx
 
 from gtp_jax.base.errors import UsageError
 from gtp_jax.models import TransformerConfig
-from gtp_jax.train.checkpoint import CheckpointCorruptError, Checkpointer
 from gtp_jax.train.config import (
     MODEL_MAY_DIFFER,
     RESUME_MAY_DIFFER,
@@ -23,6 +22,7 @@ from gtp_jax.train.config import (
     resolve_auto,
 )
 from gtp_jax.train.data_source import check_source
+from gtp_jax.train.lifecycle.checkpoint import CheckpointCorruptError, Checkpointer
 
 #: (step, metadata) of a checkpoint that may be resumed from, newest first.
 Candidate = tuple[int, dict[str, Any]]

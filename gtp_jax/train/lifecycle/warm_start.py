@@ -21,9 +21,13 @@ from flax import nnx
 
 from gtp_jax.base.errors import UsageError
 from gtp_jax.models import TransformerConfig
-from gtp_jax.train.checkpoint import CheckpointConfig, CheckpointCorruptError, Checkpointer
 from gtp_jax.train.config import MODEL_MAY_DIFFER, TrainConfig, model_json
-from gtp_jax.train.resume import Candidate, note
+from gtp_jax.train.lifecycle.checkpoint import (
+    CheckpointConfig,
+    CheckpointCorruptError,
+    Checkpointer,
+)
+from gtp_jax.train.lifecycle.resume import Candidate, note
 
 #: `TransformerConfig` fields a warm-started run may set differently from the saving run's:
 #: they do not change which arrays the model holds or their shapes (compute dtype, sequence

@@ -3,7 +3,7 @@
 On a machine without accelerators the mesh is simulated with
 ``--xla_force_host_platform_device_count`` (set here, before JAX starts a backend); on a GPU
 host the same command uses the GPUs. With ``--coordinator/--num-processes/--process-id``
-the same command runs as one of several JAX processes (`gtp_jax.train.distributed`).
+the same command runs as one of several JAX processes (`gtp_jax.train.processes.distributed`).
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from gtp_jax.base.compile_cache import HELP as COMPILE_CACHE_HELP
 from gtp_jax.base.compile_cache import compile_cache_dir, use_compile_cache
 from gtp_jax.base.errors import UsageError
 from gtp_jax.base.xla_flags import MAX_SIMULATED_DEVICES, simulate_cpu_devices
-from gtp_jax.train.job_file import PathArg, expand_job_file
-from gtp_jax.train.optim import LR_SCHEDULES
+from gtp_jax.train.cli.job_file import PathArg, expand_job_file
+from gtp_jax.train.step.optim import LR_SCHEDULES
 
 #: ``planner(cfg, fixed layout fields, memory GiB or None) -> laid-out cfg`` (``--plan auto``).
 Planner = Callable[[Any, dict[str, Any], "float | None"], Any]
@@ -391,7 +391,7 @@ def _device_ids(text: str | None) -> tuple[int, ...] | None:
 
 def _failure(args: argparse.Namespace) -> object | None:
     """The `SimulatedFailure` of ``--simulate-failure`` / ``--tp-spares`` / ``--ntp-axis``."""
-    from gtp_jax.train.ntp import parse_failure  # noqa: PLC0415
+    from gtp_jax.train.lifecycle.ntp import parse_failure  # noqa: PLC0415
 
     if args.simulate_failure is None:
         if args.tp_spares is not None or args.ntp_axis != "tp":
@@ -433,9 +433,9 @@ def _text_data(args: argparse.Namespace) -> object | None:
 def _configs(args: argparse.Namespace) -> tuple[object, object | None, object]:
     """Distributed, checkpoint and observe configs from the flags, validated before JAX
     starts (so that bad flags fail fast, on every process, before joining a run)."""
-    from gtp_jax.train.checkpoint import CheckpointConfig  # noqa: PLC0415
-    from gtp_jax.train.distributed import DistributedConfig  # noqa: PLC0415
-    from gtp_jax.train.observe import ObserveConfig, parse_steps  # noqa: PLC0415
+    from gtp_jax.train.lifecycle.checkpoint import CheckpointConfig  # noqa: PLC0415
+    from gtp_jax.train.outputs.observe import ObserveConfig, parse_steps  # noqa: PLC0415
+    from gtp_jax.train.processes.distributed import DistributedConfig  # noqa: PLC0415
 
     flags = (args.coordinator, args.num_processes, args.process_id)
     if args.distributed_auto or any(v is not None for v in flags):
@@ -479,9 +479,9 @@ def main(argv: list[str] | None = None, *, planner: Planner | None = None) -> in
 
 def _launch(argv: list[str], args: argparse.Namespace) -> int:
     """``--processes N``: this process starts and supervises the run's N processes
-    (`gtp_jax.train.launch`) instead of training itself."""
+    (`gtp_jax.train.processes.launch`) instead of training itself."""
     from gtp_jax.base.host import gpu_count  # noqa: PLC0415
-    from gtp_jax.train.launch import launch, without_flag  # noqa: PLC0415
+    from gtp_jax.train.processes.launch import launch, without_flag  # noqa: PLC0415
 
     joined = [flag for flag, value in (("--coordinator", args.coordinator),
                                        ("--num-processes", args.num_processes),
@@ -555,7 +555,7 @@ def _main(argv: list[str] | None, planner: Planner | None) -> int:
             "sizes whose product fits (dp*ep*gtp*cp*tp) or run on accelerators with "
             "several processes (--num-processes)."), 2)
 
-    from gtp_jax.train.distributed import (  # noqa: PLC0415
+    from gtp_jax.train.processes.distributed import (  # noqa: PLC0415
         DistributedJoinError,
         DistributedPeerError,
         initialize,
@@ -610,8 +610,8 @@ def _run(args: argparse.Namespace, sizes: dict[str, int | None], cpu_sizes: dict
     import jax  # noqa: PLC0415
 
     from gtp_jax.train import CheckpointWriteError, TrainConfig, train  # noqa: PLC0415
-    from gtp_jax.train.preempt import RESUMABLE_EXIT, RunStopped, stop_on_signals  # noqa: PLC0415
-    from gtp_jax.train.resume import RunFinished  # noqa: PLC0415
+    from gtp_jax.train.lifecycle.preempt import RESUMABLE_EXIT, RunStopped, stop_on_signals  # noqa: PLC0415
+    from gtp_jax.train.lifecycle.resume import RunFinished  # noqa: PLC0415
 
     primary = jax.process_index() == 0
     if jax.default_backend() == "cpu":
@@ -687,7 +687,7 @@ def _stopped(result: object, primary: bool, steps: int, export_hf: str | None) -
     requeued job continues from it), else 128 + the signal's number (the steps are lost)."""
     import signal  # noqa: PLC0415
 
-    from gtp_jax.train.preempt import RESUMABLE_EXIT  # noqa: PLC0415
+    from gtp_jax.train.lifecycle.preempt import RESUMABLE_EXIT  # noqa: PLC0415
 
     step = result.first_step + len(result.losses) - 1
     saved = result.checkpoint_dir is not None and step in result.checkpoint_steps

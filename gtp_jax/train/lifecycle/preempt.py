@@ -105,7 +105,7 @@ class StopRequest:
 def _vote(step: int, mine: str | None) -> list[tuple[str, str]]:
     """Every process's ``(key, cause)`` for `step` (the same list on all processes): this
     process adds one when `mine` (its stop cause) is set."""
-    from gtp_jax.train.distributed import coordination_client  # noqa: PLC0415
+    from gtp_jax.train.processes.distributed import coordination_client  # noqa: PLC0415
 
     client = coordination_client()
     prefix = f"gtp_jax_stop/{step}/"

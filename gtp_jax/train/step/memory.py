@@ -22,6 +22,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from gtp_jax.base import host
 from gtp_jax.base.errors import UsageError, UsageTypeError
 from gtp_jax.base.metadata import STACKED
 from gtp_jax.base.xla_flags import (
@@ -32,9 +33,9 @@ from gtp_jax.base.xla_flags import (
 )
 from gtp_jax.models import Transformer
 from gtp_jax.sharding.offload import DEFAULT_GROUP_LAYERS, MASTER_DEVICE_DTYPE, stream_units
-from gtp_jax.train import host_memory, observe
 from gtp_jax.train.config import TrainConfig, model_config, resolve_auto
-from gtp_jax.train.observe import DeviceMemoryError
+from gtp_jax.train.outputs import observe
+from gtp_jax.train.outputs.observe import DeviceMemoryError
 
 
 def memory_bound(cfg: TrainConfig) -> dict[str, int]:
@@ -223,7 +224,7 @@ def check_pinned_host(cfg: TrainConfig, pool_bytes: int | None = None,
         return
     problem = pinned_host_problem(
         cfg, pool_bytes=pinned_pool_bytes() if pool_bytes is None else pool_bytes,
-        available_bytes=host_memory.available_host_bytes() if available is None else available,
+        available_bytes=host.available_bytes() if available is None else available,
         local_devices=jax.local_device_count())
     if problem:
         raise DeviceMemoryError(problem)
@@ -329,14 +330,14 @@ def check_host_memory(cfg: TrainConfig, bound: dict[str, int] | None = None,
     Args:
       cfg: the run.
       bound: `memory_bound` of `cfg` (None: computed).
-      available: the host's available bytes; None: `host_memory.available_host_bytes`
+      available: the host's available bytes; None: `gtp_jax.base.host.available_bytes`
         (no check where it is unknown).
 
     Raises:
       DeviceMemoryError: over the available memory; names a smaller preset that fits (if
         one does), and the batch and sequence flags.
     """
-    available = host_memory.available_host_bytes() if available is None else available
+    available = host.available_bytes() if available is None else available
     if available is None:
         return
     bound = memory_bound(cfg) if bound is None else bound

@@ -1,5 +1,5 @@
 """Checksums of logical arrays that are the same on every mesh: what a checkpoint records
-per array at save time and verifies on restore (`gtp_jax.train.checkpoint`)."""
+per array at save time and verifies on restore (`gtp_jax.train.lifecycle.checkpoint`)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from gtp_jax.sharding.offload import to_device
-from gtp_jax.train.layout import dim_splits
+from gtp_jax.train.lifecycle.layout import dim_splits
 
 
 def _fmix32(h: jax.Array) -> jax.Array:

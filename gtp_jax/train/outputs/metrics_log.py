@@ -7,7 +7,7 @@ says so once).
 A line holds ``step``, ``loss``, ``lr``, ``grad_norm``, ``tokens_per_s``, ``step_ms``, and
 where known ``peak_bytes`` (the largest ``peak_bytes_in_use`` of this process's devices;
 GPUs and TPUs report it, CPUs do not), ``mfu`` (GPUs and TPUs with a known peak,
-`gtp_jax.train.observe.peak_flops`) and ``val_loss`` (a step with a held-out evaluation).
+`gtp_jax.train.outputs.observe.peak_flops`) and ``val_loss`` (a step with a held-out evaluation).
 A number that is not finite (NaN, inf) is written as ``null`` and its key listed under
 ``nonfinite``, so every line is strict JSON.
 
@@ -28,8 +28,8 @@ from typing import Any, TextIO
 import jax
 
 from gtp_jax.base.errors import UsageError
-from gtp_jax.train.lock import DirectoryLock
-from gtp_jax.train.observe import memory_per_device, peak_flops
+from gtp_jax.train.lifecycle.lock import DirectoryLock
+from gtp_jax.train.outputs.observe import memory_per_device, peak_flops
 
 #: The JSON-lines file in the log directory.
 METRICS_FILE = "metrics.jsonl"
@@ -271,7 +271,7 @@ def open_metrics_log(observe: Any, cfg: Any, model_cfg: Any, *, start: int = 0,
 
 
 def step_extras(metrics: dict[str, Any], model_cfg: Any = None) -> dict[str, float]:
-    """``grad_norm`` and ``lr`` of a step's metrics (`gtp_jax.train.step.TrainStep`) as
+    """``grad_norm`` and ``lr`` of a step's metrics (`gtp_jax.train.step.train_step.TrainStep`) as
     floats, those present; for a mixture of experts (`model_cfg`) also ``dropped``, the
     share of (token, choice) assignments its capacity dropped
     (`gtp_jax.models.lm_loss_and_metrics`)."""

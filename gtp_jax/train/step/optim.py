@@ -69,7 +69,7 @@ def make_optimizer(lr: float, warmup: int, schedule_steps: int, weight_decay: fl
     `weight_decay`, moments ``b1``/``b2``, ``eps``) at the learning rate of `lr_schedule`.
 
     Cached: equal settings return the same transformation object (static data of the
-    ``nnx.Optimizer``, so an equal object lets a `gtp_jax.train.step.TrainStep` reuse its
+    ``nnx.Optimizer``, so an equal object lets a `gtp_jax.train.step.train_step.TrainStep` reuse its
     compiled program).
     """
     rate = lr_schedule(lr, warmup, schedule_steps, schedule=schedule, decay_steps=decay_steps,

@@ -1,0 +1,1 @@
+"""The command line (`python -m gtp_jax train`) and its job files."""

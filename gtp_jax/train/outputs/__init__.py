@@ -1,0 +1,2 @@
+"""What a run reports: the progress line, the summary (`TrainResult`), the metrics log, traces, MFU
+and memory."""
