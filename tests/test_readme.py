@@ -52,7 +52,7 @@ def test_readme_has_the_blocks_this_test_expects() -> None:
     blocks = readme_blocks()
     assert len(blocks) >= 4
     text = "\n".join(blocks)
-    for needle in ("--checkpoint-dir ck --resume", "--simulate-failure", "--process-id 1",
+    for needle in ("--checkpoint-dir ck --resume", "--simulate-failure", "--processes 2",
                    "--cp 2"):
         assert needle in text, needle
 

@@ -32,6 +32,8 @@ from collections.abc import Callable, Sequence
 GRACE_S = 10.0
 #: How often (seconds) the launcher looks at its processes.
 POLL_S = 0.2
+#: Seconds the others get to end on their own after one ended with an error.
+SETTLE_S = 3.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,6 +118,13 @@ def supervise(commands: Sequence[Sequence[str]], *, grace: float = GRACE_S,
             bad = [(i, c.pid, code) for i, (c, code) in enumerate(zip(children, codes))
                    if code not in (None, 0)]
             if bad and lost is None and any(code is None for code in codes):
+                # Processes that stop together (the same error everywhere) end within a
+                # moment of each other: only one still running after that was left behind.
+                settle = time.monotonic() + SETTLE_S
+                while time.monotonic() < settle and any(c.poll() is None for c in children):
+                    time.sleep(poll)
+                if all(c.poll() is not None for c in children):
+                    break
                 lost = bad[0]
                 index, pid, code = lost
                 others = sum(code is None for code in codes)
