@@ -459,3 +459,25 @@ def test_reduce_dtype_reaches_the_gathers_and_the_header():
     assert "reduce-scattered in bfloat16" in describe_choices(cfg, model_config(cfg))
     with pytest.raises(UsageError, match="TrainConfig.reduce_dtype"):
         TrainConfig(reduce_dtype="float16")
+
+
+def test_a_run_is_resolved_once(monkeypatch):
+    # TrainConfig and the devices go in, a resolved Run comes out; the memory checks, the
+    # model, the step and the header read it, and nothing resolves the config again.
+    from gtp_jax.train import config as train_config
+    from gtp_jax.train import resolve, train
+
+    calls = []
+    real = train_config.resolve_auto
+    monkeypatch.setattr(train_config, "resolve_auto",
+                        lambda cfg, backend=None: calls.append(cfg) or real(cfg, backend))
+    models = []
+    real_model = train_config._model_config
+    monkeypatch.setattr(train_config, "_model_config",
+                        lambda cfg: models.append(cfg) or real_model(cfg))
+    train(TrainConfig(steps=2, batch_size=8, seq_len=32), progress=False)
+    assert len(calls) == 1 and len(models) == 1
+    run = resolve(TrainConfig())
+    assert resolve(run) is run and run.config.auto_fields == frozenset()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        run.model = None

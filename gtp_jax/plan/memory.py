@@ -40,11 +40,11 @@ from gtp_jax.sharding.offload import (
     with_master_weights,
 )
 from gtp_jax.train.config import (
+    Run,
     TrainConfig,
     check_devices,
-    gtp_config,
     make_optimizer,
-    model_config,
+    resolve,
     resolve_auto,
 )
 from gtp_jax.train.step.train_step import (
@@ -86,19 +86,20 @@ class MemoryFigure:
                    generated_code=int(ma.generated_code_size_in_bytes))
 
 
-def abstract_train_state(cfg: TrainConfig) -> tuple[Any, nnx.State, jax.ShapeDtypeStruct]:
+def abstract_train_state(cfg: TrainConfig | Run
+                         ) -> tuple[Any, nnx.State, jax.ShapeDtypeStruct]:
     """``(graphdef, state, batch)`` of `gtp_jax.train.train`'s step for `cfg`, abstract:
     ``jax.ShapeDtypeStruct`` leaves with the shardings the trainer places them with (the
     parameters' and moments' from `gtp_jax.shard`'s plan, host memory for an offloaded
     optimizer state, replicated scalars), and the batch ``int32[batch, seq + 1]`` split over
     the data axes. Nothing is allocated on the devices."""
-    cfg = resolve_auto(cfg)
+    run = resolve(cfg)
+    cfg, model_cfg = run.config, run.model
     mesh = gtp_jax.make_mesh(dp=cfg.dp, gtp=cfg.gtp, tp=cfg.tp, ep=cfg.ep, cp=cfg.cp)
-    model_cfg = model_config(cfg)
 
     def build() -> tuple[gtp_jax.ShardedModule, nnx.Optimizer]:
         model = gtp_jax.shard(Transformer(model_cfg, rngs=nnx.Rngs(cfg.seed)), mesh,
-                              gtp_config(cfg))
+                              run.gtp)
         tx = make_optimizer(cfg)
         if cfg.offload_master_weights:  # as make_nnx_optimizer builds it
             tx = with_master_weights(tx)
@@ -188,11 +189,12 @@ def _key(cfg: TrainConfig) -> tuple[Any, ...]:
     return (resolve_auto(cfg), jax.default_backend(), jax.device_count())
 
 
-def _lowered_step(cfg: TrainConfig) -> Any:
+def _lowered_step(cfg: TrainConfig | Run) -> Any:
     """The lowered (not compiled) training step of a resolved `cfg`."""
-    check_devices(cfg)
-    graphdef, state, batch = abstract_train_state(cfg)
-    loss_fn = functools.partial(lm_loss, aux_weight=model_config(cfg).moe_aux_weight)
+    run = resolve(cfg)
+    check_devices(run)
+    graphdef, state, batch = abstract_train_state(run)
+    loss_fn = functools.partial(lm_loss, aux_weight=run.model.moe_aux_weight)
     program = step_program(graphdef, loss_fn, offload=cfg.offload_optimizer,
                            grad_accum=cfg.grad_accum)
     return program.lower(state, batch)

@@ -1,18 +1,21 @@
 """The training application: `train` a preset transformer with GTP on the bundled corpus.
 
-Modules: `config` (`TrainConfig`, the optimizer and model it implies), `step` (`TrainStep`:
-the one jitted training step, also used by the benchmarks), `loop` (`train`), `resume`,
-`memory` (the lower bound of a run's memory per device, and the refusals that use it),
-`report` (`TrainResult`), `checkpoint`, `distributed`, `observe`, `progress`, and `cli`
-(``python -m gtp_jax train``).
+`config` (`TrainConfig`, resolved once into a `Run` that every later stage reads), `loop`
+(`train`: the run, top to bottom), `data_source`, and one folder per concern: `step`
+(`TrainStep`, the optimizer, the memory bound), `lifecycle` (checkpoints, resume, warm
+starts, preemption, the lock, training through a failure), `outputs` (progress, the
+summary, the metrics log, traces), `cli` (``python -m gtp_jax train``), `processes`
+(several processes: joining and launching).
 """
 
 from gtp_jax.train.config import (
     MODEL_MAY_DIFFER,
     RESUME_MAY_DIFFER,
+    Run,
     TrainConfig,
     make_optimizer,
     model_config,
+    resolve,
 )
 from gtp_jax.train.lifecycle.checkpoint import (
     CheckpointConfig,
@@ -42,6 +45,7 @@ __all__ = [
     "DistributedConfig",
     "NonFiniteStateError",
     "ObserveConfig",
+    "Run",
     "RunFinished",
     "RunStopped",
     "TrainConfig",
@@ -54,5 +58,6 @@ __all__ = [
     "model_config",
     "replicate_stray_leaves",
     "replicated_bytes",
+    "resolve",
     "train",
 ]

@@ -403,10 +403,49 @@ def adopt_saved(cfg: TrainConfig, saved: dict[str, Any], auto: frozenset[str]) -
         return cfg  # a value this version does not accept: the resume check names it
 
 
-def model_config(cfg: TrainConfig) -> TransformerConfig:
-    """The `TransformerConfig` that `train` builds for `cfg` ("auto" fields resolved for
-    JAX's default backend)."""
-    cfg = resolve_auto(cfg)
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """A training run resolved once: what every stage after the command line reads.
+
+    `resolve` builds it from a `TrainConfig` and the backend; the memory checks, the step,
+    the planner and the command line's header read its fields, and a function given a
+    `Run` resolves nothing again (given a `TrainConfig`, it resolves that first).
+
+    Attributes:
+      config: the `TrainConfig` with its "auto" fields set for `backend` (`resolve_auto`).
+      model: the `TransformerConfig` the run trains (`model_config`).
+      gtp: the `GTPConfig` the model is sharded with (`gtp_config`).
+      backend: the JAX backend it was resolved for ("gpu", "cpu", ...).
+    """
+
+    config: TrainConfig
+    model: TransformerConfig
+    gtp: GTPConfig
+    backend: str
+
+
+def resolve(cfg: TrainConfig | Run, backend: str | None = None) -> Run:
+    """`cfg` resolved for `backend` (None: JAX's default): its "auto" fields set, and the
+    model and sharding configs it implies. A `Run` is returned as it is.
+
+    Raises:
+      UsageError: the model config cannot be built (e.g. an unreadable ``init_from_hf``).
+    """
+    if isinstance(cfg, Run):
+        return cfg
+    backend = jax.default_backend() if backend is None else backend
+    config = resolve_auto(cfg, backend)
+    return Run(config, _model_config(config), _gtp_config(config), backend)
+
+
+def model_config(cfg: TrainConfig | Run) -> TransformerConfig:
+    """The `TransformerConfig` that `train` builds for `cfg` (a `TrainConfig` is resolved
+    for JAX's default backend first; a `Run` carries it)."""
+    return resolve(cfg).model
+
+
+def _model_config(cfg: TrainConfig) -> TransformerConfig:
+    """`model_config` of an already resolved `cfg`."""
     dtype = jnp.bfloat16 if cfg.dtype == "bfloat16" else jnp.float32
     options = dict(dtype=dtype, remat=cfg.remat, tp_overlap=cfg.overlap,
                    attention_impl=cfg.attention, unroll_layers=cfg.unroll_layers)
@@ -437,10 +476,14 @@ def _hf_model_config(cfg: TrainConfig, options: dict[str, Any],
     return model_cfg
 
 
-def gtp_config(cfg: TrainConfig) -> GTPConfig:
-    """The `GTPConfig` that `train` shards the model with for `cfg` ("auto" fields resolved
-    for JAX's default backend)."""
-    cfg = resolve_auto(cfg)
+def gtp_config(cfg: TrainConfig | Run) -> GTPConfig:
+    """The `GTPConfig` that `train` shards the model with for `cfg` (a `TrainConfig` is
+    resolved for JAX's default backend first; a `Run` carries it)."""
+    return resolve(cfg).gtp
+
+
+def _gtp_config(cfg: TrainConfig) -> GTPConfig:
+    """`gtp_config` of an already resolved `cfg`."""
     return GTPConfig(gather_dtype=cfg.gather_dtype, reduce_dtype=cfg.reduce_dtype,
                      pad_for_alignment=cfg.pad_for_alignment,
                      gather_format=cfg.gather_format, prefetch=cfg.prefetch,
@@ -496,10 +539,11 @@ def model_json(model_cfg: TransformerConfig) -> dict[str, Any]:
     return out
 
 
-def check_devices(cfg: TrainConfig) -> None:
+def check_devices(run: TrainConfig | Run) -> None:
     """The mesh fits the devices and the model splits over tp and ep (checked here, before
     anything is built, so the error names the configuration rather than a weight)."""
-    model_cfg = model_config(cfg)
+    run = resolve(run)
+    cfg, model_cfg = run.config, run.model
     widths = {"n_heads": model_cfg.n_heads, "d_ff": model_cfg.d_ff}
     if model_cfg.moe_experts:
         widths["moe_d_ff"] = model_cfg.moe_d_ff or model_cfg.d_ff

@@ -38,13 +38,12 @@ from gtp_jax.models import (
     to_hf,
 )
 from gtp_jax.train.config import (
+    Run,
     TrainConfig,
     check_devices,
-    gtp_config,
     make_optimizer,
-    model_config,
     model_json,
-    resolve_auto,
+    resolve,
 )
 from gtp_jax.train.data_source import DataSource
 from gtp_jax.train.lifecycle.checkpoint import CheckpointConfig, Checkpointer, DirectoryLock
@@ -140,7 +139,6 @@ def train(cfg: TrainConfig, *, on_step: OnStep | None = None,
     observe = ObserveConfig() if observe is None else observe
     primary = jax.process_index() == 0
     auto = cfg.auto_fields  # a resumed run keeps its saved values for these
-    cfg = resolve_auto(cfg)
     source = DataSource.check(data)
     if cfg.vocab_size is None and data is not None:
         cfg = dataclasses.replace(cfg, vocab_size=source.vocab_size)
@@ -159,9 +157,12 @@ def train(cfg: TrainConfig, *, on_step: OnStep | None = None,
     if cfg.eval_every and failure is not None:
         raise UsageError("TrainConfig.eval_every with a SimulatedFailure: the held-out loss is "
                          "not computed on the nonuniform layout; drop one of them.")
-    check_devices(cfg)
-    check_failure(cfg, failure)
-    check_memory_fits(cfg)
+    # Resolved once: everything below reads this run (a resume adopting a saved run's
+    # settings resolves the adopted config once more, in _train).
+    resolved = resolve(cfg)
+    check_devices(resolved)
+    check_failure(resolved, failure)
+    check_memory_fits(resolved)
     if checkpoint is not None:
         check_writable_dir(checkpoint.directory, "CheckpointConfig.directory")
     if primary:
@@ -181,7 +182,7 @@ def train(cfg: TrainConfig, *, on_step: OnStep | None = None,
                 observe.log_dir, checkpoint.directory if checkpoint is not None else None,
                 resume=checkpoint.resume if checkpoint is not None else False)
         ckpt = Checkpointer(checkpoint) if checkpoint is not None else None
-        run = functools.partial(_train, cfg, on_step=on_step, progress=progress, ckpt=ckpt,
+        run = functools.partial(_train, resolved, on_step=on_step, progress=progress, ckpt=ckpt,
                                 observe=observe, failure=failure, auto=auto,
                                 on_start=on_start, source=source, stop=stop)
         try:
@@ -202,21 +203,21 @@ def train(cfg: TrainConfig, *, on_step: OnStep | None = None,
             lock.release()
 
 
-def build_model_and_optimizer(cfg: TrainConfig) -> tuple[gtp_jax.ShardedModule, nnx.Optimizer]:
+def build_model_and_optimizer(run: TrainConfig | Run
+                              ) -> tuple[gtp_jax.ShardedModule, nnx.Optimizer]:
     """The GTP-sharded model (initialized from ``cfg.seed``) and its AdamW optimizer, on the
     mesh ``make_mesh(dp, gtp, tp, ep)`` over all devices: what `train` starts from (and
     what a checkpoint is restored into: an offloaded optimizer's state is built, and so
-    restored, in host memory)."""
-    cfg = resolve_auto(cfg)
+    restored, in host memory). A `TrainConfig` is resolved first (`resolve`)."""
+    run = resolve(run)
+    cfg = run.config
     mesh = gtp_jax.make_mesh(dp=cfg.dp, gtp=cfg.gtp, tp=cfg.tp, ep=cfg.ep, cp=cfg.cp)
     if cfg.init_from_hf is not None:  # each device's shard read from the files
-        model = from_hf(cfg.init_from_hf, mesh=mesh, gtp_config=gtp_config(cfg),
-                        config=model_config(cfg))
+        model = from_hf(cfg.init_from_hf, mesh=mesh, gtp_config=run.gtp, config=run.model)
     else:
         # Built in place: each device creates only its own shards (no whole-model peak).
-        model_cfg = model_config(cfg)
-        model = gtp_jax.shard_init(lambda: Transformer(model_cfg, rngs=nnx.Rngs(cfg.seed)),
-                                   mesh, gtp_config(cfg))
+        model = gtp_jax.shard_init(lambda: Transformer(run.model, rngs=nnx.Rngs(cfg.seed)),
+                                   mesh, run.gtp)
     # Offloaded (cfg.offload_optimizer): the state is built in host memory directly.
     optimizer = make_nnx_optimizer(model, make_optimizer(cfg), wrt=nnx.Param)
     replicate_stray_leaves(optimizer, mesh)
@@ -240,21 +241,22 @@ def replicated_bytes(model: nnx.Module, cfg: TrainConfig) -> tuple[int, int]:
                                                                  params))
 
 
-def _train(cfg: TrainConfig, *, on_step: OnStep | None, progress: bool,
+def _train(run: Run, *, on_step: OnStep | None, progress: bool,
            ckpt: Checkpointer | None, observe: ObserveConfig,
            failure: SimulatedFailure | None = None,
            auto: frozenset[str] = frozenset(),
            on_start: OnStart | None = None, source: DataSource | None = None,
            stop: StopRequest | None = None) -> TrainResult:
     source = DataSource.check(None) if source is None else source
-    cfg, candidates = select_candidates(cfg, model_config(cfg), ckpt, auto=auto,
+    run, candidates = select_candidates(run, ckpt, auto=auto,
                                         source=source.fingerprint() if ckpt else None)
-    # Recorded explicitly in checkpoints, so extending the run keeps this schedule.
-    cfg = cfg.with_schedule()
-    model_cfg = model_config(cfg)
+    # Recorded explicitly in checkpoints, so extending the run keeps this schedule (its
+    # length and warm-up change nothing that was resolved).
+    run = dataclasses.replace(run, config=run.config.with_schedule())
+    cfg, model_cfg = run.config, run.model
     # A warm start applies to a new run only; a resumed one continues its own weights.
     warm = check_init_from(cfg, model_cfg) if cfg.init_from and not candidates else None
-    failure_plan = check_failure(cfg, failure, start=candidates[0][0] if candidates else 0)
+    failure_plan = check_failure(run, failure, start=candidates[0][0] if candidates else 0)
 
     def interrupt(during: str, step: int) -> None:
         if stop is not None and stop.requested:
@@ -269,7 +271,7 @@ def _train(cfg: TrainConfig, *, on_step: OnStep | None, progress: bool,
     if on_start is not None:
         on_start(cfg, model_cfg)
 
-    model, optimizer = build_model_and_optimizer(cfg)
+    model, optimizer = build_model_and_optimizer(run)
     meta, start = restore_newest(cfg, model_cfg, ckpt, candidates, model, optimizer,
                                  source=source.record)
     if warm is not None:
@@ -299,11 +301,11 @@ def _train(cfg: TrainConfig, *, on_step: OnStep | None, progress: bool,
     if failure_plan is not None:
         def switch(state: Any, original: gtp_jax.ShardedModule = model
                    ) -> tuple[NonuniformStep, Recovery]:
-            return NonuniformStep.recover(cfg, failure_plan, state, loss_fn, failure=failure,
+            return NonuniformStep.recover(run, failure_plan, state, loss_fn, failure=failure,
                                           original=original)
     try:
         losses, times, saved, recovery, step_fn, val_losses = _step_loop(
-            cfg, model_cfg, step_fn, batcher, start=start, ckpt=ckpt, profiler=profiler,
+            run, step_fn, batcher, start=start, ckpt=ckpt, profiler=profiler,
             on_step=on_step, progress=progress, failure_step=failure.step if switch else None,
             switch=switch, held_out=held_out, source=source.record, stop=stop,
             log=log, log_every=observe.log_every)
@@ -337,7 +339,7 @@ def _train(cfg: TrainConfig, *, on_step: OnStep | None, progress: bool,
     return result
 
 
-def _step_loop(cfg: TrainConfig, model_cfg: TransformerConfig, step_fn: TrainStep,
+def _step_loop(run: Run, step_fn: TrainStep,
                batcher: ByteBatcher | PackedBatcher, *, start: int, ckpt: Checkpointer | None,
                profiler: StepProfiler | None, on_step: OnStep | None,
                progress: bool, failure_step: int | None = None,
@@ -372,6 +374,7 @@ def _step_loop(cfg: TrainConfig, model_cfg: TransformerConfig, step_fn: TrainSte
     Once ``stop.agreed(step)`` (asked after step ``step`` is dispatched, on every process),
     the loop finishes that step like a checkpoint step (waits, saves with `ckpt`) and
     returns early."""
+    cfg, model_cfg = run.config, run.model
     placement = gtp_jax.data_sharding(step_fn.objects[0].mesh)
     tokens_per_step = cfg.batch_size * cfg.seq_len
     bar = (ProgressBar(cfg.steps, every=log_every) if progress and jax.process_index() == 0
@@ -406,7 +409,7 @@ def _step_loop(cfg: TrainConfig, model_cfg: TransformerConfig, step_fn: TrainSte
         when `save`, then reports the step (so a checkpoint exists before `on_step` sees
         its step)."""
         nonlocal last_done
-        with _device_memory_errors(cfg, step):
+        with _device_memory_errors(run, step):
             loss, now = wait_for_step(metrics)
         times.append(now - last_done)
         last_done = now
@@ -449,7 +452,7 @@ def _step_loop(cfg: TrainConfig, model_cfg: TransformerConfig, step_fn: TrainSte
             profiler.before(step)
         (tokens, data_state), ahead = ahead, None
         with jax.profiler.StepTraceAnnotation("train", step_num=step), \
-                _device_memory_errors(cfg, step):
+                _device_memory_errors(run, step):
             metrics = step_fn(tokens)
         # The host is one step ahead: a stop requested now ends the run after this step.
         stopping = stop is not None and step < cfg.steps and stop.agreed(step)
@@ -514,7 +517,7 @@ def _print_init_memory() -> None:
 
 
 @contextlib.contextmanager
-def _device_memory_errors(cfg: TrainConfig, step: int) -> Iterator[None]:
+def _device_memory_errors(run: Run, step: int) -> Iterator[None]:
     """Turns XLA's out-of-memory error (when a step is compiled, dispatched or waited for)
     into a `DeviceMemoryError` naming the memory bound and what to change."""
     try:
@@ -522,11 +525,11 @@ def _device_memory_errors(cfg: TrainConfig, step: int) -> Iterator[None]:
     except Exception as err:  # XlaRuntimeError has no stable import path; match its status
         if "RESOURCE_EXHAUSTED" not in str(err):
             raise
-        bound = memory_bound(cfg)
+        bound = memory_bound(run)
         raise DeviceMemoryError(
             f"out of device memory at step {step} (the run needs at least "
             f"{bound['total'] / 2**30:.2f} GiB per device: {memory_parts(bound)}); "
-            + memory_advice(cfg, bound)
+            + memory_advice(run, bound)
         ) from err
 
 

@@ -52,7 +52,7 @@ from gtp_jax.nonuniform import (
 from gtp_jax.nonuniform.config import AXES
 from gtp_jax.sharding.module import plan_placement
 from gtp_jax.sharding.plan import ParamPlan
-from gtp_jax.train.config import TrainConfig, gtp_config, make_optimizer, model_config
+from gtp_jax.train.config import Run, TrainConfig, make_optimizer, resolve
 from gtp_jax.train.step.train_step import replicate_stray_leaves
 
 
@@ -128,10 +128,10 @@ def parse_failure(text: str, *, tp_spares: int | None = None, axis: str = "tp",
     return SimulatedFailure(step=step, devices=tuple(devices), tp_spares=tp_spares, axis=axis)
 
 
-def model_dims(cfg: TrainConfig) -> dict[str, DimRule]:
+def model_dims(run: TrainConfig | Run) -> dict[str, DimRule]:
     """The dims the reduced ``tp`` degree must divide: as `check_devices` asks of ``tp``
     (heads and the fused SwiGLU width, unpadded). Under ``gtp`` every weight pads: none."""
-    model_cfg = model_config(cfg)
+    model_cfg = resolve(run).model
     dims = {"n_heads": DimRule(model_cfg.n_heads, pad=False)}
     if model_cfg.moe_experts:
         dims["moe_d_ff"] = DimRule(model_cfg.moe_d_ff or model_cfg.d_ff, fused=2, pad=False)
@@ -153,7 +153,7 @@ def _named(err: UsageError, failure: SimulatedFailure) -> UsageError:
                       f"{list(failure.devices)}): {text}")
 
 
-def check_failure(cfg: TrainConfig, failure: SimulatedFailure | None, *,
+def check_failure(run: TrainConfig | Run, failure: SimulatedFailure | None, *,
                   start: int = 0) -> NonuniformPlan | None:
     """Validates `failure` against the run `cfg` (resumed at step `start`) and returns its
     plan; nothing is built or changed. None: no failure.
@@ -165,6 +165,8 @@ def check_failure(cfg: TrainConfig, failure: SimulatedFailure | None, *,
     """
     if failure is None:
         return None
+    run = resolve(run)
+    cfg = run.config
     if not isinstance(failure, SimulatedFailure):
         raise UsageTypeError(f"train: failure must be a SimulatedFailure, got "
                              f"{type(failure).__name__}.")
@@ -212,7 +214,7 @@ def check_failure(cfg: TrainConfig, failure: SimulatedFailure | None, *,
         # Then the fewest at least that many whose degraded degree the model dims and the
         # replica's batch allow (4 heads: tp 4 -> 2, not 3); if none does, the error below
         # names the dim.
-        dims = model_dims(cfg) if axis == "tp" else {}
+        dims = model_dims(run) if axis == "tp" else {}
         for more in range(spares, base):
             try:
                 for name, rule in dims.items():
@@ -227,7 +229,7 @@ def check_failure(cfg: TrainConfig, failure: SimulatedFailure | None, *,
     if spares >= base:
         raise UsageError(f"SimulatedFailure.tp_spares={spares} leaves no device of a {axis} "
                          f"group of {base}; the degraded degree must be >= 1.")
-    dims = model_dims(cfg) if axis == "tp" else {}
+    dims = model_dims(run) if axis == "tp" else {}
     try:
         p = plan(mesh, NonuniformConfig(base, spares, axis, failure.devices), dims)
     except UsageError as err:
@@ -237,7 +239,7 @@ def check_failure(cfg: TrainConfig, failure: SimulatedFailure | None, *,
     except UsageError as err:
         raise _named(err, failure) from None
     if axis == "tp" and cfg.gtp > 1:
-        _check_gtp_dims_kept(cfg, mesh, {r.degree for r in p.replicas})
+        _check_gtp_dims_kept(run, mesh, {r.degree for r in p.replicas})
     rows = cfg.batch_size // cfg.dp
     for r in p.replicas:
         shards = cfg.ep * (r.degree if axis == "gtp" else cfg.gtp)
@@ -249,8 +251,7 @@ def check_failure(cfg: TrainConfig, failure: SimulatedFailure | None, *,
     return p
 
 
-def _check_gtp_dims_kept(cfg: TrainConfig, mesh: jax.sharding.Mesh,
-                         degrees: set[int]) -> None:
+def _check_gtp_dims_kept(run: Run, mesh: jax.sharding.Mesh, degrees: set[int]) -> None:
     """Refuses a tp failure whose degraded replicas would shard some weight over ``gtp`` on
     another dim than the full-degree mesh does (GTP shards the first dim tp leaves free, so
     a weight tp no longer splits can move): the re-layout changes the tp split alone.
@@ -258,13 +259,13 @@ def _check_gtp_dims_kept(cfg: TrainConfig, mesh: jax.sharding.Mesh,
     Raises:
       UsageError: naming the weight, the two dims and what to run instead.
     """
-    model_cfg = model_config(cfg)
-    abstract = nnx.eval_shape(lambda: Transformer(model_cfg, rngs=nnx.Rngs(cfg.seed)))
+    cfg = run.config
+    abstract = nnx.eval_shape(lambda: Transformer(run.model, rngs=nnx.Rngs(cfg.seed)))
     devices = list(mesh.devices.flat)
 
     def dims(tp: int) -> dict[str, int]:
         sub = gtp_jax.make_mesh(dp=1, gtp=cfg.gtp, tp=tp, devices=devices[:cfg.gtp * tp])
-        placement = plan_placement(abstract, sub, gtp_config(cfg))
+        placement = plan_placement(abstract, sub, run.gtp)
         return {path: plan.spec.shard_dim for path, plan in zip(placement.paths, placement.plans)
                 if isinstance(plan, ParamPlan)}
 
@@ -301,10 +302,10 @@ def _splits(tree: Any, by_path: dict[str, LeafSplit | None]) -> Any:
     return jax.tree_util.tree_map_with_path(split, tree)
 
 
-def _build(cfg: TrainConfig, mesh: jax.sharding.Mesh) -> gtp_jax.ShardedModule:
-    model_cfg = model_config(cfg)
+def _build(run: Run, mesh: jax.sharding.Mesh) -> gtp_jax.ShardedModule:
+    cfg, model_cfg = run.config, run.model
     return gtp_jax.shard_init(lambda: Transformer(model_cfg, rngs=nnx.Rngs(cfg.seed)), mesh,
-                              gtp_config(cfg))
+                              run.gtp)
 
 
 def _with_values(template: Any, values: Any) -> Any:
@@ -369,13 +370,15 @@ class NonuniformStep:
         self.rows = [cfg.batch_size // cfg.dp] * cfg.dp
 
     @classmethod
-    def recover(cls, cfg: TrainConfig, p: NonuniformPlan, state: nnx.State,
+    def recover(cls, run: TrainConfig | Run, p: NonuniformPlan, state: nnx.State,
                 loss_fn: Callable[..., Any], *, failure: SimulatedFailure,
                 original: gtp_jax.ShardedModule) -> tuple[NonuniformStep, Recovery]:
         """The step after `failure`: `state` (of ``(model, optimizer)`` on the uniform mesh,
         as `TrainStep.state` holds it) loses the failed devices' shards, is re-planned and
         rebuilt from the survivors onto the core mesh (bit-exact), and the replica models
         are built."""
+        run = resolve(run)
+        cfg = run.config
         state = poison(p, state)  # the simulated failure: from here on nothing may read them
         begin = time.perf_counter()
         base = NonuniformConfig(p.config.tp_base, p.config.tp_spares, p.axis)
@@ -393,12 +396,12 @@ class NonuniformStep:
         relayout_s = time.perf_counter() - begin
 
         begin = time.perf_counter()
-        core_model = _build(cfg, replanned.core_mesh())
+        core_model = _build(run, replanned.core_mesh())
         core_opt = nnx.Optimizer(core_model, make_optimizer(cfg), wrt=nnx.Param)
         replicate_stray_leaves(core_opt, replanned.core_mesh())
         template = nnx.state((core_model, core_opt))
         core_state = _with_values(template, core_state)
-        replicas = [_build(cfg, replanned.replica_mesh(r.replica)) for r in replanned.replicas]
+        replicas = [_build(run, replanned.replica_mesh(r.replica)) for r in replanned.replicas]
         step = cls(cfg, replanned, loss_fn, (core_model, core_opt), core_state, replicas,
                    by_path)
         rebuild_s = time.perf_counter() - begin

@@ -15,10 +15,12 @@ from gtp_jax.models import TransformerConfig
 from gtp_jax.train.config import (
     MODEL_MAY_DIFFER,
     RESUME_MAY_DIFFER,
+    Run,
     TrainConfig,
     adopt_saved,
     model_config,
     model_json,
+    resolve,
     resolve_auto,
 )
 from gtp_jax.train.data_source import check_source
@@ -63,13 +65,13 @@ def note(line: str) -> None:
         print(f"gtp_jax train: {line}", file=sys.stderr, flush=True)
 
 
-def select_candidates(cfg: TrainConfig, model_cfg: TransformerConfig,
-                      ckpt: Checkpointer | None, *, auto: frozenset[str] = frozenset(),
-                      source: dict[str, Any] | None = None
-                      ) -> tuple[TrainConfig, list[Candidate]]:
-    """The checkpoints to try to resume from, newest first (none for a new run), and `cfg`
+def select_candidates(run: Run, ckpt: Checkpointer | None, *,
+                      auto: frozenset[str] = frozenset(),
+                      source: dict[str, Any] | None = None) -> tuple[Run, list[Candidate]]:
+    """The checkpoints to try to resume from, newest first (none for a new run), and `run`
     with the saved run's ``schedule_steps`` (and, for the fields named in `auto`, left on
-    "auto" by the user, the saved run's values); checked before anything is built.
+    "auto" by the user, the saved run's values: then resolved once more, as the run it now
+    is); checked before anything is built.
     `source` is the run's data-source record (`gtp_jax.train.data_source`; None: not
     checked).
 
@@ -86,8 +88,9 @@ def select_candidates(cfg: TrainConfig, model_cfg: TransformerConfig,
     """
     candidates: list[Candidate] = []
     if ckpt is None:
-        return cfg, candidates
-    given = cfg
+        return run, candidates
+    given = run
+    cfg, model_cfg = run.config, run.model
     directory = ckpt.config.directory
     if not ckpt.config.resume:
         if ckpt.latest_step() is not None:
@@ -97,9 +100,9 @@ def select_candidates(cfg: TrainConfig, model_cfg: TransformerConfig,
                 "continue that run (CheckpointConfig.resume='auto': continue if there are "
                 "checkpoints, else start), or use an empty directory for a new run."
             )
-        return cfg, candidates
+        return run, candidates
     if ckpt.config.resume == "auto" and not ckpt.holds_saves():
-        return cfg, candidates  # nothing was ever saved here: a new run
+        return run, candidates  # nothing was ever saved here: a new run
     candidates = ckpt.resume_candidates(report=note)
     if not candidates:
         if ckpt.config.resume == "auto":
@@ -108,7 +111,9 @@ def select_candidates(cfg: TrainConfig, model_cfg: TransformerConfig,
         raise _no_intact(directory, skipped=ckpt.holds_saves())
     cfg = check_resume(cfg, model_cfg, candidates[0][1], directory, steps_left=False,
                        auto=auto, source=source)
-    model_cfg = model_config(cfg)
+    if cfg is not run.config:  # the saved run's schedule and choices: that run, resolved
+        run = resolve(cfg, run.backend)
+        cfg, model_cfg = run.config, run.model
     while candidates and candidates[0][0] >= cfg.steps:
         # Nothing left to train from this one, unless it is damaged: verify it
         # before saying so (an older intact checkpoint may still have steps left).
@@ -129,7 +134,8 @@ def select_candidates(cfg: TrainConfig, model_cfg: TransformerConfig,
             set_all_aside(ckpt)
             return given, []
         raise _no_intact(directory, skipped=True)
-    return cfg, candidates
+    return run, candidates
+
 
 
 def _no_intact(directory: str, *, skipped: bool) -> UsageError:

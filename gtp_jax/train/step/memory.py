@@ -33,12 +33,12 @@ from gtp_jax.base.xla_flags import (
 )
 from gtp_jax.models import Transformer
 from gtp_jax.sharding.offload import DEFAULT_GROUP_LAYERS, MASTER_DEVICE_DTYPE, stream_units
-from gtp_jax.train.config import TrainConfig, model_config, resolve_auto
+from gtp_jax.train.config import Run, TrainConfig, resolve
 from gtp_jax.train.outputs import observe
 from gtp_jax.train.outputs.observe import DeviceMemoryError
 
 
-def memory_bound(cfg: TrainConfig) -> dict[str, int]:
+def memory_bound(run: TrainConfig | Run) -> dict[str, int]:
     """A lower bound of the training step's peak bytes per device, without compiling.
 
     At the gradient clipping every gradient (float32 shards, like the parameters) is alive
@@ -70,8 +70,8 @@ def memory_bound(cfg: TrainConfig) -> dict[str, int]:
     Returns:
       ``{"params", "optimizer", "grads", "activations", "total"}`` in bytes.
     """
-    cfg = resolve_auto(cfg)
-    mc = model_config(cfg)
+    run = resolve(run)
+    cfg, mc = run.config, run.model
     p_item = np.dtype(mc.param_dtype).itemsize
     a_item = np.dtype(mc.dtype).itemsize
     shards = cfg.gtp * cfg.tp * cfg.ep
@@ -82,7 +82,7 @@ def memory_bound(cfg: TrainConfig) -> dict[str, int]:
     if cfg.offload_optimizer:  # at least the unit being updated: its moments (and master)
         if cfg.offload_master_weights:
             params = grads = mc.num_params() * np.dtype(MASTER_DEVICE_DTYPE).itemsize // shards
-        kept = _kept_bytes(cfg)
+        kept = _kept_bytes(run)
         unit = _state_parts(cfg) * _largest_unit(mc, cfg.offload_exclude) * p_item // shards
         optimizer = kept + unit
     tokens = (cfg.batch_size // cfg.grad_accum) * cfg.seq_len // (
@@ -96,32 +96,36 @@ def memory_bound(cfg: TrainConfig) -> dict[str, int]:
             "activations": activations, "total": total}
 
 
-def pinned_host_bound(cfg: TrainConfig) -> int:
+def pinned_host_bound(run: TrainConfig | Run) -> int:
     """A lower bound of the pinned host bytes per device the run holds: with
     ``offload_optimizer``, AdamW's two moments per device as the on-device `memory_bound`
     counts them (padding only adds), and the float32 parameters with
     ``offload_master_weights``; 0 without offload."""
+    run = resolve(run)
+    cfg = run.config
     if not cfg.offload_optimizer:
         return 0
-    on_device = dataclasses.replace(cfg, offload_optimizer=False, offload_exclude=(),
-                                    offload_master_weights=False)
+    # The same model on the device: only the offload fields differ (no new resolution).
+    on_device = dataclasses.replace(run, config=dataclasses.replace(
+        cfg, offload_optimizer=False, offload_exclude=(), offload_master_weights=False))
     bound = memory_bound(on_device)
     moved = bound["optimizer"] * _state_parts(cfg) // 2
-    return moved - _kept_bytes(resolve_auto(cfg))
+    return moved - _kept_bytes(run)
 
 
-def pinned_host_peak(cfg: TrainConfig) -> int:
+def pinned_host_peak(run: TrainConfig | Run) -> int:
     """`pinned_host_bound` and the largest layer-stacked state leaf once more: the trainer
     regroups the offloaded state one leaf at a time (`gtp_jax.train.TrainStep`: at its first
     step and after each ``sync``, e.g. before a checkpoint), holding that leaf twice."""
-    need = pinned_host_bound(cfg)
+    run = resolve(run)
+    cfg = run.config
+    need = pinned_host_bound(run)
     if need == 0:
         return 0
-    resolved = resolve_auto(cfg)
-    stacked = [n for path, n in param_sizes(model_config(resolved))
+    stacked = [n for path, n in param_sizes(run.model)
                if path.startswith("blocks/") and not (
                    cfg.offload_exclude and _matches(path, cfg.offload_exclude))]
-    item = np.dtype(model_config(resolved).param_dtype).itemsize
+    item = np.dtype(run.model.param_dtype).itemsize
     return need + max(stacked, default=0) * item // (cfg.gtp * cfg.tp * cfg.ep)
 
 
@@ -131,21 +135,23 @@ def _state_parts(cfg: TrainConfig) -> int:
     return 3 if cfg.offload_master_weights else 2
 
 
-def _kept_bytes(cfg: TrainConfig) -> int:
-    """Bytes per device of the moments (and masters) a resolved offloaded `cfg` keeps on
-    the device (`resident_params`, split like the parameters over ``gtp * tp * ep``)."""
-    p_item = np.dtype(model_config(cfg).param_dtype).itemsize
-    return _state_parts(cfg) * resident_params(cfg) * p_item // (cfg.gtp * cfg.tp * cfg.ep)
+def _kept_bytes(run: Run) -> int:
+    """Bytes per device of the moments (and masters) an offloaded run keeps on the device
+    (`resident_params`, split like the parameters over ``gtp * tp * ep``)."""
+    cfg = run.config
+    p_item = np.dtype(run.model.param_dtype).itemsize
+    return _state_parts(cfg) * resident_params(run) * p_item // (cfg.gtp * cfg.tp * cfg.ep)
 
 
-def resident_params(cfg: TrainConfig) -> int:
+def resident_params(run: TrainConfig | Run) -> int:
     """Parameter elements (unsharded, unpadded) whose optimizer state an offloaded run
     keeps in device memory: those whose path (e.g. ``blocks/mlp/down/kernel``) matches a
     `TrainConfig.offload_exclude` pattern; 0 without offload."""
+    run = resolve(run)
+    cfg = run.config
     if not cfg.offload_optimizer or not cfg.offload_exclude:
         return 0
-    return sum(n for path, n in param_sizes(model_config(resolve_auto(cfg)))
-               if _matches(path, cfg.offload_exclude))
+    return sum(n for path, n in param_sizes(run.model) if _matches(path, cfg.offload_exclude))
 
 
 @functools.cache
@@ -167,7 +173,7 @@ def _matches(path: str, patterns: tuple[str, ...]) -> bool:
 POOL_GROWTH = 3
 
 
-def pinned_host_problem(cfg: TrainConfig, *, pool_bytes: int, available_bytes: int | None,
+def pinned_host_problem(cfg: TrainConfig | Run, *, pool_bytes: int, available_bytes: int | None,
                         local_devices: int) -> str | None:
     """Why `cfg`'s offloaded optimizer state (`pinned_host_peak`: the state and one leaf
     twice while it is regrouped) cannot fit in pinned host memory, or None:
@@ -210,7 +216,7 @@ def pinned_host_problem(cfg: TrainConfig, *, pool_bytes: int, available_bytes: i
     return None
 
 
-def check_pinned_host(cfg: TrainConfig, pool_bytes: int | None = None,
+def check_pinned_host(cfg: TrainConfig | Run, pool_bytes: int | None = None,
                       available: int | None = None) -> None:
     """Refuses an offloaded run on a GPU whose optimizer state cannot fit in pinned host
     memory (`pinned_host_problem`; defaults: this process's pool and the host's available
@@ -220,10 +226,11 @@ def check_pinned_host(cfg: TrainConfig, pool_bytes: int | None = None,
     Raises:
       DeviceMemoryError: it cannot fit.
     """
-    if not cfg.offload_optimizer:  # nothing pinned: no host figures to read
+    run = resolve(cfg)
+    if not run.config.offload_optimizer:  # nothing pinned: no host figures to read
         return
     problem = pinned_host_problem(
-        cfg, pool_bytes=pinned_pool_bytes() if pool_bytes is None else pool_bytes,
+        run, pool_bytes=pinned_pool_bytes() if pool_bytes is None else pool_bytes,
         available_bytes=host.available_bytes() if available is None else available,
         local_devices=jax.local_device_count())
     if problem:
@@ -260,13 +267,13 @@ def _largest_unit(model_cfg: Any, resident: tuple[str, ...] = ()) -> int:
     return max((sum(elements(i, span) for i, span in unit) for unit in units), default=0)
 
 
-def memory_advice(cfg: TrainConfig, bound: dict[str, int]) -> str:
+def memory_advice(cfg: TrainConfig | Run, bound: dict[str, int]) -> str:
     """What to change when `cfg` does not fit, given its `memory_bound`: only the changes
     that apply (a remat policy that recomputes more than `cfg.remat`; optimizer offload when
     the optimizer state is on the device and a large part of the bound; more sharding when
     some axis still replicates the weights), ending with the planner command that
     searches them all. Fields are named ``TrainConfig.<field>`` (the CLI names its flags)."""
-    cfg = resolve_auto(cfg)
+    cfg = resolve(cfg).config
     changes = ["lower TrainConfig.batch_size or TrainConfig.seq_len"]
     more_remat = {"none": "'dots' or 'full'", "dots": "'full'"}.get(cfg.remat)
     if more_remat:
@@ -288,14 +295,15 @@ def memory_parts(bound: dict[str, int]) -> str:
     return ", ".join(f"{k} {v / 2**30:.2f}" for k, v in bound.items() if k != "total")
 
 
-def check_memory_fits(cfg: TrainConfig, bytes_limit: int | None = None) -> dict[str, int]:
+def check_memory_fits(run: TrainConfig | Run, bytes_limit: int | None = None
+                      ) -> dict[str, int]:
     """Refuses a run whose memory per device cannot fit: its `memory_bound` exceeds the
     device's limit (so no run that fits is refused); on simulated CPU devices, the host's
     memory (`check_host_memory`); on GPUs, an offloaded optimizer state over the pinned
     host memory (`check_pinned_host`).
 
     Args:
-      cfg: the run.
+      run: the run (a `TrainConfig` is resolved first).
       bytes_limit: the per-device limit; None: ``memory_stats()["bytes_limit"]`` of the
         first device, and no check where the backend reports none (CPU).
 
@@ -305,23 +313,24 @@ def check_memory_fits(cfg: TrainConfig, bytes_limit: int | None = None) -> dict[
     Raises:
       DeviceMemoryError: the bound exceeds a limit.
     """
-    bound = memory_bound(cfg)
+    run = resolve(run)
+    bound = memory_bound(run)
     if bytes_limit is None:
         bytes_limit = observe.device_memory_limit()
     if bytes_limit is not None and bound["total"] > bytes_limit:
         raise DeviceMemoryError(
             f"the run needs at least {bound['total'] / 2**30:.2f} GiB per device "
             f"({memory_parts(bound)}) but a device has {bytes_limit / 2**30:.2f} GiB; "
-            + memory_advice(cfg, bound)
+            + memory_advice(run, bound)
         )
     if jax.default_backend() == "cpu":
-        check_host_memory(cfg, bound)
+        check_host_memory(run, bound)
     else:  # the CPU backend's pinned host memory is its ordinary memory, checked above
-        check_pinned_host(cfg)
+        check_pinned_host(run)
     return bound
 
 
-def check_host_memory(cfg: TrainConfig, bound: dict[str, int] | None = None,
+def check_host_memory(cfg: TrainConfig | Run, bound: dict[str, int] | None = None,
                       available: int | None = None) -> None:
     """Refuses a run on simulated CPU devices whose `memory_bound` times the device count
     exceeds the host's available memory (every simulated device lives in this process; such
@@ -340,13 +349,14 @@ def check_host_memory(cfg: TrainConfig, bound: dict[str, int] | None = None,
     available = host.available_bytes() if available is None else available
     if available is None:
         return
-    bound = memory_bound(cfg) if bound is None else bound
+    run = resolve(cfg)
+    bound = memory_bound(run) if bound is None else bound
     devices = jax.local_device_count()  # this process's share of the mesh
     need = bound["total"] * devices
     if need <= available:
         return
     advice = "lower TrainConfig.batch_size or TrainConfig.seq_len"
-    smaller = _fitting_preset(cfg, available)
+    smaller = _fitting_preset(run, available)
     if smaller is not None:
         advice = f"use a smaller TrainConfig.preset such as {smaller!r}, or " + advice
     raise DeviceMemoryError(
@@ -355,22 +365,22 @@ def check_host_memory(cfg: TrainConfig, bound: dict[str, int] | None = None,
         f"memory, but {available / 2**30:.2f} GiB are available; {advice}.")
 
 
-def _fitting_preset(cfg: TrainConfig, available: int) -> str | None:
-    """The largest preset smaller than `cfg`'s whose run fits in `available` host bytes."""
+def _fitting_preset(run: Run, available: int) -> str | None:
+    """The largest preset smaller than `run`'s whose run fits in `available` host bytes."""
     from gtp_jax.models import PRESETS  # noqa: PLC0415
 
-    if cfg.init_from_hf is not None:
+    if run.config.init_from_hf is not None:
         return None
     devices = jax.local_device_count()
     sizes = []
     for name in PRESETS:
-        try:
-            other = dataclasses.replace(cfg, preset=name)
-            sizes.append((model_config(other).num_params(),
-                          memory_bound(other)["total"] * devices, name))
+        try:  # another run: resolved on its own
+            other = resolve(dataclasses.replace(run.config, preset=name), run.backend)
+            sizes.append((other.model.num_params(), memory_bound(other)["total"] * devices,
+                          name))
         except (UsageError, UsageTypeError):
             continue
-    mine = model_config(cfg).num_params()
+    mine = run.model.num_params()
     fits = [(params, name) for params, need, name in sizes if params < mine
             and need <= available]
     return max(fits)[1] if fits else None
