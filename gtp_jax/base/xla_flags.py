@@ -25,12 +25,12 @@ DEFAULT_XLA_FLAGS: dict[str, str] = {
 #: XLA's cap on the pinned host memory a GPU process allocates for each device (GiB; memory
 #: kind ``"pinned_host"``, where an offloaded optimizer state lives). XLA's default is
 #: `XLA_PINNED_POOL_GIB`: on a 2x H200 host with 256 GiB of memory an offloaded state of
-#: 70 GB per GPU failed with "Out of host memory" at that cap (docs/planning.md). The pool
-#: grows on demand (nothing is reserved), but in regions of doubling size up to its cap
-#: (XLA's BFC allocator), so it can hold far more than its arrays: the caps of all of a
-#: host's GPUs together must stay within the host's memory, or the pools can grow past it
-#: and the kernel ends the process. gtp_jax sets the cap to `PINNED_POOL_HOST_SHARE` of the
-#: host's memory divided by its GPUs.
+#: 70 GB per GPU failed with "Out of host memory" at that cap
+#: (docs/results/2026-11-26_2xH200/README.md). The pool grows on demand (nothing is
+#: reserved), but in regions of doubling size up to its cap (XLA's BFC allocator), so it can
+#: hold far more than its arrays: the caps of all of a host's GPUs together must stay within
+#: the host's memory, or the pools can grow past it and the kernel ends the process. gtp_jax
+#: sets the cap to `PINNED_POOL_HOST_SHARE` of the host's memory divided by its GPUs.
 PINNED_POOL_ENV = "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"
 XLA_PINNED_POOL_GIB = 64
 #: The share of the host's memory the pinned pools of all its GPUs may take together; the

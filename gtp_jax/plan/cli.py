@@ -264,7 +264,7 @@ def auto_layout(base: Any, fixed: dict[str, Any], memory_gib: float | None) -> A
         remat=(fixed["remat"],) if "remat" in fixed else REMATS, loops=loops,
         gather_formats=(fixed.get("gather_format"),),
         offload=(fixed["offload_optimizer"],) if "offload_optimizer" in fixed else (False,))
-    # Offload costs host transfers every step (docs/planning.md): unless the user chose,
+    # Offload costs host transfers every step (docs/offload.md): unless the user chose,
     # it is planned only when nothing fits with the optimizer state on the device.
     if "offload_optimizer" in fixed:
         result = keep_what_fits(plan(base, memory_gib=memory_gib, space=space, top=1), 1)

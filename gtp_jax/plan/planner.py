@@ -157,7 +157,7 @@ def plan(base: TrainConfig, *, memory_gib: float | None = None,
         # The next few by predicted time, compiled together; more only if some do not fit.
         # (Wider batches did not compile faster: on a 32-core GPU host, 8 at a time took
         # 6.7 s per layout against 6.2 s for 3 at a time, and changed the compiled peaks;
-        # docs/planning.md.)
+        # docs/results/2026-11-26_2xH100/README.md.)
         width = max(top - len(fitting), parallel)
         batch, uncompiled = uncompiled[:width], uncompiled[width:]
         figures = compiled_memories([cand.layout.apply(base) for cand in batch])
@@ -196,7 +196,7 @@ def plan_fitting(base: TrainConfig, *, memory_gib: float | None = None,
                  cal: Calibration | None = None) -> Plan:
     """`plan` with the optimizer state on the device, and, when no layout fits there, the
     same layouts with it in host memory (`TrainConfig.offload_optimizer`): offload costs
-    host transfers every step (docs/planning.md), so it is planned only for a run that
+    host transfers every step (docs/offload.md), so it is planned only for a run that
     does not fit without it. When none fits offloaded either, the same layouts with the
     float32 master weights offloaded too (`TrainConfig.offload_master_weights`: bfloat16
     parameters and gradients on the device, more host transfers).

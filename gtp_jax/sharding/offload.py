@@ -62,7 +62,8 @@ DEFAULT_GROUP_LAYERS = 1
 #: them on its extra streams in turn, so two copies in flight often share one stream and
 #: the two directions seldom overlap. With 16 the offloaded step of the 1b preset took
 #: 257.3 ms instead of 340.7, and llama3-8b's 1856.8 instead of 2514.2 at 8 (2 gave the
-#: 1b 340.7; 64 gave 321.8 and a 1.7x larger peak for llama3-8b): docs/planning.md.
+#: 1b 340.7; 64 gave 321.8 and a 1.7x larger peak for llama3-8b):
+#: docs/results/2026-11-27_1xH200/README.md.
 STREAMING_COMPILER_OPTIONS: dict[str, Any] = {
     "xla_gpu_experimental_parallel_async_compute_limit": 16,
 }
@@ -96,7 +97,7 @@ class HostGroups:
 
     Each group's copy to the device and back is then a whole-array transfer, which XLA makes
     a DMA transfer by the copy engines, beside compute; a slice of one stacked host buffer
-    is instead copied by a kernel on the compute stream (docs/planning.md, "Grouped while
+    is instead copied by a kernel on the compute stream (docs/offload.md, "Grouped while
     training").
     `gtp_jax.train.TrainStep` keeps an offloaded state grouped while it trains and gives
     the optimizer object the stacked arrays back on ``sync()`` (`join_groups`), so
