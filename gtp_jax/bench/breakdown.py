@@ -28,7 +28,6 @@ import argparse
 import dataclasses
 import json
 import os
-import re
 import subprocess
 import sys
 from collections import defaultdict
@@ -36,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from gtp_jax.bench.kernels import breakdown as kernel_breakdown
-from gtp_jax.bench.kernels import category, hlo_instructions
+from gtp_jax.bench.kernels import category, hlo_instructions, instruction_of
 from gtp_jax.bench.trace import (
     COMM_PATTERN,
     device_ops,
@@ -89,10 +88,7 @@ def step_breakdown(events: list[dict[str, Any]], *, steps: int, device: int = 0,
         raise ValueError("the trace holds no GPU kernels")
     name = sorted(per_device)[device]
     kernels = per_device[name]
-    ops = sorted(device_ops(events).get(name, []), key=lambda e: float(e["ts"]))
-    # Kernels map to HLO instructions through the trace's "XLA Ops" rows, or (replayed from
-    # CUDA graphs, without those rows) by name: XLA names a fusion's kernel after it.
-    op_of = _covering(ops) if ops else _by_name
+    op_of = instruction_of(device_ops(events).get(name, []))
     by_cat: dict[str, float] = defaultdict(float)
     comm, compute, every = [], [], []
     for k in kernels:
@@ -118,25 +114,6 @@ def step_breakdown(events: list[dict[str, Any]], *, steps: int, device: int = 0,
         compute_ms=length(compute_u) / 1e3 / steps,
         idle_ms=(window - length(busy)) / 1e3 / steps,
         wall_ms=window / 1e3 / steps)
-
-
-def _by_name(kernel: dict[str, Any]) -> str:
-    return re.sub(r"_(\d+)$", r".\1", kernel.get("name", ""))
-
-
-def _covering(ops: list[dict[str, Any]]) -> Any:
-    import bisect
-
-    starts = [float(e["ts"]) for e in ops]
-
-    def op_of(kernel: dict[str, Any]) -> str:
-        t = float(kernel.get("ts", 0.0))
-        i = bisect.bisect_right(starts, t) - 1
-        while i >= 0 and float(ops[i]["ts"]) + float(ops[i]["dur"]) < t:
-            i -= 1
-        return ops[i]["name"] if i >= 0 else ""
-
-    return op_of
 
 
 def update_instructions(hlo_text: str) -> frozenset[str]:

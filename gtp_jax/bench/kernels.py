@@ -191,22 +191,7 @@ def attribute(kernels: list[dict[str, Any]], ops: list[dict[str, Any]], *, steps
     """
     if not ops and not hlo:
         return []
-    ops = sorted(ops, key=lambda e: float(e["ts"]))
-    starts = [float(e["ts"]) for e in ops]
-
-    def covering_op(kernel: dict[str, Any]) -> str:
-        t = float(kernel.get("ts", 0.0))
-        i = bisect.bisect_right(starts, t) - 1
-        while i >= 0 and float(ops[i]["ts"]) + float(ops[i]["dur"]) < t:
-            i -= 1
-        return ops[i]["name"] if i >= 0 else "(no XLA op)"
-
-    def named_instruction(kernel: dict[str, Any]) -> str:
-        name = kernel.get("name", "")
-        dotted = re.sub(r"_(\d+)$", r".\1", name)
-        return dotted if dotted in hlo and name not in hlo else name
-
-    instruction = covering_op if ops else named_instruction
+    instruction = instruction_of(ops, hlo)
     ms: dict[str, float] = defaultdict(float)
     cats: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
     for k in kernels:
@@ -217,6 +202,33 @@ def attribute(kernels: list[dict[str, Any]], ops: list[dict[str, Any]], *, steps
     return [OpTime(op=name, ms=t, category=max(cats[name].items(), key=lambda kv: kv[1])[0],
                    shape=hlo.get(name, ("", ""))[0], source=hlo.get(name, ("", ""))[1])
             for name, t in sorted(ms.items(), key=lambda kv: -kv[1])]
+
+
+def instruction_of(ops: list[dict[str, Any]], hlo: Any = None) -> Any:
+    """``f(kernel) -> HLO instruction name``: the innermost "XLA Ops" event (`ops`) covering
+    the kernel's start, or without those rows (kernels replayed from CUDA graphs) the name
+    XLA gives a fusion's kernel (``loop_add_fusion_5`` runs ``loop_add_fusion.5``; with
+    `hlo`, a collection of instruction names, only where that name exists)."""
+    if not ops:
+        def named_instruction(kernel: dict[str, Any]) -> str:
+            name = kernel.get("name", "")
+            dotted = re.sub(r"_(\d+)$", r".\1", name)
+            if hlo is None:
+                return dotted
+            return dotted if dotted in hlo and name not in hlo else name
+
+        return named_instruction
+    ops = sorted(ops, key=lambda e: float(e["ts"]))
+    starts = [float(e["ts"]) for e in ops]
+
+    def covering_op(kernel: dict[str, Any]) -> str:
+        t = float(kernel.get("ts", 0.0))
+        i = bisect.bisect_right(starts, t) - 1
+        while i >= 0 and float(ops[i]["ts"]) + float(ops[i]["dur"]) < t:
+            i -= 1
+        return ops[i]["name"] if i >= 0 else "(no XLA op)"
+
+    return covering_op
 
 
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+) = (.*?) ([a-z][\w\-]*)\(")

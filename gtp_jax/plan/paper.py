@@ -33,6 +33,7 @@ import numpy as np
 
 from gtp_jax.base.errors import UsageError
 from gtp_jax.plan.layout import MESH_AXES, Layout, PlanSpace, enumerate_layouts
+from gtp_jax.plan.planner import table_tail
 from gtp_jax.plan.timing import (
     Calibration,
     Topology,
@@ -347,13 +348,7 @@ def format_paper_table(result: PaperPlan, limit: int | None = 20) -> str:
             f"{result.tokens_per_gpu() / c.step_seconds:9.0f} "
             f"{'-' if mfu is None else f'{mfu:.1%}':>6}  {','.join(c.across_nodes) or '-':<12} "
             f"{_status(c, result.budget_bytes)}")
-    more = len(result.candidates) - len(shown)
-    if more > 0:
-        lines.append(f"     ... {more} more (--limit 0 shows all)")
-    if result.skipped:
-        lines.append(f"     {result.skipped} layouts skipped: invalid for this model, batch or "
-                     "sequence (batch not divisible by dp*gtp*ep, tp not dividing the heads...)")
-    return "\n".join(lines)
+    return "\n".join(lines + table_tail(len(result.candidates) - len(shown), result.skipped))
 
 
 def _status(c: PaperCandidate, budget: int) -> str:

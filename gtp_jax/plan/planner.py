@@ -349,10 +349,16 @@ def format_table(result: Plan, limit: int | None = 20) -> str:
         peak = f"{c.peak_bytes / GIB:9.3f}" if c.peak_bytes is not None else f"{'-':>9}"
         lines.append(f"{i:>3}  {c.layout.describe():<{width}} {c.bound_bytes / GIB:9.3f} {peak} "
                      f"{c.step_seconds * 1e3:9.2f}  {c.status}")
-    more = len(result.candidates) - len(shown)
+    return "\n".join(lines + table_tail(len(result.candidates) - len(shown), result.skipped))
+
+
+def table_tail(more: int, skipped: int) -> list[str]:
+    """The lines under a plan's table: how many layouts it did not show, and how many were
+    skipped as invalid."""
+    lines = []
     if more > 0:
         lines.append(f"     ... {more} more (--limit 0 shows all)")
-    if result.skipped:
-        lines.append(f"     {result.skipped} layouts skipped: invalid for this model, batch or "
+    if skipped:
+        lines.append(f"     {skipped} layouts skipped: invalid for this model, batch or "
                      "sequence (batch not divisible by dp*gtp*ep, tp not dividing the heads...)")
-    return "\n".join(lines)
+    return lines
