@@ -19,7 +19,8 @@
 #   tp_gtp     2-D TP x GTP on PRESET_TP (default llama3-8b) at SEQ_TP (default 8192):
 #              tp2 x gtp2, gtp4 and tp4, each plain and with ring collective matmuls; and
 #              the ring collective matmul alone against its GEMM-only budget (--micro).
-#   moe        a mixture of experts (8 experts, top-2) on ep2 x gtp2 and ep4 beside ep1.
+#   moe        a mixture of experts (8 experts, top-2): the command line's losses on ep1 (the
+#              reference), ep2 x gtp2 and ep4, with the share of routing dropped; step times.
 #   context    ring attention: cp4 at 16k and 32k (traced: the ring's hidden share), and
 #              cp2 x gtp2 on llama3-8b at 32k.
 #   processes  the command line's own multi-process launch (--processes): 4 x 1 and 2 x 2
@@ -175,13 +176,19 @@ part_tp_gtp() {
 }
 
 part_moe() {
+  local run="--preset $PRESET_SMALL --seq $SEQ_SMALL --batch 8 --steps $TRAIN_STEPS --moe-experts 8 --moe-top-k 2 --log-every 1"
+  for mesh in "1 4 1" "2 1 2" "4 1 1"; do  # ep dp gtp: ep1 (the reference), ep2 x gtp2, ep4
+    set -- $mesh
+    log "MoE, 8 experts top-2: ep$1 dp$2 gtp$3 (losses)"
+    python3 -m gtp_jax train $run --ep "$1" --dp "$2" --gtp "$3" \
+      --metrics-json "$OUT/moe_ep$1.json" > "$OUT/moe_ep$1.log" 2>&1
+    grep -E "dropped|loss:" "$OUT/moe_ep$1.log" | tail -2
+  done
   local base="--preset $PRESET_SMALL --seq $SEQ_SMALL --batch 8 --steps $STEPS --timeout $LIMIT --moe-experts 8 --moe-top-k 2"
   [ "${SCALE:-gpu}" = cpu ] && base="$base --cpu-devices 4"
-  log "MoE: ep1 (no_tp_moe), ep2 x gtp2, ep4"
-  python3 -m gtp_jax.bench parallel $base --tp 1 --gtp 2 --variants no_tp_moe,tp_gtp_moe \
-    --json "$OUT/moe_ep2_gtp2.json" 2>&1 | grep -E "^\||^\[" | tail -6
-  python3 -m gtp_jax.bench parallel $base --tp 1 --gtp 1 --variants tp_gtp_moe \
-    --json "$OUT/moe_ep4.json" 2>&1 | grep -E "^\||^\[" | tail -6
+  log "MoE step time: ep4 (no_tp_moe), ep2 x gtp2 (tp_gtp_overlap_moe with tp 1: no ring)"
+  python3 -m gtp_jax.bench parallel $base --tp 1 --gtp 2 --variants no_tp_moe,tp_gtp_overlap_moe \
+    --json "$OUT/moe_step.json" 2>&1 | grep -E "^\||^\[" | tail -6
 }
 
 part_context() {
