@@ -213,16 +213,28 @@ part_processes() {
       > "$OUT/proc_${n}.log" 2>&1
     tail -3 "$OUT/proc_${n}.log"
   done
-  log "SIGTERM to process 1 after its first step, then --resume auto"
+  local long=$((TRAIN_STEPS * 20))
+  log "2 processes, $long steps uninterrupted (the reference)"
+  python3 -m gtp_jax train $run --steps "$long" --processes 2 \
+    --metrics-json "$OUT/proc_reference.json" > "$OUT/proc_reference.log" 2>&1
+  log "the same, SIGTERM to process 1 after ${SIGTERM_AFTER:-40} s, then --resume auto"
   rm -rf "$WORK/proc_ck"
-  python3 -m gtp_jax train $run --processes 2 --checkpoint-dir "$WORK/proc_ck" \
-    > "$OUT/proc_sigterm.log" 2>&1 &
+  python3 -m gtp_jax train $run --steps "$long" --processes 2 --checkpoint-dir "$WORK/proc_ck" \
+    --metrics-json "$OUT/proc_stopped.json" > "$OUT/proc_sigterm.log" 2>&1 &
   local launcher=$!
   sleep "${SIGTERM_AFTER:-40}"; pkill -TERM -f -- "--process-id 1" || true
-  wait $launcher; echo "launcher exit $?"
-  python3 -m gtp_jax train $run --processes 2 --checkpoint-dir "$WORK/proc_ck" --resume auto \
-    --metrics-json "$OUT/proc_resumed.json" > "$OUT/proc_resumed.log" 2>&1
-  tail -3 "$OUT/proc_resumed.log"
+  wait $launcher; echo "launcher exit $? (75: stopped, resumable)"
+  python3 -m gtp_jax train $run --steps "$long" --processes 2 --checkpoint-dir "$WORK/proc_ck" \
+    --resume auto --metrics-json "$OUT/proc_resumed.json" > "$OUT/proc_resumed.log" 2>&1
+  grep -h "resumed from" "$OUT/proc_resumed.log" | head -1
+  python3 - "$OUT" <<'PY'
+import json, sys
+out = sys.argv[1]
+ref = [s["loss"] for s in json.load(open(f"{out}/proc_reference.json"))["steps"]]
+got = json.load(open(f"{out}/proc_resumed.json"))["steps"]
+diff = max(abs(s["loss"] - ref[s["step"] - 1]) for s in got)
+print(f"resumed steps {got[0]['step']}..{got[-1]['step']}: max |loss - uninterrupted| = {diff:.3g}")
+PY
   log "kill -9 of process 1"
   python3 -m gtp_jax train $run --steps 1000 --processes 2 > "$OUT/proc_kill.log" 2>&1 &
   launcher=$!
