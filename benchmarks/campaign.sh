@@ -55,7 +55,8 @@
 #   tp         TP + SP with ring collective matmuls against plain TP + SP, the collective
 #              matmul alone, and a two-process run (benchmarks/parallel_tp.sh; $OUT/tp).
 # Environment: OUT, PARTS, SHAPES, PRESET, STEPS (timed steps, default 8), LIMIT (seconds per
-# side, default 400). BUDGET=seconds: a part starts only while the budget lasts, and the
+# side, default 400), LONG_STEPS (the processes part's interrupted run, default 20 x
+# TRAIN_STEPS), SIGTERM_AFTER (seconds into it, default 40). BUDGET=seconds: a part starts only while the budget lasts, and the
 # per-question scripts are stopped when it runs out. REQUIRE_GPU=H200: run nothing (status 3)
 # unless every GPU's name contains it. ARCHIVE=1: everything written, again as
 # $OUT/campaign.tgz.
@@ -213,7 +214,7 @@ part_processes() {
       > "$OUT/proc_${n}.log" 2>&1
     tail -3 "$OUT/proc_${n}.log"
   done
-  local long=$((TRAIN_STEPS * 20))
+  local long=${LONG_STEPS:-$((TRAIN_STEPS * 20))}
   log "2 processes, $long steps uninterrupted (the reference)"
   python3 -m gtp_jax train $run --steps "$long" --processes 2 \
     --metrics-json "$OUT/proc_reference.json" > "$OUT/proc_reference.log" 2>&1
