@@ -56,10 +56,11 @@
 #              matmul alone, and a two-process run (benchmarks/parallel_tp.sh; $OUT/tp).
 # Environment: OUT, PARTS, SHAPES, PRESET, STEPS (timed steps, default 8), LIMIT (seconds per
 # side, default 400), LONG_STEPS (the processes part's interrupted run, default 20 x
-# TRAIN_STEPS), SIGTERM_AFTER (seconds into it, default 40). BUDGET=seconds: a part starts only while the budget lasts, and the
-# per-question scripts are stopped when it runs out. REQUIRE_GPU=H200: run nothing (status 3)
-# unless every GPU's name contains it. ARCHIVE=1: everything written, again as
-# $OUT/campaign.tgz.
+# TRAIN_STEPS), SIGTERM_AFTER (seconds into it, default 40), PROC_PLAIN=0 (the processes part
+# without its plain timing runs), KILL=0 (without its kill -9). BUDGET=seconds: a part
+# starts only while the budget lasts, and the per-question scripts are stopped when it runs
+# out. REQUIRE_GPU=H200: run nothing (status 3) unless every GPU's name contains it.
+# ARCHIVE=1: everything written, again as $OUT/campaign.tgz.
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -72,13 +73,19 @@ if [ "${SCALE:-gpu}" = cpu ]; then
   PRESET=${PRESET:-tiny}; SHAPES=${SHAPES:-"64x2"}; STEPS=${STEPS:-2}; NOTORCH="--no-torch"
   PRESET_TP=${PRESET_TP:-tiny}; SEQ_TP=${SEQ_TP:-64}; PRESET_SMALL=tiny; SEQ_SMALL=64
   CP_SEQS=${CP_SEQS:-128,256}; SEQ_CP8B=${SEQ_CP8B:-256}; PRESET_CP8B=tiny; TRAIN_STEPS=6
-  SIGTERM_AFTER=${SIGTERM_AFTER:-20}
+  SIGTERM_AFTER=${SIGTERM_AFTER:-20}; CHECK_DTYPE=""
 else
   PRESET=${PRESET:-llama3-8b}; SHAPES=${SHAPES:-"2048x1 8192x1"}; STEPS=${STEPS:-8}; NOTORCH=""
   PRESET_TP=${PRESET_TP:-llama3-8b}; SEQ_TP=${SEQ_TP:-8192}; PRESET_SMALL=1b; SEQ_SMALL=2048
   CP_SEQS=${CP_SEQS:-16384,32768}; SEQ_CP8B=${SEQ_CP8B:-32768}; PRESET_CP8B=llama3-8b
   TRAIN_STEPS=${TRAIN_STEPS:-12}
+  # Loss comparisons across layouts in float32: bfloat16 rounding differs with the layout,
+  # and the first AdamW steps (updates of +-lr wherever a gradient is near zero) amplify it.
+  CHECK_DTYPE=${CHECK_DTYPE:---dtype float32}
 fi
+# Runs whose losses are compared step by step use XLA's deterministic kernels (on GPUs the
+# embedding's scatter-add and attention's backward otherwise differ run to run).
+DET="--deterministic"
 LIMIT=${LIMIT:-400}
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 if [ -n "${REQUIRE_GPU:-}" ]; then
@@ -92,6 +99,28 @@ budgeted() { if [ -n "${BUDGET:-}" ]; then timeout "$(left)" "$@"; else "$@"; fi
 gpu_only() {  # a part that needs GPUs: skipped under SCALE=cpu
   [ "${SCALE:-gpu}" = cpu ] && { log "$1: skipped under SCALE=cpu (needs GPUs)"; return 0; }
   return 1
+}
+
+# Losses of the command line's metrics JSON files compared step by step with a reference's:
+# compare_losses REF.json OTHER.json... [-- FROM_STEP]
+compare_losses() {
+  python3 - "$@" <<'PY'
+import json, sys
+args = sys.argv[1:]
+first = int(args[args.index("--") + 1]) if "--" in args else 1
+files = args[:args.index("--")] if "--" in args else args
+def losses(path):
+    return {s["step"]: s["loss"] for s in json.load(open(path))["steps"]}
+ref = losses(files[0])
+for path in files[1:]:
+    got = losses(path)
+    steps = sorted(k for k in got if k in ref and k >= first)
+    rel = [abs(got[k] - ref[k]) / abs(ref[k]) for k in steps]
+    equal = sum(got[k] == ref[k] for k in steps)
+    print(f"{path.rsplit('/', 1)[-1]} against {files[0].rsplit('/', 1)[-1]}: steps "
+          f"{steps[0]}..{steps[-1]}, {equal} of {len(steps)} bit-equal, max relative "
+          f"difference {max(rel):.2e}")
+PY
 }
 
 part_breakdown() {
@@ -151,15 +180,18 @@ PY
 
 part_ntp() {
   log "nonuniform TP: dp2 x tp2, device 3 fails after step 4"
-  python3 -m gtp_jax train --preset "$PRESET_SMALL" --seq "$SEQ_SMALL" --batch 4 \
-    --steps "$TRAIN_STEPS" --dp 2 --tp 2 --gtp 1 --simulate-failure step=4,device=3 \
+  local run="--preset $PRESET_SMALL --seq $SEQ_SMALL --batch 4 --steps $TRAIN_STEPS --dp 2 --tp 2 --gtp 1"
+  python3 -m gtp_jax train $run --simulate-failure step=4,device=3 \
     --metrics-json "$OUT/ntp_failure.json" > "$OUT/ntp_failure.log" 2>&1
-  tail -25 "$OUT/ntp_failure.log"
-  log "the same run without the failure (the losses the degraded run must keep)"
-  python3 -m gtp_jax train --preset "$PRESET_SMALL" --seq "$SEQ_SMALL" --batch 4 \
-    --steps "$TRAIN_STEPS" --dp 2 --tp 2 --gtp 1 --metrics-json "$OUT/ntp_uniform.json" \
+  grep -v "^\[#" "$OUT/ntp_failure.log" | grep -v "IOTA device assignment" | tail -14
+  log "the same, $CHECK_DTYPE $DET, beside the run without the failure (the losses to keep)"
+  python3 -m gtp_jax train $run --simulate-failure step=4,device=3 $CHECK_DTYPE $DET \
+    --metrics-json "$OUT/ntp_failure_check.json" > "$OUT/ntp_failure_check.log" 2>&1
+  python3 -m gtp_jax train $run $CHECK_DTYPE $DET --metrics-json "$OUT/ntp_uniform.json" \
     > "$OUT/ntp_uniform.log" 2>&1
-  tail -5 "$OUT/ntp_uniform.log"
+  tail -3 "$OUT/ntp_uniform.log"
+  compare_losses "$OUT/ntp_uniform.json" "$OUT/ntp_failure_check.json"
+  compare_losses "$OUT/ntp_uniform.json" "$OUT/ntp_failure_check.json" -- 5
 }
 
 part_tp_gtp() {
@@ -178,15 +210,19 @@ part_tp_gtp() {
 
 part_moe() {
   local run="--preset $PRESET_SMALL --seq $SEQ_SMALL --batch 8 --steps $TRAIN_STEPS --moe-experts 8 --moe-top-k 2 --log-every 1"
-  for mesh in "1 4 1" "2 1 2" "4 1 1"; do  # ep dp gtp: ep1 (the reference), ep2 x gtp2, ep4
+  # ep dp gtp: ep1 (the reference; experts sharded by gtp, as replicated ones need 53 GiB a
+  # GPU for the 1b preset's 4.7B parameters and more in float32), ep2 x gtp2, ep4
+  for mesh in "1 1 4" "2 1 2" "4 1 1"; do
     set -- $mesh
     log "MoE, 8 experts top-2: ep$1 dp$2 gtp$3 (losses)"
-    python3 -m gtp_jax train $run --ep "$1" --dp "$2" --gtp "$3" \
+    python3 -m gtp_jax train $run --ep "$1" --dp "$2" --gtp "$3" $CHECK_DTYPE $DET \
       --metrics-json "$OUT/moe_ep$1.json" > "$OUT/moe_ep$1.log" 2>&1
     grep -E "dropped|loss:" "$OUT/moe_ep$1.log" | tail -2
   done
+  compare_losses "$OUT/moe_ep1.json" "$OUT/moe_ep2.json" "$OUT/moe_ep4.json"
   local base="--preset $PRESET_SMALL --seq $SEQ_SMALL --batch 8 --steps $STEPS --timeout $LIMIT --moe-experts 8 --moe-top-k 2"
   [ "${SCALE:-gpu}" = cpu ] && base="$base --cpu-devices 4"
+  [ "${SCALE:-gpu}" = cpu ] || base="$base --profile-dir $WORK/moe_profile --profile-variants no_tp_moe,tp_gtp_overlap_moe"
   log "MoE step time: ep4 (no_tp_moe), ep2 x gtp2 (tp_gtp_overlap_moe with tp 1: no ring)"
   python3 -m gtp_jax.bench parallel $base --tp 1 --gtp 2 --variants no_tp_moe,tp_gtp_overlap_moe \
     --json "$OUT/moe_step.json" 2>&1 | grep -E "^\||^\[" | tail -6
@@ -206,36 +242,40 @@ part_context() {
 
 part_processes() {
   local run="--preset $PRESET_SMALL --seq $SEQ_SMALL --batch 8 --steps $TRAIN_STEPS --dp 1 --gtp 4 --seed 1"
-  log "1 process x 4 devices"
-  python3 -m gtp_jax train $run --metrics-json "$OUT/proc_1x4.json" > "$OUT/proc_1x4.log" 2>&1
-  for n in 4 2; do
-    log "$n processes (--processes $n)"
-    python3 -m gtp_jax train $run --processes "$n" --metrics-json "$OUT/proc_${n}.json" \
-      > "$OUT/proc_${n}.log" 2>&1
-    tail -3 "$OUT/proc_${n}.log"
+  local modes=("" "$DET"); [ "${PROC_PLAIN:-1}" = 1 ] || modes=("$DET")
+  for det in "${modes[@]}"; do  # step times as users run; then losses compared, deterministic
+    log "1 process x 4 devices $det"
+    python3 -m gtp_jax train $run $det --metrics-json "$OUT/proc_1x4${det:+_det}.json" \
+      > "$OUT/proc_1x4${det:+_det}.log" 2>&1
+    grep "step time" "$OUT/proc_1x4${det:+_det}.log"
+    for n in 4 2; do
+      log "$n processes (--processes $n) $det"
+      python3 -m gtp_jax train $run $det --processes "$n" \
+        --metrics-json "$OUT/proc_${n}${det:+_det}.json" > "$OUT/proc_${n}${det:+_det}.log" 2>&1
+      grep "step time" "$OUT/proc_${n}${det:+_det}.log"
+    done
   done
+  compare_losses "$OUT/proc_1x4_det.json" "$OUT/proc_4_det.json" "$OUT/proc_2_det.json"
   local long=${LONG_STEPS:-$((TRAIN_STEPS * 20))}
   log "2 processes, $long steps uninterrupted (the reference)"
-  python3 -m gtp_jax train $run --steps "$long" --processes 2 \
+  python3 -m gtp_jax train $run $DET --steps "$long" --processes 2 \
     --metrics-json "$OUT/proc_reference.json" > "$OUT/proc_reference.log" 2>&1
   log "the same, SIGTERM to process 1 after ${SIGTERM_AFTER:-40} s, then --resume auto"
   rm -rf "$WORK/proc_ck"
-  python3 -m gtp_jax train $run --steps "$long" --processes 2 --checkpoint-dir "$WORK/proc_ck" \
-    --metrics-json "$OUT/proc_stopped.json" > "$OUT/proc_sigterm.log" 2>&1 &
+  python3 -m gtp_jax train $run $DET --steps "$long" --processes 2 \
+    --checkpoint-dir "$WORK/proc_ck" --metrics-json "$OUT/proc_stopped.json" \
+    > "$OUT/proc_sigterm.log" 2>&1 &
   local launcher=$!
   sleep "${SIGTERM_AFTER:-40}"; pkill -TERM -f -- "--process-id 1" || true
   wait $launcher; echo "launcher exit $? (75: stopped, resumable)"
-  python3 -m gtp_jax train $run --steps "$long" --processes 2 --checkpoint-dir "$WORK/proc_ck" \
-    --resume auto --metrics-json "$OUT/proc_resumed.json" > "$OUT/proc_resumed.log" 2>&1
+  grep -E "^error|stopped by" "$OUT/proc_sigterm.log" | head -3
+  python3 -m gtp_jax train $run $DET --steps "$long" --processes 2 \
+    --checkpoint-dir "$WORK/proc_ck" --resume auto --metrics-json "$OUT/proc_resumed.json" \
+    > "$OUT/proc_resumed.log" 2>&1
+  echo "resumed run: exit $?"
   grep -h "resumed from" "$OUT/proc_resumed.log" | head -1
-  python3 - "$OUT" <<'PY'
-import json, sys
-out = sys.argv[1]
-ref = [s["loss"] for s in json.load(open(f"{out}/proc_reference.json"))["steps"]]
-got = json.load(open(f"{out}/proc_resumed.json"))["steps"]
-diff = max(abs(s["loss"] - ref[s["step"] - 1]) for s in got)
-print(f"resumed steps {got[0]['step']}..{got[-1]['step']}: max |loss - uninterrupted| = {diff:.3g}")
-PY
+  compare_losses "$OUT/proc_reference.json" "$OUT/proc_stopped.json" "$OUT/proc_resumed.json"
+  [ "${KILL:-1}" = 1 ] || return 0
   log "kill -9 of process 1"
   python3 -m gtp_jax train $run --steps 1000 --processes 2 > "$OUT/proc_kill.log" 2>&1 &
   launcher=$!

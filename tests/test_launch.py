@@ -57,6 +57,30 @@ def test_a_killed_process_stops_the_others_with_one_line_naming_it():
     assert all(p.poll() is not None for p in procs)  # the stuck one was killed after grace
 
 
+def test_a_resumable_stop_waits_for_the_slower_processes_and_gives_75():
+    # Every process stops after the same step with status 75, one of them seconds later
+    # (still writing its part of the checkpoint): that is no lost process.
+    fast = [sys.executable, "-c", "raise SystemExit(75)"]
+    slow = [sys.executable, "-c", "import time; time.sleep(5); raise SystemExit(75)"]
+    lines: list[str] = []
+    out = supervise([fast, slow], poll=0.05, print_fn=lines.append)
+    assert (out.code, out.lost, lines) == (75, None, [])
+    finished = [sys.executable, "-c", "raise SystemExit(0)"]
+    assert supervise([finished, slow], poll=0.05, print_fn=lines.append).code == 75
+
+
+def test_a_process_that_does_not_follow_an_orderly_end_is_named_and_stopped():
+    lines: list[str] = []
+    stopped = [sys.executable, "-c", "raise SystemExit(75)"]
+    start = time.monotonic()
+    out = supervise([stopped, STUCK], grace=0.5, poll=0.05, orderly_wait=1.0,
+                    print_fn=lines.append)
+    assert time.monotonic() - start < 20
+    assert out.code == 1 and out.lost is not None and out.lost[0] == 1
+    assert len(lines) == 1
+    assert "process 1 of 2" in lines[0] and "exit status 75" in lines[0]
+
+
 def test_sigterm_to_the_launcher_reaches_every_process():
     def term_self():
         time.sleep(1.0)

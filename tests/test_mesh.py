@@ -15,12 +15,14 @@ from gtp_jax.base.host import gpu_count
 from gtp_jax.base.mesh import AXES, axis_groups, data_size
 from gtp_jax.base.xla_flags import (
     DEFAULT_XLA_FLAGS,
+    DETERMINISTIC_FLAG,
     OPT_OUT,
     PINNED_POOL_ENV,
     XLA_PINNED_POOL_GIB,
     apply_default_xla_flags,
     default_pinned_pool_gib,
     pinned_pool_bytes,
+    request_deterministic,
 )
 
 
@@ -196,6 +198,18 @@ def test_default_xla_flags_are_explicit_and_escapable() -> None:
     lines: list[str] = []
     gtp_jax.describe_mesh(gtp_jax.make_mesh(gtp=8), print_fn=lines.append)
     assert "XLA settings" in lines[-1]
+
+
+def test_deterministic_runs_ask_xla_for_deterministic_kernels_unless_the_user_chose() -> None:
+    env = {"XLA_FLAGS": "--xla_gpu_enable_latency_hiding_scheduler=true"}
+    request_deterministic(env)
+    assert env["XLA_FLAGS"].split() == ["--xla_gpu_enable_latency_hiding_scheduler=true",
+                                        f"{DETERMINISTIC_FLAG}=true"]
+    request_deterministic(env)  # once only
+    assert env["XLA_FLAGS"].count(DETERMINISTIC_FLAG) == 1
+    user = {"XLA_FLAGS": f"{DETERMINISTIC_FLAG}=false"}
+    request_deterministic(user)
+    assert user["XLA_FLAGS"] == f"{DETERMINISTIC_FLAG}=false"
 
 
 def test_the_pinned_host_pools_of_a_hosts_gpus_share_its_memory_unless_the_user_set_them(

@@ -116,6 +116,23 @@ def simulate_cpu_devices(count: int, environ: dict[str, str] | None = None) -> N
         env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={count}".strip()
 
 
+#: The XLA flag that makes GPU programs bit-reproducible run to run: deterministic kernels for
+#: scatter-add (the embedding's gradient), attention's backward and GEMMs, and no autotuning
+#: (which can pick another kernel in each compilation). Slower; for comparing runs.
+DETERMINISTIC_FLAG = "--xla_gpu_deterministic_ops"
+
+
+def request_deterministic(environ: dict[str, str] | None = None) -> None:
+    """Adds `DETERMINISTIC_FLAG` ``=true`` to ``XLA_FLAGS`` unless the user set it. Effective
+    only before JAX starts its GPU backend; CPU programs are reproducible already."""
+    env = os.environ if environ is None else environ
+    flags = env.get("XLA_FLAGS", "")
+    if DETERMINISTIC_FLAG not in flags:
+        env["XLA_FLAGS"] = f"{flags} {DETERMINISTIC_FLAG}=true".strip()
+        if environ is None:
+            _ADDED.append(f"{DETERMINISTIC_FLAG}=true")
+
+
 def added_xla_flags() -> list[str]:
     """The settings ``import gtp_jax`` added to this process's environment (``XLA_FLAGS``
     flags, `PINNED_POOL_ENV`)."""

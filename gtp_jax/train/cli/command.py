@@ -18,7 +18,11 @@ from typing import Any, NoReturn
 from gtp_jax.base.compile_cache import HELP as COMPILE_CACHE_HELP
 from gtp_jax.base.compile_cache import compile_cache_dir, use_compile_cache
 from gtp_jax.base.errors import UsageError
-from gtp_jax.base.xla_flags import MAX_SIMULATED_DEVICES, simulate_cpu_devices
+from gtp_jax.base.xla_flags import (
+    MAX_SIMULATED_DEVICES,
+    request_deterministic,
+    simulate_cpu_devices,
+)
 from gtp_jax.train.cli.job_file import PathArg, expand_job_file
 from gtp_jax.train.step.optim import LR_SCHEDULES
 
@@ -200,6 +204,11 @@ def _parser() -> argparse.ArgumentParser:
                      "gradients summed before one update (activation memory of one "
                      "microbatch; --batch must be a multiple of N*dp*ep*gtp)")
     train.add_argument("--seed", type=int, default=0, help="init and data-order seed")
+    train.add_argument("--deterministic", action="store_true",
+                       help="bit-reproducible GPU runs (XLA's deterministic kernels, no "
+                       "autotuning; slower): the same command gives the same losses run "
+                       "to run, so a resumed or re-laid-out run can be compared step by "
+                       "step with an uninterrupted one")
     train.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
                        help="compute dtype (master weights stay float32); auto: bfloat16 on "
                        "GPUs, float32 on CPUs")
@@ -573,6 +582,8 @@ def _main(argv: list[str] | None, planner: Planner | None) -> int:
     if total % processes:
         return _processes_error(processes, total)
     simulate_cpu_devices(total // processes)
+    if args.deterministic:
+        request_deterministic()
     use_compile_cache(cache)
     # XLA_FLAGS are set: JAX may start a backend from here on.
     code = _run(args, sizes, cpu_sizes, checkpoint, observe, failure, data, planner)

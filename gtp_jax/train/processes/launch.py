@@ -13,7 +13,10 @@ mesh's devices). The launcher:
   others (SIGTERM, then SIGKILL after `GRACE_S`: they may be waiting in a collective that
   will never complete) and exits with status 1, instead of leaving them to wait for JAX's
   heartbeat timeout;
-- otherwise exits with the processes' own status (the same for all of them).
+- when a process ends in order (finished, status 0, or stopped resumably, status 75) it
+  waits up to `ORDERLY_S` for the others, which end after the same step (saving a checkpoint
+  together can take that long); one still running after that is stopped and named;
+- otherwise exits with the processes' own status (75 if any stopped resumably).
 """
 
 from __future__ import annotations
@@ -34,6 +37,13 @@ GRACE_S = 10.0
 POLL_S = 0.2
 #: Seconds the others get to end on their own after one ended with an error.
 SETTLE_S = 3.0
+#: Seconds the others get to end after one ended in order (finished or stopped resumably):
+#: they stop after the same step, but may still be writing their part of the checkpoint.
+ORDERLY_S = 120.0
+#: The statuses of a process that ended in order: finished, and stopped resumably
+#: (`gtp_jax.train.lifecycle.preempt.RESUMABLE_EXIT`).
+ORDERLY = (0, 75)
+_RESUME = "Resume with the same command and --resume auto (the newest intact checkpoint)."
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,7 +102,8 @@ def describe_end(returncode: int) -> str:
 
 
 def supervise(commands: Sequence[Sequence[str]], *, grace: float = GRACE_S,
-              poll: float = POLL_S, print_fn: Callable[[str], None] | None = None,
+              poll: float = POLL_S, orderly_wait: float = ORDERLY_S,
+              print_fn: Callable[[str], None] | None = None,
               popen: Callable[..., subprocess.Popen] = subprocess.Popen) -> Outcome:
     """Runs `commands` as child processes until all have ended (see the module docstring).
 
@@ -110,14 +121,15 @@ def supervise(commands: Sequence[Sequence[str]], *, grace: float = GRACE_S,
     for signum in (signal.SIGTERM, signal.SIGINT):
         previous[signum] = signal.signal(signum, forward)
     lost: tuple[int, int, int] | None = None
+    orderly_since: float | None = None
     try:
         while True:
             codes = [c.poll() for c in children]
             if all(code is not None for code in codes):
                 break
             bad = [(i, c.pid, code) for i, (c, code) in enumerate(zip(children, codes))
-                   if code not in (None, 0)]
-            if bad and lost is None and any(code is None for code in codes):
+                   if code not in (None, *ORDERLY)]
+            if bad and lost is None:
                 # Processes that stop together (the same error everywhere) end within a
                 # moment of each other: only one still running after that was left behind.
                 settle = time.monotonic() + SETTLE_S
@@ -129,9 +141,22 @@ def supervise(commands: Sequence[Sequence[str]], *, grace: float = GRACE_S,
                 index, pid, code = lost
                 others = sum(code is None for code in codes)
                 say(f"error: process {index} of {len(children)} (pid {pid}) ended: "
-                    f"{describe_end(code)}; stopping the other {others}. Resume with the "
-                    "same command and --resume auto (the newest intact checkpoint).")
+                    f"{describe_end(code)}; stopping the other {others}. {_RESUME}")
                 _stop(children, grace, poll)
+                continue
+            if any(code is not None for code in codes) and orderly_since is None:
+                orderly_since = time.monotonic()
+            if orderly_since is not None and time.monotonic() - orderly_since > orderly_wait:
+                # One ended in order but another did not follow: it is stuck (in a collective
+                # whose peer has left, say); name it rather than wait forever.
+                index = next(i for i, code in enumerate(codes) if code is None)
+                ended = next(code for code in codes if code is not None)
+                lost = (index, children[index].pid, ended)
+                say(f"error: process {index} of {len(children)} (pid {lost[1]}) was still "
+                    f"running {orderly_wait:.0f} s after another ended ({describe_end(ended)}); "
+                    f"stopping it. {_RESUME}")
+                _stop(children, grace, poll)
+                continue
             time.sleep(poll)
     finally:
         for signum, handler in previous.items():
@@ -139,8 +164,10 @@ def supervise(commands: Sequence[Sequence[str]], *, grace: float = GRACE_S,
     codes = [c.returncode for c in children]
     if lost is not None:
         return Outcome(1, lost)
-    first_bad = next((code for code in codes if code != 0), 0)
-    return Outcome(128 - first_bad if first_bad < 0 else first_bad)
+    first_bad = next((code for code in codes if code not in ORDERLY), None)
+    if first_bad is not None:
+        return Outcome(128 - first_bad if first_bad < 0 else first_bad)
+    return Outcome(max(codes))
 
 
 def _stop(children: Sequence[subprocess.Popen], grace: float, poll: float) -> None:
