@@ -160,7 +160,14 @@ def relayout(state: Any, splits: Any, src: Mesh, dst: Mesh, axis: str = "tp") ->
         its split (wrong dim, shape not the stored size at the old degree), a split leaf
         whose spec also uses ``dp``.
     """
-    where = "relayout"
+    treedef, jobs, n_old, n_new = _check(state, splits, src, dst, axis, "relayout")
+    return jax.tree_util.tree_unflatten(treedef, _move(jobs, src, dst, n_old, n_new))
+
+
+def _check(state: Any, splits: Any, src: Mesh, dst: Mesh, axis: str, where: str):
+    """`relayout`'s checks: ``(treedef, jobs, n_old, n_new)``, a job ``(kind, x, spec,
+    split)`` per leaf (kind ``"host"``: not on `src`, placed replicated; spec: the leaf's
+    `PartitionSpec` on `dst`)."""
     for name, m in (("src", src), ("dst", dst)):
         if not isinstance(m, Mesh):
             raise UsageTypeError(f"{where}: {name} must be a jax.sharding.Mesh, got "
@@ -217,34 +224,81 @@ def relayout(state: Any, splits: Any, src: Mesh, dst: Mesh, axis: str = "tp") ->
                     f"{split.size}, fused={split.fused}) at {axis}={n_old}; fix its split.")
         jobs.append(("array", x, P(*entries) if split is not None and whole else sh.spec,
                      split))
-    out = []
-    for kind, x, spec, split in jobs:
-        target = NamedSharding(dst, spec)
-        if kind == "host" or split is None or n_old == n_new:
-            out.append(jax.device_put(x, target))
-        else:
-            out.append(jax.device_put(_resplit(x, split, n_old, n_new, src), target))
-    return jax.tree_util.tree_unflatten(treedef, out)
+    return treedef, jobs, n_old, n_new
 
 
-def _resplit(x: jax.Array, split: LeafSplit, n_old: int, n_new: int, src: Mesh) -> jax.Array:
-    """Stored(n_old) -> stored(n_new), computed on `src` (gathered along the axis)."""
-    entries = _spec_entries(x.sharding.spec, x.ndim)
-    entries[split.dim] = None
-    return _resplit_fn(split, n_old, n_new, NamedSharding(src, P(*entries)))(x)
+def _move(jobs: list, src: Mesh, dst: Mesh, n_old: int, n_new: int,
+          lead: bool = False) -> list[jax.Array]:
+    """The checked leaves of `relayout` (``(kind, x, spec, split)``) on `dst`, in a fixed
+    handful of dispatches whatever the number of leaves.
+
+    1. One program on `src` re-splits every leaf whose degree changes, its output gathered
+       along the axis (every `src` device holds the whole dim).
+    2. One `jax.device_put` for all leaves. A re-split leaf goes to `dst` still gathered
+       along the axis: each `dst` device then finds its exact index on some `src` device
+       and gets a device-to-device copy (a split target would have no matching source
+       shard, and `device_put` would assemble the whole array on the host).
+    3. One program on `dst` cuts each gathered leaf to its piece (a local slice, no
+       communication). With `lead`, it covers every leaf and gives each a leading 1-wide
+       dim (``P(None, *spec)``), whose per-device shards stack without a copy into a
+       ``dp``-stacked array (`average_replicas`).
+
+    Every step copies values, never computes them: bit-exact.
+    """
+    moves = [i for i, (kind, _, _, split) in enumerate(jobs)
+             if kind == "array" and split is not None and n_old != n_new]
+    staged = [x for _, x, _, _ in jobs]
+    put = [NamedSharding(dst, spec) for _, _, spec, _ in jobs]
+    if moves:
+        gathered = []
+        for i in moves:
+            _, x, spec, split = jobs[i]
+            entries = _spec_entries(spec, x.ndim)
+            entries[split.dim] = None
+            gathered.append(P(*entries))
+            put[i] = NamedSharding(dst, P(*entries))
+        fn = _resplit_fn(tuple(jobs[i][3] for i in moves), n_old, n_new,
+                         tuple(NamedSharding(src, g) for g in gathered))
+        for i, y in zip(moves, fn(tuple(jobs[i][1] for i in moves))):
+            staged[i] = y
+    out = jax.device_put(staged, put)
+    last = range(len(jobs)) if lead else moves
+    if last:
+        specs = tuple(P(None, *spec) if lead else spec
+                      for spec in (jobs[i][2] for i in last))
+        fn = _place_fn(lead, tuple(NamedSharding(dst, s) for s in specs))
+        for i, y in zip(last, fn(tuple(out[i] for i in last))):
+            out[i] = y
+    return out
 
 
 @functools.lru_cache(maxsize=256)
-def _resplit_fn(split: LeafSplit, n_old: int, n_new: int, out: NamedSharding):
-    # Cached so that re-laying out the same state again (every step for gradients) reuses
-    # the compiled program instead of tracing a fresh lambda.
-    return jax.jit(lambda v: from_logical(to_logical(v, split, n_old), split, n_new),
-                   out_shardings=out)
+def _resplit_fn(splits: tuple[LeafSplit, ...], n_old: int, n_new: int,
+                outs: tuple[NamedSharding, ...]):
+    """Stored(n_old) -> stored(n_new) of several leaves in one program on the source mesh,
+    outputs gathered along the axis (`outs`)."""
+    # Cached so that re-laying out the same state again (every step, for parameters and
+    # gradients) reuses the compiled program instead of tracing a fresh function.
+    def resplit(xs):
+        return tuple(from_logical(to_logical(v, s, n_old), s, n_new)
+                     for v, s in zip(xs, splits))
+
+    return jax.jit(resplit, out_shardings=outs)
 
 
 @functools.lru_cache(maxsize=256)
-def _mean_fn(out: NamedSharding):
-    return jax.jit(lambda s, wv: jnp.tensordot(wv, s, axes=1), out_shardings=out)
+def _place_fn(lead: bool, outs: tuple[NamedSharding, ...]):
+    """Leaves -> `outs` on the destination mesh (gathered -> split is a local slice), with a
+    leading 1-wide dim if `lead`."""
+    return jax.jit(lambda xs: tuple(x[None] if lead else x for x in xs), out_shardings=outs)
+
+
+@functools.lru_cache(maxsize=256)
+def _mean_fn(outs: tuple[NamedSharding, ...]):
+    """Weighted means over the leading ``dp`` dim of several stacked leaves, one program."""
+    return jax.jit(lambda ws, stacked: tuple(jnp.tensordot(w, s, axes=1)
+                                             for w, s in zip(ws, stacked)),
+                   out_shardings=outs)
 
 
 def survivor_mesh(p: NonuniformPlan) -> Mesh:
@@ -358,25 +412,36 @@ def average_replicas(p: NonuniformPlan, trees: Sequence[Any], splits: Any,
             got = getattr(leaf, "dtype", type(leaf).__name__)
             raise UsageTypeError(f"average_replicas: every leaf must be a floating-point "
                                  f"jax.Array (gradients), got {got}.")
-    core = [to_core(p, r, t, splits) for r, t in enumerate(trees)]
-    mesh = p.core_mesh()
-    flat = [jax.tree.leaves(t) for t in core]
-    treedef = jax.tree.structure(core[0])
-    out = []
-    for i, first in enumerate(flat[0]):
-        spec = _spec_entries(first.sharding.spec, first.ndim)
-        if any(REPLICA_AXIS in _names(e) for e in spec):
+    # Each replica's tree onto its core devices (`to_core`), each leaf with a leading 1-wide
+    # dim: the devices' shards are then the per-replica rows of one dp-stacked array.
+    checked = []
+    for r, tree in enumerate(trees):
+        src, dst = p.replica_mesh(r), p.core_replica_mesh(r)
+        checked.append((src, dst, _check(tree, splits, src, dst, p.axis, "average_replicas")))
+    treedef, jobs, _, _ = checked[0][2]
+    specs = [_spec_entries(spec, x.ndim) for _, x, spec, _ in jobs]
+    for i, entries in enumerate(specs):
+        if any(REPLICA_AXIS in _names(e) for e in entries):
             raise UsageError(f"average_replicas: leaf {i} is split over {REPLICA_AXIS!r}; "
                              "per-replica trees must be replicated over dp.")
-        shape = (len(flat),) + first.shape
-        target = NamedSharding(mesh, P(REPLICA_AXIS, *spec))
-        by_dev = {s.device: s.data[None] for leaves in flat for s in leaves[i].addressable_shards}
+    core = [_move(jobs, src, dst, n_old, n_new, lead=True)
+            for src, dst, (_, jobs, n_old, n_new) in checked]
+    mesh = p.core_mesh()
+    stacked, outs, ws, by_dtype = [], [], [], {}
+    for i, entries in enumerate(specs):
+        first = core[0][i]
+        shape = (len(core),) + first.shape[1:]
+        target = NamedSharding(mesh, P(REPLICA_AXIS, *entries))
+        by_dev = {s.device: s.data for leaves in core for s in leaves[i].addressable_shards}
         arrays = [by_dev[d] for d in target.addressable_devices_indices_map(shape)]
-        stacked = jax.make_array_from_single_device_arrays(shape, target, arrays)
-        wv = jax.device_put(jnp.asarray(w, dtype=first.dtype), NamedSharding(mesh, P()))
-        mean = _mean_fn(NamedSharding(mesh, P(*spec)))(stacked, wv)
-        out.append(mean)
-    return jax.tree.unflatten(treedef, out)
+        stacked.append(jax.make_array_from_single_device_arrays(shape, target, arrays))
+        outs.append(NamedSharding(mesh, P(*entries)))
+        if first.dtype not in by_dtype:
+            by_dtype[first.dtype] = w.astype(first.dtype)
+        ws.append(by_dtype[first.dtype])
+    ws = jax.device_put(ws, NamedSharding(mesh, P()))  # one transfer, no implicit one
+    out = _mean_fn(tuple(outs))(tuple(ws), tuple(stacked))
+    return jax.tree.unflatten(treedef, list(out))
 
 
 __all__ = ["LeafSplit", "average_replicas", "from_core", "from_logical", "leaf_split",
