@@ -57,7 +57,8 @@
 # Environment: OUT, PARTS, SHAPES, PRESET, STEPS (timed steps, default 8), LIMIT (seconds per
 # side, default 400), LONG_STEPS (the processes part's interrupted run, default 20 x
 # TRAIN_STEPS), SIGTERM_AFTER (seconds into it, default 40), PROC_PLAIN=0 (the processes part
-# without its plain timing runs), KILL=0 (without its kill -9). BUDGET=seconds: a part
+# without its plain timing runs), PROC_COUNTS (its process counts, default "4 2"), KILL=0
+# (without its kill -9). BUDGET=seconds: a part
 # starts only while the budget lasts, and the per-question scripts are stopped when it runs
 # out. REQUIRE_GPU=H200: run nothing (status 3) unless every GPU's name contains it.
 # ARCHIVE=1: everything written, again as $OUT/campaign.tgz.
@@ -84,8 +85,9 @@ else
   CHECK_DTYPE=${CHECK_DTYPE:---dtype float32}
 fi
 # Runs whose losses are compared step by step use XLA's deterministic kernels (on GPUs the
-# embedding's scatter-add and attention's backward otherwise differ run to run).
-DET="--deterministic"
+# embedding's scatter-add and attention's backward otherwise differ run to run), in float32
+# on GPUs (train refuses --deterministic with bfloat16 there).
+DET="--deterministic $CHECK_DTYPE"
 LIMIT=${LIMIT:-400}
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 if [ -n "${REQUIRE_GPU:-}" ]; then
@@ -184,10 +186,10 @@ part_ntp() {
   python3 -m gtp_jax train $run --simulate-failure step=4,device=3 \
     --metrics-json "$OUT/ntp_failure.json" > "$OUT/ntp_failure.log" 2>&1
   grep -v "^\[#" "$OUT/ntp_failure.log" | grep -v "IOTA device assignment" | tail -14
-  log "the same, $CHECK_DTYPE $DET, beside the run without the failure (the losses to keep)"
-  python3 -m gtp_jax train $run --simulate-failure step=4,device=3 $CHECK_DTYPE $DET \
+  log "the same, $DET, beside the run without the failure (the losses to keep)"
+  python3 -m gtp_jax train $run --simulate-failure step=4,device=3 $DET \
     --metrics-json "$OUT/ntp_failure_check.json" > "$OUT/ntp_failure_check.log" 2>&1
-  python3 -m gtp_jax train $run $CHECK_DTYPE $DET --metrics-json "$OUT/ntp_uniform.json" \
+  python3 -m gtp_jax train $run $DET --metrics-json "$OUT/ntp_uniform.json" \
     > "$OUT/ntp_uniform.log" 2>&1
   tail -3 "$OUT/ntp_uniform.log"
   compare_losses "$OUT/ntp_uniform.json" "$OUT/ntp_failure_check.json"
@@ -215,7 +217,7 @@ part_moe() {
   for mesh in "1 1 4" "2 1 2" "4 1 1"; do
     set -- $mesh
     log "MoE, 8 experts top-2: ep$1 dp$2 gtp$3 (losses)"
-    python3 -m gtp_jax train $run --ep "$1" --dp "$2" --gtp "$3" $CHECK_DTYPE $DET \
+    python3 -m gtp_jax train $run --ep "$1" --dp "$2" --gtp "$3" $DET \
       --metrics-json "$OUT/moe_ep$1.json" > "$OUT/moe_ep$1.log" 2>&1
     grep -E "dropped|loss:" "$OUT/moe_ep$1.log" | tail -2
   done
@@ -248,14 +250,14 @@ part_processes() {
     python3 -m gtp_jax train $run $det --metrics-json "$OUT/proc_1x4${det:+_det}.json" \
       > "$OUT/proc_1x4${det:+_det}.log" 2>&1
     grep "step time" "$OUT/proc_1x4${det:+_det}.log"
-    for n in 4 2; do
+    for n in ${PROC_COUNTS:-4 2}; do
       log "$n processes (--processes $n) $det"
       python3 -m gtp_jax train $run $det --processes "$n" \
         --metrics-json "$OUT/proc_${n}${det:+_det}.json" > "$OUT/proc_${n}${det:+_det}.log" 2>&1
       grep "step time" "$OUT/proc_${n}${det:+_det}.log"
     done
   done
-  compare_losses "$OUT/proc_1x4_det.json" "$OUT/proc_4_det.json" "$OUT/proc_2_det.json"
+  compare_losses "$OUT/proc_1x4_det.json" $(ls "$OUT"/proc_[0-9]_det.json)
   local long=${LONG_STEPS:-$((TRAIN_STEPS * 20))}
   log "2 processes, $long steps uninterrupted (the reference)"
   python3 -m gtp_jax train $run $DET --steps "$long" --processes 2 \

@@ -210,6 +210,14 @@ def test_deterministic_runs_ask_xla_for_deterministic_kernels_unless_the_user_ch
     user = {"XLA_FLAGS": f"{DETERMINISTIC_FLAG}=false"}
     request_deterministic(user)
     assert user["XLA_FLAGS"] == f"{DETERMINISTIC_FLAG}=false"
+    # On GPUs only the float32 step ran deterministically: bfloat16 is refused in one line.
+    from gtp_jax.train.cli.command import deterministic_problem  # noqa: PLC0415
+
+    for dtype in ("auto", "bfloat16"):
+        assert "add --dtype float32" in deterministic_problem(True, "gpu", dtype)
+    assert deterministic_problem(True, "gpu", "float32") is None
+    assert deterministic_problem(True, "cpu", "auto") is None
+    assert deterministic_problem(False, "gpu", "auto") is None
 
 
 def test_the_pinned_host_pools_of_a_hosts_gpus_share_its_memory_unless_the_user_set_them(

@@ -206,9 +206,9 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--seed", type=int, default=0, help="init and data-order seed")
     train.add_argument("--deterministic", action="store_true",
                        help="bit-reproducible GPU runs (XLA's deterministic kernels, no "
-                       "autotuning; slower): the same command gives the same losses run "
-                       "to run, so a resumed or re-laid-out run can be compared step by "
-                       "step with an uninterrupted one")
+                       "autotuning; slower; on GPUs with --dtype float32): the same command "
+                       "gives the same losses run to run, so a resumed or re-laid-out run "
+                       "can be compared step by step with an uninterrupted one")
     train.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
                        help="compute dtype (master weights stay float32); auto: bfloat16 on "
                        "GPUs, float32 on CPUs")
@@ -615,6 +615,16 @@ def _cpu_mesh(sizes: dict[str, int | None]) -> dict[str, int]:
     return mesh
 
 
+def deterministic_problem(deterministic: bool, backend: str, dtype: str) -> str | None:
+    """Why ``--deterministic`` cannot run with `dtype` (``--dtype``) on `backend`; None if it
+    can. On GPUs XLA's deterministic mode aborted (the process, exit 134) while running the
+    bfloat16 training step (jax 0.11.2, 4x H200, 2026-11-28), and ran the float32 one."""
+    if deterministic and backend != "cpu" and dtype != "float32":
+        return (f"--deterministic with --dtype {dtype} (bfloat16 compute on GPUs): XLA's "
+                "deterministic mode aborts the bfloat16 step on GPUs; add --dtype float32.")
+    return None
+
+
 def _run(args: argparse.Namespace, sizes: dict[str, int | None], cpu_sizes: dict[str, int],
          checkpoint: object | None, observe: object, failure: object | None = None,
          data: object | None = None, planner: Planner | None = None) -> int:
@@ -625,6 +635,9 @@ def _run(args: argparse.Namespace, sizes: dict[str, int | None], cpu_sizes: dict
     from gtp_jax.train.lifecycle.resume import RunFinished  # noqa: PLC0415
 
     primary = jax.process_index() == 0
+    problem = deterministic_problem(args.deterministic, jax.default_backend(), args.dtype)
+    if problem:
+        return _fail(UsageError(problem), 2)
     if jax.default_backend() == "cpu":
         mesh = cpu_sizes
     else:
