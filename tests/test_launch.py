@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+from gtp_jax.train.processes import launch
 from gtp_jax.train.processes.launch import child_commands, describe_end, supervise
 
 #: A child that runs until told to stop, and stops cleanly on SIGTERM.
@@ -57,11 +58,12 @@ def test_a_killed_process_stops_the_others_with_one_line_naming_it():
     assert all(p.poll() is not None for p in procs)  # the stuck one was killed after grace
 
 
-def test_a_resumable_stop_waits_for_the_slower_processes_and_gives_75():
-    # Every process stops after the same step with status 75, one of them seconds later
-    # (still writing its part of the checkpoint): that is no lost process.
+def test_a_resumable_stop_waits_for_the_slower_processes_and_gives_75(monkeypatch):
+    # Every process stops after the same step with status 75, one of them later than an
+    # error's settling time (still writing its part of the checkpoint): no process is lost.
+    monkeypatch.setattr(launch, "SETTLE_S", 0.3)
     fast = [sys.executable, "-c", "raise SystemExit(75)"]
-    slow = [sys.executable, "-c", "import time; time.sleep(5); raise SystemExit(75)"]
+    slow = [sys.executable, "-c", "import time; time.sleep(1.5); raise SystemExit(75)"]
     lines: list[str] = []
     out = supervise([fast, slow], poll=0.05, print_fn=lines.append)
     assert (out.code, out.lost, lines) == (75, None, [])
