@@ -61,6 +61,10 @@ def test_a_killed_process_stops_the_others_with_one_line_naming_it():
 def test_a_resumable_stop_waits_for_the_slower_processes_and_gives_75(monkeypatch):
     # Every process stops after the same step with status 75, one of them later than an
     # error's settling time (still writing its part of the checkpoint): no process is lost.
+    from gtp_jax.train.lifecycle.preempt import RESUMABLE_EXIT  # noqa: PLC0415
+
+    # The launcher keeps the status as a literal (it does not import JAX); it must stay 75.
+    assert launch.ORDERLY == (0, RESUMABLE_EXIT)
     monkeypatch.setattr(launch, "SETTLE_S", 0.3)
     fast = [sys.executable, "-c", "raise SystemExit(75)"]
     slow = [sys.executable, "-c", "import time; time.sleep(1.5); raise SystemExit(75)"]

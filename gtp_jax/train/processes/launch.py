@@ -41,7 +41,8 @@ SETTLE_S = 3.0
 #: they stop after the same step, but may still be writing their part of the checkpoint.
 ORDERLY_S = 120.0
 #: The statuses of a process that ended in order: finished, and stopped resumably
-#: (`gtp_jax.train.lifecycle.preempt.RESUMABLE_EXIT`).
+#: (`gtp_jax.train.lifecycle.preempt.RESUMABLE_EXIT`, written out: the launcher does not
+#: import JAX, which that module does).
 ORDERLY = (0, 75)
 _RESUME = "Resume with the same command and --resume auto (the newest intact checkpoint)."
 
