@@ -18,8 +18,18 @@ from gtp_jax.base.host import gpu_count, total_bytes
 #: Environment variable that switches the defaults off.
 OPT_OUT = "GTP_JAX_NO_DEFAULT_XLA_FLAGS"
 #: flag -> value added to XLA_FLAGS unless the user set that flag already.
+#:
+#: * the latency-hiding scheduler: XLA on one process driving several GPUs otherwise runs
+#:   collectives almost back to back with the GEMMs beside them (docs/overlap.md);
+#: * no Triton GEMMs: XLA's GPU compiler autotunes a Triton kernel for every GEMM it may
+#:   emit, which is almost all of an FP8 step's compile time (1x H200, jax 0.11.2: the 1b
+#:   preset's FP8 step compiled in 117 s, 19 s without; 8 llama3-8b layers 168 s, 14 s;
+#:   bf16 12.4 s, 4.1 s) and bought no step time (the cuBLAS / cuBLASLt GEMMs it then uses
+#:   were as fast or faster: 75.7 vs 76.6 ms, 183.6 vs 186.1 ms). Set
+#:   ``--xla_gpu_enable_triton_gemm=true`` in ``XLA_FLAGS`` to have them back.
 DEFAULT_XLA_FLAGS: dict[str, str] = {
     "--xla_gpu_enable_latency_hiding_scheduler": "true",
+    "--xla_gpu_enable_triton_gemm": "false",
 }
 
 #: XLA's cap on the pinned host memory a GPU process allocates for each device (GiB; memory
