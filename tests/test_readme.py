@@ -40,6 +40,7 @@ PAGES = ("README.md", *sorted(f"docs/{p.name}" for p in (REPO_ROOT / "docs").glo
 EXPECTED = {
     "README.md": ("python -m gtp_jax train --steps 10", "--checkpoint-dir ck --resume",
                   "--simulate-failure step=4,device=5", "--processes 2", "--cp 2"),
+    "docs/data.md": ("--data runs/mydata --tokenizer runs/mytok",),
 }
 
 
