@@ -41,6 +41,7 @@ EXPECTED = {
     "README.md": ("python -m gtp_jax train --steps 10", "--checkpoint-dir ck --resume",
                   "--simulate-failure step=4,device=5", "--processes 2", "--cp 2"),
     "docs/data.md": ("--data runs/mydata --tokenizer runs/mytok",),
+    "docs/planning.md": ("python -m gtp_jax plan --preset tiny --gpus 8",),
 }
 
 
