@@ -38,9 +38,12 @@ ERROR_TEXT = re.compile(r"Traceback|CANCELLED|UNAVAILABLE|Connection refused|^er
 PAGES = ("README.md", *sorted(f"docs/{p.name}" for p in (REPO_ROOT / "docs").glob("*.md")))
 #: Examples each page must keep (and so this test keeps running them).
 EXPECTED = {
-    "README.md": ("python -m gtp_jax train --steps 10", "--checkpoint-dir ck --resume",
-                  "--simulate-failure step=4,device=5", "--processes 2", "--cp 2"),
+    "README.md": ("python -m gtp_jax train --steps 10",),
+    "docs/cli.md": ("--checkpoint-dir ck --resume", "--processes 2", "--cp 2",
+                    "--moe-experts 4", "--gather-format nvfp4"),
     "docs/data.md": ("--data runs/mydata --tokenizer runs/mytok",),
+    "docs/fault_tolerance.md": ("--simulate-failure step=4,device=5",),
+    "docs/models.md": ("--init-from-hf runs/tiny-llama", "--export-hf runs/tiny-llama-ft"),
     "docs/planning.md": ("python -m gtp_jax plan --preset tiny --gpus 8",),
 }
 
