@@ -383,7 +383,7 @@ def test_cp_step_moves_kv_by_collective_permute_without_full_scores() -> None:
 
 def test_cli_trains_with_cp_like_without(tmp_path, capsys) -> None:
     # `--cp 2` splits each sequence over 2 devices; the math is the model's, so the first
-    # losses equal a run without cp up to float32 summation order. In process (README.md's
+    # losses equal a run without cp up to float32 summation order. In process (docs/cli.md's
     # `--cp 2` example runs the command line as a process).
     import json
 

@@ -1,5 +1,9 @@
-"""Every shell block of README.md runs as written, in order, in a fresh folder, as a new user
-(and CI) would: CPU, the command line simulating 8 devices.
+"""Every shell block of README.md and of the pages under docs/ runs as written, in order, in
+a fresh folder, as a new user (and CI) would: CPU, the command line simulating 8 devices.
+
+A page's ```bash blocks are examples that run on a CPU; commands for a GPU host are shown in
+```text blocks, which are not run. Each page runs in its own folder, which stands for the
+checkout: it holds a link to the checkout's ``docs/`` (an example may read a file under it).
 
 Two kinds of lines are not run, because the test run itself already is them: installing the
 package (``pip install ...``: CI installs it before the suite; here the command is replaced
@@ -30,11 +34,23 @@ INSTALL = re.compile(r"^pip install [^&#]*")
 SUITE = re.compile(r"python -m pytest tests\b[^#\n]*")
 #: What a successful run must not print (tracebacks, the coordination service's gRPC errors).
 ERROR_TEXT = re.compile(r"Traceback|CANCELLED|UNAVAILABLE|Connection refused|^error:", re.M)
+#: The README and the reference pages, as paths relative to the checkout.
+PAGES = ("README.md", *sorted(f"docs/{p.name}" for p in (REPO_ROOT / "docs").glob("*.md")))
+#: Examples each page must keep (and so this test keeps running them).
+EXPECTED = {
+    "README.md": ("python -m gtp_jax train --steps 10",),
+    "docs/cli.md": ("--checkpoint-dir ck --resume", "--processes 2", "--cp 2",
+                    "--moe-experts 4", "--gather-format nvfp4"),
+    "docs/data.md": ("--data runs/mydata --tokenizer runs/mytok",),
+    "docs/fault_tolerance.md": ("--simulate-failure step=4,device=5",),
+    "docs/models.md": ("--init-from-hf runs/tiny-llama", "--export-hf runs/tiny-llama-ft"),
+    "docs/planning.md": ("python -m gtp_jax plan --preset tiny --gpus 8",),
+}
 
 
-def readme_blocks() -> list[str]:
-    """The shell blocks of README.md, in order."""
-    return FENCE.findall((REPO_ROOT / "README.md").read_text())
+def shell_blocks(page: str) -> list[str]:
+    """The shell blocks of `page` (relative to the checkout), in order."""
+    return FENCE.findall((REPO_ROOT / page).read_text())
 
 
 def as_run(block: str) -> str:
@@ -48,23 +64,23 @@ def as_run(block: str) -> str:
     return "\n".join(["set -e", *lines, "for job in $(jobs -p); do wait $job; done", ""])
 
 
-def test_readme_has_the_blocks_this_test_expects() -> None:
-    blocks = readme_blocks()
-    assert len(blocks) >= 4
-    text = "\n".join(blocks)
-    for needle in ("--checkpoint-dir ck --resume", "--simulate-failure", "--processes 2",
-                   "--cp 2"):
-        assert needle in text, needle
+def test_the_pages_have_the_blocks_this_test_expects() -> None:
+    for page, needles in EXPECTED.items():
+        text = "\n".join(shell_blocks(page))
+        for needle in needles:
+            assert needle in text, (page, needle)
 
 
-def test_every_readme_shell_block_runs_as_written(tmp_path: Path) -> None:
+@pytest.mark.parametrize("page", [p for p in PAGES if shell_blocks(p)])
+def test_every_shell_block_runs_as_written(page: str, tmp_path: Path) -> None:
     env = cli_env(PYTHONPATH=str(REPO_ROOT))
-    for i, block in enumerate(readme_blocks(), 1):
+    (tmp_path / "docs").symlink_to(REPO_ROOT / "docs")  # the checkout's pages and results
+    for i, block in enumerate(shell_blocks(page), 1):
         proc = subprocess.run(["bash", "-c", as_run(block)], cwd=tmp_path, env=env,
                               capture_output=True, text=True, timeout=900)
         output = proc.stdout + proc.stderr
-        assert proc.returncode == 0, f"README block {i} failed:\n{block}\n---\n{output[-4000:]}"
-        assert not ERROR_TEXT.search(output), f"README block {i} printed error text:\n{output}"
+        assert proc.returncode == 0, f"{page} block {i} failed:\n{block}\n---\n{output[-4000:]}"
+        assert not ERROR_TEXT.search(output), f"{page} block {i} printed error text:\n{output}"
         if "--simulate-failure step=4,device=5" in block:  # training through a failure
             # (the command line's failure report; tests/test_ntp_train.py checks its numbers)
             for part in ("on 8 cpu devices", "simulated failure after step 4: devices [5] lost",
@@ -75,11 +91,12 @@ def test_every_readme_shell_block_runs_as_written(tmp_path: Path) -> None:
         if "--checkpoint-dir ck --resume" in block:
             assert "is finished (checkpoint at step 6)" in output  # the re-launch
             assert "steps 7-9" in output  # the extension trained
-    # A user following the README in the checkout leaves nothing git would pick up.
-    made = sorted(p.name + ("/" if p.is_dir() else "") for p in tmp_path.iterdir())
+    # A user following the page in the checkout leaves nothing git would pick up.
+    made = sorted(p.name + ("/" if p.is_dir() else "") for p in tmp_path.iterdir()
+                  if p.name != "docs")
     ignored = subprocess.run(["git", "check-ignore", "--no-index", *made], cwd=REPO_ROOT,
                              capture_output=True, text=True).stdout.split()
-    assert made and sorted(ignored) == made, f"not git-ignored: {set(made) - set(ignored)}"
+    assert sorted(ignored) == made, f"not git-ignored: {set(made) - set(ignored)}"
 
 
 def test_own_model_example_gives_the_unsharded_numbers() -> None:

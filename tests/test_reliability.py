@@ -588,7 +588,7 @@ def test_extending_a_finished_run_equals_an_uninterrupted_run(tmp_path: Path) ->
 
 
 def test_an_extended_run_trains_its_added_steps_at_the_final_rate(tmp_path: Path) -> None:
-    """The README's promise with the defaults, end to end: a 6-step run extended to 12.
+    """docs/cli.md's promise with the defaults, end to end: a 6-step run extended to 12.
     It used to warm up over 10 steps (step 1 at rate 0), keep warming up to the peak in the
     added steps, then drop 10x in one step."""
     common = ["train", "--batch", "8", "--seq", "32", "--checkpoint-dir", str(tmp_path / "ck"),

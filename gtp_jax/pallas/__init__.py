@@ -43,7 +43,8 @@ max drops NaNs (amax is an integer max over bit patterns), f32 division is appro
 fp32->e2m1 instruction on Hopper (integer rounding on float bits). Kernel bodies are the
 same code in interpret and compiled mode, so the CPU tests cover what runs on the GPU.
 
-Kernel speeds against the device's copy bandwidth and XLA: README, "Low-precision gathers".
+Kernel speeds against the device's copy bandwidth and XLA: docs/benchmarks.md, "Low-precision
+gathers".
 """
 
 from gtp_jax.pallas.api import (
