@@ -48,7 +48,10 @@ try:
     from jax.experimental.xla_metadata import set_xla_metadata
 except ImportError:  # older layout
     from jax._src.xla_metadata import set_xla_metadata
-from jax.experimental.compute_on import compute_on
+try:  # jax 0.11: compute_on(f, *, compute_type, out_memory_spaces); before, compute_on2
+    from jax.experimental.compute_on import compute_on2 as _stream_call
+except ImportError:
+    from jax.experimental.compute_on import compute_on as _stream_call
 
 L = int(sys.argv[1]) if len(sys.argv) > 1 else 16
 D, B = int(os.environ.get("D", 8192)), int(os.environ.get("B", 2048))
@@ -72,8 +75,8 @@ def make(mode: str):
 
     def gemm(f, *a):
         if streamed:
-            with compute_on("gpu_stream:1"):
-                return f(*a)
+            return _stream_call(f, compute_type="gpu_stream:1",
+                                out_memory_spaces=jax.memory.Space.Device)(*a)
         return f(*a)
 
     def body(x, ws):

@@ -31,6 +31,8 @@ TP_AXIS = "tp"
 EP_AXIS = "ep"
 #: Mesh axis of context parallelism (the sequence split).
 CP_AXIS = "cp"
+#: Mesh axis GTP shards weights over (`GTPConfig.axis`'s default).
+GTP_AXIS = "gtp"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,6 +47,14 @@ class ParallelAxes:
       cp: context-parallel axis name, or None: when set, the module's batch inputs arrived
         split over it on dim 1 (the sequence), in the layout the module chose.
       cp_size: number of ranks on `cp` (1 when off).
+      vocab: the axis a vocabulary-parallel embedding or output head splits its vocabulary
+        over (`gtp_jax.parallel.vocab`), or None. Published only to a module whose
+        ``gtp_output_layout`` asked for it (``OutputLayout.vocab``, see `vocab_axis`): the
+        module then looks up and projects onto its own slice of the vocabulary for the
+        tokens of every rank on this axis, moving activations instead of gathering the
+        vocabulary-sized weights, and its logits leave split over this axis on the
+        vocabulary dim.
+      vocab_size: number of ranks on `vocab` (1 when off).
     """
 
     tp: str | None = None
@@ -53,9 +63,11 @@ class ParallelAxes:
     ep_size: int = 1
     cp: str | None = None
     cp_size: int = 1
+    vocab: str | None = None
+    vocab_size: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("tp", "ep", "cp"):
+        for name in ("tp", "ep", "cp", "vocab"):
             axis, size = getattr(self, name), getattr(self, f"{name}_size")
             if not isinstance(size, int) or size < 1:
                 raise ValueError(f"ParallelAxes.{name}_size={size!r} must be a positive int.")
@@ -72,6 +84,21 @@ class ParallelAxes:
         return cls(tp=TP_AXIS if tp > 1 else None, tp_size=int(tp),
                    ep=EP_AXIS if ep > 1 else None, ep_size=int(ep),
                    cp=CP_AXIS if cp > 1 else None, cp_size=int(cp))
+
+
+def vocab_axis(mesh: Mesh) -> str | None:
+    """The axis a vocabulary-parallel embedding or head can split its vocabulary over on
+    `mesh` (`ParallelAxes.vocab`), or None: the GTP axis, when it has more than one rank,
+    is the innermost axis the batch is split over (its ranks' batch rows are consecutive,
+    so gathering them keeps the global row order), and neither ``tp`` nor ``cp`` splits
+    the mesh."""
+    names = tuple(mesh.axis_names)
+    if GTP_AXIS not in names or mesh.shape[GTP_AXIS] == 1:
+        return None
+    if mesh.shape.get(TP_AXIS, 1) > 1 or mesh.shape.get(CP_AXIS, 1) > 1:
+        return None
+    data = [a for a in names if a not in (TP_AXIS, CP_AXIS)]
+    return GTP_AXIS if data[-1] == GTP_AXIS else None
 
 
 _OFF = ParallelAxes()

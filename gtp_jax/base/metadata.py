@@ -13,6 +13,10 @@ Set by model code (``nnx.Param(..., gtp_tp_dim=1)`` or ``var.set_metadata(KEY, v
   split: every tp rank holds the whole weight, e.g. grouped-query kv heads fewer than tp).
 - `EP_DIM`: per-layer dim split over the ``ep`` mesh axis (the expert dim).
 - `SHARD_DIM`: per-layer dim to GTP-shard (default: chosen by `gtp_jax.shard`).
+- `LOCAL`: the module may read this (not stacked) weight's own shard instead of the
+  gathered weight: it reaches the call as a `gtp_jax.sharding.lazy.LazyWeight`, gathered
+  only where the module reads it as an array, whose ``shard`` a vocabulary-parallel
+  embedding or head (`gtp_jax.parallel.vocab`) uses as is.
 - `REDUCE`: how non-parameter state written in ``__call__`` is combined over the data
   shards: ``"mean"``, ``"sum"`` (of the changes), ``"same"`` or ``"concat"`` (per-example
   rows); the variable types of `gtp_jax.base.state` imply these (see
@@ -35,6 +39,7 @@ TP_PARTS = "gtp_tp_parts"
 TP_UNEVEN = "gtp_tp_uneven"
 EP_DIM = "gtp_ep_dim"
 SHARD_DIM = "gtp_shard_dim"
+LOCAL = "gtp_local"
 REDUCE = "gtp_reduce"
 LOGICAL_SHAPE = "gtp_logical_shape"
 SPLIT_LAYOUT = "gtp_split_layout"

@@ -36,7 +36,11 @@ def _lse(logits: jax.Array) -> jax.Array:
 
 
 def _picked(logits: jax.Array, labels: jax.Array) -> jax.Array:
-    return jnp.take_along_axis(logits, labels[..., None], axis=-1)[..., 0].astype(jnp.float32)
+    # A masked sum (one nonzero term: exact) rather than take_along_axis, so that logits
+    # split over the vocabulary (a vocabulary-parallel head) reduce where they live.
+    vocab = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
+    hit = vocab == labels[..., None].astype(jnp.int32)
+    return jnp.sum(jnp.where(hit, logits.astype(jnp.float32), 0.0), axis=-1)
 
 
 @jax.custom_vjp

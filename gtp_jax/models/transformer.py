@@ -52,10 +52,10 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
-from gtp_jax.base.axes import CP_AXIS, TP_AXIS, current_axes
+from gtp_jax.base.axes import CP_AXIS, TP_AXIS, current_axes, vocab_axis
 from gtp_jax.base.errors import UsageError
 from gtp_jax.base.mesh import data_axes
-from gtp_jax.base.metadata import STACKED, TP_DIM, TP_PARTS, TP_UNEVEN
+from gtp_jax.base.metadata import LOCAL, SHARD_DIM, STACKED, TP_DIM, TP_PARTS, TP_UNEVEN
 from gtp_jax.base.shapes import round_up
 from gtp_jax.models.attention import ATTENTION_IMPLS, causal_attention
 from gtp_jax.models.cross_entropy import cross_entropy
@@ -77,6 +77,7 @@ from gtp_jax.parallel.context import (
 )
 from gtp_jax.parallel.moe import MoE
 from gtp_jax.parallel.tp import column_parallel, pad_seq, row_parallel, seq_chunk
+from gtp_jax.parallel.vocab import vocab_embed, vocab_logits
 from gtp_jax.sharding.contract import InputLayout, OutputLayout
 from gtp_jax.sharding.scan import scan_layers
 
@@ -718,6 +719,13 @@ class Transformer(nnx.Module):
         self.lm_head = None if cfg.tie_embeddings else nnx.Linear(
             cfg.d_model, cfg.vocab_size, use_bias=False, dtype=cfg.dtype,
             param_dtype=cfg.param_dtype, kernel_init=_init(0.02), rngs=rngs)
+        # Sharded on the vocabulary and read as this rank's slice where the mesh allows
+        # (`gtp_output_layout`): activations move instead of the vocabulary-sized weights.
+        self.embed.embedding.set_metadata(SHARD_DIM, 0)
+        self.embed.embedding.set_metadata(LOCAL, True)
+        if self.lm_head is not None:
+            self.lm_head.kernel.set_metadata(SHARD_DIM, 1)
+            self.lm_head.kernel.set_metadata(LOCAL, True)
 
     def __call__(self, tokens: jax.Array, *, seq_len: int | None = None) -> LMOutput:
         """``tokens: int32[batch, seq]`` -> `LMOutput` (logits ``[batch, seq, vocab]``, aux).
@@ -781,7 +789,12 @@ class Transformer(nnx.Module):
     def _forward(self, tokens: jax.Array, cos: jax.Array, sin: jax.Array,
                  seq_len: int | None) -> LMOutput:
         cfg = self.cfg
-        x = self.embed(tokens)
+        axes = current_axes()
+        if axes.vocab is None:
+            x = self.embed(tokens)
+        else:
+            x = vocab_embed(tokens, self.embed.embedding.get_value(), axis=axes.vocab,
+                            axis_size=axes.vocab_size, dtype=cfg.dtype)
         graphdef, stacked = nnx.split(self.blocks)
 
         def layer(carry: Any, params: Any) -> Any:
@@ -794,8 +807,29 @@ class Transformer(nnx.Module):
         x, aux, dropped = scan_layers(layer, carry, stacked, remat_policy=_REMAT[cfg.remat],
                              unroll=cfg.unrolled)
         x = self.final_norm(x)
+        if axes.vocab is not None:
+            return LMOutput(self._vocab_logits(x, axes), aux, dropped)
         logits = self.embed.attend(x) if self.lm_head is None else self.lm_head(x)
         return LMOutput(logits, aux, dropped)
+
+    def _vocab_logits(self, x: jax.Array, axes: Any) -> jax.Array:
+        """The vocabulary-parallel head (`gtp_jax.parallel.vocab.vocab_logits`): this rank's
+        vocabulary slice of the logits of every rank's rows on ``axes.vocab``."""
+        common = dict(axis=axes.vocab, axis_size=axes.vocab_size, dtype=self.cfg.dtype)
+        if self.lm_head is None:
+            return vocab_logits(x, self.embed.embedding.get_value(), transpose=True, **common)
+        head = self.lm_head
+        return vocab_logits(x, head.kernel.get_value(),
+                            dot=functools.partial(head.dot_general, precision=head.precision),
+                            **common)
+
+    def _vocab_split(self, mesh: Any) -> str | None:
+        """The axis the embedding and head split the vocabulary over on `mesh`, or None
+        (`gtp_jax.base.axes.vocab_axis`; a head computing in FP8 keeps its gathered form,
+        whose scales are the whole weight's)."""
+        if self.lm_head is not None and self.lm_head.dot_general is not jax.lax.dot_general:
+            return None
+        return vocab_axis(mesh)
 
     def gtp_input_layout(self, mesh: Any, tokens: jax.Array, *,
                          seq_len: int | None = None) -> InputLayout:
@@ -826,8 +860,14 @@ class Transformer(nnx.Module):
 
     def gtp_output_layout(self, mesh: Any, tokens: jax.Array, *,
                           seq_len: int | None = None) -> OutputLayout | None:
-        """Output placement under `gtp_jax.shard`: logits sequence-sharded over ``tp``
-        (or ``cp``).
+        """Output placement under `gtp_jax.shard`: logits split over the vocabulary, or
+        sequence-sharded over ``tp`` (or ``cp``).
+
+        Where the mesh allows a vocabulary split (`gtp_jax.base.axes.vocab_axis`: GTP over
+        more than one rank, no tp or cp; not with an FP8 head) the embedding and the head
+        run vocabulary-parallel (`gtp_jax.parallel.vocab`) and the logits leave as
+        ``[batch, seq, vocab]`` with ``P(other data axes, None, "gtp")``: no rank gathers
+        the embedding or head weights or builds their whole gradients.
 
         The logits leave ``shard_map`` as ``[batch, padded_seq, vocab]`` with
         ``P(data_axes, "tp")`` (no all-gather of the vocabulary-sized tensor), and the
@@ -850,6 +890,15 @@ class Transformer(nnx.Module):
             return OutputLayout(
                 specs, lambda out: out._replace(logits=out.logits[:, :seq_len]))
         tp = int(mesh.shape.get(TP_AXIS, 1))
+        vocab = self._vocab_split(mesh)
+        if vocab is not None:
+            # every vocab rank's rows, this rank's slice of the vocabulary: the batch is
+            # split over the other data axes, the vocabulary over `vocab`
+            rows = tuple(a for a in data if a != vocab)
+            specs = LMOutput(P(rows or None, None, vocab), P(data), P(data))
+            size = self.cfg.vocab_size
+            return OutputLayout(specs, lambda out: out if out.logits.shape[-1] == size else
+                                out._replace(logits=out.logits[..., :size]), vocab=vocab)
         if tp == 1:
             return None
         specs = LMOutput(P(data, TP_AXIS), P(data), P(data))

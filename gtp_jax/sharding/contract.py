@@ -68,10 +68,16 @@ class OutputLayout:
         logits plus a per-example value.
       finalize: applied to the global outputs after ``shard_map`` (e.g. drop sequence
         padding), or None.
+      vocab: the mesh axis the module splits its vocabulary over (from
+        `gtp_jax.base.axes.vocab_axis`), or None: while it is traced the module sees it as
+        ``current_axes().vocab`` and runs its embedding and output head vocabulary-parallel
+        (`gtp_jax.parallel.vocab`); `specs` must then put the logits' vocabulary dim on this
+        axis and their batch dim on the other data axes.
     """
 
     specs: Any
     finalize: Callable[[Any], Any] | None = None
+    vocab: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)

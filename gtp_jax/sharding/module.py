@@ -15,11 +15,18 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from gtp_jax.base.axes import ParallelAxes, use_axes
+from gtp_jax.base.axes import ParallelAxes, use_axes, vocab_axis
 from gtp_jax.base.config import GTPConfig
 from gtp_jax.base.errors import UsageError, UsageTypeError
 from gtp_jax.base.mesh import check_axis, cp_size, data_axes, data_size, seq_axes, shard_key
-from gtp_jax.base.metadata import LOGICAL_SHAPE, REDUCE, SPLIT_AXES, SPLIT_LAYOUT, STACKED
+from gtp_jax.base.metadata import (
+    LOCAL,
+    LOGICAL_SHAPE,
+    REDUCE,
+    SPLIT_AXES,
+    SPLIT_LAYOUT,
+    STACKED,
+)
 from gtp_jax.sharding import fp8
 from gtp_jax.sharding.collectives import gather_weight
 from gtp_jax.sharding.contract import (
@@ -239,6 +246,9 @@ class ShardedModule(nnx.Module, HoldsShards):
         axes_in_use = ParallelAxes.from_mesh(mesh)
         if not seq_split:  # cp is published only to a module whose inputs are split over it
             axes_in_use = dataclasses.replace(axes_in_use, cp=None, cp_size=1)
+        if layout.vocab is not None and not single:  # the module's opt-in (its layout)
+            axes_in_use = dataclasses.replace(axes_in_use, vocab=layout.vocab,
+                                              vocab_size=int(mesh.shape[layout.vocab]))
         call_body, lazy = body, False
         if self.config.remat_gathered and built:
             with use_axes(axes_in_use):
@@ -306,7 +316,7 @@ class ShardedModule(nnx.Module, HoldsShards):
         if plan.stacked:
             return GTPShard(x, spec, self.config.prefetch,
                             keep_gathered=self.config.keep_gathered_layers)
-        if lazy:
+        if lazy or plan.local:
             return LazyWeight(x, spec)
         return whole_weight(x, spec) if spec.axis_size == 1 else gather_weight(x, spec)
 
@@ -329,6 +339,13 @@ class ShardedModule(nnx.Module, HoldsShards):
             raise UsageTypeError(
                 f"{type(self.module).__name__}.gtp_output_layout must return an OutputLayout "
                 f"or None, got {type(layout).__name__}.")
+        if layout is not None and layout.vocab is not None and \
+                layout.vocab != vocab_axis(self.mesh):
+            raise UsageError(
+                f"{type(self.module).__name__}.gtp_output_layout asks for a vocabulary split "
+                f"over {layout.vocab!r}, but on this mesh ({dict(self.mesh.shape)}) the "
+                f"vocabulary can be split over {vocab_axis(self.mesh)!r} only "
+                "(gtp_jax.base.axes.vocab_axis); set OutputLayout.vocab from vocab_axis(mesh).")
         return layout
 
     def _arg_specs(self, leaves: list, names: list[str], in_layout: InputLayout | None = None
@@ -570,6 +587,11 @@ def plan_placement(module: nnx.Module, mesh: Mesh, config: GTPConfig) -> Placeme
                                          align=config.alignment(mesh.shape[config.axis]))
             plan = plan_param(path, tuple(value.shape), np.dtype(value.dtype), stacked=stacked,
                               mesh=mesh, config=config, splits=splits, shard_dim=shard_dim)
+            if plan is not None and meta.get(LOCAL) and not stacked:
+                # Read as its own slice where the module can (never gathered there, so no
+                # gather format rounds it); where it cannot, gathered in the gather dtype.
+                plan = dataclasses.replace(plan, local=True, spec=dataclasses.replace(
+                    plan.spec, gather_format=None))
             if plan is None and splits:
                 plan = SplitPlan(path=path, stacked=stacked, splits=splits)
             elif plan is not None and path in fp8_direct and plan.spec.quantized and not splits:

@@ -150,12 +150,15 @@ class ParamPlan:
         weight, one layer's slice; with ``tp``/``ep`` splits, this rank's piece).
       stacked: the leading dim is a layer stack (split happens on dim 1 of the stored array).
       splits: model-parallel splits applied before GTP (empty without ``tp``/``ep``).
+      local: the module may read the shard itself (`gtp_jax.base.metadata.LOCAL`): it
+        reaches the call as a `gtp_jax.sharding.lazy.LazyWeight`, gathered only where read.
     """
 
     path: str
     spec: GatherSpec
     stacked: bool
     splits: tuple[DimSplit, ...] = ()
+    local: bool = False
 
     @property
     def stored_dim(self) -> int:
