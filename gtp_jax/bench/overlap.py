@@ -118,7 +118,9 @@ def run_variant(args: argparse.Namespace) -> dict:
         from gtp_jax.train import TrainConfig
         from gtp_jax.train.config import make_optimizer
 
-        tx, grad_norm = make_optimizer(TrainConfig(steps=args.warmup + args.steps)), True
+        # The CLI's optimizer for this preset (its default peak LR and warm-up).
+        tx, grad_norm = make_optimizer(TrainConfig(preset=args.preset,
+                                                   steps=args.warmup + args.steps)), True
     else:
         tx, grad_norm = optax.adamw(1e-4), False  # as the peers: loss only
     optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
