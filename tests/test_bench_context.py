@@ -30,6 +30,7 @@ def test_worker_one_step_finite_loss(mesh, capsys) -> None:
     assert result["cp"] == (4 if "cp" in mesh else 1)
     assert result["batch"] == (2 if "cp" in mesh else 8)
     assert result["step_ms"] > 0 and result["tokens_per_s"] > 0
+    assert 0 < result["compile_s"] < result["first_step_s"]
     assert "| gtp" in bench.format_table([result])
 
 

@@ -21,6 +21,9 @@ def test_user_model_variant_runs_one_step(variant: str) -> None:
     assert result["variant"] == variant and result["devices"] == 8
     assert result["layers"] == 2
     assert math.isfinite(result["loss"]) and result["loss"] > 0
+    # The time to the first step: the compile, then the first run.
+    assert 0 < result["compile_s"] < result["first_step_s"]
+    assert "first step" in overlap.first_step_text(result)
 
 
 @pytest.mark.parametrize("given", [

@@ -104,9 +104,10 @@ def test_grad_accum_matches_one_step_on_the_whole_batch() -> None:
     assert_close(accum_losses, whole_losses, 1e-6, "losses")
     # The reported LR is the one each update used: the schedule's at counts 0, 1 (steps 1
     # and 2: the one warm-up step at the peak, the last step at the end rate).
-    rate = lr_schedule(CFG.lr, CFG.warmup, CFG.steps)
+    rate = lr_schedule(CFG.peak_lr, CFG.warmup, CFG.steps)
     assert accum_lrs == whole_lrs == [float(rate(0)), float(rate(1))]
-    assert accum_lrs == [pytest.approx(CFG.lr, rel=1e-7), pytest.approx(CFG.lr / 10, rel=1e-6)]
+    assert accum_lrs == [pytest.approx(CFG.peak_lr, rel=1e-7),
+                         pytest.approx(CFG.peak_lr / 10, rel=1e-6)]
     assert accum.keys() == whole.keys()
     for key, value in accum.items():
         assert_close(value, whole[key], 1e-4, str(key))
@@ -218,7 +219,7 @@ def test_clip_and_betas_reach_the_optimizer() -> None:
     for clip, b1, b2 in ((0.0, 0.9, 0.95), (0.5, 0.9, 0.95), (1.0, 0.5, 0.99)):
         cfg = TrainConfig(steps=10, warmup=0, clip_grad_norm=clip, adam_b1=b1, adam_b2=b2,
                           weight_decay=0.0, lr_schedule="constant")
-        ref = optax.adam(cfg.lr, b1=b1, b2=b2)
+        ref = optax.adam(cfg.peak_lr, b1=b1, b2=b2)
         tx = make_optimizer(cfg)
         state, ref_state = tx.init(params), ref.init(params)
         for scale in (1.0, 0.1):

@@ -72,8 +72,8 @@ def test_metrics_stream_while_alive_and_survive_a_crash(tmp_path) -> None:
         assert record["grad_norm"] > 0 and record["tokens_per_s"] > 0
     # The LR each update used: warm-up over 2 steps (step k at k/2 of the peak), then the
     # cosine decay's first step (a third of the way to 10% over steps 3-5).
-    assert [r["lr"] for r in lines] == [pytest.approx(cfg.lr / 2), pytest.approx(cfg.lr),
-                                        pytest.approx(cfg.lr * (0.1 + 0.9 * 0.75))]
+    assert [r["lr"] for r in lines] == [pytest.approx(cfg.peak_lr / 2), pytest.approx(cfg.peak_lr),
+                                        pytest.approx(cfg.peak_lr * (0.1 + 0.9 * 0.75))]
     scalars = _scalars(log_dir)
     assert [step for step, _ in scalars["train/loss"]] == [1, 2, 3]
     assert [v for _, v in scalars["train/loss"]] == pytest.approx([r["loss"] for r in lines])

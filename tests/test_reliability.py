@@ -526,8 +526,8 @@ def _other_value(value: object) -> object:
 
 def test_resume_compares_every_field_that_is_not_layout_only() -> None:
     # The schedule set explicitly (None would adopt the checkpoint's, by design).
-    cfg = TrainConfig(steps=6, schedule_steps=6, warmup=1, schedule_version=2, moe_experts=4,
-                      moe_top_k=2)
+    cfg = TrainConfig(steps=6, schedule_steps=6, warmup=1, schedule_version=2, lr=3e-3,
+                      moe_experts=4, moe_top_k=2)
     assert RESUME_MAY_DIFFER <= {f.name for f in dataclasses.fields(TrainConfig)}
     compared = [f.name for f in dataclasses.fields(TrainConfig)
                 if f.name not in RESUME_MAY_DIFFER]

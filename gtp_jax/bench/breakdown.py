@@ -11,7 +11,9 @@ buffer assignment (`gtp_jax.bench.memory`):
   AdamW kernels), copies, other; and the wall time split into compute (some compute kernel
   running), exposed collectives (a collective running and no compute) and idle (nothing);
 - peak memory by category (gtp_jax: `gtp_jax.bench.memory`; the peer: its allocator's peak
-  beside the bytes of its sharded parameters, gradients and optimizer state).
+  beside the bytes of its sharded parameters, gradients and optimizer state);
+- the time to the first step of each side (``first_step_s`` in ``breakdown.json``; gtp_jax's
+  split into the compile, with the persistent compilation cache's hit or miss, and the run).
 
 Usage::
 
@@ -212,6 +214,7 @@ def _run_sides(args: argparse.Namespace, out: Path, extra: list[str]) -> None:
 
 def _report(out: Path) -> int:
     from gtp_jax.bench.memory import breakdown_of_dump, model_shapes
+    from gtp_jax.bench.overlap import first_step_text
 
     rows: dict[str, StepBreakdown] = {}
     step_ms: dict[str, float] = {}
@@ -240,9 +243,10 @@ def _report(out: Path) -> int:
         weights, vocab = model_shapes(cfg)
         mem = breakdown_of_dump(out / "dump", weight_elements=weights, vocab=vocab)
         summary["gtp_jax"] = {"step": r, "memory": mem.as_dict()}
+        summary["first_step_s"] = {"gtp_jax": r.get("first_step_s")}
         print(f"gtp_jax: {r['step_ms']:.1f} ms, MFU {_pct(r.get('mfu'))}, allocator peak "
               f"{r['peak_mem_gib']:.2f} GiB, state {r['state_gib']:.2f} GiB "
-              f"({r['device_kind']} x{r['devices']})")
+              f"({r['device_kind']} x{r['devices']}){first_step_text(r)}")
         print(mem.table())
     if (out / "torch.json").exists() and (out / "torch_trace.json").exists():
         t = json.loads((out / "torch.json").read_text())
@@ -251,11 +255,13 @@ def _report(out: Path) -> int:
         kernel_tables["torch_fsdp2"] = kernel_breakdown(events, steps=3, top=15).table()
         step_ms["torch_fsdp2"] = t["step_ms"]
         summary["torch_fsdp2"] = {"step": t}
+        summary.setdefault("first_step_s", {})["torch_fsdp2"] = t.get("first_step_s")
         state = t.get("state_gib")
         print(f"\ntorch_fsdp2 ({t.get('recipe', 'compiled')}): {t['step_ms']:.1f} ms, MFU "
               f"{_pct(t.get('mfu'))}, allocator peak {t['peak_mem_gib']:.2f} GiB"
               + (f", sharded params + grads + optimizer {state:.2f} GiB, the rest "
-                 f"{t['peak_mem_gib'] - state:.2f} GiB" if state else ""))
+                 f"{t['peak_mem_gib'] - state:.2f} GiB" if state else "")
+              + first_step_text(t))
     for name, table in kernel_tables.items():
         print(f"\n## {name}: kernels\n\n{table}")
     if rows:

@@ -12,7 +12,9 @@ Rows (each in its own process, side by side in one call):
                 (the quantize passes included), over square sizes: where FP8 starts to pay
 
 Each row prints step ms, peak GiB and, from the compiled program, how many GEMMs are
-cuBLASLt FP8 GEMMs (``__cublas$lt$matmul$f8``) and how many are not. The PyTorch peer is
+cuBLASLt FP8 GEMMs (``__cublas$lt$matmul$f8``) and how many are not; a blocks row also the
+time to its first step (``first_step_s``: the compile, or its read from the persistent
+compilation cache, ``compile_s`` / ``compile_cache``, then one step). The PyTorch peer is
 ``benchmarks/torch_fp8_blocks.py`` (torchao float8); ``benchmarks/fp8.sh`` runs both.
 """
 
@@ -76,6 +78,7 @@ def run_blocks(args: argparse.Namespace, row: str) -> dict[str, Any]:
     from flax import nnx
 
     import gtp_jax
+    from gtp_jax.base.compile_watch import measure_compile
     from gtp_jax.train import TrainStep
     from gtp_jax.train.step.train_step import step_program
 
@@ -129,8 +132,9 @@ def run_blocks(args: argparse.Namespace, row: str) -> dict[str, Any]:
     x = jax.device_put(jax.random.normal(jax.random.key(1), (jax.device_count(), seq, d), bf16),
                        gtp_jax.data_sharding(mesh))
     # The step's own program, compiled once: its HLO is counted and the executable timed.
-    compiled = step_program(step.graphdef, loss_fn, grad_norm=False).lower(
-        step.state, x).compile()
+    start = time.perf_counter()
+    compiled, compile_report = measure_compile(lambda: step_program(
+        step.graphdef, loss_fn, grad_norm=False).lower(step.state, x).compile())
     counts = _gemm_counts(compiled.as_text())
     state = [step.state]
 
@@ -138,6 +142,8 @@ def run_blocks(args: argparse.Namespace, row: str) -> dict[str, Any]:
         state[0], metrics = compiled(state[0], batch)
         return metrics["loss"]
 
+    jax.block_until_ready(run(x))  # the first step: the time to it is compile + run
+    first_step_s = time.perf_counter() - start
     ms = _median_ms(run, x, steps=args.steps, warmup=args.warmup)
     if args.profile_dir:
         _profile(run, x, os.path.join(args.profile_dir, row),
@@ -146,7 +152,8 @@ def run_blocks(args: argparse.Namespace, row: str) -> dict[str, Any]:
         + 6 * args.layers * heads * seq * seq * hd  # causal attention: half of 4*s*s*hd, x3
     return {"row": row, "step_ms": ms,
             "tflops": flops / ms / 1e9, "peak_gib": _peak_gib(),
-            "fp8_layers": len(model.fp8_layers), **counts}
+            "fp8_layers": len(model.fp8_layers), "first_step_s": first_step_s,
+            **compile_report.to_json(), **counts}
 
 
 def _profile(run: Any, x: Any, directory: str, hlo: str, steps: int = 3) -> None:
@@ -221,21 +228,24 @@ def _launches(row: dict[str, Any]) -> str:
 
 def _table(results: list[dict[str, Any]]) -> str:
     lines = ["| row | step ms | TFLOP/s | peak GiB | FP8 GEMMs | other GEMMs | quantize "
-             "launches | vs bf16 |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "launches | vs bf16 | first step s |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     by = {r["row"]: r for r in results}
     for r in results:
         if "error" in r:
-            lines.append(f"| {r['row']} | error: {r['error'][:120]} | | | | | | |")
+            lines.append(f"| {r['row']} | error: {r['error'][:120]} | | | | | | | |")
             continue
         twin = by.get("blocks_bf16" if r["row"].startswith("blocks_")
                       else r["row"].replace("fp8", "bf16"))
         ratio = (f"{r['step_ms'] / twin['step_ms']:.3f}x" if twin and "step_ms" in twin
                  and twin is not r else "")
         peak = f"{r['peak_gib']:.1f}" if r.get("peak_gib") is not None else "-"
+        first = (f"{r['first_step_s']:.1f}" + (f" ({r['compile_cache']})"
+                                                if r.get("compile_cache") else "")
+                 if r.get("first_step_s") is not None else "-")
         lines.append(f"| {r['row']} | {r['step_ms']:.2f} | {r['tflops']:.0f} | {peak} | "
                      f"{r.get('fp8_gemms', '-')} | {r.get('other_gemms', '-')} | "
-                     f"{_launches(r)} | {ratio} |")
+                     f"{_launches(r)} | {ratio} | {first} |")
     return "\n".join(lines)
 
 

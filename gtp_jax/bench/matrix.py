@@ -25,7 +25,9 @@ program (`gtp_jax.scan_layers`): those cells are measured once and shown for bot
 Every cell is compared with the best cell of its group: the grid cells with the same remat
 policy, the CLI with its benchmark twin, the wrapped user model with the unwrapped one and
 XLA's FSDP. A gtp_jax cell over `TIME_FLAG` x its group's best step time or `MEMORY_FLAG` x
-its group's lowest peak memory is flagged (peers are shown, never flagged).
+its group's lowest peak memory is flagged (peers are shown, never flagged). Each row also
+carries the time to its first step (``first_step_s``: the step's compile, or its read from
+the persistent compilation cache, then its first run; ``compile_cache``: hit or miss).
 """
 
 from __future__ import annotations
@@ -148,7 +150,8 @@ def run_cell(cell: Cell, args: argparse.Namespace) -> dict | None:
         return None
     return {"step_ms": row["step_ms"], "peak_mem_gib": row["peak_mem_gib"],
             "device_kind": row["device_kind"], "devices": row["devices"],
-            "jax": row.get("jax"), "trace": row.get("trace")}
+            "jax": row.get("jax"), "trace": row.get("trace"),
+            "first_step_s": row.get("first_step_s"), "compile_cache": row.get("compile_cache")}
 
 
 def _run_cli(args: argparse.Namespace) -> dict | None:
@@ -176,7 +179,9 @@ def _run_cli(args: argparse.Namespace) -> dict | None:
     return {"step_ms": statistics.median(times) * 1e3,
             "peak_mem_gib": memory.get("peak_bytes_in_use", 0) / 2**30,
             "device_kind": summary["device_kind"], "devices": summary["num_devices"],
-            "choices": header.removeprefix("gtp_jax train: ")}
+            "choices": header.removeprefix("gtp_jax train: "),
+            "first_step_s": summary.get("first_step_s"),
+            "compile_cache": summary.get("compile_cache")}
 
 
 def _device_count() -> int:
@@ -216,7 +221,7 @@ def flag_rows(rows: list[dict]) -> list[dict]:
 def format_table(rows: list[dict]) -> str:
     """A markdown table of flagged rows."""
     lines = ["| cell | group | loop | prefetch | remat | gather | compute | step ms | peak GiB | "
-             "time / best | memory / best | flag |", "|" + "---|" * 12]
+             "time / best | memory / best | first step s | flag |", "|" + "---|" * 13]
     for r in rows:
         fmt = lambda x, f: "-" if x is None else f.format(x)  # noqa: E731
         name = r["name"] + (f" (= {r['same_as']})" if r.get("same_as") else "")
@@ -225,7 +230,8 @@ def format_table(rows: list[dict]) -> str:
             f"| {name} | {r['group']} | {r['loop']} | {r['prefetch']} | {r['remat']} | "
             f"{r['gather']} | {r.get('compute', 'bf16')} | {fmt(r.get('step_ms'), '{:.1f}')} | "
             f"{fmt(r.get('peak_mem_gib'), '{:.1f}')} | {fmt(r.get('time_ratio'), '{:.3f}x')} "
-            f"| {fmt(r.get('memory_ratio'), '{:.2f}x')} | {r.get('flag') or ''} |")
+            f"| {fmt(r.get('memory_ratio'), '{:.2f}x')} | {fmt(r.get('first_step_s'), '{:.1f}')} "
+            f"| {r.get('flag') or ''} |")
     cli = next((r for r in rows if r["name"] == "cli" and r.get("step_ms")), None)
     twin = next((r for r in rows if r["name"] == "cli_bench" and r.get("step_ms")), None)
     if cli and twin:

@@ -42,7 +42,7 @@ import time
 from pathlib import Path
 
 from gtp_jax.base.xla_flags import simulate_cpu_devices
-from gtp_jax.bench.overlap import profile_steps, run_for_result
+from gtp_jax.bench.overlap import first_step_text, profile_steps, run_for_result
 
 MODEL_VARIANTS = ("no_tp", "tp", "tp_overlap", "tp_gtp", "tp_gtp_overlap",
                   "no_tp_moe", "tp_overlap_moe", "tp_gtp_overlap_moe")
@@ -101,6 +101,7 @@ def run_model_variant(args: argparse.Namespace) -> dict:
     from flax import nnx
 
     import gtp_jax
+    from gtp_jax.base.compile_watch import measure_compile
     from gtp_jax.models import Transformer, lm_loss
     from gtp_jax.train import TrainStep
     from gtp_jax.train.outputs.observe import memory_per_device
@@ -120,8 +121,12 @@ def run_model_variant(args: argparse.Namespace) -> dict:
     batch = args.batch or 2 * n
     data = jax.random.randint(jax.random.key(1), (4, batch, args.seq + 1), 0, cfg.vocab_size)
     batches = [jax.device_put(data[i], gtp_jax.data_sharding(mesh)) for i in range(4)]
+    # The time to the first step: the compile (or the persistent cache's read), its run.
+    start = time.perf_counter()
+    _, compiled = measure_compile(lambda: step.compile(batches[0]))
     first = step(batches[0])
     first_loss, first_norm = float(first["loss"]), float(first["grad_norm"])
+    first_step_s = time.perf_counter() - start
     for i in range(1, args.warmup):
         jax.block_until_ready(step(batches[i % 4]))
     times, loss = [], None
@@ -147,6 +152,7 @@ def run_model_variant(args: argparse.Namespace) -> dict:
         "step_ms": statistics.median(times) * 1e3, "step_ms_min": min(times) * 1e3,
         "peak_mem_gib": peak / 2**30 if peak else None,
         "param_opt_gib": state / 2**30, "trace": trace,
+        "first_step_s": first_step_s, **compiled.to_json(),
         "jax": jax.__version__, "xla_flags": os.environ.get("XLA_FLAGS", ""),
     }
 
@@ -385,7 +391,8 @@ def main(argv: list[str] | None = None) -> int:
         result = _spawn(worker, args, env)
         if result:
             what = f"{result['ms']:.3f} ms" if args.micro else (
-                f"{result['step_ms']:.1f} ms, loss@1 {result['loss_step1']:.5f}")
+                f"{result['step_ms']:.1f} ms, loss@1 {result['loss_step1']:.5f}"
+                f"{first_step_text(result)}")
             print(f"[{variant}] {what}", flush=True)
             rows.append(result)
     if rows:

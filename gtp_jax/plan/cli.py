@@ -53,7 +53,7 @@ def _parser() -> argparse.ArgumentParser:
                              "compilation cache on, the run reuses the plan's compile)")
     parser.add_argument("--warmup", type=int, default=None,
                         help="warm-up steps of the run (as train's --warmup; default: a tenth "
-                        "of --steps, at most 10)")
+                        "of --steps, at most the preset's maximum)")
     parser.add_argument("--memory-gib", type=float, default=None,
                         help="budget per device in GiB; default: the device's memory "
                         "(none on CPU)")

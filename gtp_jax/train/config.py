@@ -21,6 +21,7 @@ from gtp_jax.models.attention import cudnn_unsupported, resolve_attention_impl
 from gtp_jax.models.hf import read_config
 from gtp_jax.sharding.offload import StreamableChain
 from gtp_jax.train.step import optim
+from gtp_jax.train.step.lr_defaults import LrDefaults, default_warmup, lr_defaults
 from gtp_jax.train.step.optim import check_optimizer_settings
 
 #: TrainConfig fields that only change the layout or the schedule of the computation, not
@@ -64,11 +65,15 @@ class TrainConfig:
       dp, gtp, tp, ep: mesh sizes (their product, times `cp`, must equal the device count).
       cp: context-parallel size: each sequence is split over ``cp`` devices and attention
         runs as ring attention (`gtp_jax.parallel.context`); 1: off.
-      lr: peak AdamW learning rate (of the `lr_schedule`).
+      lr: peak AdamW learning rate (of the `lr_schedule`); None: the preset's own
+        (`gtp_jax.train.step.lr_defaults`: 3e-3 for tiny down to 1.5e-4 for llama3-70b; 3e-3
+        for an `init_from_hf` model), fixed when the run starts and recorded in its
+        checkpoints (`peak_lr`; a resumed run keeps its checkpoint's).
       warmup: warm-up steps: step k <= warmup trains at ``lr * k / warmup``; None: a tenth
-        of the schedule's steps, at most 10 (`gtp_jax.train.step.optim.default_warmup`), fixed
-        when the run starts and recorded in its checkpoints. Must leave at least one step
-        of the schedule to decay in (the constant schedule: at most its steps).
+        of the schedule's steps, at most the preset's maximum (10 for tiny, small and 100m,
+        up to 200 for llama3-70b; `gtp_jax.train.step.lr_defaults`), fixed when the run
+        starts and recorded in its checkpoints. Must leave at least one step of the
+        schedule to decay in (the constant schedule: at most its steps).
       weight_decay: AdamW decoupled weight decay.
       lr_schedule: "cosine" (warm-up, cosine decay to 10% of `lr`), "linear" (warm-up,
         linear decay to 10%), "wsd" (warm-up, stable, linear decay to 10% over the last
@@ -153,7 +158,7 @@ class TrainConfig:
     tp: int = 1
     ep: int = 1
     cp: int = 1
-    lr: float = 3e-3
+    lr: float | None = None
     warmup: int | None = None
     weight_decay: float = 0.1
     seed: int = 0
@@ -205,7 +210,8 @@ class TrainConfig:
         for name in ("vocab_size", "layers"):
             if getattr(self, name) is not None:
                 _check_int(name, getattr(self, name), 1)
-        _check_float("lr", self.lr, positive=True)
+        if self.lr is not None:
+            _check_float("lr", self.lr, positive=True)
         _check_float("weight_decay", self.weight_decay, positive=False)
         if self.moe_capacity_factor is not None:
             _check_float("moe_capacity_factor", self.moe_capacity_factor, positive=True)
@@ -314,10 +320,22 @@ class TrainConfig:
         return self.schedule_steps if self.schedule_steps is not None else self.steps
 
     @property
+    def lr_defaults(self) -> LrDefaults:
+        """The schedule defaults of this run's model: its preset's, or the generic ones for
+        an `init_from_hf` model (`gtp_jax.train.step.lr_defaults`)."""
+        return lr_defaults(None if self.init_from_hf is not None else self.preset)
+
+    @property
+    def peak_lr(self) -> float:
+        """The peak learning rate: `lr`, or the model's default (`lr_defaults`) when None."""
+        return self.lr if self.lr is not None else self.lr_defaults.lr
+
+    @property
     def lr_warmup(self) -> int:
-        """The warm-up: `warmup`, or `default_warmup` of the schedule when it is None."""
-        return self.warmup if self.warmup is not None else optim.default_warmup(
-            self.lr_schedule_steps)
+        """The warm-up: `warmup`, or the model's default for the schedule's length when it is
+        None (a tenth of it, at most the preset's maximum: `lr_defaults`)."""
+        return self.warmup if self.warmup is not None else default_warmup(
+            self.lr_schedule_steps, self.lr_defaults)
 
     @property
     def lr_schedule_version(self) -> int:
@@ -326,7 +344,7 @@ class TrainConfig:
                 else optim.SCHEDULE_VERSION)
 
     def with_schedule(self) -> TrainConfig:
-        """This config with its schedule fixed: `schedule_steps`, `warmup` and
+        """This config with its schedule fixed: `lr`, `schedule_steps`, `warmup` and
         `schedule_version` set to what None stands for now, as a run records them (so a
         later extension, or a later default, does not change the run's schedule).
 
@@ -334,7 +352,8 @@ class TrainConfig:
           UsageError: a warm-up that leaves no step of the schedule to decay in (checked
             here, once the schedule's length is known: a resumed run keeps its own).
         """
-        return dataclasses.replace(self, schedule_steps=self.lr_schedule_steps,
+        return dataclasses.replace(self, lr=self.peak_lr,
+                                   schedule_steps=self.lr_schedule_steps,
                                    warmup=self.lr_warmup,
                                    schedule_version=self.lr_schedule_version)
 
@@ -365,7 +384,8 @@ def make_optimizer(cfg: TrainConfig) -> StreamableChain:
     ``nnx.Optimizer``, so an equal object lets a `TrainStep` reuse its compiled program.
     """
     return optim.make_optimizer(
-        float(cfg.lr), int(cfg.lr_warmup), int(cfg.lr_schedule_steps), float(cfg.weight_decay),
+        float(cfg.peak_lr), int(cfg.lr_warmup), int(cfg.lr_schedule_steps),
+        float(cfg.weight_decay),
         schedule=cfg.lr_schedule, decay_steps=cfg.decay_steps,
         clip_grad_norm=float(cfg.clip_grad_norm), b1=float(cfg.adam_b1),
         b2=float(cfg.adam_b2), eps=float(cfg.adam_eps), version=int(cfg.lr_schedule_version))
@@ -527,6 +547,34 @@ def describe_choices(cfg: TrainConfig, model_cfg: TransformerConfig) -> str:
         else ""
     return (f"compute {cfg.dtype}, gathers {gather}{reduce}, remat {model_cfg.remat}, "
             f"attention {attention}, {loop}{offload}{fp8}")
+
+
+def describe_schedule(cfg: TrainConfig, given: TrainConfig | None = None) -> str:
+    """One line naming the run's learning-rate schedule and where its peak LR and warm-up
+    come from, e.g. ``lr 0.0003 (the llama3-8b preset's default), warm-up 5 steps (a tenth
+    of the steps, at most 100), cosine schedule over 50 steps``.
+
+    Args:
+      cfg: the run's config with its schedule fixed (`TrainConfig.with_schedule`; a resumed
+        run's with its checkpoint's schedule).
+      given: the config the caller passed, whose None `lr` / `warmup` asked for the
+        defaults; None: not known (a value equal to the default is named as the default).
+    """
+    defaults = cfg.lr_defaults
+    lr, warmup = cfg.peak_lr, cfg.lr_warmup
+    lr_text, warmup_text = f"lr {lr:g}", f"warm-up {warmup} steps"
+    if given is None or given.lr is None:
+        if lr == defaults.lr:
+            lr_text += f" ({defaults.origin})"
+        elif given is not None:  # a default that is not today's: the resumed run's
+            lr_text += " (kept from the checkpoint)"
+    if given is None or given.warmup is None:
+        if warmup == default_warmup(cfg.lr_schedule_steps, defaults):
+            warmup_text += f" (a tenth of the steps, at most {defaults.max_warmup})"
+        elif given is not None:
+            warmup_text += " (kept from the checkpoint)"
+    return (f"{lr_text}, {warmup_text}, {cfg.lr_schedule} schedule over "
+            f"{cfg.lr_schedule_steps} steps")
 
 
 def model_json(model_cfg: TransformerConfig) -> dict[str, Any]:

@@ -26,6 +26,7 @@ import numpy as np
 from flax import nnx
 
 import gtp_jax
+from gtp_jax.base.compile_watch import CompileReport, measure_compile
 from gtp_jax.base.errors import UsageError
 from gtp_jax.base.metadata import LOGICAL_SHAPE
 from gtp_jax.data import ByteBatcher, PackedBatcher, RowBatch, TextData
@@ -304,7 +305,7 @@ def _train(run: Run, *, on_step: OnStep | None, progress: bool,
             return NonuniformStep.recover(run, failure_plan, state, loss_fn, failure=failure,
                                           original=original)
     try:
-        losses, times, saved, recovery, step_fn, val_losses = _step_loop(
+        losses, times, saved, recovery, step_fn, val_losses, compiled = _step_loop(
             run, step_fn, batcher, start=start, ckpt=ckpt, profiler=profiler,
             on_step=on_step, progress=progress, failure_step=failure.step if switch else None,
             switch=switch, held_out=held_out, source=source.record, stop=stop,
@@ -327,7 +328,7 @@ def _train(run: Run, *, on_step: OnStep | None, progress: bool,
     result = _result(cfg, model_cfg, model, optimizer, losses=losses, times=times,
                      first_step=start + 1, saved=saved, ckpt=ckpt, window=window,
                      trace=profiler.trace_path if profiler is not None else None,
-                     recovery=recovery, val_losses=val_losses)
+                     recovery=recovery, val_losses=val_losses, compiled=compiled)
     if not finished:  # the loop returned early: a stop request
         result.stopped_by = stop.name
     elif cfg.export_hf is not None:
@@ -348,10 +349,13 @@ def _step_loop(run: Run, step_fn: TrainStep,
                stop: StopRequest | None = None,
                log: MetricsLog | None = None, log_every: int = 5,
                ) -> tuple[list[float], list[float], list[int], Recovery | None, Any,
-                          dict[int, float]]:
+                          dict[int, float], CompileReport | None]:
     """Steps ``start + 1 .. cfg.steps``: (losses, step seconds, checkpointed steps, the
     recovery from a simulated failure or None, the step function in use at the end, the
-    held-out loss after each evaluated step).
+    held-out loss after each evaluated step, the step's compile).
+
+    The step is compiled before its first run (`_compile_step`; with `progress`, process 0
+    says so before and after), so the first step's time is its run alone.
 
     With `held_out` batches and ``cfg.eval_every``, the model's mean cross-entropy over
     them is computed after every ``cfg.eval_every``-th step and the last one (the host
@@ -363,10 +367,12 @@ def _step_loop(run: Run, step_fn: TrainStep,
     the host between steps. The host waits for the step in flight only where it must: at a
     checkpoint (the state is donated to the next step), at the simulated failure, at the
     ends of the profiler window and after the last step. A step's time is the interval
-    between the completions of consecutive steps (the first one's includes compiling).
+    between the completions of consecutive steps (the first one's from the end of the
+    compile).
 
     Every `log_every`-th step, the last one and evaluated ones are logged: the progress line
-    on a non-terminal (with grad norm and LR) and a record in `log`, flushed at once.
+    on a non-terminal (with grad norm and LR) and a record in `log`, flushed at once; the
+    first step run here is logged too, with the compile's time and the time to that step.
 
     After step `failure_step`, ``switch(step_fn.state)`` re-plans and re-lays out the state
     (see `gtp_jax.train.lifecycle.ntp`) and the loop continues with the nonuniform step it returns.
@@ -428,14 +434,17 @@ def _step_loop(run: Run, step_fn: TrainStep,
         shown = {}
         if held_out and (step % cfg.eval_every == 0 or step == cfg.steps):
             val_losses[step] = shown["val_loss"] = evaluate()
-        logged = bool(shown) or step % log_every == 0 or step == cfg.steps
+        first = compiled is not None and step == start + 1
+        logged = bool(shown) or step % log_every == 0 or step == cfg.steps or first
         if logged or (bar is not None and bar.tty):
             # Computed by the step that produced the loss: no further wait.
             shown.update(step_extras(metrics, model_cfg))
         if log is not None and logged:
             log.write(step, loss=loss, step_s=times[-1], tokens=tokens_per_step,
                       lr=shown.get("lr"), grad_norm=shown.get("grad_norm"),
-                      val_loss=shown.get("val_loss"), moe_dropped=shown.get("dropped"))
+                      val_loss=shown.get("val_loss"), moe_dropped=shown.get("dropped"),
+                      **({"compile_s": compiled.seconds, "compile_cache": compiled.cache,
+                          "first_step_s": compiled.seconds + times[-1]} if first else {}))
         if bar is not None:
             bar.update(step, keep="val_loss" in shown, loss=loss, **shown,
                        tok_s=tokens_per_step / times[-1])
@@ -444,6 +453,11 @@ def _step_loop(run: Run, step_fn: TrainStep,
 
     pending: tuple[int, dict[str, jax.Array]] | None = None
     ahead = next_batch() if start < cfg.steps else None
+    compiled: CompileReport | None = None
+    if ahead is not None:
+        compiled = _compile_step(run, step_fn, ahead[0], start + 1,
+                                 say=progress and jax.process_index() == 0)
+        last_done = time.perf_counter()  # the first step's time is its run alone
     for step in range(start + 1, cfg.steps + 1):
         if profiler is not None and step == profiler.window[0] and pending is not None:
             finish(*pending)  # the trace starts with the device idle
@@ -480,7 +494,21 @@ def _step_loop(run: Run, step_fn: TrainStep,
             step_fn, recovery = switch(step_fn.state)
         if step < cfg.steps:
             ahead = next_batch()
-    return losses, times, saved, recovery, step_fn, val_losses
+    return losses, times, saved, recovery, step_fn, val_losses, compiled
+
+
+def _compile_step(run: Run, step_fn: TrainStep, tokens: Any, step: int, *, say: bool
+                  ) -> CompileReport:
+    """Compiles the training step for `tokens` before its first run (`TrainStep.compile`),
+    timed, with the persistent compilation cache's hit or miss where JAX tells
+    (`gtp_jax.base.compile_watch`); with `say`, one line before and one after."""
+    if say:
+        print("gtp_jax train: compiling the training step ...", flush=True)
+    with _device_memory_errors(run, step):
+        _, report = measure_compile(lambda: step_fn.compile(tokens))
+    if say:
+        print(f"gtp_jax train: {report.describe()}", flush=True)
+    return report
 
 
 def wait_for_step(metrics: dict[str, jax.Array],
@@ -538,7 +566,8 @@ def _result(cfg: TrainConfig, model_cfg: TransformerConfig, model: gtp_jax.Shard
             first_step: int, saved: list[int], ckpt: Checkpointer | None,
             window: tuple[int, int] | None, trace: str | None,
             recovery: Recovery | None = None,
-            val_losses: dict[int, float] | None = None) -> TrainResult:
+            val_losses: dict[int, float] | None = None,
+            compiled: CompileReport | None = None) -> TrainResult:
     """The `TrainResult` of a finished loop (`model` and `optimizer` synced)."""
     device = jax.devices()[0]
     replicated_params, replicated_state = replicated_bytes(model, cfg)
@@ -570,6 +599,8 @@ def _result(cfg: TrainConfig, model_cfg: TransformerConfig, model: gtp_jax.Shard
         profile_trace=trace,
         failure=dataclasses.asdict(recovery) if recovery is not None else None,
         val_losses=dict(val_losses or {}),
+        compile_s=compiled.seconds if compiled is not None else None,
+        compile_cache=compiled.cache if compiled is not None else None,
     )
 
 

@@ -9,6 +9,7 @@ the same command runs as one of several JAX processes (`gtp_jax.train.processes.
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import re
 import sys
@@ -180,10 +181,15 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--cp", type=int, default=None,
                        help="context-parallel size: sequences split over cp devices, ring "
                        "attention (default 1)")
-    train.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
+    train.add_argument("--lr", type=float, default=None,
+                       help="peak learning rate (default: the preset's own, from 3e-3 for "
+                       "tiny to 1.5e-4 for llama3-70b, docs/training_options.md; 3e-3 with "
+                       "--init-from-hf; a resumed run keeps its own)")
     train.add_argument("--warmup", type=int, default=None,
                        help="warm-up steps: step k of them trains at k/warmup of --lr "
-                       "(default: a tenth of --steps, at most 10; a resumed run keeps its own)")
+                       "(default: a tenth of --steps, at most the preset's maximum, 10 for "
+                       "the small presets up to 200 for llama3-70b; a resumed run keeps its "
+                       "own)")
     opt = train.add_argument_group("optimizer (AdamW; docs/training_options.md)")
     opt.add_argument("--lr-schedule", choices=LR_SCHEDULES, default="cosine",
                      help="after the linear warm-up: cosine or linear decay to 10%% of --lr, "
@@ -673,7 +679,8 @@ def _run(args: argparse.Namespace, sizes: dict[str, int | None], cpu_sizes: dict
         # prints only that it is finished).
         with stop_on_signals() as stop:
             result = train(cfg, checkpoint=checkpoint, observe=observe, failure=failure,
-                           on_start=_print_header if primary else None, data=data, stop=stop)
+                           on_start=functools.partial(_print_header, given=cfg)
+                           if primary else None, data=data, stop=stop)
     except UsageError as err:  # other exceptions are bugs: they keep their traceback
         if jax.default_backend() == "cpu" and any(v is None for v in sizes.values()) and (
                 type(err).__name__ != "DeviceMemoryError") and (
@@ -751,10 +758,12 @@ def _planned(args: argparse.Namespace, sizes: dict[str, int | None], cfg: object
     return planner(cfg, fixed, args.memory_gib)
 
 
-def _print_header(cfg: object, model_cfg: object) -> None:
+def _print_header(cfg: object, model_cfg: object, given: object | None = None) -> None:
+    """The run's header (`given`: the config the command line built, whose None LR and
+    warm-up asked for the defaults)."""
     import jax  # noqa: PLC0415
 
-    from gtp_jax.train.config import describe_choices  # noqa: PLC0415
+    from gtp_jax.train.config import describe_choices, describe_schedule  # noqa: PLC0415
 
     procs = f" in {jax.process_count()} processes" if jax.process_count() > 1 else ""
     model = (f"init-from-hf={cfg.init_from_hf}" if cfg.init_from_hf
@@ -764,6 +773,7 @@ def _print_header(cfg: object, model_cfg: object) -> None:
           f"{f'cp={cfg.cp} ' if cfg.cp > 1 else ''}tp={cfg.tp} on "
           f"{jax.device_count()} {jax.default_backend()} devices{procs}", flush=True)
     print(f"gtp_jax train: {describe_choices(cfg, model_cfg)}", flush=True)
+    print(f"gtp_jax train: {describe_schedule(cfg, given)}", flush=True)
 
 
 def _accelerator_mesh(sizes: dict[str, int | None], devices: int) -> dict[str, int]:

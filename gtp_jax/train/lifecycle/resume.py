@@ -25,6 +25,7 @@ from gtp_jax.train.config import (
 )
 from gtp_jax.train.data_source import check_source
 from gtp_jax.train.lifecycle.checkpoint import CheckpointCorruptError, Checkpointer
+from gtp_jax.train.step import optim
 
 #: (step, metadata) of a checkpoint that may be resumed from, newest first.
 Candidate = tuple[int, dict[str, Any]]
@@ -201,9 +202,10 @@ def check_resume(cfg: TrainConfig, model_cfg: TransformerConfig, meta: dict[str,
     with `steps_left`, has steps left to train); with `source` (the run's data-source
     record), unless the checkpoint was trained on the same data and tokenizer.
 
-    Returns `cfg` with ``schedule_steps``, ``warmup`` and ``schedule_version`` (those left
-    None) set to the saved run's, so that a run extended with a larger ``steps`` keeps its
-    original LR schedule, and the fields
+    Returns `cfg` with ``lr``, ``schedule_steps``, ``warmup`` and ``schedule_version`` (those
+    left None) set to the saved run's, so that a resumed or extended run keeps its original
+    LR schedule (also when the defaults changed since: a preset's own LR and warm-up,
+    `gtp_jax.train.step.lr_defaults`), and the fields
     named in `auto` (`TrainConfig.auto_fields` of the caller's config) set to the saved
     run's values.
     """
@@ -223,10 +225,16 @@ def check_resume(cfg: TrainConfig, model_cfg: TransformerConfig, meta: dict[str,
         adopted = resolve_auto(adopt_saved(cfg, saved_cfg, auto))
         if adopted is not cfg:
             cfg, model_cfg = adopted, model_config(adopted)
-    # The schedule the run started with: its length, its warm-up (a default one was fixed
-    # then) and the version of its step-to-rate mapping (none recorded: version 1).
-    saved_schedule = {"schedule_steps": saved_cfg.get("schedule_steps") or saved_cfg.get("steps"),
-                      "warmup": saved_cfg.get("warmup"),
+    # The schedule the run started with: its peak LR and length, its warm-up (a default
+    # one was fixed then; none recorded: the default of that time, a tenth of the steps at
+    # most 10, whatever the preset's default is now) and the version of its step-to-rate
+    # mapping (none recorded: version 1).
+    schedule_steps = saved_cfg.get("schedule_steps") or saved_cfg.get("steps")
+    warmup = saved_cfg.get("warmup")
+    if warmup is None and isinstance(schedule_steps, int):
+        warmup = optim.default_warmup(schedule_steps)
+    saved_schedule = {"lr": saved_cfg.get("lr"), "schedule_steps": schedule_steps,
+                      "warmup": warmup,
                       "schedule_version": saved_cfg.get("schedule_version") or 1}
     adopted = {k: v for k, v in saved_schedule.items() if getattr(cfg, k) is None}
     if adopted:

@@ -8,6 +8,10 @@ A line holds ``step``, ``loss``, ``lr``, ``grad_norm``, ``tokens_per_s``, ``step
 where known ``peak_bytes`` (the largest ``peak_bytes_in_use`` of this process's devices;
 GPUs and TPUs report it, CPUs do not), ``mfu`` (GPUs and TPUs with a known peak,
 `gtp_jax.train.outputs.observe.peak_flops`) and ``val_loss`` (a step with a held-out evaluation).
+The first step a run (or a resumed run) trains is always logged, with ``compile_s`` (the
+training step's compile, or its read from the persistent compilation cache),
+``compile_cache`` (``"hit"`` / ``"miss"``, or null where JAX does not tell) and
+``first_step_s`` (the compile plus the first step's run: the time to the first step).
 A number that is not finite (NaN, inf) is written as ``null`` and its key listed under
 ``nonfinite``, so every line is strict JSON.
 
@@ -90,11 +94,14 @@ class MetricsLog:
 
     def write(self, step: int, *, loss: float, step_s: float, tokens: int,
               lr: float | None = None, grad_norm: float | None = None,
-              val_loss: float | None = None, moe_dropped: float | None = None
-              ) -> dict[str, Any]:
+              val_loss: float | None = None, moe_dropped: float | None = None,
+              compile_s: float | None = None, compile_cache: str | None = None,
+              first_step_s: float | None = None) -> dict[str, Any]:
         """Writes and flushes the record of `step` (`tokens` trained in `step_s` seconds);
         returns it. `moe_dropped`: a mixture of experts' share of routing dropped at
-        capacity (`step_extras`)."""
+        capacity (`step_extras`). `compile_s`, `compile_cache`, `first_step_s`: the first
+        step's (see the module docstring); `compile_cache` is written (null included)
+        whenever `compile_s` is."""
         tokens_per_s = tokens / step_s if step_s > 0 else math.inf
         record: dict[str, Any] = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
                                   "tokens_per_s": tokens_per_s, "step_ms": step_s * 1e3}
@@ -107,10 +114,14 @@ class MetricsLog:
             record["val_loss"] = val_loss
         if moe_dropped is not None:
             record["moe_dropped"] = moe_dropped
+        if compile_s is not None:
+            record.update(compile_s=compile_s, first_step_s=first_step_s)
         record = {k: v for k, v in record.items() if v is not None}
+        if compile_s is not None:
+            record["compile_cache"] = compile_cache
         if self._writer is not None:  # TensorBoard shows NaN and inf as they are
             for key, value in record.items():
-                if key != "step":
+                if key != "step" and isinstance(value, (int, float)):
                     self._writer.add_scalar(f"train/{key}", value, step)
             self._writer.flush()
         record = _strict(record)

@@ -15,7 +15,8 @@ class TrainResult:
 
     Attributes:
       losses: loss of each step run here (steps `first_step`, `first_step` + 1, ...).
-      step_times: wall seconds of each of those steps (the first includes compilation).
+      step_times: wall seconds of each of those steps (the first one's is its run: the step
+        is compiled before it, `compile_s`).
       tokens_per_step: global tokens per optimizer step.
       param_bytes_per_device, state_bytes_per_device: bytes of parameters, and of parameters
         plus optimizer state, on one device; replicated_*: the same without sharding.
@@ -41,6 +42,10 @@ class TrainResult:
       export_hf: the folder the Hugging Face export was written to (absolute), or None
         (none asked for, or the run stopped early: a partial run is not exported).
       log_dir: the folder of the streamed metrics (``metrics.jsonl``, absolute), or None.
+      compile_s: seconds the training step took to compile (or to be read from JAX's
+        persistent compilation cache) before the first step; None: not measured.
+      compile_cache: ``"hit"`` / ``"miss"`` (/ ``"partial"``) of the persistent compilation
+        cache for that compile, or None where unknown (`gtp_jax.base.compile_watch`).
     """
 
     losses: list[float]
@@ -70,10 +75,22 @@ class TrainResult:
     stopped_by: str | None = None
     export_hf: str | None = None
     log_dir: str | None = None
+    compile_s: float | None = None
+    compile_cache: str | None = None
+
+    @property
+    def first_step_s(self) -> float | None:
+        """Seconds from the start of the step's compile to the end of the first step run
+        here (`compile_s` plus that step's run): the time to the first step. None when the
+        compile was not measured."""
+        if self.compile_s is None or not self.step_times:
+            return None
+        return self.compile_s + self.step_times[0]
 
     @property
     def median_step_time(self) -> float:
-        """Median step time in seconds, excluding the first (compiling) step."""
+        """Median step time in seconds, excluding the first step (its run warms up: buffers
+        allocated, executables loaded)."""
         times = self.step_times[1:] or self.step_times
         return statistics.median(times)
 
@@ -118,6 +135,7 @@ class TrainResult:
             f"  loss: first {first:.4f} -> last {last:.4f} (mean of last {window} steps{steps})",
             f"  step time: {self.median_step_time * 1e3:.1f} ms median "
             f"({self.tokens_per_second:,.0f} tokens/s)",
+            *self._first_step_lines(),
             mfu,
             memory,
             f"  params per device: {self.param_bytes_per_device / mib:.2f} MiB "
@@ -142,6 +160,13 @@ class TrainResult:
         if self.failure is not None:
             lines += self._failure_lines()
         return "\n".join(lines)
+
+    def _first_step_lines(self) -> list[str]:
+        if self.first_step_s is None:
+            return []
+        cache = f", cache {self.compile_cache}" if self.compile_cache else ""
+        return [f"  time to the first step: {self.first_step_s:.1f} s (compile "
+                f"{self.compile_s:.1f} s{cache}; first step {self.step_times[0]:.2f} s)"]
 
     def _failure_lines(self) -> list[str]:
         f = self.failure
@@ -184,6 +209,9 @@ class TrainResult:
             "first_loss": self.losses[0],
             "last_loss_mean5": float(np.mean(self.losses[-5:])),
             "median_step_time_s": self.median_step_time,
+            "compile_s": self.compile_s,
+            "compile_cache": self.compile_cache,
+            "first_step_s": self.first_step_s,
             "tokens_per_step": self.tokens_per_step,
             "tokens_per_s": self.tokens_per_second,
             "flops_per_token": self.flops_per_token,

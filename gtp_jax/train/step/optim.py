@@ -16,10 +16,11 @@ decay ending at `END_FRACTION` of it on the schedule's last step and held there 
     step); ``wsd`` (warm-up, stable, decay): ``lr`` until the last ``decay_steps`` steps of
     the schedule (default: the last 20% after the warm-up), then linear decay over them.
 
-`default_warmup` is a tenth of the schedule, at most `MAX_DEFAULT_WARMUP` steps, so a short
-run is not all warm-up. That is schedule version 2 (`SCHEDULE_VERSION`). Runs started
-before it (checkpoints without ``schedule_version``) keep version 1 when resumed: update
-``n`` (0, 1, ...) at optax's rate for count ``n``, so step 1 trained at 0 and the cosine
+`default_warmup` is a tenth of the schedule, at most `MAX_DEFAULT_WARMUP` steps (a
+preset's own maximum: `gtp_jax.train.step.lr_defaults`), so a short run is not all
+warm-up. That is schedule version 2 (`SCHEDULE_VERSION`). Runs started before it
+(checkpoints without ``schedule_version``) keep version 1 when resumed: update ``n`` (0, 1,
+...) at optax's rate for count ``n``, so step 1 trained at 0 and the cosine
 warm-up lasted ``max(1, warmup)`` steps, whatever the schedule's length (a 6-step run with
 the old default 10-step warm-up, extended, warmed up to the peak after its 6th step and
 then dropped to the end rate).
@@ -54,10 +55,11 @@ SCHEDULE_VERSION = 2
 SCHEDULE_VERSIONS = (1, 2)
 
 
-def default_warmup(schedule_steps: int) -> int:
+def default_warmup(schedule_steps: int, longest: int = MAX_DEFAULT_WARMUP) -> int:
     """The warm-up when none is given: a tenth of the schedule's steps (rounded down), at
-    most `MAX_DEFAULT_WARMUP`; 0 below 10 steps."""
-    return min(MAX_DEFAULT_WARMUP, int(schedule_steps * DEFAULT_WARMUP_FRACTION))
+    most `longest` (`MAX_DEFAULT_WARMUP`; a preset's own:
+    `gtp_jax.train.step.lr_defaults`); 0 below 10 steps."""
+    return min(longest, int(schedule_steps * DEFAULT_WARMUP_FRACTION))
 
 
 @functools.cache
@@ -220,8 +222,7 @@ def check_optimizer_settings(*, lr_schedule: str, warmup: int, schedule_steps: i
         raise UsageError(
             f"{owner}.warmup={warmup} leaves no step of the {schedule_steps}-step schedule "
             f"({owner}.steps) to {'decay in' if decays else 'train at the peak'}; use "
-            f"{owner}.warmup <= {longest}, or leave it unset (a tenth of the steps, at most "
-            f"{MAX_DEFAULT_WARMUP}).")
+            f"{owner}.warmup <= {longest}, or leave it unset (a tenth of the steps).")
     for name, value, low, high, low_open in (
             ("clip_grad_norm", clip_grad_norm, 0.0, math.inf, False),
             ("adam_b1", adam_b1, 0.0, 1.0, False), ("adam_b2", adam_b2, 0.0, 1.0, False),
