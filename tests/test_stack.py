@@ -408,6 +408,12 @@ def test_a_block_holding_a_layer_from_outside_the_stack_is_refused():
         gtp_jax.Stack(lambda r: Holder(r, outside), 2, rngs=nnx.Rngs(1))
 
 
+class Rows(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.lin = nnx.Linear(2, 2, rngs=rngs)
+        self.last = gtp_jax.PerExample(jnp.zeros((16, 2)))
+
+
 @pytest.mark.parametrize(("kwargs", "match"), [
     (dict(make_block=nnx.Linear(2, 2, rngs=nnx.Rngs(0))), "make_block must be a function"),
     (dict(make_block=3), "make_block must be a function"),
@@ -418,6 +424,7 @@ def test_a_block_holding_a_layer_from_outside_the_stack_is_refused():
     (dict(unroll=1), "unroll=1 must be True, False or None"),
     (dict(prefetch="yes"), "prefetch='yes' must be True, False or None"),
     (dict(make_block=lambda r: jnp.zeros(2)), "make_block returned a .*Array"),
+    (dict(make_block=lambda r: Rows(r)), "'last' is per-example state"),
 ])
 def test_stack_arguments_are_checked(kwargs, match):
     args = dict(make_block=lambda r: nnx.Linear(2, 2, rngs=r), n=2, rngs=nnx.Rngs(0)) | kwargs

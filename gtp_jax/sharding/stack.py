@@ -14,9 +14,10 @@ in ``__call__`` (counters, running means), which comes back stacked and is writt
 the stack's variables after the loop, so `gtp_jax.ShardedModule` combines it over the data
 shards by its type's rule as for any module. What a stack refuses, each in one line naming
 the variable: a block holding a module or variable made outside ``make_block`` (a tie to a
-layer outside the stack: hand that layer to the call instead), a block that writes a
-parameter or an RNG key, adds a variable (``sow``) or changes the shape or dtype of its
-state in ``__call__``, and a carry that comes back with another structure, shape or dtype.
+layer outside the stack: hand that layer to the call instead) or per-example state
+(`gtp_jax.PerExample`); a block that writes a parameter, an RNG key or what the call hands
+it, adds a variable (``sow``) or changes the shape or dtype of its state in ``__call__``;
+and a carry that comes back with another structure, shape or dtype.
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ from flax.errors import TraceContextError
 
 from gtp_jax.base.errors import UsageError, UsageTypeError
 from gtp_jax.base.fp8_history import Fp8History
-from gtp_jax.base.metadata import STACKED
+from gtp_jax.base.metadata import REDUCE, STACKED
+from gtp_jax.base.state import type_rule
 from gtp_jax.sharding.contract import key_name, same_values
 from gtp_jax.sharding.fp8_gather import gathered_like
 from gtp_jax.sharding.lazy import is_shard
@@ -101,8 +103,9 @@ class Stack(nnx.Module):
     Raises:
       UsageTypeError: `make_block` is not callable or returns something other than an
         ``nnx.Module``; `rngs` is not an ``nnx.Rngs``; `remat` is not callable.
-      UsageError: `n` is not a positive int, `unroll` / `prefetch` not a bool or None, or
-        the block holds a module or variable made outside `make_block`.
+      UsageError: `n` is not a positive int, `unroll` / `prefetch` not a bool or None, the
+        block holds a module or variable made outside `make_block`, or per-example state
+        (`gtp_jax.PerExample`).
     """
 
     def __init__(self, make_block: Callable[[nnx.Rngs], nnx.Module], n: int, *,
@@ -209,9 +212,16 @@ def _build(make_block: Callable[[nnx.Rngs], nnx.Module], n: int, rngs: nnx.Rngs
         raise UsageError(
             "gtp_jax.Stack: the block from make_block holds a module or variable made outside "
             f"make_block (a tie to a layer outside the stack); {_TIE_FIX}.") from None
-    for _, node in nnx.iter_graph(layers):
-        if isinstance(node, nnx.Variable):
-            node.set_metadata(STACKED, True)
+    for path, node in nnx.iter_graph(layers):
+        if not isinstance(node, nnx.Variable):
+            continue
+        if (node.get_metadata().get(REDUCE) or type_rule(node)) == "concat":
+            # its rows would be [n, batch, ...]: not split over the data shards as a batch
+            raise UsageError(
+                f"gtp_jax.Stack: the block's {path_str(key_name(k) for k in path)!r} is "
+                "per-example state (PerExample / gtp_reduce='concat'), which a stack's "
+                "layers cannot keep; return the per-example values in the carry instead.")
+        node.set_metadata(STACKED, True)
     return layers
 
 
