@@ -283,6 +283,42 @@ def test_fp8_compute_reaches_the_blocks_projections(seed, key):
 
 
 @slow
+def test_delayed_fp8_keeps_one_amax_history_per_layer(seed, key):
+    # Delayed scaling: each layer of the stack records its own amaxes (the histories are
+    # stacked like the kernels, and their "gradient", the next history, comes out of the
+    # loop per layer): every layer ran once per step, and its weight amax is that layer's
+    # own max |kernel|, exactly.
+    from gtp_jax.base.fp8_history import HISTORY_COLUMNS, Fp8History
+
+    mesh = get_mesh("dp2_gtp4")
+    sm = gtp_jax.shard(Model(nnx.Rngs(seed), unroll=False), mesh, gtp_jax.GTPConfig(
+        min_elements=0, fp8_compute="delayed", fp8_min_features=0))
+    tokens = jax.device_put(jax.random.randint(key, (BATCH, SEQ), 0, V),
+                            gtp_jax.data_sharding(mesh))
+    wrt = nnx.Any(nnx.Param, Fp8History)
+
+    @nnx.jit
+    def step(m, t):
+        return gtp_jax.apply_fp8_history(
+            m, nnx.grad(mse_loss, argnums=nnx.DiffState(0, wrt))(m, t))
+
+    for _ in range(2):
+        uses = step(sm, tokens)
+    assert {k: float(v) for k, v in uses.items()} == {"blocks/layers/up": 1.0,
+                                                      "blocks/layers/down": 1.0}
+    kernels = gtp_jax.unshard_values(sm, sm)
+    w = HISTORY_COLUMNS.index("w")
+    for name in ("up", "down"):
+        history = np.asarray(getattr(sm.module.blocks.layers, name).dot_general
+                             .amax_history[...])
+        assert history.shape[0] == N
+        np.testing.assert_array_equal(history[:, :2, HISTORY_COLUMNS.index("uses")], 1.0)
+        want = np.abs(kernels[f"blocks/layers/{name}/kernel"]).max(axis=(1, 2))
+        np.testing.assert_array_equal(history[:, 0, w], want)
+        assert len(set(want.tolist())) == N  # the layers' own, not one for all
+
+
+@slow
 def test_shard_init_builds_a_stack_where_it_lives(seed):
     # shard_init(make) is shard(make()), built in its sharded layout: the same values, RNG
     # keys and counts bit for bit, and the same metadata (gtp_stacked on every variable).
