@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -11,19 +12,45 @@ from gtp_jax.bench import overlap
 pytestmark = pytest.mark.slow  # minutes on 2 cores: `pytest -m "not slow"` skips it
 
 
-@pytest.mark.parametrize("variant", overlap.USER_VARIANTS)
-def test_user_model_variant_runs_one_step(variant: str) -> None:
+@pytest.mark.parametrize(("variant", "loop"), [
+    *((v, "stack") for v in overlap.USER_VARIANTS), ("user_gtp", "python")])
+def test_user_model_variant_runs_one_step(variant: str, loop: str) -> None:
     args = overlap.build_parser().parse_args([
         "--worker", variant, "--seq", "16", "--per-device-batch", "1", "--steps", "1",
         "--warmup", "1", "--user-d", "64", "--user-blocks", "2", "--user-heads", "4",
-        "--user-vocab", "128"])
+        "--user-vocab", "128", "--user-loop", loop])
     result = overlap.run_variant(args)
     assert result["variant"] == variant and result["devices"] == 8
-    assert result["layers"] == 2
+    assert result["layers"] == 2 and result["user_loop"] == loop
+    if loop == "stack":  # its default: scanned under the user's remat (nothing saved)
+        assert result["unroll_layers"] is False
     assert math.isfinite(result["loss"]) and result["loss"] > 0
     # The time to the first step: the compile, then the first run.
     assert 0 < result["compile_s"] < result["first_step_s"]
     assert "first step" in overlap.first_step_text(result)
+
+
+def test_user_model_on_the_stack_is_the_python_loop_model() -> None:
+    # The same blocks, built from the same Rngs as Flax's stacked-layer idiom builds them:
+    # the stack's layer i holds what the Python loop's block i would hold after stacking,
+    # and both compute the same function of it.
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+
+    from gtp_jax.bench.user_model import UserDecoder, UserDecoderConfig
+
+    cfg = UserDecoderConfig(vocab=50, d_model=16, n_blocks=2, n_heads=2, d_ff=24,
+                            dtype=jnp.float32)
+    stack = UserDecoder(cfg, rngs=nnx.Rngs(0))
+    loop = UserDecoder(dataclasses.replace(cfg, loop="python"), rngs=nnx.Rngs(0))
+    layers = nnx.state(stack.blocks.layers)
+    for i, block in enumerate(loop.blocks):  # give the loop the stack's layer i
+        nnx.update(block, jax.tree.map(lambda x, i=i: x[i], layers))
+    nnx.update(loop, nnx.state(stack, nnx.Not(nnx.PathContains("blocks"))))
+    tokens = jax.random.randint(jax.random.key(0), (2, 8), 0, cfg.vocab)
+    np.testing.assert_allclose(stack(tokens), loop(tokens), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("given", [
@@ -34,7 +61,8 @@ def test_user_model_variant_runs_one_step(variant: str) -> None:
      "--fp8-compute", "delayed", "--fp8-min-features", "64", "--no-remat-gathered",
      "--keep-gathered-layers", "--no-unroll-layers", "--swiglu-backend", "reference",
      "--user-d", "32", "--user-blocks", "1", "--user-heads", "2", "--user-vocab", "64",
-     "--no-user-remat", "--gtp", "2", "--profile-dir", "/tmp/p", "--profile-variants", "gtp"],
+     "--no-user-remat", "--user-loop", "python", "--gtp", "2", "--profile-dir", "/tmp/p",
+     "--profile-variants", "gtp"],
 ])
 def test_worker_gets_every_option_of_the_parent(given: list[str]) -> None:
     """A variant's worker process parses back every option the parent was given (a dropped

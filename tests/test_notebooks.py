@@ -44,7 +44,7 @@ def kernel_name(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 def test_notebooks_exist():
     names = {p.stem for p in NOTEBOOKS}
-    assert {"01_quickstart", "02_overlap", "03_scaling"} <= names, names
+    assert {"01_quickstart", "02_overlap", "03_scaling", "04_your_model"} <= names, names
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])

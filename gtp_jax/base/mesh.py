@@ -187,11 +187,17 @@ def shard_key(key: jax.Array, axes: Sequence[str]) -> jax.Array:
     other axes keep the same key. Use the data axes for dropout on per-shard data (each GTP
     or DP rank has its own examples), and leave ``tp`` out so that tensor-parallel ranks,
     which hold pieces of the same activations, drop the same elements.
+
+    `key` may be an array of keys (e.g. one per layer of a stack, ``[layers]``): each is
+    folded with the same index, so they stay distinct from each other.
     """
     index = jnp.zeros((), jnp.uint32)
     for axis in axes:
         index = index * jax.lax.axis_size(axis) + jax.lax.axis_index(axis).astype(jnp.uint32)
-    return jax.random.fold_in(key, index)
+    if jnp.ndim(key) == 0:
+        return jax.random.fold_in(key, index)
+    flat = jnp.reshape(key, (-1,))  # fold_in takes one key at a time
+    return jnp.reshape(jax.vmap(lambda k: jax.random.fold_in(k, index))(flat), jnp.shape(key))
 
 
 def _check_mesh(mesh: object, where: str) -> None:

@@ -9,10 +9,12 @@ Variants (each in its own subprocess, so peak memory is per variant):
   *_dots         the same variant with remat="dots" (save matmul outputs only)
   torch_fsdp2_*  PyTorch FSDP2 peer (benchmarks/torch_fsdp2.py via torchrun, --torch), blocks
                  torch.compile'd and eager; HSDP (replicas x shards) with --gtp
-  user_*         a user's own decoder (gtp_jax.bench.user_model: Python loop of blocks, each
-                 under nnx.remat; --user-d, --user-blocks): user_unwrapped (data parallel,
-                 weights replicated), user_gtp (gtp_jax.shard, gtp = all devices),
-                 user_xla_fsdp (XLA's automatic FSDP of the same model)
+  user_*         a user's own decoder (gtp_jax.bench.user_model: blocks on gtp_jax.Stack,
+                 or --user-loop python: a Python loop of blocks, each under nnx.remat;
+                 --user-d, --user-blocks): user_unwrapped (data parallel, weights
+                 replicated), user_gtp (gtp_jax.shard, gtp = all devices), user_gtp_prefetch
+                 (with GTPConfig(prefetch=True)), user_xla_fsdp (XLA's automatic FSDP of the
+                 same model)
 
 Columns: median step time (>= 20 steps after warm-up), ratio to replicated, exposed
 communication (step minus compute_only, over step), peak device memory, parameter + gradient
@@ -37,7 +39,7 @@ from pathlib import Path
 #: (``time.time()`` just before it starts the process), for ``launch_to_first_step_s``.
 LAUNCH_ENV = "GTP_JAX_BENCH_LAUNCH"
 VARIANTS = ("compute_only", "replicated", "xla_fsdp", "gtp", "gtp_prefetch")
-USER_VARIANTS = ("user_unwrapped", "user_gtp", "user_xla_fsdp")
+USER_VARIANTS = ("user_unwrapped", "user_gtp", "user_gtp_prefetch", "user_xla_fsdp")
 PROFILE_STEPS = 3
 
 
@@ -61,7 +63,8 @@ def run_variant(args: argparse.Namespace) -> dict:
     user = variant.startswith("user_")
     # The user model's variants map onto the built-in ones' placements.
     variant_kind = {"user_unwrapped": "replicated", "user_gtp": "gtp",
-                    "user_xla_fsdp": "xla_fsdp"}.get(variant, variant.removesuffix("_dots"))
+                    "user_gtp_prefetch": "gtp_prefetch", "user_xla_fsdp": "xla_fsdp"}.get(
+        variant, variant.removesuffix("_dots"))
     devices = jax.devices()[:1] if variant_kind == "compute_only" else jax.devices()
     n = len(devices)
     on_gpu = jax.default_backend() == "gpu"
@@ -74,7 +77,8 @@ def run_variant(args: argparse.Namespace) -> dict:
 
         cfg = UserDecoderConfig(d_model=args.user_d, n_blocks=args.user_blocks,
                                 n_heads=args.user_heads, d_ff=4 * args.user_d,
-                                vocab=args.user_vocab, remat=args.user_remat)
+                                vocab=args.user_vocab, remat=args.user_remat,
+                                loop=args.user_loop, unroll=args.unroll_layers)
         loss_fn, vocab = user_loss, cfg.vocab
     else:
         cfg = preset(args.preset, dtype=jnp.bfloat16, remat=remat, max_seq_len=args.seq,
@@ -104,14 +108,16 @@ def run_variant(args: argparse.Namespace) -> dict:
             fp8_compute=None if args.fp8_compute == "none" else args.fp8_compute,
             fp8_min_features=args.fp8_min_features))
     else:
-        def spec(path, x):
-            stacked = not user and len(path) > 0 and str(getattr(path[0], "key", "")) == "blocks"
-            if variant_kind == "xla_fsdp" and x.ndim >= 2 + stacked:
-                return NamedSharding(mesh, P(*([None] * stacked), "gtp"))
-            return NamedSharding(mesh, P())
+        def spec(var):
+            # a layer stack (gtp_stacked metadata: the bundled blocks, a user's Stack) is
+            # split on its first per-layer dim, as gtp_jax.shard splits it
+            stacked = int(bool(var.get_metadata().get("gtp_stacked", False)))
+            if variant_kind == "xla_fsdp" and var.get_value().ndim >= 2 + stacked:
+                return var.replace(value=NamedSharding(mesh, P(*([None] * stacked), "gtp")))
+            return var.replace(value=NamedSharding(mesh, P()))
 
         graphdef, abstract = nnx.split(nnx.eval_shape(make_model))
-        shardings = jax.tree_util.tree_map_with_path(spec, abstract)
+        shardings = jax.tree.map(spec, abstract, is_leaf=lambda x: isinstance(x, nnx.Variable))
         state = jax.jit(lambda: nnx.split(make_model())[1], out_shardings=shardings)()
         model = nnx.merge(graphdef, state)
     if args.optimizer == "train":  # what `python -m gtp_jax train` steps with
@@ -165,6 +171,7 @@ def run_variant(args: argparse.Namespace) -> dict:
         lowered = step._program.fn.lower(step.state, batches[0])
         compiled_peak = MemoryFigure.of(lowered.compile()).peak / 2**30
     step.sync()
+    blocks = getattr(getattr(model, "module", model), "blocks", None)  # the user's Stack
     med = statistics.median(times)
     memory = memory_per_device(devices)
     peak = memory["peak_bytes_in_use"] if memory else 0
@@ -181,7 +188,9 @@ def run_variant(args: argparse.Namespace) -> dict:
         "device_kind": kind, "preset": args.preset,
         "layers": cfg.n_blocks if user else cfg.n_layers, "seq": args.seq,
         "per_device_batch": args.per_device_batch,
-        "unroll_layers": bool(getattr(cfg, "unrolled", False)),
+        "unroll_layers": bool(getattr(blocks, "unroll", False)) if user
+        else bool(getattr(cfg, "unrolled", False)),
+        "user_loop": cfg.loop if user else None,
         "swiglu_backend": getattr(cfg, "swiglu_backend", None),
         "step_ms": med * 1e3, "step_ms_min": min(times) * 1e3, "loss": float(loss),
         "peak_mem_gib": peak / 2**30, "compiled_peak_gib": compiled_peak,
@@ -371,7 +380,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "backward loop reuses the forward pass's gathered weights")
     parser.add_argument("--unroll-layers", action=argparse.BooleanOptionalAction, default=None,
                         help="TransformerConfig.unroll_layers for every Transformer variant "
-                        "(default: the library's, unrolled unless remat full; "
+                        "and the user model's Stack (default: the library's, unrolled "
+                        "unless remat full / the user's remat; "
                         "--no-unroll-layers: the blocks run under lax.scan, where the "
                         "prefetch variants differ)")
     parser.add_argument("--swiglu-backend", default=None, choices=("pallas", "reference"),
@@ -382,7 +392,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--user-heads", type=int, default=16, help="user_* attention heads")
     parser.add_argument("--user-vocab", type=int, default=32000, help="user_* vocabulary")
     parser.add_argument("--no-user-remat", dest="user_remat", action="store_false",
-                        help="user_* model without its per-block nnx.remat")
+                        help="user_* model without its per-block remat")
+    parser.add_argument("--user-loop", default="stack", choices=("stack", "python"),
+                        help="user_* model's blocks: on gtp_jax.Stack (the layer loop; "
+                        "--unroll-layers applies), or a Python loop, nnx.remat per block")
     parser.add_argument("--gtp", type=int, default=0,
                         help="GTP size of the gtp/xla_fsdp variants (0: all devices); the "
                         "other devices are data parallel, e.g. 8 GPUs with --gtp 4: dp2 x gtp4")

@@ -1,8 +1,12 @@
-"""A decoder written the way a user would, with nothing from gtp_jax inside.
+"""A decoder written the way a user would: blocks of ``nnx.Linear`` attention and MLP that
+the library never saw, stacked with `gtp_jax.Stack`.
 
-Used by ``python -m gtp_jax.bench overlap`` (the ``user_*`` variants) to check what
-`gtp_jax.shard` costs on a model the library never saw: a Python loop over blocks, each
-under the user's own ``nnx.remat``, attention and MLP from ``nnx.Linear``.
+Used by ``python -m gtp_jax.bench overlap`` (the ``user_*`` variants) to measure what a
+user's own model gets under `gtp_jax.shard`: on the stack (``loop="stack"``, the default)
+the library's layer loop (the next layer gathered while this one computes, gradients
+reduce-scattered behind the backward pass); as first written (``loop="python"``: a Python
+loop over the blocks, each under the user's own ``nnx.remat``) weights gathered where they
+are read, scheduled by XLA.
 """
 
 from __future__ import annotations
@@ -14,10 +18,23 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from gtp_jax.sharding.stack import Stack
+
+#: How `UserDecoder` runs its blocks: `gtp_jax.Stack`, or a Python loop over a list.
+LOOPS = ("stack", "python")
+
 
 @dataclasses.dataclass(frozen=True)
 class UserDecoderConfig:
-    """Sizes of `UserDecoder` (defaults: the benchmark's d 2048, 16 blocks)."""
+    """Sizes of `UserDecoder` (defaults: the benchmark's d 2048, 16 blocks).
+
+    Attributes:
+      remat: recompute each block in the backward pass from its input (``nnx.remat``'s
+        default; on the stack ``jax.checkpoint_policies.nothing_saveable``).
+      loop: one of `LOOPS`.
+      unroll: the stack's `gtp_jax.Stack` ``unroll`` (None: its default, unrolled unless
+        `remat`); no effect on the Python loop.
+    """
 
     vocab: int = 32000
     d_model: int = 2048
@@ -26,6 +43,12 @@ class UserDecoderConfig:
     d_ff: int = 8192
     remat: bool = True
     dtype: Any = jnp.bfloat16
+    loop: str = "stack"
+    unroll: bool | None = None
+
+    def __post_init__(self) -> None:
+        if self.loop not in LOOPS:
+            raise ValueError(f"UserDecoderConfig.loop={self.loop!r}; choose one of {LOOPS}.")
 
     def train_flops_per_token(self, seq: int) -> float:
         """Matmul FLOPs of one training token (forward + backward, causal attention)."""
@@ -60,13 +83,20 @@ class UserDecoder(nnx.Module):
     def __init__(self, cfg: UserDecoderConfig, rngs: nnx.Rngs):
         self.cfg = cfg
         self.embed = nnx.Embed(cfg.vocab, cfg.d_model, dtype=cfg.dtype, rngs=rngs)
-        self.blocks = nnx.List([_Block(cfg, rngs) for _ in range(cfg.n_blocks)])
+        if cfg.loop == "stack":
+            self.blocks = Stack(
+                lambda r: _Block(cfg, r), cfg.n_blocks, rngs=rngs, unroll=cfg.unroll,
+                remat=jax.checkpoint_policies.nothing_saveable if cfg.remat else None)
+        else:
+            self.blocks = nnx.List([_Block(cfg, rngs) for _ in range(cfg.n_blocks)])
         self.norm = nnx.RMSNorm(cfg.d_model, dtype=cfg.dtype, rngs=rngs)
         self.head = nnx.Linear(cfg.d_model, cfg.vocab, use_bias=False, dtype=cfg.dtype,
                                rngs=rngs)
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
         x = self.embed(tokens)
+        if isinstance(self.blocks, Stack):
+            return self.head(self.norm(self.blocks(x))).astype(jnp.float32)
         for block in self.blocks:
             if self.cfg.remat:
                 x = nnx.remat(lambda blk, h: blk(h))(block, x)

@@ -4,7 +4,7 @@ wrapper.
 Start with three files: `collectives` (a weight's all-gather and its gradient's
 reduce-scatter), `loop` (the scanned layer loop that gathers one layer at a time, with or
 without prefetch) and `module` (`shard` / `unshard`: where each weight is stored and how a
-call runs inside ``jax.shard_map``).
+call runs inside ``jax.shard_map``). `stack` (`Stack`) puts any NNX block on that loop.
 """
 
 from gtp_jax.sharding.collectives import gather_weight, reduce_scatter_grad
@@ -21,6 +21,7 @@ from gtp_jax.sharding.module import (
     unshard_values,
 )
 from gtp_jax.sharding.scan import scan_layers
+from gtp_jax.sharding.stack import Stack
 from gtp_jax.sharding.verify import LeafCheck, ShardCheck, check_sharded
 
 __all__ = [
@@ -33,6 +34,7 @@ __all__ = [
     "OutputLayout",
     "ShardCheck",
     "ShardedModule",
+    "Stack",
     "bytes_per_device",
     "check_sharded",
     "gather_weight",
