@@ -23,6 +23,7 @@ from gtp_jax.train.lifecycle.checkpoint import (
     Checkpointer,
     CheckpointWriteError,
     NonFiniteStateError,
+    Restored,
 )
 from gtp_jax.train.lifecycle.preempt import RESUMABLE_EXIT, RunStopped
 from gtp_jax.train.lifecycle.resume import RunFinished
@@ -45,6 +46,7 @@ __all__ = [
     "DistributedConfig",
     "NonFiniteStateError",
     "ObserveConfig",
+    "Restored",
     "Run",
     "RunFinished",
     "RunStopped",
