@@ -122,7 +122,10 @@ def fit(model: nnx.Module, optimizer: nnx.Optimizer | optax.GradientTransformati
     observe = ObserveConfig() if observe is None else observe
     if not isinstance(observe, ObserveConfig):
         raise UsageTypeError(f"fit: observe={observe!r} must be an ObserveConfig.")
-    optimizer = _as_optimizer(model, optimizer)
+    if not isinstance(optimizer, (nnx.Optimizer, optax.GradientTransformation)):
+        raise UsageTypeError(f"fit: optimizer={type(optimizer).__name__} must be an "
+                             "nnx.Optimizer of the model or an optax transformation "
+                             "(e.g. optax.adamw(1e-3)).")
     with contextlib.ExitStack() as stack:
         stop = stack.enter_context(stop_on_signals()) if handle_signals else None
         ckpt = stack.enter_context(open_run_dirs(checkpoint, observe))
@@ -132,7 +135,8 @@ def fit(model: nnx.Module, optimizer: nnx.Optimizer | optax.GradientTransformati
                     grad_accum=grad_accum, has_aux=has_aux, stop=stop)
 
 
-def _fit(model: nnx.Module, optimizer: nnx.Optimizer, batches: Iterable[Any], *, steps: int,
+def _fit(model: nnx.Module, optimizer: nnx.Optimizer | optax.GradientTransformation,
+         batches: Iterable[Any], *, steps: int,
          loss_fn: LossFn, ckpt: Checkpointer | None, observe: ObserveConfig,
          on_step: OnStep | None, progress: bool, grad_accum: int, has_aux: bool,
          stop: StopRequest | None) -> TrainResult:
@@ -148,6 +152,9 @@ def _fit(model: nnx.Module, optimizer: nnx.Optimizer, batches: Iterable[Any], *,
 
         candidates = intact_candidates(ckpt)
         candidates = drop_finished(ckpt, candidates, steps, past_the_end) if candidates else []
+        if candidates:  # before the optimizer is built (with master weights it casts the model)
+            _check_position(candidates[0][1], directory)
+        optimizer = _as_optimizer(model, optimizer)
         try:
             _, start = restore_newest(ckpt, candidates, model, optimizer,
                                       check=lambda meta: _check_position(meta, directory))
@@ -156,6 +163,8 @@ def _fit(model: nnx.Module, optimizer: nnx.Optimizer, batches: Iterable[Any], *,
         if start and jax.process_index() == 0:
             print(f"gtp_jax fit: resumed from step {start} in {directory} (of {steps})",
                   flush=True)
+    else:
+        optimizer = _as_optimizer(model, optimizer)
     window = observe.profile_window(start + 1, steps)
     if stop is not None and stop.agreed(start):  # no step started: nothing to save
         raise RunStopped(stop.name, "preparing the run", start)
@@ -264,10 +273,6 @@ def _as_optimizer(model: nnx.Module,
                   optimizer: nnx.Optimizer | optax.GradientTransformation) -> nnx.Optimizer:
     if isinstance(optimizer, nnx.Optimizer):
         return optimizer
-    if not isinstance(optimizer, optax.GradientTransformation):
-        raise UsageTypeError(f"fit: optimizer={type(optimizer).__name__} must be an "
-                             "nnx.Optimizer of the model or an optax transformation "
-                             "(e.g. optax.adamw(1e-3)).")
     built = make_nnx_optimizer(model, optimizer, wrt=nnx.Param)
     mesh = getattr(model, "mesh", None)
     if mesh is not None:
