@@ -9,6 +9,8 @@ from __future__ import annotations
 import functools
 import os
 import re
+import subprocess
+import sys
 import zlib
 from collections.abc import Mapping
 from typing import Any
@@ -41,6 +43,52 @@ def cli_env(**extra: str) -> dict[str, str]:
     flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "",
                    os.environ.get("XLA_FLAGS", "")).strip()
     return {**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu", **extra}
+
+
+#: The CLI in a child process, holding after it printed step 2's line until a stop is
+#: requested, so that the test's signal always lands in the middle of the run. Every step's
+#: line is printed (the bar prints every 5th step when not on a terminal).
+HELD_CHILD = """
+import sys, threading
+from gtp_jax.train.lifecycle import preempt
+from gtp_jax.train.outputs import progress
+asked = threading.Event()
+request = preempt.StopRequest.request
+def record(self, signum=0):
+    request(self, signum)
+    asked.set()
+preempt.StopRequest.request = record
+update = progress.ProgressBar.update
+def update_and_hold(self, step, keep=False, **metrics):
+    update(self, step, keep=True, **metrics)
+    # Short waits: a signal may land on one of JAX's threads, and the handler then runs
+    # only when the main thread is back in the interpreter loop.
+    for _ in range(6000 if step == 2 else 0):
+        if asked.wait(0.05):
+            break
+progress.ProgressBar.update = update_and_hold
+from gtp_jax.__main__ import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def held_child(flags: list[str], cwd: Any, *paths: Any) -> subprocess.Popen:
+    """``python -m gtp_jax <flags>`` in a child process (`HELD_CHILD`: it holds after step
+    2 until it is asked to stop), in `cwd`, with `paths` first on its PYTHONPATH."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [*map(str, paths), os.environ.get("PYTHONPATH", "")])}
+    return subprocess.Popen([sys.executable, "-c", HELD_CHILD, *flags], cwd=cwd, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def wait_for_step_2(proc: subprocess.Popen) -> list[str]:
+    """The child's stderr lines up to its step 2 progress line (it holds there)."""
+    seen = []
+    for line in proc.stderr:
+        seen.append(line)
+        if " step 2/" in line:
+            return seen
+    raise AssertionError("the run ended before step 2: " + "".join(seen))
 
 
 def train_until(run: Any, directory: Any, stop_after: int) -> list[float]:

@@ -102,10 +102,13 @@ def test_restore_onto_other_mesh_is_bit_exact(saved, target: str, tmp_path: Path
     fresh = {k: v.get_value().sharding for k, v in flat_state(model, ...).items()}
     fresh_opt = {k: v.get_value().sharding for k, v in flat_state(optimizer, ...).items()}
     with Checkpointer(CheckpointConfig(directory, resume=True)) as ckpt:
-        meta = ckpt.restore(model, optimizer)
+        restored = ckpt.restore(model, optimizer, with_metadata=True)
         saved_arrays = ckpt.read_arrays()
-    assert meta["step"] == 2 and meta["extra"] == {"note": "two steps"}
-    assert meta["mesh"] == {"dp": 2, "ep": 1, "gtp": 4, "tp": 1}
+    # What a loop needs: the step and the extras it saved; the metadata only on request.
+    assert restored.step == 2 and restored.extra == {"note": "two steps"}
+    assert restored.metadata["mesh"] == {"dp": 2, "ep": 1, "gtp": 4, "tp": 1}
+    assert restored.metadata["step"] == 2
+    assert set(restored.metadata["arrays"]) == set(saved_arrays)
 
     # Parameters, unsharded by gtp_jax itself, equal the saved run's bit for bit.
     restored = {k: np.asarray(v.get_value())
@@ -222,7 +225,8 @@ def test_save_killed_before_finalize_keeps_previous(tmp_path: Path, mesh_dp2_gtp
     model = _linear(mesh_dp2_gtp4, seed=1)
     with Checkpointer(CheckpointConfig(directory, resume=True)) as ckpt:
         assert ckpt.all_steps() == [1]
-        assert ckpt.restore(model)["step"] == 1
+        restored = ckpt.restore(model)
+        assert (restored.step, restored.extra, restored.metadata) == (1, {}, None)
         expected = np.asarray(nnx.Linear(64, 48, rngs=nnx.Rngs(0)).kernel.get_value())
         np.testing.assert_array_equal(np.asarray(gtp_jax.unshard(model).kernel.get_value()),
                                       expected)
@@ -268,6 +272,8 @@ def test_restore_errors_leave_model_unchanged(tmp_path: Path, mesh_dp2_gtp4) -> 
         optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
         with pytest.raises(ValueError, match="unexpected|missing"):
             ckpt.restore(model, optimizer)
+        with pytest.raises(TypeError, match="with_metadata='yes' must be True or False"):
+            ckpt.restore(model, with_metadata="yes")
 
 
 def _fake_run(directory: Path, mesh, **train_config) -> None:

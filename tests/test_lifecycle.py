@@ -13,13 +13,13 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import optax
 import pytest
 from flax import nnx
+from helpers import held_child, wait_for_step_2
 
 import gtp_jax
 from gtp_jax.base.errors import UsageError
@@ -41,32 +41,6 @@ from gtp_jax.train.loop import _global_batch, build_model_and_optimizer
 ROOT = Path(__file__).resolve().parents[1]
 RUN = ["train", "--steps", "6", "--batch", "8", "--seq", "32", "--warmup", "1"]
 
-#: The CLI in a child process, holding after it printed step 2's line until a stop is
-#: requested, so that the test's signal always lands in the middle of the run. Every step's
-#: line is printed (the bar prints every 5th step when not on a terminal).
-CHILD = """
-import sys, threading
-from gtp_jax.train.lifecycle import preempt
-from gtp_jax.train.outputs import progress
-asked = threading.Event()
-request = preempt.StopRequest.request
-def record(self, signum=0):
-    request(self, signum)
-    asked.set()
-preempt.StopRequest.request = record
-update = progress.ProgressBar.update
-def update_and_hold(self, step, keep=False, **metrics):
-    update(self, step, keep=True, **metrics)
-    # Short waits: a signal may land on one of JAX's threads, and the handler then runs
-    # only when the main thread is back in the interpreter loop.
-    for _ in range(6000 if step == 2 else 0):
-        if asked.wait(0.05):
-            break
-progress.ProgressBar.update = update_and_hold
-from gtp_jax.__main__ import main
-sys.exit(main(sys.argv[1:]))
-"""
-
 
 def _losses(path: Path) -> list[float]:
     return [s["loss"] for s in json.loads(path.read_text())["steps"]]
@@ -83,19 +57,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[floa
 
 
 def _child(flags: list[str], tmp_path: Path) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        [str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    return subprocess.Popen([sys.executable, "-c", CHILD, *flags], cwd=tmp_path, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
-def _wait_for_step_2(proc: subprocess.Popen) -> list[str]:
-    seen = []
-    for line in proc.stderr:
-        seen.append(line)
-        if " step 2/" in line:
-            return seen
-    raise AssertionError("the run ended before step 2: " + "".join(seen))
+    return held_child(flags, tmp_path, ROOT)
 
 
 def test_sigterm_saves_and_the_same_command_resumes_exactly(
@@ -106,7 +68,7 @@ def test_sigterm_saves_and_the_same_command_resumes_exactly(
     flags = [*RUN, "--checkpoint-dir", str(tmp_path / "ck"), "--resume", "auto",
              "--export-hf", str(export)]
     proc = _child([*flags, "--metrics-json", str(tmp_path / "first.json")], tmp_path)
-    _wait_for_step_2(proc)
+    wait_for_step_2(proc)
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=300)
     # Unfinished: not status 0 (`train && upload` must not ship it), nothing exported.
@@ -147,7 +109,7 @@ def test_second_signal_exits_at_once_and_keeps_an_intact_checkpoint(
     flags = [*RUN, "--checkpoint-dir", str(tmp_path / "ck"), "--resume", "auto",
              "--checkpoint-every", "1"]
     proc = _child(flags, tmp_path)
-    _wait_for_step_2(proc)
+    wait_for_step_2(proc)
     # Both pending at once: SIGINT (the lower number) is handled first and asks to stop,
     # SIGTERM is the second signal.
     os.kill(proc.pid, signal.SIGINT)

@@ -73,9 +73,10 @@ def _core_reference(directory: str) -> tuple[list[float], nnx.Module]:
     model = gtp_jax.shard(Transformer(model_config(CFG), rngs=nnx.Rngs(0)), mesh)
     optimizer = nnx.Optimizer(model, make_optimizer(CFG), wrt=nnx.Param)
     replicate_stray_leaves(optimizer, mesh)
-    meta = Checkpointer(CheckpointConfig(directory, resume=True)).restore(model, optimizer,
-                                                                           step=K)
-    batcher = ByteBatcher.from_state(split_train_eval(load_corpus())[0], meta["extra"]["data"])
+    restored = Checkpointer(CheckpointConfig(directory, resume=True)).restore(model, optimizer,
+                                                                               step=K)
+    assert restored.step == K
+    batcher = ByteBatcher.from_state(split_train_eval(load_corpus())[0], restored.extra["data"])
     step = TrainStep(model, optimizer, functools.partial(lm_loss, aux_weight=0.01))
     placement = gtp_jax.data_sharding(mesh)
     losses = []

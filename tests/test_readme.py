@@ -88,6 +88,8 @@ def test_every_shell_block_runs_as_written(page: str, tmp_path: Path) -> None:
                          "ms, re-layout of the training", "loss around the failure",
                          "step time median"):
                 assert part in output, (part, output[-3000:])
+        if "--model examples.own_model:make_model" in block:  # your model, resumed
+            assert "/runs/own/6 (step 6 of 9)" in output, output[-3000:]
         if "--checkpoint-dir ck --resume" in block:
             assert "is finished (checkpoint at step 6)" in output  # the re-launch
             assert "steps 7-9" in output  # the extension trained
@@ -108,7 +110,8 @@ def test_own_model_example_gives_the_unsharded_numbers() -> None:
 
     from gtp_jax.train import TrainStep
 
-    (code,) = PYTHON.findall((REPO_ROOT / "README.md").read_text())
+    (code,) = [b for b in PYTHON.findall((REPO_ROOT / "README.md").read_text())
+               if "class MLP" in b]
     shown = io.StringIO()
     scope: dict = {"__name__": "readme_example"}
     with contextlib.redirect_stdout(shown):
@@ -123,6 +126,16 @@ def test_own_model_example_gives_the_unsharded_numbers() -> None:
     assert len(sharded) == 5
     for got, want in zip(sharded, plain):
         assert abs(got - want) <= 1e-6 * abs(want), (sharded, plain)
+
+
+def test_readme_model_code_is_the_example_the_shell_block_trains() -> None:
+    """The README's factory code is an excerpt of examples/own_model.py, verbatim: the
+    shell block that trains that module runs it as written."""
+    blocks = [b for b in PYTHON.findall((REPO_ROOT / "README.md").read_text())
+              if "class MLP" not in b]
+    example = (REPO_ROOT / "examples" / "own_model.py").read_text()
+    assert blocks and all(block in example for block in blocks)
+    assert "examples.own_model:make_model" in "\n".join(shell_blocks("README.md"))
 
 
 def test_readme_names_the_tested_jax_version() -> None:

@@ -23,6 +23,7 @@ from gtp_jax.sharding.offload import StreamableChain
 from gtp_jax.train.step import optim
 from gtp_jax.train.step.lr_defaults import LrDefaults, default_warmup, lr_defaults
 from gtp_jax.train.step.optim import check_optimizer_settings
+from gtp_jax.train.user_model import UserModel, check_spec
 
 #: TrainConfig fields that only change the layout or the schedule of the computation, not
 #: its math: a resumed run may change them. Every other field (including fields added
@@ -47,6 +48,22 @@ MAX_TOKENS_PER_STEP = 2**31 - 1
 _GATHER_FORMATS = (None, "fp8", "mxfp8", "nvfp4")
 _REMAT = ("auto", "none", "dots", "full")
 _ATTENTION = ("auto", "cudnn", "xla")
+#: `TrainConfig` fields that describe the bundled decoder: with `TrainConfig.model` each must
+#: keep its default (the value, and why it does not apply to a user's module).
+PRESET_ONLY = {
+    "preset": ("tiny", "a preset is the bundled decoder's size"),
+    "layers": (None, "it sets the bundled decoder's depth"),
+    "moe_experts": (0, "it sets the bundled decoder's experts"),
+    "moe_top_k": (2, "it sets the bundled decoder's routing"),
+    "moe_capacity_factor": (1.25, "it sets the bundled decoder's expert capacity"),
+    "attention": ("auto", "it picks the bundled decoder's attention kernel"),
+    "unroll_layers": (None, "it picks the bundled decoder's layer loop"),
+    "overlap": (False, "it rings the bundled decoder's tensor-parallel matmuls"),
+    "init_from_hf": (None, "a Hugging Face checkpoint loads into the bundled Llama-shaped "
+                     "decoder only"),
+    "export_hf": (None, "the Hugging Face export writes the bundled Llama-shaped decoder "
+                  "only"),
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +73,10 @@ class TrainConfig:
     Attributes:
       preset: model preset name (`gtp_jax.models.PRESETS`); its vocabulary is replaced by
         `vocab_size`.
+      model: your own model instead of a preset: ``"package.module:factory"``, a function
+        ``factory(rngs, sizes)`` returning an ``nnx.Module`` (and optionally a loss;
+        `gtp_jax.train.user_model`, docs/your_model.md). The fields that describe the
+        bundled decoder (`PRESET_ONLY`) must keep their defaults; None: the preset.
       layers: the preset's number of layers replaced (a deeper or shallower model of the
         same width); None: the preset's.
       steps: optimizer steps (the whole run; a resumed run continues up to it).
@@ -149,6 +170,7 @@ class TrainConfig:
     """
 
     preset: str = "tiny"
+    model: str | None = None
     layers: int | None = None
     steps: int = 100
     batch_size: int = 16
@@ -277,6 +299,13 @@ class TrainConfig:
             raise UsageError(
                 f"TrainConfig.init_from_hf with moe_experts={self.moe_experts}: a Hugging Face "
                 "Llama checkpoint has a dense MLP; drop moe_experts.")
+        if self.model is not None:
+            check_spec(self.model)  # its form; the module is imported when the run resolves
+            for name, (default, why) in PRESET_ONLY.items():
+                if getattr(self, name) != default:
+                    raise UsageError(
+                        f"TrainConfig.{name}={getattr(self, name)!r} with TrainConfig.model: "
+                        f"{why}; drop TrainConfig.{name} (your factory builds the model).")
         check_optimizer_settings(lr_schedule=self.lr_schedule, warmup=self.lr_warmup,
                                  schedule_steps=self.lr_schedule_steps,
                                  decay_steps=self.decay_steps,
@@ -433,13 +462,14 @@ class Run:
 
     Attributes:
       config: the `TrainConfig` with its "auto" fields set for `backend` (`resolve_auto`).
-      model: the `TransformerConfig` the run trains (`model_config`).
+      model: the `TransformerConfig` the run trains (`model_config`), or with
+        `TrainConfig.model` the `UserModel` (the factory and its sizes).
       gtp: the `GTPConfig` the model is sharded with (`gtp_config`).
       backend: the JAX backend it was resolved for ("gpu", "cpu", ...).
     """
 
     config: TrainConfig
-    model: TransformerConfig
+    model: TransformerConfig | UserModel
     gtp: GTPConfig
     backend: str
 
@@ -449,7 +479,8 @@ def resolve(cfg: TrainConfig | Run, backend: str | None = None) -> Run:
     model and sharding configs it implies. A `Run` is returned as it is.
 
     Raises:
-      UsageError: the model config cannot be built (e.g. an unreadable ``init_from_hf``).
+      UsageError: the model config cannot be built (e.g. an unreadable ``init_from_hf``, a
+        `TrainConfig.model` that cannot be imported).
     """
     if isinstance(cfg, Run):
         return cfg
@@ -458,15 +489,21 @@ def resolve(cfg: TrainConfig | Run, backend: str | None = None) -> Run:
     return Run(config, _model_config(config), _gtp_config(config), backend)
 
 
-def model_config(cfg: TrainConfig | Run) -> TransformerConfig:
+def model_config(cfg: TrainConfig | Run) -> TransformerConfig | UserModel:
     """The `TransformerConfig` that `train` builds for `cfg` (a `TrainConfig` is resolved
-    for JAX's default backend first; a `Run` carries it)."""
+    for JAX's default backend first; a `Run` carries it); with `TrainConfig.model`, the
+    `UserModel`."""
     return resolve(cfg).model
 
 
-def _model_config(cfg: TrainConfig) -> TransformerConfig:
+def _model_config(cfg: TrainConfig) -> TransformerConfig | UserModel:
     """`model_config` of an already resolved `cfg`."""
     dtype = jnp.bfloat16 if cfg.dtype == "bfloat16" else jnp.float32
+    if cfg.model is not None:
+        user = UserModel(cfg.model, vocab_size=cfg.vocab_size or VOCAB_SIZE,
+                         seq_len=cfg.seq_len, dtype=dtype, remat=cfg.remat)
+        user.abstract()  # imports and calls the factory once: its errors name TrainConfig.model
+        return user
     options = dict(dtype=dtype, remat=cfg.remat, tp_overlap=cfg.overlap,
                    attention_impl=cfg.attention, unroll_layers=cfg.unroll_layers)
     vocab_size = cfg.vocab_size if cfg.vocab_size is not None else VOCAB_SIZE
@@ -515,13 +552,32 @@ def _gtp_config(cfg: TrainConfig) -> GTPConfig:
                         else {"fp8_min_features": cfg.fp8_min_features}))
 
 
-def describe_choices(cfg: TrainConfig, model_cfg: TransformerConfig) -> str:
+def describe_choices(cfg: TrainConfig, model_cfg: TransformerConfig | UserModel) -> str:
     """One line naming how the run computes: compute and gather dtypes, remat, attention,
     layer loop (and whether `TrainConfig.prefetch` applies), e.g. ``compute bfloat16,
-    gathers bfloat16, remat dots, attention cudnn, layers unrolled (gathered one ahead)``."""
+    gathers bfloat16, remat dots, attention cudnn, layers unrolled (gathered one ahead)``;
+    for a `UserModel`, the remat policy its factory gets, its parameters and its loss
+    instead of the decoder's attention and layer loop."""
     gather = cfg.gather_format or cfg.gather_dtype or "float32 (the parameter dtype)"
     if cfg.gather_format and cfg.gtp == 1:
         gather = f"none at gtp=1 (--gather-format {cfg.gather_format} has no effect)"
+    offload = ", optimizer state in host memory" if cfg.offload_optimizer else ""
+    if cfg.offload_exclude:
+        offload += f" (but {', '.join(cfg.offload_exclude)})"
+    if cfg.offload_master_weights:
+        offload += ", float32 master weights too (bfloat16 on the device)"
+    fp8 = ""
+    if cfg.fp8_compute is not None:
+        emulated = "" if jax.default_backend() == "gpu" else ", emulated on this backend"
+        fp8 = f", projections in fp8 ({cfg.fp8_compute}{emulated})"
+    reduce = ", gradients reduce-scattered in bfloat16" if cfg.reduce_dtype == "bfloat16" \
+        else ""
+    if isinstance(model_cfg, UserModel):
+        loss = ("the next-token loss on its logits" if model_cfg.default_loss
+                else "the factory's loss")
+        return (f"compute {cfg.dtype}, gathers {gather}{reduce}, remat {model_cfg.remat} "
+                f"(handed to the factory), {model_cfg.num_params() / 1e6:.2f}M parameters, "
+                f"{loss}{offload}{fp8}")
     if cfg.cp > 1:
         attention = f"ring over cp={cfg.cp}"
     else:
@@ -534,17 +590,6 @@ def describe_choices(cfg: TrainConfig, model_cfg: TransformerConfig) -> str:
     else:
         loop = "layers scanned" + (" with prefetch (double-buffered gathers)" if cfg.prefetch
                                    else "")
-    offload = ", optimizer state in host memory" if cfg.offload_optimizer else ""
-    if cfg.offload_exclude:
-        offload += f" (but {', '.join(cfg.offload_exclude)})"
-    if cfg.offload_master_weights:
-        offload += ", float32 master weights too (bfloat16 on the device)"
-    fp8 = ""
-    if cfg.fp8_compute is not None:
-        emulated = "" if jax.default_backend() == "gpu" else ", emulated on this backend"
-        fp8 = f", projections in fp8 ({cfg.fp8_compute}{emulated})"
-    reduce = ", gradients reduce-scattered in bfloat16" if cfg.reduce_dtype == "bfloat16" \
-        else ""
     return (f"compute {cfg.dtype}, gathers {gather}{reduce}, remat {model_cfg.remat}, "
             f"attention {attention}, {loop}{offload}{fp8}")
 
@@ -577,7 +622,7 @@ def describe_schedule(cfg: TrainConfig, given: TrainConfig | None = None) -> str
             f"{cfg.lr_schedule_steps} steps")
 
 
-def model_json(model_cfg: TransformerConfig) -> dict[str, Any]:
+def model_json(model_cfg: TransformerConfig | UserModel) -> dict[str, Any]:
     """`model_cfg` as JSON values (dtypes by name): what checkpoints and metrics record."""
     out = {}
     for field in dataclasses.fields(model_cfg):
@@ -587,11 +632,36 @@ def model_json(model_cfg: TransformerConfig) -> dict[str, Any]:
     return out
 
 
+def model_differences(model_cfg: TransformerConfig | UserModel, saved: dict[str, Any],
+                      may_differ: frozenset[str]) -> list[str]:
+    """``"model <field>: checkpoint <saved> vs now <value>"`` for each field of `model_cfg`
+    (`model_json`) that differs from a checkpoint's recorded model `saved` and is not in
+    `may_differ`. A field the checkpoint lacks was added later: its default is what that run
+    used. A checkpoint of the other kind (a preset's decoder against a `UserModel`, or the
+    reverse) differs in one line that says so."""
+    now = model_json(model_cfg)
+    user_now, user_saved = isinstance(model_cfg, UserModel), "factory" in saved
+    if user_now != user_saved:
+        what = {True: f"TrainConfig.model {saved.get('factory')!r}",
+                False: "the bundled decoder"}
+        return [f"model: checkpoint {what[user_saved]} vs now "
+                f"{what[user_now] if not user_now else repr(model_cfg.factory)}"]
+    defaults = model_json(dataclasses.replace(
+        model_cfg, **{f.name: f.default for f in dataclasses.fields(model_cfg)
+                      if f.name not in saved and f.default is not dataclasses.MISSING}))
+    saved = {**defaults, **saved}
+    return [f"model {k}: checkpoint {saved.get(k)!r} vs now {now[k]!r}" for k in now
+            if k not in may_differ and saved.get(k) != now[k]]
+
+
 def check_devices(run: TrainConfig | Run) -> None:
     """The mesh fits the devices and the model splits over tp and ep (checked here, before
     anything is built, so the error names the configuration rather than a weight)."""
     run = resolve(run)
     cfg, model_cfg = run.config, run.model
+    if isinstance(model_cfg, UserModel):
+        _check_user_devices(cfg, model_cfg)
+        return
     widths = {"n_heads": model_cfg.n_heads, "d_ff": model_cfg.d_ff}
     if model_cfg.moe_experts:
         widths["moe_d_ff"] = model_cfg.moe_d_ff or model_cfg.d_ff
@@ -624,6 +694,22 @@ def check_devices(run: TrainConfig | Run) -> None:
         if reason is not None:
             raise UsageError(f"TrainConfig.attention='cudnn' does not apply here: {reason}; "
                              "use 'auto' (cuDNN where it applies) or 'xla'.")
+    _check_device_count(cfg)
+
+
+def _check_user_devices(cfg: TrainConfig, user: UserModel) -> None:
+    """`check_devices` of a run of a `UserModel`: the mesh, and cp only for a module that
+    splits its inputs over it."""
+    if cfg.cp > 1 and not user.has_input_layout():
+        name = type(user.abstract()).__name__
+        raise UsageError(
+            f"TrainConfig.cp={cfg.cp} with TrainConfig.model: {name} has no "
+            "gtp_input_layout, so every cp rank would compute the whole sequence; give it "
+            "one (docs/context_parallel.md) or use cp=1.")
+    _check_device_count(cfg)
+
+
+def _check_device_count(cfg: TrainConfig) -> None:
     total, devices = cfg.dp * cfg.ep * cfg.gtp * cfg.cp * cfg.tp, jax.device_count()
     if total != devices:
         raise UsageError(

@@ -1,5 +1,6 @@
-"""The main job: train a preset transformer with GTP on the bundled byte corpus or a user's
-tokenized text (`gtp_jax.train.data_source`).
+"""The main job: train a preset transformer, or a user's model (`TrainConfig.model`,
+`gtp_jax.train.user_model`), with GTP on the bundled byte corpus or a user's tokenized text
+(`gtp_jax.train.data_source`). `step_loop` is the step loop `gtp_jax.train.fit` shares.
 
 `train` checks its input, then runs a short sequence of steps: pick the checkpoint to resume
 from, build the model and optimizer once (and restore into them), run the step loop
@@ -29,7 +30,7 @@ import gtp_jax
 from gtp_jax.base.compile_watch import CompileReport, measure_compile
 from gtp_jax.base.errors import UsageError
 from gtp_jax.base.metadata import LOGICAL_SHAPE
-from gtp_jax.data import ByteBatcher, PackedBatcher, RowBatch, TextData
+from gtp_jax.data import RowBatch, TextData
 from gtp_jax.models import (
     Transformer,
     TransformerConfig,
@@ -50,7 +51,12 @@ from gtp_jax.train.data_source import DataSource
 from gtp_jax.train.lifecycle.checkpoint import CheckpointConfig, Checkpointer, DirectoryLock
 from gtp_jax.train.lifecycle.ntp import NonuniformStep, Recovery, SimulatedFailure, check_failure
 from gtp_jax.train.lifecycle.preempt import RunStopped, StopRequest
-from gtp_jax.train.lifecycle.resume import StartOver, restore_newest, select_candidates
+from gtp_jax.train.lifecycle.resume import (
+    StartOver,
+    check_resume,
+    restore_newest,
+    select_candidates,
+)
 from gtp_jax.train.lifecycle.warm_start import check_init_from, load_weights
 from gtp_jax.train.outputs.metrics_log import (
     MetricsLog,
@@ -72,6 +78,7 @@ from gtp_jax.train.outputs.progress import ProgressBar
 from gtp_jax.train.outputs.report import TrainResult
 from gtp_jax.train.step.memory import check_memory_fits, memory_advice, memory_bound, memory_parts
 from gtp_jax.train.step.train_step import TrainStep, make_nnx_optimizer, replicate_stray_leaves
+from gtp_jax.train.user_model import UserModel
 
 OnStep = Callable[[int, float, float], None]
 OnStart = Callable[[TrainConfig, TransformerConfig], None]
@@ -83,7 +90,8 @@ def train(cfg: TrainConfig, *, on_step: OnStep | None = None,
           failure: SimulatedFailure | None = None,
           on_start: OnStart | None = None, data: TextData | None = None,
           stop: StopRequest | None = None) -> TrainResult:
-    """Trains `cfg.preset` with GTP on the mesh ``(dp, ep, gtp, tp)`` over all devices.
+    """Trains `cfg.preset` (or the module of `cfg.model`'s factory) with GTP on the mesh
+    ``(dp, ep, gtp, tp)`` over all devices.
 
     Everything that depends on the caller's input is checked before the model is built:
     the mesh against the device count, the memory bound per device against the
@@ -94,7 +102,7 @@ def train(cfg: TrainConfig, *, on_step: OnStep | None = None,
     Args:
       cfg: the run.
       on_step: called after each step with (step, loss, step seconds); on every process.
-        Steps are dispatched one ahead of the host (see `_step_loop`), so it runs while
+        Steps are dispatched one ahead of the host (see `step_loop`), so it runs while
         the next step computes.
       on_start: called once with the run's resolved config (its "auto" fields set, and a
         resumed run's saved values adopted) and model config, before the model is built.
@@ -138,7 +146,6 @@ def train(cfg: TrainConfig, *, on_step: OnStep | None = None,
       RunStopped: `stop` was requested before the first step; nothing was trained.
     """
     observe = ObserveConfig() if observe is None else observe
-    primary = jax.process_index() == 0
     auto = cfg.auto_fields  # a resumed run keeps its saved values for these
     source = DataSource.check(data)
     if cfg.vocab_size is None and data is not None:
@@ -155,6 +162,10 @@ def train(cfg: TrainConfig, *, on_step: OnStep | None = None,
         raise UsageError("TrainConfig.offload_optimizer with a SimulatedFailure: the "
                          "nonuniform step keeps the optimizer state in device memory; drop "
                          "one of them.")
+    if cfg.model is not None and failure is not None:
+        raise UsageError("TrainConfig.model with a SimulatedFailure: training on through a "
+                         "device failure re-lays out the bundled decoder only; drop one of "
+                         "them.")
     if cfg.eval_every and failure is not None:
         raise UsageError("TrainConfig.eval_every with a SimulatedFailure: the held-out loss is "
                          "not computed on the nonuniform layout; drop one of them.")
@@ -164,6 +175,31 @@ def train(cfg: TrainConfig, *, on_step: OnStep | None = None,
     check_devices(resolved)
     check_failure(resolved, failure)
     check_memory_fits(resolved)
+    with open_run_dirs(checkpoint, observe) as ckpt:
+        run = functools.partial(_train, resolved, on_step=on_step, progress=progress, ckpt=ckpt,
+                                observe=observe, failure=failure, auto=auto,
+                                on_start=on_start, source=source, stop=stop)
+        try:
+            return run()
+        except StartOver:
+            pass  # every checkpoint was damaged and is renamed aside: a new run
+        gc.collect()  # the first attempt's model and optimizer, before the next ones
+        return run()
+
+
+@contextlib.contextmanager
+def open_run_dirs(checkpoint: CheckpointConfig | None,
+                  observe: ObserveConfig) -> Iterator[Checkpointer | None]:
+    """The run's `Checkpointer` (None without `checkpoint`), once its directories are
+    checked and claimed: the checkpoint, profile and log directories and the metrics file
+    writable, the checkpoint directory locked (`DirectoryLock`) and the log directory
+    claimed for this run (`claim_log_dir`). On exit, pending saves are finished (also when
+    training failed) and the locks released.
+
+    Raises:
+      UsageError: an unwritable path, a locked directory, a log directory of another run.
+    """
+    primary = jax.process_index() == 0
     if checkpoint is not None:
         check_writable_dir(checkpoint.directory, "CheckpointConfig.directory")
     if primary:
@@ -183,16 +219,8 @@ def train(cfg: TrainConfig, *, on_step: OnStep | None = None,
                 observe.log_dir, checkpoint.directory if checkpoint is not None else None,
                 resume=checkpoint.resume if checkpoint is not None else False)
         ckpt = Checkpointer(checkpoint) if checkpoint is not None else None
-        run = functools.partial(_train, resolved, on_step=on_step, progress=progress, ckpt=ckpt,
-                                observe=observe, failure=failure, auto=auto,
-                                on_start=on_start, source=source, stop=stop)
         try:
-            try:
-                return run()
-            except StartOver:
-                pass  # every checkpoint was damaged and is renamed aside: a new run
-            gc.collect()  # the first attempt's model and optimizer, before the next ones
-            return run()
+            yield ckpt
         finally:
             if ckpt is not None:
                 # Finishes (finalizes) a pending asynchronous save, also when training failed.
@@ -206,7 +234,8 @@ def train(cfg: TrainConfig, *, on_step: OnStep | None = None,
 
 def build_model_and_optimizer(run: TrainConfig | Run
                               ) -> tuple[gtp_jax.ShardedModule, nnx.Optimizer]:
-    """The GTP-sharded model (initialized from ``cfg.seed``) and its AdamW optimizer, on the
+    """The GTP-sharded model (initialized from ``cfg.seed``: the preset's decoder, or with
+    `TrainConfig.model` the module of the user's factory) and its AdamW optimizer, on the
     mesh ``make_mesh(dp, gtp, tp, ep)`` over all devices: what `train` starts from (and
     what a checkpoint is restored into: an offloaded optimizer's state is built, and so
     restored, in host memory). A `TrainConfig` is resolved first (`resolve`)."""
@@ -215,6 +244,9 @@ def build_model_and_optimizer(run: TrainConfig | Run
     mesh = gtp_jax.make_mesh(dp=cfg.dp, gtp=cfg.gtp, tp=cfg.tp, ep=cfg.ep, cp=cfg.cp)
     if cfg.init_from_hf is not None:  # each device's shard read from the files
         model = from_hf(cfg.init_from_hf, mesh=mesh, gtp_config=run.gtp, config=run.model)
+    elif isinstance(run.model, UserModel):  # the user's factory, built in place as well
+        user = run.model
+        model = gtp_jax.shard_init(lambda: user.build(nnx.Rngs(cfg.seed)), mesh, run.gtp)
     else:
         # Built in place: each device creates only its own shards (no whole-model peak).
         model = gtp_jax.shard_init(lambda: Transformer(run.model, rngs=nnx.Rngs(cfg.seed)),
@@ -231,15 +263,20 @@ def replicated_bytes(model: nnx.Module, cfg: TrainConfig) -> tuple[int, int]:
     weights, and the optimizer's state for those shapes (``jax.eval_shape``: nothing is
     allocated). With `TrainConfig.offload_master_weights` the parameters count as the
     float32 ones a run without it holds."""
+    return optimizer_bytes(model, make_optimizer(cfg), float32=cfg.offload_master_weights)
+
+
+def optimizer_bytes(model: nnx.Module, tx: Any, *, float32: bool = False) -> tuple[int, int]:
+    """`replicated_bytes` for the optax transformation `tx` (`float32`: count the parameters
+    as float32)."""
     params = {}
     for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
         value = var.get_value()
         shape = var.get_metadata().get(LOGICAL_SHAPE, value.shape)
-        dtype = jnp.float32 if cfg.offload_master_weights else value.dtype
+        dtype = jnp.float32 if float32 else value.dtype
         params[path] = jax.ShapeDtypeStruct(tuple(shape), dtype)
     param_bytes = _tree_bytes(params)
-    return param_bytes, param_bytes + _tree_bytes(jax.eval_shape(make_optimizer(cfg).init,
-                                                                 params))
+    return param_bytes, param_bytes + _tree_bytes(jax.eval_shape(tx.init, params))
 
 
 def _train(run: Run, *, on_step: OnStep | None, progress: bool,
@@ -273,8 +310,10 @@ def _train(run: Run, *, on_step: OnStep | None, progress: bool,
         on_start(cfg, model_cfg)
 
     model, optimizer = build_model_and_optimizer(run)
-    meta, start = restore_newest(cfg, model_cfg, ckpt, candidates, model, optimizer,
-                                 source=source.record)
+    meta, start = restore_newest(
+        ckpt, candidates, model, optimizer,
+        check=lambda meta: check_resume(cfg, model_cfg, meta, ckpt.config.directory,
+                                        source=source.record))
     if warm is not None:
         load_weights(cfg, warm, model)
     if meta is not None and jax.process_index() == 0:
@@ -284,10 +323,12 @@ def _train(run: Run, *, on_step: OnStep | None, progress: bool,
         raise RunStopped(stop.name, "preparing the run", start)
     batcher = source.batcher(cfg.batch_size, cfg.seq_len, cfg.seed,
                              meta["extra"]["data"] if meta is not None else None)
-    loss_fn = functools.partial(lm_loss, aux_weight=model_cfg.moe_aux_weight)
+    user = isinstance(model_cfg, UserModel)
+    loss_fn = (model_cfg.loss_fn if user
+               else functools.partial(lm_loss, aux_weight=model_cfg.moe_aux_weight))
     # A mixture of experts reports the routing its capacity dropped beside the loss (the
     # nonuniform step after a failure takes the plain loss).
-    moe_metrics = bool(model_cfg.moe_experts) and failure_plan is None
+    moe_metrics = not user and bool(model_cfg.moe_experts) and failure_plan is None
     step_fn = TrainStep(model, optimizer,
                         functools.partial(lm_loss_and_metrics,
                                           aux_weight=model_cfg.moe_aux_weight)
@@ -304,12 +345,20 @@ def _train(run: Run, *, on_step: OnStep | None, progress: bool,
                    ) -> tuple[NonuniformStep, Recovery]:
             return NonuniformStep.recover(run, failure_plan, state, loss_fn, failure=failure,
                                           original=original)
+    placement = gtp_jax.data_sharding(model.mesh)
+    loop = LoopSpec(
+        steps=cfg.steps, tokens_per_step=cfg.batch_size * cfg.seq_len,
+        extra={"train_config": dataclasses.asdict(cfg), "model_config": model_json(model_cfg),
+               "data_source": source.record},
+        place=functools.partial(_global_batch, sharding=placement),
+        eval_every=cfg.eval_every, eval_loss=loss_fn if user else lm_loss,
+        nan_advice=f"lower TrainConfig.lr (now {cfg.lr})", run=run)
     try:
-        losses, times, saved, recovery, step_fn, val_losses, compiled = _step_loop(
-            run, step_fn, batcher, start=start, ckpt=ckpt, profiler=profiler,
+        losses, times, saved, recovery, step_fn, val_losses, compiled = step_loop(
+            loop, step_fn, batcher, start=start, ckpt=ckpt, profiler=profiler,
             on_step=on_step, progress=progress, failure_step=failure.step if switch else None,
-            switch=switch, held_out=held_out, source=source.record, stop=stop,
-            log=log, log_every=observe.log_every)
+            switch=switch, held_out=held_out, stop=stop, log=log,
+            log_every=observe.log_every)
     finally:
         if profiler is not None:
             profiler.stop()
@@ -325,10 +374,14 @@ def _train(run: Run, *, on_step: OnStep | None, progress: bool,
         ckpt.wait()
         present = set(ckpt.all_steps())
         saved = [s for s in saved if s in present]
-    result = _result(cfg, model_cfg, model, optimizer, losses=losses, times=times,
-                     first_step=start + 1, saved=saved, ckpt=ckpt, window=window,
-                     trace=profiler.trace_path if profiler is not None else None,
-                     recovery=recovery, val_losses=val_losses, compiled=compiled)
+    result = train_result(
+        model, optimizer, replicated=replicated_bytes(model, cfg),
+        num_params=model_cfg.num_params(),
+        flops_per_token=model_cfg.train_flops_per_token(cfg.seq_len),
+        tokens_per_step=cfg.batch_size * cfg.seq_len, compute_dtype=cfg.dtype,
+        losses=losses, times=times, first_step=start + 1, saved=saved, ckpt=ckpt,
+        window=window, trace=profiler.trace_path if profiler is not None else None,
+        recovery=recovery, val_losses=val_losses, compiled=compiled)
     if not finished:  # the loop returned early: a stop request
         result.stopped_by = stop.name
     elif cfg.export_hf is not None:
@@ -340,25 +393,53 @@ def _train(run: Run, *, on_step: OnStep | None, progress: bool,
     return result
 
 
-def _step_loop(run: Run, step_fn: TrainStep,
-               batcher: ByteBatcher | PackedBatcher, *, start: int, ckpt: Checkpointer | None,
-               profiler: StepProfiler | None, on_step: OnStep | None,
-               progress: bool, failure_step: int | None = None,
-               switch: Callable[[Any], tuple[NonuniformStep, Recovery]] | None = None,
-               held_out: list[RowBatch] | None = None, source: dict[str, Any] | None = None,
-               stop: StopRequest | None = None,
-               log: MetricsLog | None = None, log_every: int = 5,
-               ) -> tuple[list[float], list[float], list[int], Recovery | None, Any,
-                          dict[int, float], CompileReport | None]:
-    """Steps ``start + 1 .. cfg.steps``: (losses, step seconds, checkpointed steps, the
+@dataclasses.dataclass(frozen=True)
+class LoopSpec:
+    """What `step_loop` needs to know of a run (`train`'s, or `gtp_jax.train.fit`'s).
+
+    Attributes:
+      steps: the last step to train.
+      tokens_per_step: tokens (or examples) of one step, for tokens/s.
+      extra: what each checkpoint records beside the data position (``"data"``) and the
+        step's loss (``"loss"``), JSON values.
+      place: the host batch (what the batcher returns) -> the step's input on the devices.
+      eval_every: the held-out loss after every `eval_every` steps and the last; 0: never.
+      eval_loss: the loss of a held-out batch (``loss_fn(model, batch)``).
+      nan_advice: what the error of a NaN/inf loss advises.
+      run: the resolved run (`train`): its memory bound for the out-of-memory error and its
+        model for the MoE routing metric; None for `fit`.
+    """
+
+    steps: int
+    tokens_per_step: int
+    extra: dict[str, Any]
+    place: Callable[[Any], Any]
+    eval_every: int = 0
+    eval_loss: Callable[..., Any] | None = None
+    nan_advice: str = "lower the learning rate"
+    run: Run | None = None
+
+
+def step_loop(loop: LoopSpec, step_fn: TrainStep, batcher: Any, *, start: int,
+              ckpt: Checkpointer | None, profiler: StepProfiler | None, on_step: OnStep | None,
+              progress: bool, failure_step: int | None = None,
+              switch: Callable[[Any], tuple[NonuniformStep, Recovery]] | None = None,
+              held_out: list[Any] | None = None, stop: StopRequest | None = None,
+              log: MetricsLog | None = None, log_every: int = 5,
+              ) -> tuple[list[float], list[float], list[int], Recovery | None, Any,
+                         dict[int, float], CompileReport | None]:
+    """Steps ``start + 1 .. loop.steps``: (losses, step seconds, checkpointed steps, the
     recovery from a simulated failure or None, the step function in use at the end, the
     held-out loss after each evaluated step, the step's compile).
 
     The step is compiled before its first run (`_compile_step`; with `progress`, process 0
     says so before and after), so the first step's time is its run alone.
 
-    With `held_out` batches and ``cfg.eval_every``, the model's mean cross-entropy over
-    them is computed after every ``cfg.eval_every``-th step and the last one (the host
+    `batcher` gives each step's host batch (``next_batch()``) and the data position after
+    it (``state_dict()``, saved in checkpoints as ``extra["data"]``).
+
+    With `held_out` batches and ``loop.eval_every``, the model's mean ``loop.eval_loss``
+    over them is computed after every ``loop.eval_every``-th step and the last one (the host
     waits for those steps, as for a checkpoint).
 
     The host stays one step ahead of the devices: it dispatches step ``s``, builds step
@@ -380,13 +461,10 @@ def _step_loop(run: Run, step_fn: TrainStep,
     Once ``stop.agreed(step)`` (asked after step ``step`` is dispatched, on every process),
     the loop finishes that step like a checkpoint step (waits, saves with `ckpt`) and
     returns early."""
-    cfg, model_cfg = run.config, run.model
-    placement = gtp_jax.data_sharding(step_fn.objects[0].mesh)
-    tokens_per_step = cfg.batch_size * cfg.seq_len
-    bar = (ProgressBar(cfg.steps, every=log_every) if progress and jax.process_index() == 0
+    run, model_cfg = loop.run, loop.run.model if loop.run is not None else None
+    tokens_per_step = loop.tokens_per_step
+    bar = (ProgressBar(loop.steps, every=log_every) if progress and jax.process_index() == 0
            else None)
-    extra = {"train_config": dataclasses.asdict(cfg), "model_config": model_json(model_cfg),
-             "data_source": source}
     losses: list[float] = []
     val_losses: dict[int, float] = {}
     placed_held_out: list[jax.Array] = []
@@ -399,15 +477,15 @@ def _step_loop(run: Run, step_fn: TrainStep,
         """The next step's tokens on the devices, and the data position after them."""
         batch = batcher.next_batch()
         # The nonuniform step splits the host batch over its replicas itself.
-        tokens = np.asarray(batch) if recovery is not None else _global_batch(batch, placement)
+        tokens = np.asarray(batch) if recovery is not None else loop.place(batch)
         return tokens, batcher.state_dict()
 
     def evaluate() -> float:
         """Mean held-out cross-entropy of the current state (the batches are equal-sized,
         so this is the mean over all their tokens)."""
         if not placed_held_out:
-            placed_held_out.extend(_global_batch(b, placement) for b in held_out)
-        values = [step_fn.evaluate(b, lm_loss, has_aux=False) for b in placed_held_out]
+            placed_held_out.extend(loop.place(b) for b in held_out)
+        values = [step_fn.evaluate(b, loop.eval_loss, has_aux=False) for b in placed_held_out]
         return float(np.mean([float(v) for v in values]))
 
     def finish(step: int, metrics: dict[str, jax.Array], *, save: bool = False) -> None:
@@ -422,20 +500,21 @@ def _step_loop(run: Run, step_fn: TrainStep,
         losses.append(loss)
         if not np.isfinite(loss):
             raise FloatingPointError(
-                f"loss became {loss} at step {step}; lower TrainConfig.lr (now {cfg.lr})"
+                f"loss became {loss} at step {step}; {loop.nan_advice}"
                 + (f"; the last checkpoint is step {saved[-1]}" if saved else "") + ".")
         if save:
             # Refuses (NonFiniteStateError) a state with NaN/inf: the loss above was
             # computed before this step's update, the checked state is the one saved.
             step_fn.sync()
             model, optimizer = step_fn.objects
-            ckpt.save(step, model, optimizer, extra={**extra, "data": data_state, "loss": loss})
+            ckpt.save(step, model, optimizer,
+                      extra={**loop.extra, "data": data_state, "loss": loss})
             saved.append(step)
         shown = {}
-        if held_out and (step % cfg.eval_every == 0 or step == cfg.steps):
+        if held_out and (step % loop.eval_every == 0 or step == loop.steps):
             val_losses[step] = shown["val_loss"] = evaluate()
         first = compiled is not None and step == start + 1
-        logged = bool(shown) or step % log_every == 0 or step == cfg.steps or first
+        logged = bool(shown) or step % log_every == 0 or step == loop.steps or first
         if logged or (bar is not None and bar.tty):
             # Computed by the step that produced the loss: no further wait.
             shown.update(step_extras(metrics, model_cfg))
@@ -452,13 +531,13 @@ def _step_loop(run: Run, step_fn: TrainStep,
             on_step(step, loss, times[-1])
 
     pending: tuple[int, dict[str, jax.Array]] | None = None
-    ahead = next_batch() if start < cfg.steps else None
+    ahead = next_batch() if start < loop.steps else None
     compiled: CompileReport | None = None
     if ahead is not None:
-        compiled = _compile_step(run, step_fn, ahead[0], start + 1,
+        compiled = _compile_step(loop.run, step_fn, ahead[0], start + 1,
                                  say=progress and jax.process_index() == 0)
         last_done = time.perf_counter()  # the first step's time is its run alone
-    for step in range(start + 1, cfg.steps + 1):
+    for step in range(start + 1, loop.steps + 1):
         if profiler is not None and step == profiler.window[0] and pending is not None:
             finish(*pending)  # the trace starts with the device idle
             pending = None
@@ -469,13 +548,13 @@ def _step_loop(run: Run, step_fn: TrainStep,
                 _device_memory_errors(run, step):
             metrics = step_fn(tokens)
         # The host is one step ahead: a stop requested now ends the run after this step.
-        stopping = stop is not None and step < cfg.steps and stop.agreed(step)
+        stopping = stop is not None and step < loop.steps and stop.agreed(step)
         checkpoint = ckpt is not None and (
-            step == cfg.steps or stopping
+            step == loop.steps or stopping
             or (ckpt.config.every and step % ckpt.config.every == 0))
-        wait = (checkpoint or stopping or step == cfg.steps or step == failure_step
+        wait = (checkpoint or stopping or step == loop.steps or step == failure_step
                 or (profiler is not None and step == profiler.window[1])
-                or (held_out is not None and step % cfg.eval_every == 0))
+                or (held_out is not None and step % loop.eval_every == 0))
         if not wait:
             ahead = next_batch()  # copied while this step runs
         if pending is not None:
@@ -492,12 +571,12 @@ def _step_loop(run: Run, step_fn: TrainStep,
         if step == failure_step:
             step_fn.sync()  # the state in its stored layout (an offloaded one joined)
             step_fn, recovery = switch(step_fn.state)
-        if step < cfg.steps:
+        if step < loop.steps:
             ahead = next_batch()
     return losses, times, saved, recovery, step_fn, val_losses, compiled
 
 
-def _compile_step(run: Run, step_fn: TrainStep, tokens: Any, step: int, *, say: bool
+def _compile_step(run: Run | None, step_fn: TrainStep, tokens: Any, step: int, *, say: bool
                   ) -> CompileReport:
     """Compiles the training step for `tokens` before its first run (`TrainStep.compile`),
     timed, with the persistent compilation cache's hit or miss where JAX tells
@@ -545,14 +624,20 @@ def _print_init_memory() -> None:
 
 
 @contextlib.contextmanager
-def _device_memory_errors(run: Run, step: int) -> Iterator[None]:
+def _device_memory_errors(run: Run | None, step: int) -> Iterator[None]:
     """Turns XLA's out-of-memory error (when a step is compiled, dispatched or waited for)
-    into a `DeviceMemoryError` naming the memory bound and what to change."""
+    into a `DeviceMemoryError` naming the memory bound of `run` and what to change (without
+    a run, `fit`'s: the batch)."""
     try:
         yield
     except Exception as err:  # XlaRuntimeError has no stable import path; match its status
         if "RESOURCE_EXHAUSTED" not in str(err):
             raise
+        if run is None:
+            raise DeviceMemoryError(
+                f"out of device memory at step {step}; use smaller batches, a remat policy "
+                "in the model, shard it over more devices or keep the optimizer state in "
+                "host memory (GTPConfig.offload_optimizer).") from err
         bound = memory_bound(run)
         raise DeviceMemoryError(
             f"out of device memory at step {step} (the run needs at least "
@@ -561,35 +646,37 @@ def _device_memory_errors(run: Run, step: int) -> Iterator[None]:
         ) from err
 
 
-def _result(cfg: TrainConfig, model_cfg: TransformerConfig, model: gtp_jax.ShardedModule,
-            optimizer: nnx.Optimizer, *, losses: list[float], times: list[float],
-            first_step: int, saved: list[int], ckpt: Checkpointer | None,
-            window: tuple[int, int] | None, trace: str | None,
-            recovery: Recovery | None = None,
-            val_losses: dict[int, float] | None = None,
-            compiled: CompileReport | None = None) -> TrainResult:
-    """The `TrainResult` of a finished loop (`model` and `optimizer` synced)."""
+def train_result(model: nnx.Module, optimizer: nnx.Optimizer, *, replicated: tuple[int, int],
+                 num_params: int, flops_per_token: float, tokens_per_step: int,
+                 compute_dtype: str, losses: list[float], times: list[float],
+                 first_step: int, saved: list[int], ckpt: Checkpointer | None,
+                 window: tuple[int, int] | None = None, trace: str | None = None,
+                 recovery: Recovery | None = None,
+                 val_losses: dict[int, float] | None = None,
+                 compiled: CompileReport | None = None) -> TrainResult:
+    """The `TrainResult` of a finished loop (`model` and `optimizer` synced; `replicated`:
+    `replicated_bytes`)."""
     device = jax.devices()[0]
-    replicated_params, replicated_state = replicated_bytes(model, cfg)
     param_bytes = gtp_jax.bytes_per_device(nnx.state(model, nnx.Param))
+    mesh = getattr(model, "mesh", None)
     return TrainResult(
         losses=losses,
         step_times=times,
-        tokens_per_step=cfg.batch_size * cfg.seq_len,
+        tokens_per_step=tokens_per_step,
         param_bytes_per_device=param_bytes,
         state_bytes_per_device=param_bytes
         + gtp_jax.bytes_per_device(nnx.state(optimizer, nnx.OptState)),
-        replicated_param_bytes=replicated_params,
-        replicated_state_bytes=replicated_state,
-        num_params=model_cfg.num_params(),
-        mesh_shape=dict(model.mesh.shape),
+        replicated_param_bytes=replicated[0],
+        replicated_state_bytes=replicated[1],
+        num_params=num_params,
+        mesh_shape=dict(mesh.shape) if mesh is not None else {},
         backend=jax.default_backend(),
         first_step=first_step,
-        flops_per_token=model_cfg.train_flops_per_token(cfg.seq_len),
+        flops_per_token=flops_per_token,
         device_kind=device.device_kind,
-        num_devices=model.mesh.devices.size,
-        compute_dtype=cfg.dtype,
-        peak_flops_per_device=peak_flops(device.device_kind, cfg.dtype)
+        num_devices=mesh.devices.size if mesh is not None else 1,
+        compute_dtype=compute_dtype,
+        peak_flops_per_device=peak_flops(device.device_kind, compute_dtype)
         if jax.default_backend() != "cpu" else None,
         memory=memory_per_device(),
         process_count=jax.process_count(),
@@ -618,7 +705,8 @@ def _write_metrics(path: str, cfg: TrainConfig, model_cfg: TransformerConfig,
     })
 
 
-def _global_batch(batch: np.ndarray | RowBatch, sharding: jax.sharding.NamedSharding) -> jax.Array:
+def _global_batch(batch: np.ndarray | RowBatch, sharding: jax.sharding.NamedSharding
+                  ) -> jax.Array:
     """The global batch ``int32[batch, seq + 1]`` as one array split over the data axes.
 
     Every process builds the same global batch (the batcher is deterministic in (seed,

@@ -35,7 +35,8 @@ DEFAULT_CPU_MESH = {"dp": 2, "gtp": 4, "tp": 1, "ep": 1, "cp": 1}
 #: Library argument names -> the flags that set them. The library's errors name arguments
 #: (it is used without this CLI too); the CLI reports them as the flags the user typed.
 FLAGS = {
-    "TrainConfig.preset": "--preset", "TrainConfig.steps": "--steps",
+    "TrainConfig.preset": "--preset", "TrainConfig.model": "--model",
+    "TrainConfig.steps": "--steps",
     "TrainConfig.batch_size": "--batch", "TrainConfig.seq_len": "--seq",
     "TrainConfig.dp": "--dp", "TrainConfig.gtp": "--gtp", "TrainConfig.tp": "--tp",
     "TrainConfig.ep": "--ep", "TrainConfig.cp": "--cp", "TrainConfig.lr": "--lr",
@@ -148,7 +149,8 @@ def _parser() -> argparse.ArgumentParser:
                    "fit (python -m gtp_jax plan --help)")
     train = sub.add_parser(
         "train",
-        help="train a preset transformer with GTP on the bundled byte corpus or your text",
+        help="train a preset transformer (or your own model) with GTP on the bundled byte "
+        "corpus or your text",
         description=(
             "Train a preset decoder on the bundled ~300 KB text corpus (byte tokens; or on "
             "your own text with --data and --tokenizer) with "
@@ -168,6 +170,11 @@ def _parser() -> argparse.ArgumentParser:
                             "(19.4M), 100m (85M), 1b (823M), and the Llama shapes "
                             "llama3.2-1b (974M), llama3.2-3b (2.8B), llama3-8b (7.0B), "
                             "llama3-70b (68.5B)")
+    train.add_argument("--model", default=None, metavar="MODULE:FACTORY",
+                       help="train your own Flax NNX model instead of a preset: "
+                       "factory(rngs, sizes) in an importable module returns the module "
+                       "(and optionally its loss; default: next-token cross-entropy on its "
+                       "logits); docs/your_model.md")
     train.add_argument("--steps", type=int, default=100, help="optimizer steps")
     train.add_argument("--batch", type=int, default=16,
                        help="global batch size in sequences (divisible by dp*ep*gtp)")
@@ -534,6 +541,11 @@ def _main(argv: list[str] | None, planner: Planner | None) -> int:
         print("error: --memory-gib needs --plan auto (the planner checks the budget).",
               file=sys.stderr)
         return 2
+    if args.model is not None and args.plan == "auto":
+        print("error: --plan auto with --model: the planner compiles the bundled decoder's "
+              "step to rank layouts; choose the mesh yourself (--dp/--gtp/--tp) or drop "
+              "--model.", file=sys.stderr)
+        return 2
     if args.offload_exclude and args.plan == "auto":
         print("error: --offload-exclude with --plan auto: the planner chooses which optimizer "
               "state stays on the device; drop one of them.", file=sys.stderr)
@@ -649,7 +661,8 @@ def _run(args: argparse.Namespace, sizes: dict[str, int | None], cpu_sizes: dict
     else:
         mesh = _accelerator_mesh(sizes, jax.device_count())
     try:
-        cfg = TrainConfig(preset=args.preset, layers=args.layers, steps=args.steps,
+        cfg = TrainConfig(preset=args.preset, model=args.model, layers=args.layers,
+                          steps=args.steps,
                           batch_size=args.batch,
                           seq_len=args.seq, lr=args.lr, warmup=args.warmup, seed=args.seed,
                           dtype=args.dtype, gather_dtype=args.gather_dtype,
@@ -767,7 +780,7 @@ def _print_header(cfg: object, model_cfg: object, given: object | None = None) -
 
     procs = f" in {jax.process_count()} processes" if jax.process_count() > 1 else ""
     model = (f"init-from-hf={cfg.init_from_hf}" if cfg.init_from_hf
-             else f"preset={cfg.preset}")
+             else f"model={cfg.model}" if cfg.model else f"preset={cfg.preset}")
     print(f"gtp_jax train: {model} steps={cfg.steps} batch={cfg.batch_size} "
           f"seq={cfg.seq_len} mesh dp={cfg.dp} ep={cfg.ep} gtp={cfg.gtp} "
           f"{f'cp={cfg.cp} ' if cfg.cp > 1 else ''}tp={cfg.tp} on "

@@ -133,6 +133,24 @@ class CheckpointWriteError(OSError):
 
 
 @dataclasses.dataclass(frozen=True)
+class Restored:
+    """What `Checkpointer.restore` returns: what a training loop needs to continue.
+
+    Attributes:
+      step: the step of the restored checkpoint (its `Checkpointer.save` step): continue
+        with ``step + 1``.
+      extra: the ``extra`` given to `Checkpointer.save` (JSON values: e.g. the data
+        position); ``{}`` when none was.
+      metadata: the checkpoint's whole metadata with ``restore(..., with_metadata=True)``
+        (``"step"``, ``"extra"``, ``"mesh"``, ``"arrays"``, ``"checksums"``, ...), else None.
+    """
+
+    step: int
+    extra: dict[str, Any]
+    metadata: dict[str, Any] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
 class CheckpointConfig:
     """Where and how often training checkpoints are written.
 
@@ -383,7 +401,7 @@ class Checkpointer:
             )
 
     def restore(self, model: nnx.Module, optimizer: nnx.Optimizer | None = None,
-                step: int | None = None) -> dict[str, Any]:
+                step: int | None = None, *, with_metadata: bool = False) -> Restored:
         """Loads checkpoint `step` (default: newest) into `model` and `optimizer` in place.
 
         `model` / `optimizer` may live on a different mesh than the one that saved (see the
@@ -392,8 +410,24 @@ class Checkpointer:
         and every restored array is verified against its checksum before any variable is
         changed.
 
+        A hand-written loop continues from what it returns::
+
+            restored = ckpt.restore(model, optimizer)    # the newest checkpoint
+            for step in range(restored.step + 1, steps + 1):
+                ...
+            position = restored.extra["data"]            # what `save(extra=...)` stored
+
+        Args:
+          model, optimizer: the objects to fill (the optimizer may be left out: the model
+            alone is restored, e.g. for evaluation).
+          step: the checkpoint to restore; None: the newest.
+          with_metadata: also return the checkpoint's whole metadata (`Restored.metadata`:
+            per array its stored and logical shape, layout, dtype and checksum, the saving
+            mesh; about 20 KB for the tiny preset); `read_meta` reads it without restoring.
+
         Returns:
-          The checkpoint's metadata (``"step"``, ``"extra"``, ``"mesh"``, ``"arrays"``).
+          A `Restored`: the step and the ``extra`` given to `save` (and the metadata when
+          asked for).
 
         Raises:
           UsageError: no such step, or the checkpoint does not match `model` / `optimizer`
@@ -401,10 +435,13 @@ class Checkpointer:
             master weights are held by an optimizer that is not restored with it.
           CheckpointCorruptError: unreadable files or a checksum mismatch.
         """
+        if not isinstance(with_metadata, bool):
+            raise UsageTypeError(f"Checkpointer.restore: with_metadata={with_metadata!r} must "
+                                 "be True or False.")
         step = self._checked_step(step)
         if optimizer is None:
             _check_model_alone(model)
-        meta = self._read_meta(step)
+        meta = saved = self._read_meta(step)
         flat = _flat_arrays(model, optimizer)
         # FP8 amax histories (delayed scaling) may be switched on or off across a restore
         # (`TrainConfig.fp8_compute` may change on resume): a history the checkpoint lacks
@@ -465,7 +502,8 @@ class Checkpointer:
                 new_vars.append((path, var.replace(value=unsavable(new_values[key],
                                                                     flat[key][1]))))
             nnx.update(obj, nnx.from_flat_state(new_vars))
-        return meta
+        return Restored(step=step, extra=dict(saved.get("extra") or {}),
+                        metadata=saved if with_metadata else None)
 
     def read_arrays(self, step: int | None = None) -> dict[str, np.ndarray]:
         """Every array of checkpoint `step` (default: newest) as host NumPy, unpadded.
@@ -877,4 +915,4 @@ def _flatten_nested(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]
 
 
 __all__ = ["FORMAT_VERSION", "CheckpointConfig", "CheckpointCorruptError", "CheckpointLockedError",
-           "Checkpointer", "DirectoryLock", "NonFiniteStateError"]
+           "Checkpointer", "DirectoryLock", "NonFiniteStateError", "Restored"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -19,13 +20,14 @@ from gtp_jax.train.config import (
     TrainConfig,
     adopt_saved,
     model_config,
-    model_json,
+    model_differences,
     resolve,
     resolve_auto,
 )
 from gtp_jax.train.data_source import check_source
 from gtp_jax.train.lifecycle.checkpoint import CheckpointCorruptError, Checkpointer
 from gtp_jax.train.step import optim
+from gtp_jax.train.user_model import UserModel
 
 #: (step, metadata) of a checkpoint that may be resumed from, newest first.
 Candidate = tuple[int, dict[str, Any]]
@@ -87,11 +89,39 @@ def select_candidates(run: Run, ckpt: Checkpointer | None, *,
       UsageError: resume without an intact checkpoint, a checkpoint of another run or one
         past ``cfg.steps``; a new run in a directory that holds checkpoints.
     """
-    candidates: list[Candidate] = []
     if ckpt is None:
-        return run, candidates
-    given = run
+        return run, []
     cfg, model_cfg = run.config, run.model
+    directory = ckpt.config.directory
+    candidates = intact_candidates(ckpt)
+    if not candidates:
+        return run, []
+    cfg = check_resume(cfg, model_cfg, candidates[0][1], directory, steps_left=False,
+                       auto=auto, source=source)
+    if cfg is not run.config:  # the saved run's schedule and choices: that run, resolved
+        given, run = run, resolve(cfg, run.backend)
+        cfg, model_cfg = run.config, run.model
+    else:
+        given = run
+
+    def check(meta: dict[str, Any], steps_left: bool) -> None:
+        check_resume(cfg, model_cfg, meta, directory, steps_left=steps_left, source=source)
+
+    candidates = drop_finished(ckpt, candidates, cfg.steps, check)
+    return (run, candidates) if candidates else (given, [])
+
+
+def intact_candidates(ckpt: Checkpointer) -> list[Candidate]:
+    """The intact checkpoints of `ckpt` to resume from, newest first, by
+    `CheckpointConfig.resume`: none for a new run (``resume=False``, whose directory must
+    hold no checkpoint; ``"auto"`` where nothing was saved, or where every save is damaged,
+    once each is renamed ``broken-<step>-<n>``); ``resume=True`` refuses a directory without
+    an intact one. Each damaged checkpoint skipped is reported on stderr.
+
+    Raises:
+      UsageError: a new run in a directory that holds checkpoints; ``resume=True`` without
+        an intact checkpoint.
+    """
     directory = ckpt.config.directory
     if not ckpt.config.resume:
         if ckpt.latest_step() is not None:
@@ -101,21 +131,37 @@ def select_candidates(run: Run, ckpt: Checkpointer | None, *,
                 "continue that run (CheckpointConfig.resume='auto': continue if there are "
                 "checkpoints, else start), or use an empty directory for a new run."
             )
-        return run, candidates
+        return []
     if ckpt.config.resume == "auto" and not ckpt.holds_saves():
-        return run, candidates  # nothing was ever saved here: a new run
+        return []  # nothing was ever saved here: a new run
     candidates = ckpt.resume_candidates(report=note)
     if not candidates:
         if ckpt.config.resume == "auto":
             set_all_aside(ckpt)
-            return given, []
+            return []
         raise _no_intact(directory, skipped=ckpt.holds_saves())
-    cfg = check_resume(cfg, model_cfg, candidates[0][1], directory, steps_left=False,
-                       auto=auto, source=source)
-    if cfg is not run.config:  # the saved run's schedule and choices: that run, resolved
-        run = resolve(cfg, run.backend)
-        cfg, model_cfg = run.config, run.model
-    while candidates and candidates[0][0] >= cfg.steps:
+    return candidates
+
+
+def drop_finished(ckpt: Checkpointer, candidates: list[Candidate], steps: int,
+                  check: Callable[[dict[str, Any], bool], None]) -> list[Candidate]:
+    """`candidates` without the newest ones at or past `steps` that turn out damaged
+    (verified, reported, skipped: an older intact one may still have steps left).
+
+    ``check(meta, steps_left)`` raises `UsageError` for a checkpoint the run cannot continue
+    (with `steps_left`: also for one with no steps left); it is called with False on an
+    intact checkpoint at or past `steps` before the run is reported finished, and with True
+    on one past `steps`, which must raise.
+
+    Raises:
+      RunFinished: the newest intact checkpoint is at step `steps`.
+      UsageError: it is past `steps` (`check`), or none is left and
+        ``CheckpointConfig.resume`` is not "auto" (with "auto", every one is renamed aside
+        and none is returned: a new run).
+    """
+    candidates = list(candidates)
+    directory = ckpt.config.directory
+    while candidates and candidates[0][0] >= steps:
         # Nothing left to train from this one, unless it is damaged: verify it
         # before saying so (an older intact checkpoint may still have steps left).
         try:
@@ -124,19 +170,17 @@ def select_candidates(run: Run, ckpt: Checkpointer | None, *,
             note(f"skipping {err}")
             candidates.pop(0)
             continue
-        check_resume(cfg, model_cfg, candidates[0][1], directory, steps_left=False,
-                     source=source)
-        if candidates[0][0] == cfg.steps:
-            raise RunFinished(directory, cfg.steps)
-        # past cfg.steps: refused
-        check_resume(cfg, model_cfg, candidates[0][1], directory, source=source)
+        check(candidates[0][1], False)
+        if candidates[0][0] == steps:
+            raise RunFinished(directory, steps)
+        check(candidates[0][1], True)  # past the last step: refused
+        raise UsageError(f"the checkpoint in {directory!r} is past the run's {steps} steps.")
     if not candidates:
         if ckpt.config.resume == "auto":
             set_all_aside(ckpt)
-            return given, []
+            return []
         raise _no_intact(directory, skipped=True)
-    return run, candidates
-
+    return candidates
 
 
 def _no_intact(directory: str, *, skipped: bool) -> UsageError:
@@ -159,13 +203,14 @@ def set_all_aside(ckpt: Checkpointer) -> None:
          "run from step 0")
 
 
-def restore_newest(cfg: TrainConfig, model_cfg: TransformerConfig, ckpt: Checkpointer | None,
-                   candidates: list[Candidate], model: nnx.Module,
-                   optimizer: nnx.Optimizer, *, source: dict[str, Any] | None = None
+def restore_newest(ckpt: Checkpointer | None, candidates: list[Candidate], model: nnx.Module,
+                   optimizer: nnx.Optimizer, *,
+                   check: Callable[[dict[str, Any]], None] | None = None
                    ) -> tuple[dict[str, Any] | None, int]:
     """Restores the newest intact candidate into `model` and `optimizer`; returns its
     metadata and step, or ``(None, 0)`` for a new run.
 
+    ``check(meta)`` (optional) raises `UsageError` for a candidate the run cannot continue.
     A checkpoint whose arrays fail their checksums (or cannot be read) is skipped in favour
     of the next older one; the objects are only changed by a restore that verified. Damaged
     checkpoints newer than the one restored are renamed aside (not deleted).
@@ -179,7 +224,8 @@ def restore_newest(cfg: TrainConfig, model_cfg: TransformerConfig, ckpt: Checkpo
         return None, 0
     for step, candidate in candidates:
         try:
-            check_resume(cfg, model_cfg, candidate, ckpt.config.directory, source=source)
+            if check is not None:
+                check(candidate)
             ckpt.restore(model, optimizer, step=step)
         except CheckpointCorruptError as err:
             note(f"skipping {err}")
@@ -194,10 +240,10 @@ def restore_newest(cfg: TrainConfig, model_cfg: TransformerConfig, ckpt: Checkpo
     raise _no_intact(ckpt.config.directory, skipped=True)
 
 
-def check_resume(cfg: TrainConfig, model_cfg: TransformerConfig, meta: dict[str, Any],
-                  directory: str, *, steps_left: bool = True,
-                  auto: frozenset[str] = frozenset(),
-                  source: dict[str, Any] | None = None) -> TrainConfig:
+def check_resume(cfg: TrainConfig, model_cfg: TransformerConfig | UserModel,
+                 meta: dict[str, Any], directory: str, *, steps_left: bool = True,
+                 auto: frozenset[str] = frozenset(),
+                 source: dict[str, Any] | None = None) -> TrainConfig:
     """Raises UsageError unless checkpoint `meta` belongs to a run `cfg` can continue (and,
     with `steps_left`, has steps left to train); with `source` (the run's data-source
     record), unless the checkpoint was trained on the same data and tokenizer.
@@ -248,15 +294,8 @@ def check_resume(cfg: TrainConfig, model_cfg: TransformerConfig, meta: dict[str,
     mine = dataclasses.asdict(cfg)
     differ = [f"TrainConfig.{k}: checkpoint {saved_cfg.get(k)!r} vs now {mine[k]!r}"
               for k in mine if k not in RESUME_MAY_DIFFER and saved_cfg.get(k) != mine[k]]
-    model_now = model_json(model_cfg)
-    # a field the checkpoint lacks was added later: its default is what that run computed
-    defaults = model_json(dataclasses.replace(
-        model_cfg, **{f.name: f.default for f in dataclasses.fields(model_cfg)
-                      if f.name not in saved_model}))
-    saved_model = {**defaults, **saved_model}
-    differ += [f"model {k}: checkpoint {saved_model.get(k)!r} vs now {model_now[k]!r}"
-               for k in model_now
-               if k not in MODEL_MAY_DIFFER and saved_model.get(k) != model_now[k]]
+    if saved_cfg.get("model") == mine.get("model"):  # else named above, with the whole model
+        differ += model_differences(model_cfg, saved_model, MODEL_MAY_DIFFER)
     if differ:
         raise UsageError(
             f"CheckpointConfig.resume: the checkpoint in {directory!r} belongs to a different "

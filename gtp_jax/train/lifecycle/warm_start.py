@@ -14,34 +14,36 @@ may be applied to (`WARM_START_MAY_DIFFER`), before anything is built.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 
 from flax import nnx
 
 from gtp_jax.base.errors import UsageError
 from gtp_jax.models import TransformerConfig
-from gtp_jax.train.config import MODEL_MAY_DIFFER, TrainConfig, model_json
+from gtp_jax.train.config import MODEL_MAY_DIFFER, TrainConfig, model_differences
 from gtp_jax.train.lifecycle.checkpoint import (
     CheckpointConfig,
     CheckpointCorruptError,
     Checkpointer,
 )
 from gtp_jax.train.lifecycle.resume import Candidate, note
+from gtp_jax.train.user_model import UserModel
 
 #: `TransformerConfig` fields a warm-started run may set differently from the saving run's:
 #: they do not change which arrays the model holds or their shapes (compute dtype, sequence
-#: length limit, MoE routing knobs, the layout-only `MODEL_MAY_DIFFER`). Every other field,
-#: including any added later, must be equal.
+#: length limit, MoE routing knobs, the layout-only `MODEL_MAY_DIFFER`; a `UserModel`'s
+#: ``seq_len``). Every other field, including any added later, must be equal (a `UserModel`:
+#: the same factory and vocabulary; `Checkpointer.restore` checks its arrays' shapes).
 WARM_START_MAY_DIFFER = MODEL_MAY_DIFFER | frozenset({
     "dtype", "max_seq_len", "moe_top_k", "moe_capacity_factor", "moe_aux_weight",
-    "cp_attention", "cp_layout"})
+    "cp_attention", "cp_layout", "seq_len"})
 
 #: The flags (and `TrainConfig` fields) that choose the model's shape, for the error message.
-_SHAPE_FIELDS = ("preset", "moe_experts", "vocab_size", "init_from_hf")
+_SHAPE_FIELDS = ("preset", "model", "moe_experts", "vocab_size", "init_from_hf")
 
 
-def check_init_from(cfg: TrainConfig, model_cfg: TransformerConfig) -> list[Candidate]:
+def check_init_from(cfg: TrainConfig, model_cfg: TransformerConfig | UserModel
+                    ) -> list[Candidate]:
     """The intact checkpoints of ``cfg.init_from``, newest first, after checking (from their
     metadata, reading no array) that the newest holds a model of `model_cfg`'s shape.
 
@@ -95,7 +97,8 @@ def open_source(directory: str) -> Checkpointer:
     return Checkpointer(CheckpointConfig(directory), read_only=True)
 
 
-def _check_shape(model_cfg: TransformerConfig, candidate: Candidate, directory: str) -> None:
+def _check_shape(model_cfg: TransformerConfig | UserModel, candidate: Candidate,
+                 directory: str) -> None:
     step, meta = candidate
     extra = meta.get("extra", {})
     saved_model, saved_cfg = extra.get("model_config"), extra.get("train_config")
@@ -103,14 +106,8 @@ def _check_shape(model_cfg: TransformerConfig, candidate: Candidate, directory: 
         raise UsageError(f"TrainConfig.init_from={directory!r} (step {step}) was not written "
                          "by `python -m gtp_jax train`; pass a training run's checkpoint "
                          "directory.")
-    now = model_json(model_cfg)
-    # a field the checkpoint lacks was added later: its default is what that run built
-    defaults = model_json(dataclasses.replace(
-        model_cfg, **{f.name: f.default for f in dataclasses.fields(model_cfg)
-                      if f.name not in saved_model}))
-    saved_model = {**defaults, **saved_model}
-    differ = [f"{k}: checkpoint {saved_model.get(k)!r} vs now {now[k]!r}" for k in now
-              if k not in WARM_START_MAY_DIFFER and saved_model.get(k) != now[k]]
+    differ = [d.removeprefix("model ") for d in
+              model_differences(model_cfg, saved_model, WARM_START_MAY_DIFFER)]
     if differ:
         given = ", ".join(f"TrainConfig.{k}={saved_cfg.get(k)!r}" for k in _SHAPE_FIELDS
                           if saved_cfg.get(k) is not None or k == "preset")

@@ -268,7 +268,8 @@ def _check_owner(directory: str, mine: str | None, resume: bool | str) -> None:
 def open_metrics_log(observe: Any, cfg: Any, model_cfg: Any, *, start: int = 0,
                      checkpoint_dir: str | None = None) -> MetricsLog | None:
     """The `MetricsLog` of a run (`observe` an `ObserveConfig`, `cfg` its resolved
-    `TrainConfig`, `model_cfg` its `TransformerConfig`) that starts after step `start`,
+    `TrainConfig`, `model_cfg` its `TransformerConfig` or `UserModel`: anything with
+    ``train_flops_per_token(seq_len)``) that starts after step `start`,
     with checkpoints in `checkpoint_dir`; or None without ``log_dir``."""
     if observe.log_dir is None:
         return None
@@ -287,7 +288,7 @@ def step_extras(metrics: dict[str, Any], model_cfg: Any = None) -> dict[str, flo
     share of (token, choice) assignments its capacity dropped
     (`gtp_jax.models.lm_loss_and_metrics`)."""
     out = {k: float(metrics[k]) for k in ("grad_norm", "lr") if k in metrics}
-    if "moe_dropped" in metrics and model_cfg is not None and model_cfg.moe_experts:
+    if "moe_dropped" in metrics and getattr(model_cfg, "moe_experts", 0):
         per_token = float(metrics["moe_dropped"])
         out["dropped"] = per_token / (model_cfg.moe_top_k * model_cfg.n_layers)
     return out

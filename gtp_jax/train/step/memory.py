@@ -36,6 +36,7 @@ from gtp_jax.sharding.offload import DEFAULT_GROUP_LAYERS, MASTER_DEVICE_DTYPE, 
 from gtp_jax.train.config import Run, TrainConfig, resolve
 from gtp_jax.train.outputs import observe
 from gtp_jax.train.outputs.observe import DeviceMemoryError
+from gtp_jax.train.user_model import UserModel
 
 
 def memory_bound(run: TrainConfig | Run) -> dict[str, int]:
@@ -67,6 +68,11 @@ def memory_bound(run: TrainConfig | Run) -> dict[str, int]:
     device's parameters and gradients are bfloat16 and every unit, and every resident
     parameter, carries its float32 master beside its moments.
 
+    For your own model (`TrainConfig.model`, a `UserModel`) the parameters are counted from
+    the module its factory builds (``nnx.eval_shape``: nothing allocated), each in the
+    narrowest parameter dtype; its activations are the model's own and not counted (0), so
+    the bound is the state's.
+
     Returns:
       ``{"params", "optimizer", "grads", "activations", "total"}`` in bytes.
     """
@@ -87,7 +93,8 @@ def memory_bound(run: TrainConfig | Run) -> dict[str, int]:
         optimizer = kept + unit
     tokens = (cfg.batch_size // cfg.grad_accum) * cfg.seq_len // (
         cfg.dp * cfg.ep * cfg.gtp * cfg.cp)
-    activations = tokens * (mc.n_layers * mc.d_model + mc.vocab_size) * a_item // cfg.tp
+    activations = (0 if isinstance(mc, UserModel) else
+                   tokens * (mc.n_layers * mc.d_model + mc.vocab_size) * a_item // cfg.tp)
     if cfg.offload_optimizer:
         total = params + kept + max(grads, activations, unit)
     else:
@@ -122,9 +129,8 @@ def pinned_host_peak(run: TrainConfig | Run) -> int:
     need = pinned_host_bound(run)
     if need == 0:
         return 0
-    stacked = [n for path, n in param_sizes(run.model)
-               if path.startswith("blocks/") and not (
-                   cfg.offload_exclude and _matches(path, cfg.offload_exclude))]
+    stacked = [int(np.prod(shape)) for path, shape, is_stacked in _param_shapes(run.model)
+               if is_stacked and not (cfg.offload_exclude and _matches(path, cfg.offload_exclude))]
     item = np.dtype(run.model.param_dtype).itemsize
     return need + max(stacked, default=0) * item // (cfg.gtp * cfg.tp * cfg.ep)
 
@@ -240,7 +246,10 @@ def check_pinned_host(cfg: TrainConfig | Run, pool_bytes: int | None = None,
 @functools.cache
 def _param_shapes(model_cfg: Any) -> tuple[tuple[str, tuple[int, ...], bool], ...]:
     """(``/``-joined path, shape, layer-stacked) of each parameter of the decoder of
-    `model_cfg`."""
+    `model_cfg` (of the user's module for a `UserModel`)."""
+    if isinstance(model_cfg, UserModel):
+        return tuple((path, shape, stacked)
+                     for path, shape, _, stacked in model_cfg.param_shapes())
     model = nnx.eval_shape(lambda: Transformer(model_cfg, rngs=nnx.Rngs(0)))
     return tuple(("/".join(str(k) for k in path), tuple(v.get_value().shape),
                   bool(v.get_metadata().get(STACKED, False)))
@@ -276,7 +285,7 @@ def memory_advice(cfg: TrainConfig | Run, bound: dict[str, int]) -> str:
     cfg = resolve(cfg).config
     changes = ["lower TrainConfig.batch_size or TrainConfig.seq_len"]
     more_remat = {"none": "'dots' or 'full'", "dots": "'full'"}.get(cfg.remat)
-    if more_remat:
+    if more_remat and cfg.model is None:  # a user's model applies (or not) its own remat
         changes.append(f"set TrainConfig.remat to {more_remat}")
     if not cfg.offload_optimizer and bound["optimizer"] >= bound["total"] // 4:
         changes.append(f"set TrainConfig.offload_optimizer (AdamW's moments, "
@@ -369,7 +378,7 @@ def _fitting_preset(run: Run, available: int) -> str | None:
     """The largest preset smaller than `run`'s whose run fits in `available` host bytes."""
     from gtp_jax.models import PRESETS  # noqa: PLC0415
 
-    if run.config.init_from_hf is not None:
+    if run.config.init_from_hf is not None or run.config.model is not None:
         return None
     devices = jax.local_device_count()
     sizes = []
