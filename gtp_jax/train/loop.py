@@ -96,7 +96,7 @@ def train(cfg: TrainConfig, *, on_step: OnStep | None = None,
         Steps are dispatched one ahead of the host (see `_step_loop`), so it runs while
         the next step computes.
       on_start: called once with the run's resolved config (its "auto" fields set, and a
-        resumed run's saved values adopted) and model config, before the model is built.
+        resumed run's saved values adopted) and model config, once the model is built (before it is restored or trained).
       progress: show a progress bar (process 0 only).
       checkpoint: save checkpoints (and with ``resume=True`` continue from the newest
         intact one: same parameters, optimizer state and LR-schedule position, data order
@@ -266,12 +266,13 @@ def _train(run: Run, *, on_step: OnStep | None, progress: bool,
         interrupt, "tokenizing the data", candidates[0][0] if candidates else 0))
     held_out = (source.eval_batches(cfg.batch_size, cfg.seq_len, cfg.eval_batches)
                 if cfg.eval_every else None)
-    # Validation: nothing below this line fails on user input before training starts.
     window = observe.profile_window((candidates[0][0] if candidates else 0) + 1, cfg.steps)
+    # Building shards the model, which refuses what the mesh cannot run (e.g. FP8 compute
+    # with tp > 1): the run is announced only once that passed.
+    model, optimizer = build_model_and_optimizer(run)
+    # Validation: nothing below this line fails on user input before training starts.
     if on_start is not None:
         on_start(cfg, model_cfg)
-
-    model, optimizer = build_model_and_optimizer(run)
     meta, start = restore_newest(cfg, model_cfg, ckpt, candidates, model, optimizer,
                                  source=source.record)
     if warm is not None:
