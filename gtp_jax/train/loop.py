@@ -96,7 +96,8 @@ def train(cfg: TrainConfig, *, on_step: OnStep | None = None,
         Steps are dispatched one ahead of the host (see `_step_loop`), so it runs while
         the next step computes.
       on_start: called once with the run's resolved config (its "auto" fields set, and a
-        resumed run's saved values adopted) and model config, once the model is built (before it is restored or trained).
+        resumed run's saved values adopted) and model config, once the model is built
+        (before it is restored or trained).
       progress: show a progress bar (process 0 only).
       checkpoint: save checkpoints (and with ``resume=True`` continue from the newest
         intact one: same parameters, optimizer state and LR-schedule position, data order
