@@ -49,7 +49,12 @@ from gtp_jax.train.data_source import DataSource
 from gtp_jax.train.lifecycle.checkpoint import CheckpointConfig, Checkpointer, DirectoryLock
 from gtp_jax.train.lifecycle.ntp import NonuniformStep, Recovery, SimulatedFailure, check_failure
 from gtp_jax.train.lifecycle.preempt import RunStopped, StopRequest
-from gtp_jax.train.lifecycle.resume import StartOver, restore_newest, select_candidates
+from gtp_jax.train.lifecycle.resume import (
+    StartOver,
+    note,
+    restore_newest,
+    select_candidates,
+)
 from gtp_jax.train.lifecycle.warm_start import check_init_from, load_weights
 from gtp_jax.train.outputs.metrics_log import (
     MetricsLog,
@@ -183,6 +188,9 @@ def train(cfg: TrainConfig, *, on_step: OnStep | None = None,
                 observe.log_dir, checkpoint.directory if checkpoint is not None else None,
                 resume=checkpoint.resume if checkpoint is not None else False)
         ckpt = Checkpointer(checkpoint) if checkpoint is not None else None
+        if ckpt is not None and ckpt.foreign_folders():  # said once, not per attempt
+            note(f"left {', '.join(ckpt.foreign_folders())} alone in the checkpoint "
+                 "directory: folders that hold no checkpoint (no save wrote them)")
         run = functools.partial(_train, resolved, on_step=on_step, progress=progress, ckpt=ckpt,
                                 observe=observe, failure=failure, auto=auto,
                                 on_start=on_start, source=source, stop=stop)
@@ -202,6 +210,20 @@ def train(cfg: TrainConfig, *, on_step: OnStep | None = None,
             log_lock.release()
         if lock is not None:
             lock.release()
+
+
+def check_save_folders(ckpt: Checkpointer, start: int, steps: int) -> None:
+    """Refuses a run that would save a checkpoint where a folder of the user's is (a step
+    folder no save wrote, which the checkpointer leaves alone), before it trains."""
+    every = ckpt.config.every
+    for folder in ckpt.foreign_folders():
+        step = int(os.path.basename(folder))
+        if start < step <= steps and (step == steps or (every and step % every == 0)):
+            raise UsageError(
+                f"CheckpointConfig.directory: {folder} is a folder that holds no checkpoint "
+                f"(not written by gtp_jax, left alone), and this run saves step {step} "
+                "there; move or rename that folder, or choose another "
+                "CheckpointConfig.directory.")
 
 
 def build_model_and_optimizer(run: TrainConfig | Run
@@ -255,6 +277,8 @@ def _train(run: Run, *, on_step: OnStep | None, progress: bool,
     # length and warm-up change nothing that was resolved).
     run = dataclasses.replace(run, config=run.config.with_schedule())
     cfg, model_cfg = run.config, run.model
+    if ckpt is not None:
+        check_save_folders(ckpt, candidates[0][0] if candidates else 0, cfg.steps)
     # A warm start applies to a new run only; a resumed one continues its own weights.
     warm = check_init_from(cfg, model_cfg) if cfg.init_from and not candidates else None
     failure_plan = check_failure(run, failure, start=candidates[0][0] if candidates else 0)
