@@ -639,8 +639,9 @@ def refuse_attribute_writes(before: dict[tuple[str, str], Any],
             continue
         where, name = key
         path = f"{where}/{name}" if where else name
-        what = ("deleted" if key not in after else
-                f"set to a {type(after[key]).__name__}")
+        value = after.get(key)
+        what = ("deleted" if key not in after else "set to an array"
+                if isinstance(value, (jax.Array, np.ndarray)) else f"set to {value!r:.40}")
         raise UsageError(
             f"{path!r}: a plain Python attribute {what} in __call__ of a sharded module; the "
             "call runs a copy of the module on each data shard's examples, so the change "

@@ -122,8 +122,16 @@ class ShardedModule(nnx.Module, HoldsShards):
     * randomness comes from ``nnx.Rngs`` held by the module; its keys are folded per data
       shard (each shard draws its own bits, not the unsharded module's). Randomness handed
       to the call (an ``nnx.Rngs``, a stream, RNG state, a typed PRNG key every shard would
-      receive whole) is refused, as is any module or variable argument; one key per
-      example is a batch. A raw ``uint32`` key is an ordinary array and is not detected.
+      receive whole) is refused, as is any module or variable argument, and a raw
+      ``uint32`` key (one ``jax.random.PRNGKey``); one key per example is a batch. A key
+      built inside the call that every data shard builds alike (``jax.random.key(seed)``
+      from a constant or a Python int) is refused too: the traced body names each draw
+      whose key depends on no batch input and no shard index.
+    * batch statistics written in ``__call__`` (BatchNorm in training mode) are refused;
+      in inference mode they are only read. A plain Python attribute set in ``__call__``
+      (``self.calls += 1``) is refused: the call runs a copy, the change would be lost.
+    * a model holding, beside this module, an original it was copied from (a shared
+      weight ``shard`` untied) is refused at the call (`gtp_jax.sharding.sharing`).
     * not checked: an operation across examples in ``__call__`` (``h - h.mean(0)``) runs
       over each data shard's examples. `gtp_jax.check_sharded` compares one forward and
       backward pass with the unsharded module's on a real batch.
@@ -480,10 +488,9 @@ def shard(module: nnx.Module, mesh: Mesh, config: GTPConfig | None = None) -> Sh
     Raises:
       TypeError: `module`, `mesh` or `config` has the wrong type, or an include pattern
         selects a non-floating parameter.
-      ValueError: the axis is not in the mesh, nothing is eligible to shard, the module
-        keeps batch statistics (not supported under data parallelism), or a variable or
-        submodule of `module` is also held by the model around it (a tied weight, which the
-        copy would untie; `gtp_jax.sharding.sharing`).
+      ValueError: the axis is not in the mesh, nothing is eligible to shard, or a variable
+        or submodule of `module` is also held by the model around it (a tied weight, which
+        the copy would untie; `gtp_jax.sharding.sharing`).
 
     Example:
       >>> mesh = gtp_jax.make_mesh(dp=2, gtp=4)                        # doctest: +SKIP
