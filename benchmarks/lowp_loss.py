@@ -20,7 +20,8 @@ import time
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     allow_abbrev=False)
     parser.add_argument("--preset", default="tiny", help="model preset")
     parser.add_argument("--steps", type=int, default=300, help="training steps per format")
     parser.add_argument("--batch", type=int, default=16, help="global batch (sequences)")

@@ -90,7 +90,7 @@ def estimate_errors(pattern: str = "docs/results/*/**/plan_*.json") -> dict[str,
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("--calibration", default=CALIBRATION)
     parser.add_argument("--intra-node-gbps", type=float, default=None,
                         help="collective bus bandwidth within the host, GB/s (default: the "

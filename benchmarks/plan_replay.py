@@ -94,7 +94,7 @@ def _attention_pair(text: str) -> tuple[int, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     parser.add_argument("directory")
     parser.add_argument("--gemm-tflops", type=float, default=None,
                         help="replace the calibration's GEMM rate (TFLOP/s)")

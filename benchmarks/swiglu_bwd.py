@@ -30,7 +30,7 @@ def _time(fn, *args, reps: int = 50) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     ap.add_argument("--rows", type=int, default=4 * 2048)
     ap.add_argument("--f", type=int, default=5632)
     ap.add_argument("--json", default=None)

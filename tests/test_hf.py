@@ -15,6 +15,7 @@ tests/test_tp.py's `run_case` (float32 tolerance justified there).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -288,3 +289,125 @@ def test_exported_files_share_the_configs_permissions(umask, tmp_path) -> None:
         assert {(name, (tmp_path / folder / name).stat().st_mode & 0o777)
                 for name in written} == {(name, mode) for name in written}
     assert len(files) > 2
+
+
+# ------------------------------------------------------------ what the import must not skip
+
+_LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+           "high_freq_factor": 4.0, "original_max_position_embeddings": 16,
+           "rope_theta": 10000.0}
+
+
+def _config(**changes) -> dict:
+    cfg = json.load(open(os.path.join(DATA, "llama_gqa_llama3", "config.json")))
+    cfg.update(changes)
+    return cfg
+
+
+@pytest.mark.parametrize("changes,needle", [
+    ({"partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5"),
+    ({"quantization_config": {"quant_method": "bitsandbytes", "load_in_4bit": True}},
+     "quantization_config="),
+    ({"layer_types": ["sliding_attention", "full_attention"]}, "layer_types="),
+    ({"attn_logit_softcapping": 50.0}, "'attn_logit_softcapping'"),
+    ({"embedding_multiplier": 12.0}, "'embedding_multiplier'"),
+    ({"auto_map": {"AutoModelForCausalLM": "custom.Model"}}, "'auto_map'"),
+    ({"rope_parameters": {**_LLAMA3, "partial_rotary_factor": 0.25}},
+     "partial_rotary_factor=0.25"),
+    ({"rope_parameters": {"rope_type": "linear", "factor": 2.0, "beta_fast": 32}},
+     "beta_fast=32"),
+    *(({"rope_parameters": {k: v for k, v in _LLAMA3.items() if k != field}},
+       f"lacks '{field}'") for field in ("factor", "low_freq_factor", "high_freq_factor",
+                                          "original_max_position_embeddings")),
+    ({"rope_parameters": None, "rope_scaling": {"type": "linear"}}, "lacks 'factor'"),
+    ({"rope_parameters": {**_LLAMA3, "factor": "8"}}, "factor=\"8\" must be a number"),
+    ({"rope_scaling": "llama3"}, "rope_scaling=\"llama3\" must be an object"),
+    ({"num_hidden_layers": None}, "lacks 'num_hidden_layers'"),
+    ({"hidden_size": "32"}, "hidden_size=\"32\" must be an integer"),
+])
+def test_config_keys_that_change_the_computation_are_refused(changes, needle) -> None:
+    """transformers reads every key of config.json (unknown ones become attributes its
+    generic code uses, e.g. a partial rotary factor); a key the importer does not implement,
+    or a rotary field it needs and lacks, is one line naming it, never skipped."""
+    with pytest.raises(UsageError) as err:
+        gtp_jax.models.hf.config_from_hf(_config(**changes), "ckpt")
+    msg = str(err.value)
+    assert "\n" not in msg and needle in msg, msg
+
+
+def test_config_keys_that_leave_the_computation_alone_are_accepted() -> None:
+    """Names, versions, token ids, generation settings, off values and the neutral value of
+    a computation key import the same model as the plain config."""
+    plain = gtp_jax.models.hf.config_from_hf(_config(), "ckpt")
+    same = gtp_jax.models.hf.config_from_hf(_config(
+        _name_or_path="meta-llama/x", unsloth_version="2024.8", temperature=0.6, top_p=0.9,
+        partial_rotary_factor=1.0, quantization_config=None, use_sliding_window=False,
+        layer_types=["full_attention"] * 2, attention_dropout=0.1, pretraining_tp=2,
+        torch_dtype="bfloat16", num_key_value_heads=2, head_dim=None), "ckpt")
+    assert same == dataclasses.replace(plain, head_dim=32 // 4)
+
+
+@pytest.mark.parametrize("name", ["../outside.safetensors", "/ABS/outside.safetensors",
+                                  "sub/../../outside.safetensors", ".", 7])
+def test_index_files_outside_the_checkpoint_folder_are_refused(name, tmp_path) -> None:
+    path = _copy("mistral_gqa_sharded", tmp_path)
+    outside = tmp_path / "outside.safetensors"
+    shutil.copy(os.path.join(path, "model-00001-of-00007.safetensors"), outside)
+    index_path = os.path.join(path, "model.safetensors.index.json")
+    index = json.load(open(index_path))
+    first = sorted(index["weight_map"])[0]
+    index["weight_map"][first] = str(outside) if name == "/ABS/outside.safetensors" else name
+    json.dump(index, open(index_path, "w"))
+    with pytest.raises(UsageError) as err:
+        from_hf(path)
+    msg = str(err.value)
+    assert "\n" not in msg and repr(first) in msg, msg
+
+
+def test_an_index_file_in_a_subfolder_is_read(tmp_path) -> None:
+    path = _copy("mistral_gqa_sharded", tmp_path)
+    os.mkdir(os.path.join(path, "sub"))
+    os.rename(os.path.join(path, "model-00001-of-00007.safetensors"),
+              os.path.join(path, "sub", "model-00001-of-00007.safetensors"))
+    index_path = os.path.join(path, "model.safetensors.index.json")
+    index = json.load(open(index_path))
+    index["weight_map"] = {k: ("sub/" + v if v.startswith("model-00001") else v)
+                           for k, v in index["weight_map"].items()}
+    json.dump(index, open(index_path, "w"))
+    got = _params(from_hf(path))
+    want = _params(from_hf(os.path.join(DATA, "mistral_gqa_sharded")))
+    for k, v in want.items():
+        np.testing.assert_array_equal(got[k], v, err_msg=k)
+
+
+def test_export_owns_the_weight_files_of_its_folder(tmp_path) -> None:
+    """An export replaces every Hugging Face weight file and index of an older export in
+    its folder (a single file beside new shards was loaded first by transformers; old
+    shards beside a new single file were kept), and leaves every other file alone."""
+    path, _, _ = _fixture("llama_gqa_llama3")
+    model = from_hf(path)
+    other = Transformer(GQA_CFG, rngs=nnx.Rngs(5))
+    out = tmp_path / "export"
+    to_hf(other, str(out))  # an older single-file export
+    for stale in ("pytorch_model.bin", "pytorch_model-00001-of-00002.bin",
+                  "pytorch_model.bin.index.json", "model-00009-of-00009.safetensors"):
+        (out / stale).write_bytes(b"old")
+    mine = {"README.md": b"card", "notes.txt": b"n", "model.safetensors.bak": b"b",
+            "my_model.safetensors": b"m", "model-final.safetensors": b"f",
+            "training_args.bin": b"t"}
+    for name, data in mine.items():
+        (out / name).write_bytes(data)
+    (out / "model-00003-of-00003.safetensors.d").mkdir()
+    sharded = to_hf(model, str(out), max_shard_bytes=20_000)
+    assert len(sharded) > 1
+    weights = {p.name for p in out.iterdir()} - set(mine) - {
+        "config.json", "model-00003-of-00003.safetensors.d"}
+    assert weights == {*sharded, "model.safetensors.index.json"}
+    assert all((out / name).read_bytes() == data for name, data in mine.items())
+    again = _params(from_hf(str(out)))
+    for k, v in _params(model).items():
+        np.testing.assert_array_equal(again[k], v, err_msg=k)
+    assert to_hf(other, str(out)) == ["model.safetensors"]  # and back to one file
+    weights = {p.name for p in out.iterdir()} - set(mine) - {
+        "config.json", "model-00003-of-00003.safetensors.d"}
+    assert weights == {"model.safetensors"}

@@ -291,3 +291,49 @@ def test_a_stop_before_the_first_step_trains_and_saves_nothing(tmp_path: Path) -
         train(TrainConfig(steps=2, batch_size=8, seq_len=32, dp=2, gtp=4), progress=False,
               checkpoint=CheckpointConfig(tmp_path / "ck"), stop=stop)
     assert not Checkpointer(CheckpointConfig(tmp_path / "ck")).all_steps()
+
+
+def test_folders_of_the_user_in_the_checkpoint_directory_are_left_alone(
+        reference: tuple[Path, list[float]], tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """A folder named by a step number that no save wrote (notes, an evaluation's output;
+    empty or not, below or above the checkpoints' steps) is never listed, read, renamed
+    aside as damaged, nor deleted by the rotation of old checkpoints; the run says so once,
+    and refuses, before training, to save a step where such a folder is."""
+    source, expected = reference
+    directory = tmp_path / "ck"
+    shutil.copytree(source, directory)
+    (directory / ".gtp_jax.lock").unlink(missing_ok=True)
+    mine = {"3": "eval of step 3", "100": "notes", "7": None}
+    for name, text in mine.items():
+        (directory / name).mkdir()
+        if text is not None:
+            (directory / name / "notes.txt").write_text(text)
+    assert Checkpointer(CheckpointConfig(directory)).all_steps() == [6]
+    flags = [*RUN, "--checkpoint-dir", str(directory), "--resume", "--checkpoint-every", "2",
+             "--keep-checkpoints", "1"]
+    capsys.readouterr()
+    assert cli_main([*flags, "--steps", "10", "--metrics-json", str(tmp_path / "m.json")]) == 0
+    err = capsys.readouterr().err
+    said = [line for line in err.splitlines() if "alone" in line]
+    assert len(said) == 1 and all(str(directory / n) in said[0] for n in mine), err
+    assert sorted(p.name for p in directory.iterdir() if not p.name.startswith(".")) == [
+        "10", "100", "3", "7"]  # checkpoint 6 and 8 rotated out, the folders kept
+    for name, text in mine.items():
+        assert (directory / name / "notes.txt").read_text() == text if text else not any(
+            (directory / name).iterdir())
+    assert len(_losses(tmp_path / "m.json")) == 4
+    # A new run that would save step 2 where a folder of the user's is: refused before
+    # anything is built or trained.
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "2").mkdir()
+    (other / "2" / "notes.txt").write_text("mine")
+    assert cli_main([*RUN, "--steps", "4", "--checkpoint-dir", str(other),
+                     "--checkpoint-every", "2", "--resume", "auto"]) == 2
+    out, err = capsys.readouterr()
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and str(other / "2") in errors[0] and "--checkpoint-dir" in \
+        errors[0], err
+    assert "gtp_jax train: preset" not in out
+    assert sorted(p.name for p in other.iterdir() if not p.name.startswith(".")) == ["2"]

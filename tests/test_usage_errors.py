@@ -6,6 +6,8 @@ an unrelated exception (AttributeError, a tuple-multiplication TypeError) from d
 
 from __future__ import annotations
 
+import argparse
+import importlib
 import os
 
 import jax
@@ -105,3 +107,117 @@ def test_absurd_sizes_are_refused_before_jax_starts(capsys) -> None:
     assert err.count("\n") == 1 and "--gtp 1000000 has 2000000 devices" in err, err
     with pytest.raises(UsageError, match="tokens per step"):
         TrainConfig(batch_size=2**20, seq_len=2**12, dp=1, gtp=1)
+
+
+# --------------------------------------------------------------------------- flags in full
+
+
+def _every_parser() -> list[tuple[str, argparse.ArgumentParser]]:
+    """Every parser of the command lines (train and its subcommands, plan, each bench
+    command and the bench dispatcher), as each entry point builds it: `parse_args` is
+    stopped at its first call and the parser kept."""
+    from gtp_jax.__main__ import main as top_main
+    from gtp_jax.bench.__main__ import COMMANDS
+    from gtp_jax.bench.__main__ import _parser as bench_parser
+
+    class Caught(Exception):
+        pass
+
+    found: list[tuple[str, argparse.ArgumentParser]] = [("bench", bench_parser())]
+    original = argparse.ArgumentParser.parse_known_args
+
+    def catch(self, args=None, namespace=None):
+        found.append((self.prog, self))
+        raise Caught
+
+    entries = [("train", lambda: top_main(["train"])), ("plan", lambda: top_main(["plan"]))]
+    for name, (module, _) in COMMANDS.items():
+        entries.append((name, lambda m=module: importlib.import_module(
+            f"gtp_jax.bench.{m}").main([])))
+    argparse.ArgumentParser.parse_known_args = catch
+    try:
+        for _, run in entries:
+            with pytest.raises(Caught):
+                run()
+    finally:
+        argparse.ArgumentParser.parse_known_args = original
+    out, todo = [], list(found)
+    while todo:  # subcommands' parsers too
+        prog, parser = todo.pop()
+        out.append((prog, parser))
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                todo += [(sub.prog, sub) for sub in action.choices.values()]
+    return out
+
+
+def test_every_flag_is_matched_only_as_spelled_in_full() -> None:
+    """argparse took `--conf job.toml` for `--config`, but the job file is expanded only for
+    the exact spelling: 100 steps trained with the defaults, exit 0. No parser of the
+    command lines accepts an abbreviation: the prefix of every long flag that is not itself
+    a flag is refused."""
+    parsers = _every_parser()
+    assert {"python -m gtp_jax train", "python -m gtp_jax plan",
+            "python -m gtp_jax.bench memory"} <= {prog for prog, _ in parsers}
+    checked = 0
+    for prog, parser in parsers:
+        assert parser.allow_abbrev is False, prog
+        flags = {opt for a in parser._actions for opt in a.option_strings
+                 if opt.startswith("--")}
+        for flag in flags:
+            prefix = flag[:-1]
+            if prefix in flags or len(prefix) < 3:
+                continue
+            parser.exit = lambda status=0, message=None: (_ for _ in ()).throw(SystemExit)
+            try:
+                _, rest = parser.parse_known_args([prefix, "1"])
+            except SystemExit:
+                continue  # refused (a required argument missing counts too: not taken)
+            assert prefix in rest, (prog, flag)
+            checked += 1
+    assert checked > 100
+
+
+def test_a_flag_read_as_typed_is_refused_when_abbreviated(tmp_path, capsys) -> None:
+    (tmp_path / "job.toml").write_text("steps = 1\nseed = 7\n")
+    for argv, full in ((["--conf", str(tmp_path / "job.toml")], "--config"),
+                       (["--processe", "2"], "--processes")):
+        with pytest.raises(SystemExit) as exit_:
+            cli_main([*ONE_STEP, *argv])
+        assert exit_.value.code == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"did you mean {full}?" in err, err
+
+
+# --------------------------------------------------------------------------- the first mistake
+
+
+def test_a_missing_data_file_is_named_before_the_tokenizer(tmp_path, capsys) -> None:
+    missing = str(tmp_path / "missing.txt")
+    for argv in (["--data", missing], ["--data", missing, "--tokenizer", str(tmp_path)]):
+        assert cli_main([*ONE_STEP, *argv]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"--data: '{missing}' does not exist" in err, err
+    assert cli_main([*ONE_STEP, "--tokenizer", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "error: --tokenizer needs --data PATH" in err, err
+    assert cli_main([*ONE_STEP, "--tokenizer", "x", "--val-fraction", "0.1"]) == 2
+    assert "--tokenizer, --val-fraction need --data PATH" in capsys.readouterr().err
+
+
+def test_a_refusal_of_the_mesh_comes_before_the_run_header(capsys) -> None:
+    """Building the sharded model refuses what the mesh cannot run (FP8 compute with tp > 1)
+    before the run is announced: the header said it would train in fp8, then an error."""
+    assert cli_main([*ONE_STEP, "--fp8-compute", "tensorwise", "--fp8-min-features", "16",
+                     "--tp", "2", "--dp", "2", "--gtp", "2"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and "--fp8-compute" in err, (out, err)
+
+
+def test_reduce_dtype_at_gtp1_is_described_as_it_is() -> None:
+    from gtp_jax.train import model_config
+    from gtp_jax.train.config import describe_choices
+
+    one = TrainConfig(reduce_dtype="bfloat16", dp=8, gtp=1)
+    line = describe_choices(one, model_config(one))
+    assert "reduce-scattered in" not in line and "nothing is reduce-scattered at gtp=1" in line

@@ -898,8 +898,9 @@ add("readme", "batch not divisible by data shards", lambda: _shard_call(
 add("readme", "replicated() of a non-array", lambda: _lib(lambda: gtp_jax.replicated([1, 2])))
 add("readme", "nested sharded module", lambda: _lib(lambda: gtp_jax.shard(
     _Nest(gtp_jax.make_mesh(gtp=8)), gtp_jax.make_mesh(gtp=8))))
-add("readme", "BatchNorm statistics", lambda: _lib(lambda: gtp_jax.shard(
-    _BN(), gtp_jax.make_mesh(gtp=8), gtp_jax.GTPConfig(min_elements=0))))
+add("readme", "BatchNorm statistics written in the call", lambda: _lib(lambda: gtp_jax.shard(
+    _BN(), gtp_jax.make_mesh(gtp=8), gtp_jax.GTPConfig(min_elements=0))(jnp.ones((8, 4))),
+    "batch statistics"))
 add("readme", "scalar output", lambda: _lib(lambda: gtp_jax.shard(
     _Scalar(), gtp_jax.make_mesh(gtp=8), gtp_jax.GTPConfig(min_elements=0))(jnp.ones((8, 4)))))
 add("readme", "make_mesh with too many devices", lambda: _lib(
@@ -1476,11 +1477,344 @@ add(FIRST, "--steps 6 --warmup 10", lambda: expect_error(
     cli("--steps", "6", "--batch", "8", "--seq", "32", "--warmup", "10"), "--warmup"))
 
 
+# ---- inputs read as given: flags spelled in full, Hugging Face checkpoints whose every
+# config key is understood and whose files lie in their folder, an export that owns its
+# weight files, one line that names the real mistake (area "inputs")
+INPUTS = "inputs"
+HF_DATA = Path(__file__).resolve().parents[1] / "tests" / "data" / "hf"
+
+
+def _abbreviated(*argv: str) -> tuple[str, str]:
+    """A flag typed as a prefix of a real one that part of the command line reads as typed
+    (the job file's --config, the launcher's --processes): refused, naming the full flag
+    (argparse took it for the flag, and the part that reads it never saw it)."""
+    jobs = WORK / f"in_job{time.monotonic_ns()}"
+    jobs.mkdir()
+    (jobs / "job.toml").write_text("seed = 7\nlr = 0.01\n")
+    argv = tuple(str(jobs / "job.toml") if a == "JOB" else a for a in argv)
+    full = {"--conf": "--config", "--processe": "--processes"}
+    return expect_error(cli("--steps", "2", *SMALL, *argv),
+                        *(full[a] for a in argv if a in full))
+
+
+add(INPUTS, "train --conf job.toml (the job file unread)",
+    lambda: _abbreviated("--conf", "JOB"))
+add(INPUTS, "train --processe 2", lambda: _abbreviated("--processe", "2"))
+
+
+def _hf_copy(name: str = "llama_gqa_llama3") -> Path:
+    dst = WORK / f"in_hf{time.monotonic_ns()}"
+    shutil.copytree(HF_DATA / name, dst)
+    return dst
+
+
+def _hf_config(**changes) -> tuple[str, str]:
+    """`from_hf` of a checkpoint whose config.json has `changes`: one line naming the key
+    (a raw KeyError, or a silent import of another model, before). The tiny fixture's
+    vocabulary is below the bundled corpus's, so the command line refuses it for that."""
+    folder = _hf_copy()
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg.update(changes)
+    (folder / "config.json").write_text(json.dumps(cfg))
+    return _lib(lambda: gtp_jax.models.from_hf(str(folder)),
+                *[k for k in changes if k != "rope_parameters"], "low_freq_factor")
+
+
+add(INPUTS, "HF config partial_rotary_factor=0.5",
+    lambda: _hf_config(partial_rotary_factor=0.5))
+add(INPUTS, "HF config quantization_config (bitsandbytes)",
+    lambda: _hf_config(quantization_config={"quant_method": "bitsandbytes",
+                                            "load_in_4bit": True}))
+add(INPUTS, "HF rope_scaling llama3 without low_freq_factor", lambda: _hf_config(
+    rope_parameters={"rope_type": "llama3", "factor": 8.0, "high_freq_factor": 4.0,
+                     "original_max_position_embeddings": 16, "rope_theta": 10000.0}))
+
+
+def _hf_index_outside(name: str) -> tuple[str, str]:
+    folder = _hf_copy("mistral_gqa_sharded")
+    index_path = folder / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    first = sorted(index["weight_map"])[0]
+    outside = WORK / "in_outside.safetensors"
+    shutil.copy(folder / index["weight_map"][first], outside)
+    index["weight_map"][first] = str(outside) if name == "ABS" else name
+    index_path.write_text(json.dumps(index))
+    return _lib(lambda: gtp_jax.models.from_hf(str(folder)), repr(first), "outside")
+
+
+add(INPUTS, "HF index naming ../x.safetensors",
+    lambda: _hf_index_outside("../in_outside.safetensors"))
+add(INPUTS, "HF index naming an absolute path", lambda: _hf_index_outside("ABS"))
+
+
+def _hf_export_over_older() -> tuple[str, str]:
+    """A sharded export into a folder holding an older single-file export: transformers
+    reads model.safetensors before the index, so it must not be left there."""
+    from gtp_jax.models import Transformer, from_hf, preset, to_hf
+
+    folder = WORK / "in_export"
+    shutil.rmtree(folder, ignore_errors=True)
+    to_hf(Transformer(preset("tiny", n_kv_heads=2), rngs=nnx.Rngs(9)), str(folder))
+    model = from_hf(str(HF_DATA / "llama_gqa_llama3"))
+    (folder / "notes.txt").write_text("mine")
+    to_hf(model, str(folder), max_shard_bytes=20_000)
+    names = sorted(p.name for p in folder.iterdir())
+    if "model.safetensors" in names:
+        return WRONG, "the older model.safetensors is left beside the new shards and index"
+    if "notes.txt" not in names:
+        return WRONG, "a file of the user's was removed"
+    return OK, f"{len(names)} files: the new shards, index, config.json, notes.txt"
+
+
+add(INPUTS, "sharded HF export over an older model.safetensors", _hf_export_over_older)
+
+
+def _missing_data_first() -> tuple[str, str]:
+    return expect_error(cli("--steps", "2", *SMALL, "--data", str(WORK / "missing.txt")),
+                        "missing.txt")
+
+
+def _one_flag_needs_data() -> tuple[str, str]:
+    outcome, detail = expect_error(cli("--steps", "2", *SMALL, "--tokenizer", "x"), "--data")
+    if outcome == OK and "--tokenizer needs --data" not in detail:
+        return CONFUSING, detail
+    return outcome, detail
+
+
+add(INPUTS, "--data missing.txt without --tokenizer", _missing_data_first)
+add(INPUTS, "--tokenizer without --data (the message's grammar)", _one_flag_needs_data)
+
+
+def _no_header_before_refusal() -> tuple[str, str]:
+    run = cli("--steps", "2", *SMALL, "--fp8-compute", "tensorwise", "--fp8-min-features",
+              "16", "--tp", "2", "--dp", "2", "--gtp", "2")
+    outcome, detail = expect_error(run, "--fp8-compute", "tp")
+    if outcome == OK and run.out.strip():
+        return CONFUSING, f"printed before the refusal: {run.out.strip().splitlines()[0][:100]}"
+    return outcome, detail
+
+
+add(INPUTS, "--fp8-compute with --tp 2: refusal without a header first",
+    _no_header_before_refusal)
+
+
+def _folder_of_the_user() -> tuple[str, str]:
+    d = fresh_copy("in_userdir")
+    for name in ("100", "3"):
+        (d / name).mkdir()
+        (d / name / "notes.txt").write_text("mine")
+    run = cli("--steps", "6", *SMALL, "--checkpoint-dir", str(d), "--resume",
+              "--checkpoint-every", "1", "--keep-checkpoints", "1")
+    if run.code != 0:
+        return expect_ok(run)
+    kept = [n for n in ("100", "3") if (d / n / "notes.txt").is_file()]
+    if len(kept) != 2:
+        return WRONG, f"the user's folders {sorted({'100', '3'} - set(kept))} were renamed " \
+                      "or deleted"
+    said = [x for x in run.err.splitlines() if "alone" in x]
+    if len(said) != 1:
+        return CONFUSING, "left alone without saying so once"
+    return OK, said[0][:140]
+
+
+add(INPUTS, "a folder of the user's inside --checkpoint-dir (ck/100/notes.txt)",
+    _folder_of_the_user)
+
+
+def _reduce_dtype_at_gtp1() -> tuple[str, str]:
+    run = cli("--steps", "2", *SMALL, "--reduce-dtype", "bfloat16", "--dp", "8", "--gtp", "1")
+    outcome, detail = expect_ok(run)
+    if outcome == OK and "reduce-scattered in" in run.out:
+        return CONFUSING, "the header says gradients are reduce-scattered at gtp=1"
+    return outcome, detail
+
+
+add(INPUTS, "--reduce-dtype bfloat16 at gtp=1: what the header says", _reduce_dtype_at_gtp1)
+
+
+# ---- what crosses a sharded call unseen: a variable the model holds beside its sharded
+# part, randomness made in the call, plain attributes, a raw key, batch statistics
+# (area "boundary"; each case trains or calls the way the README shows)
+BOUNDARY = "boundary"
+
+
+class _BdInner(nnx.Module):
+    def __init__(self, proj):
+        self.proj = proj
+        self.up = nnx.Linear(8, 8, rngs=nnx.Rngs(2))
+
+    def __call__(self, h):
+        return self.up(self.proj(h))
+
+
+class _BdPasses(nnx.Module):
+    def __init__(self, shard):
+        self.proj = nnx.Linear(4, 8, rngs=nnx.Rngs(1))
+        inner = _BdInner(self.proj)
+        self.inner = gtp_jax.shard(inner, _ex_mesh(), _EX_CFG) if shard else inner
+
+    def __call__(self, x):
+        return self.inner(x) + self.proj(x)
+
+
+class _BdTrunk(nnx.Module):
+    def __init__(self):
+        self.embed = nnx.Linear(4, 8, rngs=nnx.Rngs(0))
+        self.body = nnx.Linear(8, 8, rngs=nnx.Rngs(1))
+
+    def __call__(self, x):
+        return self.body(self.embed(x))
+
+
+class _BdKeeps(nnx.Module):
+    def __init__(self, shard):
+        trunk = _BdTrunk()
+        self.trunk = gtp_jax.shard(trunk, _ex_mesh(), _EX_CFG) if shard else trunk
+        self.emb = trunk.embed
+
+    def __call__(self, x):
+        return self.trunk(x) + self.emb(x)
+
+
+def _bd_readme_losses(model) -> list[float]:
+    import optax  # noqa: PLC0415
+
+    optimizer = nnx.Optimizer(model, optax.sgd(0.5), wrt=nnx.Param)
+
+    @nnx.jit
+    def step(model, optimizer, x):
+        loss, grads = nnx.value_and_grad(lambda m: jnp.mean(m(x) ** 2))(model)
+        optimizer.update(model, grads)
+        return loss
+
+    x = _ex_x(_ex_mesh())
+    return [float(step(model, optimizer, x)) for _ in range(3)]
+
+
+def _bd_shared(make) -> tuple[str, str]:
+    want = _bd_readme_losses(make(False))
+    try:
+        got = _bd_readme_losses(make(True))
+    except gtp_jax.UsageError as e:
+        msg = " ".join(str(e).split())
+        return (OK, msg[:120]) if "shard the module" in msg else (CONFUSING, msg[:120])
+    worst = max(abs(a - b) / abs(b) for a, b in zip(got, want))
+    return (OK, f"losses within {worst:.1e}") if worst < 1e-5 else (
+        WRONG, f"accepted: losses {[f'{v:.5f}' for v in got]} vs unsharded "
+               f"{[f'{v:.5f}' for v in want]}")
+
+
+add(BOUNDARY, "Inner(self.proj) sharded, the model also calls self.proj (nnx.jit)",
+    lambda: _bd_shared(_BdPasses))
+add(BOUNDARY, "self.trunk = shard(t); self.emb = t.embed (nnx.jit)",
+    lambda: _bd_shared(_BdKeeps))
+
+
+class _BdDraw(nnx.Module):
+    def __init__(self, how):
+        self.lin = nnx.Linear(4, 64, rngs=nnx.Rngs(0))
+        self.how = how
+
+    def __call__(self, x, seed=3):
+        h = jnp.ones_like(self.lin(x))
+        key = {"int": lambda: jax.random.key(seed), "constant": lambda: jax.random.key(0),
+               "raw": lambda: jax.random.PRNGKey(0)}[self.how]()
+        return h * jax.random.bernoulli(key, 0.5, h.shape)
+
+
+def _bd_draw(how: str) -> tuple[str, str]:
+    mesh = _ex_mesh()
+    try:
+        out = np.asarray(nnx.jit(lambda m, x: m(x))(
+            gtp_jax.shard(_BdDraw(how), mesh, _EX_CFG), _ex_x(mesh)))
+    except gtp_jax.UsageError as e:
+        msg = " ".join(str(e).split())
+        return (OK, msg[:120]) if "same on every data shard" in msg else (CONFUSING, msg[:120])
+    masks = {tuple(row.tolist()) for row in (out != 0)}
+    return WRONG, f"accepted: {len(masks)} distinct masks over 16 rows (16 unsharded)"
+
+
+add(BOUNDARY, "jax.random.key(seed) from a Python int in __call__", lambda: _bd_draw("int"))
+add(BOUNDARY, "jax.random.key(0) in __call__", lambda: _bd_draw("constant"))
+add(BOUNDARY, "jax.random.PRNGKey(0) in __call__", lambda: _bd_draw("raw"))
+
+
+class _BdCalls(nnx.Module):
+    def __init__(self):
+        self.lin = nnx.Linear(4, 8, rngs=nnx.Rngs(0))
+        self.calls = 0
+
+    def __call__(self, x):
+        self.calls += 1
+        return self.lin(x)
+
+
+def _bd_attribute() -> tuple[str, str]:
+    mesh = _ex_mesh()
+    sm = gtp_jax.shard(_BdCalls(), mesh, _EX_CFG)
+    try:
+        for _ in range(2):
+            nnx.jit(lambda m, x: m(x))(sm, _ex_x(mesh))
+    except gtp_jax.UsageError as e:
+        msg = " ".join(str(e).split())
+        return (OK, msg[:120]) if "'calls'" in msg else (CONFUSING, msg[:120])
+    return (OK, "carried: 2 calls") if sm.module.calls == 2 else (
+        CONFUSING, f"self.calls += 1 lost without a word: {sm.module.calls} after 2 calls "
+                   "(2 unsharded)")
+
+
+add(BOUNDARY, "self.calls += 1 in __call__ (nnx.jit)", _bd_attribute)
+
+
+def _bd_raw_key_argument() -> tuple[str, str]:
+    mesh = _ex_mesh()
+    sm = gtp_jax.shard(_ExDrop(), mesh, _EX_CFG)
+    try:
+        sm(_ex_x(mesh), key=jax.random.PRNGKey(1))
+    except gtp_jax.UsageError as e:
+        msg = " ".join(str(e).split())
+        return (OK, msg[:120]) if "typed key" in msg else (CONFUSING, msg[:120])
+    return WRONG, "accepted"
+
+
+add(BOUNDARY, "raw uint32 key argument", _bd_raw_key_argument)
+
+
+class _BdNorm(nnx.Module):
+    def __init__(self, running):
+        self.lin = nnx.Linear(4, 8, rngs=nnx.Rngs(0))
+        self.bn = nnx.BatchNorm(8, use_running_average=running, rngs=nnx.Rngs(0))
+
+    def __call__(self, x):
+        return self.bn(self.lin(x))
+
+
+def _bd_batch_norm(running: bool) -> tuple[str, str]:
+    mesh = _ex_mesh()
+    x = _ex_x(mesh)
+    try:
+        sm = gtp_jax.shard(_BdNorm(running), mesh, _EX_CFG)
+        got = np.asarray(sm(x))
+    except gtp_jax.UsageError as e:
+        msg = " ".join(str(e).split())
+        if running:
+            return CONFUSING, f"refused, though it writes nothing: {msg[:100]}"
+        return (OK, msg[:120]) if "batch statistics" in msg else (CONFUSING, msg[:120])
+    if not running:
+        return WRONG, "accepted: batch statistics computed per data shard"
+    err = float(np.max(np.abs(got - np.asarray(_BdNorm(True)(np.asarray(x))))))
+    return (OK, f"max |diff| {err:.1e}") if err < 1e-5 else (WRONG, f"max |diff| {err:.1e}")
+
+
+add(BOUNDARY, "BatchNorm(use_running_average=True)", lambda: _bd_batch_norm(True))
+add(BOUNDARY, "BatchNorm in training mode", lambda: _bd_batch_norm(False))
+
+
 # --------------------------------------------------------------------------- main
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     parser.add_argument("--only", default=None, help="run only this area")
     parser.add_argument("--markdown", action="store_true", help="print a Markdown table")
     args = parser.parse_args()

@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0], allow_abbrev=False)
     parser.add_argument("paths", nargs="*", help="notebooks to run (default: notebooks/*.ipynb)")
     parser.add_argument("--kernel", default="python3", help="Jupyter kernel name")
     parser.add_argument("--timeout", type=int, default=300, help="seconds per cell")

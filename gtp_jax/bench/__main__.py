@@ -42,10 +42,10 @@ def _parser() -> argparse.ArgumentParser:
         prog="python -m gtp_jax.bench",
         description="gtp_jax benchmarks. Run `python -m gtp_jax.bench SUBCOMMAND --help` for "
                     "a subcommand's options; the GPU scripts that produced the published "
-                    "results are in benchmarks/ (benchmarks/README.md).")
+                    "results are in benchmarks/ (benchmarks/README.md).", allow_abbrev=False)
     sub = parser.add_subparsers(dest="command", metavar="SUBCOMMAND", title="subcommands")
     for name, (_, text) in COMMANDS.items():
-        sub.add_parser(name, help=text, add_help=False)
+        sub.add_parser(name, help=text, add_help=False, allow_abbrev=False)
     return parser
 
 

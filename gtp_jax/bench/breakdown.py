@@ -149,7 +149,8 @@ def side_by_side(rows: dict[str, StepBreakdown], step_ms: dict[str, float]) -> s
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m gtp_jax.bench breakdown", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                allow_abbrev=False)
     p.add_argument("--preset", default="llama3-8b")
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--per-device-batch", type=int, default=1)

@@ -226,7 +226,8 @@ def format_table(rows: list[dict]) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m gtp_jax.bench.context", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     allow_abbrev=False)
     parser.add_argument("--preset", default="1b")
     parser.add_argument("--layers", type=int, default=0, help="override the layer count")
     parser.add_argument("--mesh", action="append", type=parse_mesh, default=None,

@@ -251,7 +251,8 @@ def _table(results: list[dict[str, Any]]) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m gtp_jax.bench fp8", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     allow_abbrev=False)
     parser.add_argument("--rows", default=",".join(ROWS) + ",gemm",
                         help="comma-separated: blocks_bf16, blocks_fp8, blocks_fp8_delayed, gemm "
                         "(the size sweep)")

@@ -272,7 +272,8 @@ def read_hlo(path: str | Path) -> dict[str, tuple[str, str]]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m gtp_jax.bench.kernels",
                                      description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     allow_abbrev=False)
     parser.add_argument("trace", help="a trace file (.json or .json.gz) or a jax.profiler "
                         "log directory")
     parser.add_argument("--steps", type=float, default=1.0, help="steps captured in the trace")

@@ -243,7 +243,8 @@ def format_table(rows: list[dict]) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m gtp_jax.bench matrix", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     allow_abbrev=False)
     parser.add_argument("--preset", default="1b", help="model preset of the grid and the CLI")
     parser.add_argument("--layers", type=int, default=0, help="override the layer count")
     parser.add_argument("--seq", type=int, default=2048, help="tokens per sequence")

@@ -330,7 +330,8 @@ def model_shapes(cfg: Any) -> tuple[frozenset[int], frozenset[int]]:
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m gtp_jax.bench memory", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                allow_abbrev=False)
     p.add_argument("--preset", default="1b")
     p.add_argument("--layers", type=int, default=None)
     p.add_argument("--seq", type=int, default=2048)

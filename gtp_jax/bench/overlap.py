@@ -339,7 +339,8 @@ def build_parser() -> argparse.ArgumentParser:
     """The command line of ``python -m gtp_jax.bench overlap``."""
     parser = argparse.ArgumentParser(prog="python -m gtp_jax.bench overlap",
                                      description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     allow_abbrev=False)
     parser.add_argument("--preset", default="1b",
                         help="model preset (gtp_jax.models.PRESETS: tiny, small, 100m, 1b, "
                              "llama3-8b, ...; the PyTorch peer knows tiny..1b, llama3-8b and "

@@ -310,7 +310,8 @@ def format_micro_table(rows: list[dict]) -> str:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m gtp_jax.bench parallel",
                                      description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     allow_abbrev=False)
     parser.add_argument("--preset", default=None, help="model preset (GPU: 100m, CPU: tiny)")
     parser.add_argument("--layers", type=int, default=0, help="override the layer count")
     parser.add_argument("--seq", type=int, default=None, help="sequence length (GPU: 2048)")

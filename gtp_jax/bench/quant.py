@@ -531,7 +531,8 @@ def format_report(report: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m gtp_jax.bench quant", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     allow_abbrev=False)
     parser.add_argument("--json", metavar="PATH", help="also write the report as JSON")
     parser.add_argument("--check", action="store_true",
                         help="compare kernels with the reference bit for bit first")

@@ -327,7 +327,8 @@ def summarize(results: list[DeviceOverlap], steps: int = 1) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m gtp_jax.bench.trace", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     allow_abbrev=False)
     parser.add_argument("trace", help="perfetto_trace.json.gz, or a jax.profiler log dir")
     parser.add_argument("--steps", type=int, default=1, help="steps captured in the trace")
     parser.add_argument("--json", default=None, metavar="PATH",

@@ -35,6 +35,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import stat
 from collections.abc import Callable
 from typing import Any
@@ -67,6 +68,115 @@ def _fail(directory: str, msg: str) -> UsageError:
     return UsageError(f"Hugging Face checkpoint {directory!r}: {msg}")
 
 
+#: ``config.json`` keys the importer reads; each is validated by `config_from_hf`.
+UNDERSTOOD_KEYS = frozenset({
+    "model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+    "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings",
+    "rms_norm_eps", "rope_theta", "rope_scaling", "rope_parameters", "tie_word_embeddings",
+    "hidden_act", "attention_bias", "mlp_bias", "sliding_window"})
+#: Keys that never change the model's logits: names and versions, the stored dtype (the
+#: import converts to its own), token ids and generation settings, initialization, caching,
+#: dropout (the imported model trains without it), how PyTorch splits its matmuls.
+NO_EFFECT_KEYS = frozenset({
+    "architectures", "transformers_version", "torch_dtype", "dtype", "bos_token_id",
+    "eos_token_id", "pad_token_id", "sep_token_id", "decoder_start_token_id",
+    "initializer_range", "use_cache", "attention_dropout", "pretraining_tp",
+    "return_dict", "output_hidden_states", "output_attentions", "torchscript",
+    "use_bfloat16", "tf_legacy_loss", "chunk_size_feed_forward", "is_encoder_decoder",
+    "is_decoder", "add_cross_attention", "cross_attention_hidden_size",
+    "tie_encoder_decoder", "finetuning_task", "id2label", "label2id", "num_labels",
+    "task_specific_params", "problem_type", "tokenizer_class", "prefix", "max_length",
+    "min_length", "do_sample", "early_stopping", "num_beams", "num_beam_groups",
+    "diversity_penalty", "temperature", "top_k", "top_p", "typical_p",
+    "repetition_penalty", "length_penalty", "no_repeat_ngram_size",
+    "encoder_no_repeat_ngram_size", "bad_words_ids", "num_return_sequences",
+    "output_scores", "return_dict_in_generate", "forced_bos_token_id",
+    "forced_eos_token_id", "remove_invalid_values", "exponential_decay_length_penalty",
+    "suppress_tokens", "begin_suppress_tokens", "model_name", "name_or_path"})
+#: Keys that change the computation (in transformers, for every model type), with the
+#: values at which they do not. Any other key is refused unless it is off (null, false,
+#: empty) or private (a leading underscore, or a tool's ``*_version`` stamp).
+_NEUTRAL: dict[str, Callable[[Any], bool]] = {
+    "partial_rotary_factor": lambda v: v == 1,
+    "layer_types": lambda v: isinstance(v, list) and all(t == "full_attention" for t in v),
+    "pruned_heads": lambda v: not v,
+}
+_CHANGES_MATH = ("changes the computation in transformers, and this importer does not "
+                 "implement it")
+#: Rotary keys read per ``rope_type`` (with ``rope_theta`` and the type itself).
+_ROPE_KEYS = {"default": (), "linear": ("factor",),
+              "llama3": ("factor", "low_freq_factor", "high_freq_factor",
+                         "original_max_position_embeddings")}
+
+
+def _off(value: Any) -> bool:
+    return value is None or value is False or (isinstance(value, (dict, list)) and not value)
+
+
+def _check_keys(hf: dict[str, Any], directory: str) -> None:
+    """Refuses a ``config.json`` key that changes the computation and is not read here (in
+    one line naming it): the import must compute what transformers computes, or refuse."""
+    for key, value in hf.items():
+        if (key in UNDERSTOOD_KEYS or key in NO_EFFECT_KEYS or key.startswith("_")
+                or key.endswith("_version") or _off(value)):
+            continue
+        if key in _NEUTRAL and _NEUTRAL[key](value):
+            continue
+        shown = json.dumps(value)[:60]
+        if key in _NEUTRAL or key == "quantization_config":
+            fix = {"quantization_config": "the unquantized checkpoint",
+                   "partial_rotary_factor": "a fully rotary checkpoint (factor 1)"}.get(
+                       key, "a checkpoint without it")
+            raise _fail(directory, f"config.json {key}={shown} {_CHANGES_MATH}; use {fix}.")
+        raise _fail(directory, f"config.json key {key!r}={shown} is not one this importer "
+                    "knows, and it may change the computation (transformers reads every key "
+                    "of config.json); remove it if it does not, or use a Llama or Mistral "
+                    "checkpoint without it.")
+
+
+def _rope_scaling(hf: dict[str, Any], directory: str) -> tuple[float, dict[str, Any]]:
+    """``(rope_theta, TransformerConfig rotary-scaling fields)`` of ``rope_parameters``
+    (transformers 5, theta included) and ``rope_scaling`` (transformers 4)."""
+    rope: dict[str, Any] = {}
+    for key in ("rope_parameters", "rope_scaling"):
+        part = hf.get(key)
+        if part is not None and not isinstance(part, dict):
+            raise _fail(directory, f"config.json {key}={json.dumps(part)[:60]} must be an "
+                        "object (or null).")
+        rope.update(part or {})
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in _ROPE_KEYS:
+        raise _fail(directory, f"config.json rope_scaling type {rope_type!r} is not "
+                    "supported; supported: default, linear, llama3.")
+    read = {"rope_type", "type", "rope_theta", *_ROPE_KEYS[rope_type]}
+    for key, value in rope.items():
+        if key in read or _off(value) or (key in _NEUTRAL and _NEUTRAL[key](value)):
+            continue
+        why = (_CHANGES_MATH if key in _NEUTRAL else
+               f"is not read for rope type {rope_type!r}, and it may change the computation")
+        raise _fail(directory, f"config.json rope_scaling {key}={json.dumps(value)[:60]} "
+                    f"{why}; use a checkpoint without it.")
+    values = {}
+    for key in ("rope_theta", *_ROPE_KEYS[rope_type]):
+        value = rope.get(key, hf.get(key, 10000.0) if key == "rope_theta" else None)
+        if value is None:
+            raise _fail(directory, f"config.json rope_scaling of type {rope_type!r} lacks "
+                        f"{key!r}; add it (transformers needs it too).")
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise _fail(directory, f"config.json rope_scaling {key}={json.dumps(value)[:60]} "
+                        "must be a number.")
+        values[key] = value
+    scaling: dict[str, Any] = {}
+    if rope_type == "linear":
+        scaling = dict(rope_scaling="linear", rope_factor=float(values["factor"]))
+    elif rope_type == "llama3":
+        scaling = dict(rope_scaling="llama3", rope_factor=float(values["factor"]),
+                       rope_low_freq_factor=float(values["low_freq_factor"]),
+                       rope_high_freq_factor=float(values["high_freq_factor"]),
+                       rope_original_max_len=int(values["original_max_position_embeddings"]))
+    return float(values["rope_theta"]), scaling
+
+
 def config_from_hf(hf: dict[str, Any], directory: str = "<config>",
                    **overrides: Any) -> TransformerConfig:
     """The `TransformerConfig` of a Hugging Face ``config.json`` (a dict).
@@ -79,7 +189,9 @@ def config_from_hf(hf: dict[str, Any], directory: str = "<config>",
     Raises:
       UsageError: a field this model cannot express, named (another architecture, a sliding
         window, attention or MLP biases, an activation other than SiLU, an unknown rotary
-        scaling).
+        scaling or one missing a field), or any other key that changes the computation
+        (``partial_rotary_factor``, ``quantization_config``, a key this importer does not
+        know: `UNDERSTOOD_KEYS` are read, `NO_EFFECT_KEYS` never change the logits).
     """
     model_type = hf.get("model_type")
     if model_type not in SUPPORTED_TYPES:
@@ -96,36 +208,34 @@ def config_from_hf(hf: dict[str, Any], directory: str = "<config>",
     if hf.get("hidden_act", "silu") != "silu":
         raise _fail(directory, f"config.json hidden_act={hf.get('hidden_act')!r} is not "
                     "supported (SwiGLU with silu only).")
-    # transformers 5 writes ``rope_parameters`` (theta included), 4 ``rope_scaling``
-    rope = {**(hf.get("rope_parameters") or {}), **(hf.get("rope_scaling") or {})}
-    theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    scaling: dict[str, Any] = {}
-    if rope_type == "linear":
-        scaling = dict(rope_scaling="linear", rope_factor=float(rope["factor"]))
-    elif rope_type == "llama3":
-        scaling = dict(rope_scaling="llama3", rope_factor=float(rope["factor"]),
-                       rope_low_freq_factor=float(rope["low_freq_factor"]),
-                       rope_high_freq_factor=float(rope["high_freq_factor"]),
-                       rope_original_max_len=int(rope["original_max_position_embeddings"]))
-    elif rope_type != "default":
-        raise _fail(directory, f"config.json rope_scaling type {rope_type!r} is not supported; "
-                    "supported: default, linear, llama3.")
-    heads = int(hf["num_attention_heads"])
+    _check_keys(hf, directory)
+    theta, scaling = _rope_scaling(hf, directory)
+
+    def number(key: str, default: Any = None, kind: type = int) -> Any:
+        value = hf.get(key)
+        value = default if value is None else value  # null: transformers' default too
+        if value is None:
+            raise _fail(directory, f"config.json lacks {key!r}.")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or (
+                kind is int and value != int(value)):
+            raise _fail(directory, f"config.json {key}={json.dumps(value)[:60]} must be "
+                        f"{'an integer' if kind is int else 'a number'}.")
+        return kind(value)
+
+    heads, width = number("num_attention_heads"), number("hidden_size")
+    fields = dict(
+        vocab_size=number("vocab_size"), d_model=width, n_heads=heads,
+        n_kv_heads=number("num_key_value_heads", heads),
+        head_dim=number("head_dim", width // max(heads, 1)),
+        n_layers=number("num_hidden_layers"), d_ff=number("intermediate_size"),
+        max_seq_len=number("max_position_embeddings", 2048),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        rope_theta=theta, norm_eps=number("rms_norm_eps", 1e-6, float))
     try:
-        return TransformerConfig(
-            vocab_size=int(hf["vocab_size"]), d_model=int(hf["hidden_size"]),
-            n_heads=heads, n_kv_heads=int(hf.get("num_key_value_heads") or heads),
-            head_dim=int(hf.get("head_dim") or int(hf["hidden_size"]) // heads),
-            n_layers=int(hf["num_hidden_layers"]), d_ff=int(hf["intermediate_size"]),
-            max_seq_len=int(hf.get("max_position_embeddings", 2048)),
-            tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            rope_theta=float(theta), norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            **scaling, **overrides)
-    except KeyError as err:
-        raise _fail(directory, f"config.json lacks {err.args[0]!r}.") from None
-    except ValueError as err:
-        raise _fail(directory, f"config.json describes no valid model: {err}") from None
+        return TransformerConfig(**fields, **scaling, **overrides)
+    except (TypeError, ValueError) as err:
+        raise _fail(directory, f"config.json describes no valid model: "
+                    f"{' '.join(str(err).split())}") from None
 
 
 def config_to_hf(cfg: TransformerConfig, dtype: str = "float32") -> dict[str, Any]:
@@ -154,6 +264,25 @@ def config_to_hf(cfg: TransformerConfig, dtype: str = "float32") -> dict[str, An
 # ----------------------------------------------------------------------------- reading
 
 
+def _checked_weight_map(weight_map: Any, directory: str) -> dict[str, str]:
+    """The index's ``weight_map``, each file name relative and inside `directory`: a name
+    that leaves it (``../x.safetensors``, an absolute path) is refused, never read."""
+    if not isinstance(weight_map, dict):
+        raise _fail(directory, f"{_INDEX}: weight_map must be an object of tensor name to "
+                    "file name.")
+    root = os.path.normpath(os.path.abspath(directory))
+    for tensor, name in weight_map.items():
+        if not isinstance(name, str) or not name:
+            raise _fail(directory, f"{_INDEX}: tensor {tensor!r} names the file "
+                        f"{json.dumps(name)[:60]}, not a file name.")
+        where = os.path.normpath(os.path.join(root, name))
+        if os.path.isabs(name) or os.path.commonpath([root, where]) != root or where == root:
+            raise _fail(directory, f"{_INDEX}: tensor {tensor!r} names the file {name!r}, "
+                        "outside the checkpoint folder; a checkpoint's files must lie in "
+                        "its folder (file names relative to it, no '..').")
+    return weight_map
+
+
 class _Reader:
     """Lazy access to a checkpoint's tensors by HF name (one open file per shard)."""
 
@@ -173,6 +302,8 @@ class _Reader:
         else:
             raise _fail(directory, f"neither {_SINGLE} nor {_INDEX} is there; point it at a "
                         "directory written by save_pretrained (safetensors weights).")
+        if weight_map is not None:
+            weight_map = _checked_weight_map(weight_map, directory)
         files = sorted(set(weight_map.values())) if weight_map else [_SINGLE]
         missing = [f for f in files if not os.path.exists(os.path.join(directory, f))]
         if missing:
@@ -507,7 +638,11 @@ def to_hf(model: Transformer | ShardedModule, directory: str, *,
 
     Args:
       model: a `Transformer` or a `gtp_jax.ShardedModule` wrapping one.
-      directory: created if absent; existing files of the same names are replaced.
+      directory: created if absent; existing files of the same names are replaced, and the
+        export owns the weight files there: older ``model*.safetensors``,
+        ``pytorch_model*.bin`` and their index files that it did not write are removed (a
+        reader would load them instead of, or mixed with, the new weights). Other files
+        are left as they are.
       max_shard_bytes: the largest file written.
 
     Returns:
@@ -568,6 +703,23 @@ def to_hf(model: Transformer | ShardedModule, directory: str, *,
             with open(os.path.join(directory, _INDEX), "w") as f:
                 json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f,
                           indent=2)
-    if writer and not many and os.path.exists(os.path.join(directory, _INDEX)):
-        os.remove(os.path.join(directory, _INDEX))  # a stale index would shadow the file
+    if writer:
+        _remove_stale_weights(directory, {*files, *([_INDEX] if many else [])})
     return files
+
+
+#: The weight files and indexes ``from_pretrained`` reads (safetensors, then PyTorch's).
+_HF_WEIGHT_FILE = re.compile(r"(model|pytorch_model)(-\d+-of-\d+)?\.(safetensors|bin)"
+                             r"|(model\.safetensors|pytorch_model\.bin)\.index\.json")
+
+
+def _remove_stale_weights(directory: str, written: set[str]) -> None:
+    """Removes the Hugging Face weight files and indexes in `directory` that this export did
+    not write: transformers reads ``model.safetensors`` before an index, so an older one left
+    beside new shards (or old shards beside a new single file) would be loaded instead, or
+    mixed in. Only those names are touched; every other file stays."""
+    for name in os.listdir(directory):
+        path = os.path.join(directory, name)
+        if name not in written and _HF_WEIGHT_FILE.fullmatch(name) and (
+                os.path.isfile(path) or os.path.islink(path)):
+            os.remove(path)

@@ -14,13 +14,18 @@ outputs and written state must look like, and how they leave.
 - `replaced_read_only` / `same_values` / `refuse_write`: parameters (and RNG keys) written
   in ``__call__`` are refused, never dropped; values NNX's lifted transforms only pass on
   are not writes (for state without a combining rule either: `refuse_unruled`).
-- `has_user_remat`: whether the module's own code has remat regions (then weights are
-  gathered where they are read, so the module's policy applies to them).
+- `trace_body` / `has_user_remat`: whether the module's own code has remat regions (then
+  weights are gathered where they are read, so the module's policy applies to them).
+- `python_attributes` / `refuse_attribute_writes`: a plain attribute set in ``__call__``
+  is refused, never lost.
+- `refuse_shard_identical_draws`: randomness made in ``__call__`` from a key that is the
+  same on every data shard is refused.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -180,6 +185,19 @@ def is_key_array(x: Any) -> bool:
     return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
 
 
+def is_raw_key(x: Any) -> bool:
+    """Whether `x` has the shape and dtype of one raw ``uint32`` PRNG key of the default
+    implementation (``jax.random.PRNGKey(0)``: ``uint32[2]`` for threefry)."""
+    if getattr(x, "dtype", None) != jnp.uint32 or jnp.ndim(x) != 1:
+        return False
+    return tuple(jnp.shape(x)) == _raw_key_shape()
+
+
+@functools.cache
+def _raw_key_shape() -> tuple[int, ...]:
+    return tuple(jax.eval_shape(lambda: jax.random.PRNGKey(0)).shape)
+
+
 def _is_node(x: Any) -> bool:
     return isinstance(x, (nnx.Variable, Replicated)) or nnx.graph.is_graph_node(x)
 
@@ -201,8 +219,8 @@ def check_call_arguments(args: tuple, kwargs: dict) -> None:
     - a module or variable: its arrays would be split over the batch like arguments and what
       the call writes to it would be lost; a shared weight belongs in the sharded module.
 
-    A raw ``uint32`` key (``jax.random.PRNGKey``) is an ordinary array and cannot be told
-    apart; see `gtp_jax.ShardedModule`.
+    - a raw ``uint32`` key (``jax.random.PRNGKey``: one key, ``uint32[2]``) would be split
+      over the data shards as a batch: refused, naming a typed key or `replicated`.
     """
     with_path = jax.tree_util.tree_flatten_with_path((args, kwargs), is_leaf=_is_node)[0]
     for keys, x in with_path:
@@ -220,6 +238,13 @@ def check_call_arguments(args: tuple, kwargs: dict) -> None:
                 "and what the call writes to it would be lost; make it part of the sharded "
                 "module (shard the module that holds every use of it), or pass its value as "
                 "gtp_jax.replicated(x).")
+        if not isinstance(x, Replicated) and is_raw_key(inner):
+            raise UsageError(
+                f"{name}: a uint32 array of shape {tuple(jnp.shape(inner))}, a raw PRNG key "
+                "(jax.random.PRNGKey), passed to a sharded module, which would split it over "
+                "the data shards as a batch; use a typed key, one per example "
+                "(jax.random.split(jax.random.key(seed), batch)), or, if it is not a key, "
+                "pass it as gtp_jax.replicated(x).")
         if is_key_array(inner) and (isinstance(x, Replicated) or jnp.ndim(inner) == 0):
             how = "gtp_jax.replicated" if isinstance(x, Replicated) else "a scalar"
             raise UsageError(
@@ -408,8 +433,16 @@ def rule_choices(kind: str) -> str:
 
 
 def refuse_unruled(path: str, var: nnx.Variable) -> None:
-    """Raises the `UsageError` for state without a combining rule written in ``__call__``."""
+    """Raises the `UsageError` for state without a combining rule written in ``__call__``
+    (and for batch statistics, whatever their rule)."""
     kind = type(var).__name__
+    if isinstance(var, nnx.BatchStat):
+        raise UsageError(
+            f"{path!r}: batch statistics ({kind}, e.g. BatchNorm in training mode) are "
+            "written in __call__: each data shard would normalize with its own examples' "
+            "statistics, unlike the unsharded module; call the module in inference mode "
+            "(BatchNorm(use_running_average=True), or model.eval()), which reads them only, "
+            "or use a normalization without batch statistics (LayerNorm, RMSNorm).")
     dtypes = sorted({str(jnp.result_type(x)) for x in jax.tree.leaves(var.get_value())})
     raise UsageError(
         f"{path!r}: {kind} state of dtype {'/'.join(dtypes)} is written in __call__ and each "
@@ -466,7 +499,8 @@ def reduce_side_state(module: nnx.Module, before: dict[str, Any], rules: dict[st
 
             out.append((keys, var, jax.tree.map(concat, value)))
             continue
-        rule = rules.get(path)
+        # Batch statistics were computed over one shard's examples: no rule combines them.
+        rule = None if isinstance(var, nnx.BatchStat) else rules.get(path)
         if rule is None:
             if unruled is None:
                 refuse_unruled(path, var)
@@ -534,15 +568,25 @@ def per_example_rows(paths: list[str], values: list, rules: dict[str, str | None
 _REMAT_NAMES = ("checkpoint", "remat", "remat2")
 
 
-def has_user_remat(body: Callable, mesh: Mesh, value_specs: list, arg_specs: list,
-                    values: list, args: list) -> bool:
-    """Whether the module's own code (not gtp_jax's gathers) uses ``jax.checkpoint``."""
+def trace_body(body: Callable, mesh: Mesh, value_specs: list, arg_specs: list,
+               values: list, args: list) -> Any:
+    """The jaxpr of the sharded call's body as each device runs it (inside ``shard_map``
+    on a mesh of several devices): its inputs are the leaves of ``(values, args)``."""
     if mesh.devices.size == 1:
-        fn = body
-    else:
-        fn = jax.shard_map(body, mesh=mesh, in_specs=(value_specs, arg_specs),
-                           out_specs=(P(), P()), check_vma=False)
-    jaxpr = jax.make_jaxpr(lambda v, a: jax.tree.leaves(fn(v, a)))(values, args).jaxpr
+        return jax.make_jaxpr(lambda v, a: jax.tree.leaves(body(v, a)))(values, args).jaxpr
+    fn = jax.shard_map(body, mesh=mesh, in_specs=(value_specs, arg_specs),
+                       out_specs=(P(), P()), check_vma=False)
+    outer = jax.make_jaxpr(lambda v, a: jax.tree.leaves(fn(v, a)))(values, args).jaxpr
+    found = [e for e in outer.eqns if e.primitive.name == "shard_map"]
+    inner = list(jcore.jaxprs_in_params(found[0].params)) if len(found) == 1 else []
+    # (Were the body not found, the outer program holds it, with the same inputs one to
+    # one: both checks read it there.)
+    return inner[0] if len(inner) == 1 else outer
+
+
+def has_user_remat(jaxpr: Any) -> bool:
+    """Whether the module's own code (not gtp_jax's gathers) uses ``jax.checkpoint``, in the
+    body's jaxpr (`trace_body`)."""
 
     def walk(j) -> bool:
         for eqn in j.eqns:
@@ -557,3 +601,167 @@ def has_user_remat(body: Callable, mesh: Mesh, value_specs: list, arg_specs: lis
         return False
 
     return walk(jaxpr)
+
+
+# --------------------------------------------------------------------------- attributes
+
+
+def python_attributes(module: nnx.Module) -> dict[tuple[str, str], Any]:
+    """``{(node path, name): value}`` of the plain attributes of every module (graph node)
+    in `module`: what is neither a variable nor a graph node (ints, strings, lists, arrays
+    held as plain attributes); lists, dicts and sets are copied so that a change in place
+    shows."""
+    out = {}
+    for keys, node in nnx.graph.iter_graph(module):
+        if isinstance(node, nnx.Variable) or not nnx.graph.is_graph_node(node):
+            continue
+        where = path_str(key_name(k) for k in keys)
+        for name, value in vars(node).items():
+            if str(name).startswith("_pytree__") or isinstance(value, nnx.Variable) or \
+                    nnx.graph.is_graph_node(value):
+                continue
+            out[(where, str(name))] = (type(value)(value) if isinstance(value, (list, dict, set))
+                                       else value)
+    return out
+
+
+def _same(a: Any, b: Any) -> bool:
+    if a is b:
+        return True
+    if isinstance(a, (jax.Array, np.ndarray)) or isinstance(b, (jax.Array, np.ndarray)):
+        return False  # a new array, traced or not
+    try:
+        return bool(type(a) is type(b) and a == b)
+    except Exception:  # noqa: BLE001 - values that do not compare are different values
+        return False
+
+
+def refuse_attribute_writes(before: dict[tuple[str, str], Any],
+                            after: dict[tuple[str, str], Any]) -> None:
+    """Refuses a plain Python attribute set or changed in ``__call__`` (`python_attributes`
+    before and after the traced call): the sharded call runs a copy of the module, so the
+    change would be lost, and a value computed from the call's shapes or values would be one
+    data shard's, so carrying it back could be wrong too."""
+    for key in sorted(set(before) | set(after)):
+        if key in before and key in after and _same(before[key], after[key]):
+            continue
+        where, name = key
+        path = f"{where}/{name}" if where else name
+        value = after.get(key)
+        what = ("deleted" if key not in after else "set to an array"
+                if isinstance(value, (jax.Array, np.ndarray)) else f"set to {value!r:.40}")
+        raise UsageError(
+            f"{path!r}: a plain Python attribute {what} in __call__ of a sharded module; the "
+            "call runs a copy of the module on each data shard's examples, so the change "
+            "would be lost (and a value computed in the call is one shard's). Keep state the "
+            "call updates in a variable that says how the shards combine "
+            f"({rule_choices('nnx.Variable')}), or change the attribute outside the call.")
+
+
+# --------------------------------------------------------------------------- randomness
+
+#: Primitives that turn a key into random bits (typed keys; raw threefry keys).
+_DRAWS = ("random_bits", "threefry2x32")
+
+
+def _axis_names(names: Any) -> tuple:
+    return tuple(names) if isinstance(names, (tuple, list)) else (names,)
+
+
+def shard_identical_draws(jaxpr: Any, varying: list[bool], axes: frozenset[str]) -> list[Any]:
+    """The random draws of `jaxpr` (a ``shard_map`` body) whose key is the same on every
+    data shard: computed from no input in `varying` (the inputs split over the data axes)
+    and no ``axis_index`` over `axes`, e.g. ``jax.random.key(seed)`` from a constant or a
+    Python int. Each shard then draws the same bits. Looks inside nested jaxprs (``jit``,
+    ``remat``, custom derivatives, ``scan``, ``while``, ``cond``)."""
+    found: list[Any] = []
+    _varying_outputs(jaxpr, list(varying), axes, found)
+    return found
+
+
+def _varying_outputs(jaxpr: Any, varying: list[bool], axes: frozenset[str],
+                     found: list[Any]) -> list[bool]:
+    """Whether each output of `jaxpr` can differ between data shards, given its inputs';
+    appends the draws from shard-identical keys to `found`."""
+    env = dict(zip(jaxpr.invars, varying))
+
+    def read(v: Any) -> bool:
+        return False if isinstance(v, jcore.Literal) else env.get(v, False)
+
+    for eqn in jaxpr.eqns:
+        ins = [read(v) for v in eqn.invars]
+        name = eqn.primitive.name
+        if name in _DRAWS and ins and not ins[0]:
+            found.append(eqn)
+        if name == "axis_index":
+            outs = [bool(set(_axis_names(eqn.params["axis_name"])) & axes)] * len(eqn.outvars)
+        else:
+            outs = _nested_outputs(eqn, ins, axes, found)
+        env.update(zip(eqn.outvars, outs))
+    return [read(v) for v in jaxpr.outvars]
+
+
+def _fixpoint(body: Any, head: list[bool], carry: list[bool], tail: list[bool],
+              axes: frozenset[str]) -> list[bool]:
+    """The carry of a loop whose body maps ``head + carry + tail`` to ``carry + ...``: varying
+    once any iteration can make it vary."""
+    for _ in range(len(carry) + 1):
+        outs = _varying_outputs(body, head + carry + tail, axes, [])
+        new = [a or b for a, b in zip(carry, outs[:len(carry)])]
+        if new == carry:
+            break
+        carry = new
+    return carry
+
+
+def _nested_outputs(eqn: Any, ins: list[bool], axes: frozenset[str],
+                    found: list[Any]) -> list[bool]:
+    name, n_out, any_in = eqn.primitive.name, len(eqn.outvars), any(ins)
+    params = eqn.params
+    if name == "scan":
+        body = params["jaxpr"].jaxpr
+        c, k = params["num_consts"], params["num_carry"]
+        carry = _fixpoint(body, ins[:c], ins[c:c + k], ins[c + k:], axes)
+        return _varying_outputs(body, ins[:c] + carry + ins[c + k:], axes, found)
+    if name == "while":
+        cond, body = params["cond_jaxpr"].jaxpr, params["body_jaxpr"].jaxpr
+        cn, bn = params["cond_nconsts"], params["body_nconsts"]
+        carry = _fixpoint(body, ins[cn:cn + bn], ins[cn + bn:], [], axes)
+        if _varying_outputs(cond, ins[:cn] + carry, axes, found)[0]:
+            carry = [True] * len(carry)  # a shard-dependent trip count
+        _varying_outputs(body, ins[cn:cn + bn] + carry, axes, found)
+        return carry
+    if name == "cond":
+        outs = [False] * n_out
+        for branch in params["branches"]:
+            got = _varying_outputs(branch.jaxpr, ins[1:], axes, found)
+            outs = [a or b for a, b in zip(outs, got)]
+        return [True] * n_out if ins[0] else outs
+    subs = list(jcore.jaxprs_in_params(params))
+    if not subs:
+        return [any_in] * n_out
+    outs = [any_in] * n_out
+    for sub in subs:
+        if len(sub.invars) == len(ins):  # call-like: inputs one to one
+            got = _varying_outputs(sub, ins, axes, found)
+            if len(subs) == 1 and len(got) == n_out:
+                outs = got
+        else:
+            _varying_outputs(sub, [any_in] * len(sub.invars), axes, found)
+    return outs
+
+
+def refuse_shard_identical_draws(jaxpr: Any, varying: list[bool], axes: frozenset[str]
+                                 ) -> None:
+    """Raises the `UsageError` for randomness made inside ``__call__`` from a key that is
+    the same on every data shard (`shard_identical_draws`)."""
+    draws = shard_identical_draws(jaxpr, varying, axes)
+    if not draws:
+        return
+    shape = tuple(getattr(draws[0].outvars[0].aval, "shape", ()))
+    raise UsageError(
+        f"random bits of shape {shape} are drawn in __call__ of a sharded module from a key "
+        "that is the same on every data shard (built from a constant or a Python int, e.g. "
+        "jax.random.key(seed)): every shard would draw the same bits (the same dropout mask "
+        f"on each shard), unlike the unsharded module; {_RNG_FIX}; a draw that does not "
+        "depend on the batch belongs in __init__ (a variable).")

@@ -40,13 +40,17 @@ from gtp_jax.sharding.contract import (
     is_replicated,
     key_name,
     per_example_rows,
+    python_attributes,
     reduce_side_state,
+    refuse_attribute_writes,
+    refuse_shard_identical_draws,
     refuse_unruled,
     refuse_write,
     replaced_read_only,
     replicated,
     same_values,
     side_rules,
+    trace_body,
     unwrap,
 )
 from gtp_jax.sharding.lazy import GTPShard, LazyWeight, whole_weight
@@ -59,7 +63,12 @@ from gtp_jax.sharding.plan import (
     plan_param,
 )
 from gtp_jax.sharding.scan import gathered_weight_policy
-from gtp_jax.sharding.sharing import HoldsShards, check_not_shared, record_sources
+from gtp_jax.sharding.sharing import (
+    HoldsShards,
+    check_callers,
+    check_not_shared,
+    record_sources,
+)
 
 
 def _is_variable(x: Any) -> bool:
@@ -120,8 +129,16 @@ class ShardedModule(nnx.Module, HoldsShards):
     * randomness comes from ``nnx.Rngs`` held by the module; its keys are folded per data
       shard (each shard draws its own bits, not the unsharded module's). Randomness handed
       to the call (an ``nnx.Rngs``, a stream, RNG state, a typed PRNG key every shard would
-      receive whole) is refused, as is any module or variable argument; one key per
-      example is a batch. A raw ``uint32`` key is an ordinary array and is not detected.
+      receive whole) is refused, as is any module or variable argument, and a raw
+      ``uint32`` key (one ``jax.random.PRNGKey``); one key per example is a batch. A key
+      built inside the call that every data shard builds alike (``jax.random.key(seed)``
+      from a constant or a Python int) is refused too: the traced body names each draw
+      whose key depends on no batch input and no shard index.
+    * batch statistics written in ``__call__`` (BatchNorm in training mode) are refused;
+      in inference mode they are only read. A plain Python attribute set in ``__call__``
+      (``self.calls += 1``) is refused: the call runs a copy, the change would be lost.
+    * a model holding, beside this module, an original it was copied from (a shared
+      weight ``shard`` untied) is refused at the call (`gtp_jax.sharding.sharing`).
     * not checked: an operation across examples in ``__call__`` (``h - h.mean(0)``) runs
       over each data shard's examples. `gtp_jax.check_sharded` compares one forward and
       backward pass with the unsharded module's on a real batch.
@@ -153,6 +170,7 @@ class ShardedModule(nnx.Module, HoldsShards):
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         check_call_arguments(args, kwargs)
+        check_callers("gtp_jax.ShardedModule")  # a weight the shard() copy untied
         mesh, axes = self.mesh, data_axes(self.mesh)
         plans = {p.path: p for p in self.plan}
         placed = {**{p.path: p for p in self.split_plan}, **plans}
@@ -222,8 +240,10 @@ class ShardedModule(nnx.Module, HoldsShards):
             for i, x in zip(dynamic, local_args):
                 call_leaves[i] = x
             call_args, call_kwargs = jax.tree.unflatten(arg_tree, call_leaves)
+            attributes = python_attributes(module)
             with fp8.amax_axes(amax_axes):
                 out = module(*call_args, **call_kwargs)
+            refuse_attribute_writes(attributes, python_attributes(module))
             if probe:  # `_check_writes`: the values before and after the call
                 now = {path_str(key_name(k) for k in keys): v.get_value()
                        for keys, v in nnx.to_flat_state(nnx.state(module))}
@@ -250,11 +270,23 @@ class ShardedModule(nnx.Module, HoldsShards):
             axes_in_use = dataclasses.replace(axes_in_use, vocab=layout.vocab,
                                               vocab_size=int(mesh.shape[layout.vocab]))
         call_body, lazy = body, False
-        if self.config.remat_gathered and built:
+        local_args = [unwrap(leaves[i]) for i in dynamic]
+        # Randomness is checked where shards see different examples (else every shard
+        # computes what the unsharded module does).
+        check_draws = batch is not None and not single and data_size(mesh) > 1
+        traced = None
+        if (self.config.remat_gathered and built) or check_draws:
             with use_axes(axes_in_use):
-                own_remat = has_user_remat(body, mesh, value_specs, arg_specs, values,
-                                            [unwrap(leaves[i]) for i in dynamic])
-            if own_remat:
+                traced = trace_body(body, mesh, value_specs, arg_specs, values, local_args)
+        if check_draws:
+            varying = [flag for x, flag in zip(
+                [*values, *local_args],
+                [*(p in split_rows for p in paths), *(spec != P() for spec in arg_specs)])
+                for _ in jax.tree.leaves(x)]
+            if len(varying) == len(traced.invars):
+                refuse_shard_identical_draws(traced, varying, frozenset(reduce_axes))
+        if self.config.remat_gathered and built:
+            if has_user_remat(traced):
                 lazy = True
                 # An outer checkpoint would impose its policy inside the module's own remat
                 # regions (JAX applies the outermost policy to nested ones). Instead each
@@ -273,13 +305,13 @@ class ShardedModule(nnx.Module, HoldsShards):
         # The body is traced inside this call (also under jit/grad), so model code sees the
         # axes; backward rules never read them (they get axis names as static arguments).
         with use_axes(axes_in_use):
-            out, side = run(values, [unwrap(leaves[i]) for i in dynamic])
+            out, side = run(values, local_args)
             if replaced:
                 probe = functools.partial(call_body, lazy=lazy, probe=tuple(replaced))
                 if not single:
                     probe = jax.shard_map(probe, mesh=mesh, in_specs=(value_specs, arg_specs),
                                           out_specs=P(), check_vma=False)
-                self._check_writes(probe, values, [unwrap(leaves[i]) for i in dynamic],
+                self._check_writes(probe, values, local_args,
                                    tuple(replaced), dict(zip(paths, variables)))
         if side_keys:
             nnx.update(self.module, nnx.from_flat_state(
@@ -473,10 +505,9 @@ def shard(module: nnx.Module, mesh: Mesh, config: GTPConfig | None = None) -> Sh
     Raises:
       TypeError: `module`, `mesh` or `config` has the wrong type, or an include pattern
         selects a non-floating parameter.
-      ValueError: the axis is not in the mesh, nothing is eligible to shard, the module
-        keeps batch statistics (not supported under data parallelism), or a variable or
-        submodule of `module` is also held by the model around it (a tied weight, which the
-        copy would untie; `gtp_jax.sharding.sharing`).
+      ValueError: the axis is not in the mesh, nothing is eligible to shard, or a variable
+        or submodule of `module` is also held by the model around it (a tied weight, which
+        the copy would untie; `gtp_jax.sharding.sharing`).
 
     Example:
       >>> mesh = gtp_jax.make_mesh(dp=2, gtp=4)                        # doctest: +SKIP
@@ -553,12 +584,6 @@ def plan_placement(module: nnx.Module, mesh: Mesh, config: GTPConfig) -> Placeme
     """
     graphdef, state = nnx.split(module)
     paths, variables, var_tree = _flat_variables(state)
-    if any(isinstance(v, nnx.BatchStat) for v in variables):
-        raise UsageError(
-            "gtp_jax.shard: the module keeps batch statistics (nnx.BatchStat, e.g. BatchNorm), "
-            "which would be computed per data shard; use a normalization without batch "
-            "statistics (LayerNorm, RMSNorm)."
-        )
     fp8.check_fp8_compute(config, mesh)
     fp8_layers = fp8.fp8_layers(module, config)
     # Kernels of FP8-compute layers gathered in fp8 feed their GEMMs as gathered.

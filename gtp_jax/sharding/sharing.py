@@ -10,10 +10,17 @@ without an error. Two checks refuse it instead:
   module through the objects that refer to it) also reaches a variable or submodule of it
   other than through it, or holds the module itself at two places. This finds the usual
   pattern ``model.head = gtp_jax.shard(model.head, mesh)`` of a model built beforehand.
-- `check_untied` (`gtp_jax.train.TrainStep`, `gtp_jax.check_sharded`): a model holds, outside
-  a `ShardedModule`, a variable or submodule that `shard` copied into that module
-  (`record_sources`). This finds a model assembled after the sharding, from the sharded
-  module and the originals of its parts.
+- `check_untied` (`gtp_jax.train.TrainStep`, `gtp_jax.check_sharded`, and every call of a
+  `ShardedModule`, through `check_callers`): a model holds, outside a `ShardedModule`, a
+  variable or submodule that `shard` copied into that module (`record_sources`), or two
+  sharded modules hold copies of one. This finds a model assembled after the sharding, from
+  the sharded module and the originals of its parts (``self.trunk = shard(t); self.emb =
+  t.embed``; ``self.inner = shard(Inner(self.proj))`` while the model also calls
+  ``self.proj``), wherever it is trained: a call finds the models around it in its callers'
+  frames (plain ``nnx.jit`` and ``nnx.Optimizer`` hold the model there, as a training loop
+  does). At `shard` time such a model cannot be told from an unrelated module that shares
+  the variables (``nnx.merge(*nnx.split(m))`` shares them with ``m``), so it is refused at
+  the first call.
 
 Random number state (``nnx.Rngs``, streams, keys, counts) is exempt: a sharded module folds
 its keys per data shard, so its draws never equal the unsharded module's anyway.
@@ -22,6 +29,7 @@ its keys per data shard, so its draws never equal the unsharded module's anyway.
 from __future__ import annotations
 
 import gc
+import sys
 import weakref
 from typing import Any
 
@@ -160,6 +168,8 @@ def check_not_shared(module: nnx.Module, where: str = "gtp_jax.shard") -> None:
 #: while its guard is alive and still the node's (or the node's value), so a recycled id
 #: never matches.
 _SOURCES: dict[int, tuple[weakref.ref, dict[int, weakref.ref]]] = {}
+#: Ids of sharded modules (in `_SOURCES`) holding a copy of a node another one holds too.
+_TWINS: set[int] = set()
 
 
 def _guard(node: Any) -> weakref.ref | None:
@@ -178,12 +188,17 @@ def record_sources(sharded: nnx.Module, source: nnx.Module) -> None:
     (for `check_untied`); keeps none of them alive."""
     for key in [k for k, (ref, _) in _SOURCES.items() if ref() is None]:
         del _SOURCES[key]
+        _TWINS.discard(key)
     guards = {}
     for _, node in _walk(source).values():
         if _is_node(node) and not isinstance(node, _RNG):
             guard = _guard(node)
             if guard is not None:
                 guards[id(node)] = guard
+    pairs = {(node_id, id(guard)) for node_id, guard in guards.items()}
+    for key, (ref, others) in _SOURCES.items():
+        if ref() is not None and pairs & {(n, id(g)) for n, g in others.items()}:
+            _TWINS.update((key, id(sharded)))  # copies of one node: `_check_copied_twice`
     _SOURCES[id(sharded)] = (weakref.ref(sharded), guards)
 
 
@@ -204,14 +219,17 @@ class HoldsShards:
     graph without importing the module that defines them (which imports this one)."""
 
 
-def check_untied(model: Any, where: str) -> None:
+def check_untied(model: Any, where: str, nodes: Any = None) -> None:
     """Raises `UsageError` when `model` (any NNX graph: a module, or a tuple of them) holds,
     outside one of its `ShardedModule`s, a variable or submodule that `gtp_jax.shard`
-    copied into that sharded module (see the module docstring)."""
-    nodes = _walk(model).values()
+    copied into that sharded module, or holds two sharded modules with copies of one
+    variable or submodule (see the module docstring). `nodes`: ``_walk(model).values()``,
+    if already computed."""
+    nodes = _walk(model).values() if nodes is None else nodes
     sharded = [(path, node) for path, node in nodes if isinstance(node, HoldsShards)]
     if not sharded:
         return
+    _check_copied_twice(sharded, where)
     for path, node in nodes:
         if isinstance(node, _RNG):
             continue
@@ -226,3 +244,65 @@ def check_untied(model: Any, where: str) -> None:
                     "shared with the rest of the model (e.g. a tied embedding) is now two "
                     f"weights, trained apart; {_FIX}.")
 
+
+
+def _check_copied_twice(sharded: list[tuple[str, Any]], where: str) -> None:
+    """Two sharded modules of one model made from modules that shared a part: each holds a
+    copy of it (its guard, a weak reference, is one object for one referent)."""
+    seen: dict[tuple[int, int], str] = {}
+    for path, sm in sharded:
+        entry = _SOURCES.get(id(sm))
+        if entry is None or entry[0]() is not sm:
+            continue
+        mine = {(node_id, id(guard)) for node_id, guard in entry[1].items()}
+        for guard_id in mine:
+            if guard_id in seen and seen[guard_id] != path:
+                at = [repr(p) if p else "the root" for p in (seen[guard_id], path)]
+                raise UsageError(
+                    f"{where}: the sharded modules at {at[0]} and {at[1]} were sharded from "
+                    "modules that shared a variable or submodule, and each holds its own copy "
+                    "of it: a weight used by both (e.g. a tied embedding) is now two weights, "
+                    f"trained apart; {_FIX}.")
+        seen.update((g, path) for g in mine)
+
+
+def _anything_to_check() -> bool:
+    """Whether a module that `shard` copied from is still alive, or two live sharded modules
+    hold copies of one node (else `check_callers` has nothing to look for)."""
+    return any(ref() is not None and (key in _TWINS or any(
+        g() is not None for g in guards.values())) for key, (ref, guards) in _SOURCES.items())
+
+
+#: Frames looked at above a sharded call, at most.
+_MAX_FRAMES = 256
+
+
+def check_callers(where: str) -> None:
+    """`check_untied` for every model that a caller of this sharded call holds: the graph
+    nodes among the local variables of the calling frames (and inside their tuples, lists
+    and dicts), outermost first. A model trained with plain ``nnx.jit`` is a local variable
+    of the training loop and of ``nnx.jit`` itself, so a tie broken by `shard` is refused
+    wherever the model is called; nothing is changed. Costs a look at the callers' locals
+    and a walk of each model's graph, and nothing while no module that `shard` copied from
+    is alive."""
+    if not _anything_to_check():
+        return
+    frame = sys._getframe(1)  # noqa: SLF001 - the callers' locals are the models
+    candidates: dict[int, Any] = {}
+    for _ in range(_MAX_FRAMES):
+        if frame is None:
+            break
+        for value in list(frame.f_locals.values()):
+            items = (list(value.values()) if isinstance(value, dict)
+                     else value if isinstance(value, (list, tuple)) else [value])
+            for item in items[:64]:
+                if nnx.graph.is_graph_node(item) and not isinstance(item, nnx.Variable):
+                    candidates.setdefault(id(item), item)
+        frame = frame.f_back
+    reached: set[int] = set()
+    for node_id, top in reversed(list(candidates.items())):  # outermost callers first
+        if node_id in reached:
+            continue
+        walked = _walk(top)
+        reached.update(walked)
+        check_untied(top, where, walked.values())

@@ -570,8 +570,12 @@ def describe_choices(cfg: TrainConfig, model_cfg: TransformerConfig | UserModel)
     if cfg.fp8_compute is not None:
         emulated = "" if jax.default_backend() == "gpu" else ", emulated on this backend"
         fp8 = f", projections in fp8 ({cfg.fp8_compute}{emulated})"
-    reduce = ", gradients reduce-scattered in bfloat16" if cfg.reduce_dtype == "bfloat16" \
-        else ""
+    reduce = ""
+    if cfg.reduce_dtype == "bfloat16":
+        # At gtp=1 nothing is reduce-scattered: the layer loop only rounds the gradients.
+        reduce = (", gradients reduce-scattered in bfloat16" if cfg.gtp > 1 else
+                  ", layer gradients rounded to bfloat16 (nothing is reduce-scattered at "
+                  "gtp=1)")
     if isinstance(model_cfg, UserModel):
         loss = ("the next-token loss on its logits" if model_cfg.default_loss
                 else "the factory's loss")

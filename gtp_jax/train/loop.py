@@ -54,6 +54,7 @@ from gtp_jax.train.lifecycle.preempt import RunStopped, StopRequest
 from gtp_jax.train.lifecycle.resume import (
     StartOver,
     check_resume,
+    note,
     restore_newest,
     select_candidates,
 )
@@ -105,7 +106,8 @@ def train(cfg: TrainConfig, *, on_step: OnStep | None = None,
         Steps are dispatched one ahead of the host (see `step_loop`), so it runs while
         the next step computes.
       on_start: called once with the run's resolved config (its "auto" fields set, and a
-        resumed run's saved values adopted) and model config, before the model is built.
+        resumed run's saved values adopted) and model config, once the model is built
+        (before it is restored or trained).
       progress: show a progress bar (process 0 only).
       checkpoint: save checkpoints (and with ``resume=True`` continue from the newest
         intact one: same parameters, optimizer state and LR-schedule position, data order
@@ -219,6 +221,9 @@ def open_run_dirs(checkpoint: CheckpointConfig | None,
                 observe.log_dir, checkpoint.directory if checkpoint is not None else None,
                 resume=checkpoint.resume if checkpoint is not None else False)
         ckpt = Checkpointer(checkpoint) if checkpoint is not None else None
+        if ckpt is not None and ckpt.foreign_folders():  # said once, not per attempt
+            note(f"left {', '.join(ckpt.foreign_folders())} alone in the checkpoint "
+                 "directory: folders that hold no checkpoint (no save wrote them)")
         try:
             yield ckpt
         finally:
@@ -230,6 +235,20 @@ def open_run_dirs(checkpoint: CheckpointConfig | None,
             log_lock.release()
         if lock is not None:
             lock.release()
+
+
+def check_save_folders(ckpt: Checkpointer, start: int, steps: int) -> None:
+    """Refuses a run that would save a checkpoint where a folder of the user's is (a step
+    folder no save wrote, which the checkpointer leaves alone), before it trains."""
+    every = ckpt.config.every
+    for folder in ckpt.foreign_folders():
+        step = int(os.path.basename(folder))
+        if start < step <= steps and (step == steps or (every and step % every == 0)):
+            raise UsageError(
+                f"CheckpointConfig.directory: {folder} is a folder that holds no checkpoint "
+                f"(not written by gtp_jax, left alone), and this run saves step {step} "
+                "there; move or rename that folder, or choose another "
+                "CheckpointConfig.directory.")
 
 
 def build_model_and_optimizer(run: TrainConfig | Run
@@ -292,6 +311,8 @@ def _train(run: Run, *, on_step: OnStep | None, progress: bool,
     # length and warm-up change nothing that was resolved).
     run = dataclasses.replace(run, config=run.config.with_schedule())
     cfg, model_cfg = run.config, run.model
+    if ckpt is not None:
+        check_save_folders(ckpt, candidates[0][0] if candidates else 0, cfg.steps)
     # A warm start applies to a new run only; a resumed one continues its own weights.
     warm = check_init_from(cfg, model_cfg) if cfg.init_from and not candidates else None
     failure_plan = check_failure(run, failure, start=candidates[0][0] if candidates else 0)
@@ -304,12 +325,13 @@ def _train(run: Run, *, on_step: OnStep | None, progress: bool,
         interrupt, "tokenizing the data", candidates[0][0] if candidates else 0))
     held_out = (source.eval_batches(cfg.batch_size, cfg.seq_len, cfg.eval_batches)
                 if cfg.eval_every else None)
-    # Validation: nothing below this line fails on user input before training starts.
     window = observe.profile_window((candidates[0][0] if candidates else 0) + 1, cfg.steps)
+    # Building shards the model, which refuses what the mesh cannot run (e.g. FP8 compute
+    # with tp > 1): the run is announced only once that passed.
+    model, optimizer = build_model_and_optimizer(run)
+    # Validation: nothing below this line fails on user input before training starts.
     if on_start is not None:
         on_start(cfg, model_cfg)
-
-    model, optimizer = build_model_and_optimizer(run)
     meta, start = restore_newest(
         ckpt, candidates, model, optimizer,
         check=lambda meta: check_resume(cfg, model_cfg, meta, ckpt.config.directory,

@@ -9,8 +9,10 @@ the same command runs as one of several JAX processes (`gtp_jax.train.processes.
 from __future__ import annotations
 
 import argparse
+import difflib
 import functools
 import math
+import os
 import re
 import sys
 from collections.abc import Callable
@@ -117,11 +119,50 @@ def _fail(err: BaseException, code: int) -> int:
 
 class OneLineParser(argparse.ArgumentParser):
     """argparse whose mistakes (an unknown flag, ``--lr abc``) are one line, ``error: ...``
-    naming the flag, with exit status 2, instead of the whole usage text."""
+    naming the flag, with exit status 2, instead of the whole usage text.
+
+    Flags are matched only as spelled in full: argparse's abbreviations (``--conf`` for
+    ``--config``) are off, since parts of the command line read the flags as typed (the job
+    file's ``--config``, the launcher's ``--processes``), and an abbreviation they miss would
+    be silently ignored. Subcommand parsers inherit this (``add_parser`` builds them with
+    this class)."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
-        self.exit(2, f"error: {' '.join(message.split()).rstrip('.')} ({self.prog} --help "
-                     "lists the options).\n")
+        text = " ".join(message.split()).rstrip(".")
+        hint = _full_flag_hint(self, text)
+        self.exit(2, f"error: {text}{hint} ({self.prog} --help lists the options).\n")
+
+
+def _full_flag_hint(parser: argparse.ArgumentParser, message: str) -> str:
+    """``; flags are spelled in full: did you mean --config?`` for an unrecognized flag that
+    is the start of one flag (or close to one), else ``""``."""
+    if not message.startswith("unrecognized arguments:"):
+        return ""
+    flags = sorted(_long_flags(parser))
+    for word in message.split(":", 1)[1].split():
+        word = word.split("=", 1)[0]
+        if not word.startswith("--"):
+            continue
+        starts = [f for f in flags if f.startswith(word)]
+        near = starts if len(starts) == 1 else difflib.get_close_matches(word, flags, n=1)
+        if near:
+            return f"; flags are spelled in full: did you mean {near[0]}?"
+    return ""
+
+
+def _long_flags(parser: argparse.ArgumentParser) -> set[str]:
+    """Every ``--flag`` of `parser` and of its subcommands."""
+    out = set()
+    for action in parser._actions:  # noqa: SLF001
+        out.update(opt for opt in action.option_strings if opt.startswith("--"))
+        if isinstance(action, argparse._SubParsersAction):  # noqa: SLF001
+            for sub in action.choices.values():
+                out |= _long_flags(sub)
+    return out
 
 
 #: The ``type`` of path flags (see `PathArg`): relative to a job file's folder when set there.
@@ -436,9 +477,15 @@ def _text_data(args: argparse.Namespace) -> object | None:
         if args.data_field != "text":
             given.append("--data-field")
         if given:
-            raise UsageError(f"{', '.join(given)} need --data PATH (the text to train on); "
-                             "without --data the bundled byte corpus is used.")
+            raise UsageError(f"{', '.join(given)} {'needs' if len(given) == 1 else 'need'} "
+                             "--data PATH (the text to train on); without --data the bundled "
+                             "byte corpus is used.")
         return None
+    for flag, paths in (("--data", args.data), ("--val-data", args.val_data or ())):
+        for path in paths:  # the files first: a missing one is the mistake to name
+            if not os.path.exists(path):
+                raise UsageError(f"{flag}: {path!r} does not exist; pass text or JSONL files "
+                                 "or a folder of them.")
     if args.tokenizer is None:
         raise UsageError("--data needs --tokenizer DIR (a Hugging Face tokenizer folder with "
                          "tokenizer.json, or that file).")

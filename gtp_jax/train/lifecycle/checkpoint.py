@@ -108,6 +108,7 @@ from gtp_jax.train.lifecycle.layout import (
     zero_padding,
 )
 from gtp_jax.train.lifecycle.lock import CheckpointLockedError, DirectoryLock
+from gtp_jax.train.lifecycle.step_dirs import OwnStepFolders, foreign_step_folders
 from gtp_jax.train.step.optim import narrower_than_float32
 from gtp_jax.train.step.train_step import offloads_master_weights
 
@@ -238,6 +239,9 @@ class Checkpointer:
             enable_async_checkpointing=config.async_save,
             # Leftovers of a save that died before finalization are deleted on open.
             cleanup_tmp_directories=not read_only,
+            # Folders named by a step number that no save wrote (a user's) are not listed,
+            # so orbax never reads, rotates out or deletes them.
+            step_name_format=OwnStepFolders(ocp.step.standard_name_format()),
         )
         self._closed = False
         if not any(isinstance(f, _QuietDiskFull) for f in logging.getLogger("absl").filters):
@@ -263,6 +267,11 @@ class Checkpointer:
         """The newest finalized, complete step, or None if the directory holds none."""
         steps = self.all_steps()
         return steps[-1] if steps else None
+
+    def foreign_folders(self) -> list[str]:
+        """Folders of the directory named by a step number that hold no checkpoint (a
+        user's own): never listed, read, renamed or deleted (`step_dirs`)."""
+        return foreign_step_folders(self.config.directory)
 
     def holds_saves(self) -> bool:
         """Whether any save was finalized here (intact or not); a save that never finished
@@ -352,6 +361,11 @@ class Checkpointer:
         if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
             raise UsageError(f"Checkpointer.save: step={step!r} must be an int >= 0.")
         step = int(step)
+        if self._step_path(step) in self.foreign_folders():
+            raise UsageError(
+                f"Checkpointer.save: {self._step_path(step)} is a folder that holds no "
+                f"checkpoint (not written by gtp_jax, left alone), so step {step} cannot be "
+                "saved there; move or rename that folder.")
         steps = self._raw_steps()
         if not overwrite and steps and step <= steps[-1]:
             what = "already exists" if step in steps else f"is older than the newest ({steps[-1]})"
