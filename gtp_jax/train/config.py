@@ -539,9 +539,13 @@ def model_json(model_cfg: TransformerConfig) -> dict[str, Any]:
     return out
 
 
-def check_devices(run: TrainConfig | Run) -> None:
+def check_devices(run: TrainConfig | Run, devices: int | None = None) -> None:
     """The mesh fits the devices and the model splits over tp and ep (checked here, before
-    anything is built, so the error names the configuration rather than a weight)."""
+    anything is built, so the error names the configuration rather than a weight).
+
+    `devices`: the device count the run will see (None: ``jax.device_count()``); given with
+    a resolved `Run`, nothing here starts a JAX backend (a launcher checks its processes'
+    run before starting them)."""
     run = resolve(run)
     cfg, model_cfg = run.config, run.model
     widths = {"n_heads": model_cfg.n_heads, "d_ff": model_cfg.d_ff}
@@ -572,11 +576,12 @@ def check_devices(run: TrainConfig | Run) -> None:
             "attention runs as ring attention over cp (with its own block kernels); use "
             "'auto' or 'xla'.")
     if cfg.cp == 1 and cfg.attention == "cudnn":
-        reason = cudnn_unsupported(model_cfg.dtype, model_cfg.head_size)
+        reason = cudnn_unsupported(model_cfg.dtype, model_cfg.head_size, run.backend)
         if reason is not None:
             raise UsageError(f"TrainConfig.attention='cudnn' does not apply here: {reason}; "
                              "use 'auto' (cuDNN where it applies) or 'xla'.")
-    total, devices = cfg.dp * cfg.ep * cfg.gtp * cfg.cp * cfg.tp, jax.device_count()
+    total = cfg.dp * cfg.ep * cfg.gtp * cfg.cp * cfg.tp
+    devices = jax.device_count() if devices is None else devices
     if total != devices:
         raise UsageError(
             f"the mesh dp*ep*gtp*cp*tp = {cfg.dp}*{cfg.ep}*{cfg.gtp}*{cfg.cp}*{cfg.tp} = "

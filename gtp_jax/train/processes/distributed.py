@@ -42,6 +42,11 @@ ENV_NUM_PROCESSES = "JAX_NUM_PROCESSES"
 ENV_PROCESS_ID = "JAX_PROCESS_ID"
 #: `jax.distributed.initialize`'s default ``initialization_timeout`` (seconds).
 DEFAULT_TIMEOUT = 300
+#: Seconds without heartbeats after which the coordination service counts a process as lost
+#: and ends the others (JAX's default, 100 s, left survivors waiting 50 to 90 s after a
+#: ``kill -9``). The heartbeats come from a thread of the runtime, not from Python, so a
+#: long compilation or a busy host does not delay them.
+DEFAULT_HEARTBEAT_TIMEOUT = 30
 
 
 class DistributedJoinError(RuntimeError):
@@ -64,6 +69,10 @@ class DistributedConfig:
         fields above may then stay None.
       timeout: seconds to wait for every process to join (``initialization_timeout`` of
         `jax.distributed.initialize`), >= 1.
+      heartbeat_timeout: seconds without heartbeats after which a process counts as lost
+        and every other process ends (``heartbeat_timeout_seconds`` of
+        `jax.distributed.initialize`), >= 2; the command line then prints one line naming
+        the lost process (`gtp_jax.train.processes.output_guard`).
     """
 
     coordinator: str | None = None
@@ -72,6 +81,7 @@ class DistributedConfig:
     local_device_ids: tuple[int, ...] | None = None
     auto: bool = False
     timeout: int = DEFAULT_TIMEOUT
+    heartbeat_timeout: int = DEFAULT_HEARTBEAT_TIMEOUT
 
     def __post_init__(self) -> None:
         given = {"coordinator": self.coordinator, "num_processes": self.num_processes,
@@ -110,6 +120,7 @@ class DistributedConfig:
         if not isinstance(self.auto, bool):
             raise UsageTypeError(f"DistributedConfig.auto={self.auto!r} must be a bool.")
         _check_int("timeout", self.timeout, 1)
+        _check_int("heartbeat_timeout", self.heartbeat_timeout, 2)
 
     @property
     def enabled(self) -> bool:
@@ -202,7 +213,8 @@ def initialize(config: DistributedConfig) -> None:
     try:
         if config.auto and config.coordinator is None:
             jax.distributed.initialize(local_device_ids=config.local_device_ids,
-                                       initialization_timeout=config.timeout + _JAX_MARGIN_S)
+                                       initialization_timeout=config.timeout + _JAX_MARGIN_S,
+                                       heartbeat_timeout_seconds=config.heartbeat_timeout)
             return
         jax.distributed.initialize(
             coordinator_address=config.coordinator,
@@ -210,6 +222,7 @@ def initialize(config: DistributedConfig) -> None:
             process_id=config.process_id,
             local_device_ids=list(config.local_device_ids) if config.local_device_ids else None,
             initialization_timeout=config.timeout + _JAX_MARGIN_S,
+            heartbeat_timeout_seconds=config.heartbeat_timeout,
         )
     except Exception as err:  # XlaRuntimeError (DEADLINE_EXCEEDED, UNAVAILABLE, ...)
         if isinstance(err, UsageError):
@@ -379,6 +392,6 @@ def _check_int(name: str, value: object, minimum: int) -> None:
         raise UsageError(f"DistributedConfig.{name}={value!r} must be an int >= {minimum}.")
 
 
-__all__: Sequence[str] = ("DEFAULT_TIMEOUT", "DistributedConfig", "DistributedJoinError",
-                          "DistributedPeerError",
+__all__: Sequence[str] = ("DEFAULT_HEARTBEAT_TIMEOUT", "DEFAULT_TIMEOUT", "DistributedConfig",
+                          "DistributedJoinError", "DistributedPeerError",
                           "initialize", "is_primary", "parse_address", "shutdown")
