@@ -526,7 +526,20 @@ def describe_choices(cfg: TrainConfig, model_cfg: TransformerConfig) -> str:
     reduce = ", gradients reduce-scattered in bfloat16" if cfg.reduce_dtype == "bfloat16" \
         else ""
     return (f"compute {cfg.dtype}, gathers {gather}{reduce}, remat {model_cfg.remat}, "
-            f"attention {attention}, {loop}{offload}{fp8}")
+            f"attention {attention}, {loop}{offload}{fp8}{describe_moe(model_cfg)}")
+
+
+def describe_moe(model_cfg: TransformerConfig) -> str:
+    """``", MoE 8 experts, top-2, capacity 1.25 ..."``: how a mixture of experts routes,
+    and what the progress line's ``dropped`` share is; "" for a dense model."""
+    if not model_cfg.moe_experts:
+        return ""
+    head = f", MoE {model_cfg.moe_experts} experts, top-{model_cfg.moe_top_k}"
+    if model_cfg.moe_capacity_factor is None:
+        return f"{head}, dropless (every routing choice computed)"
+    return (f"{head}, capacity {model_cfg.moe_capacity_factor:g}x an even share per expert: "
+            "routing choices beyond it are dropped (the progress line's 'dropped' share; "
+            "--moe-capacity 0 is dropless)")
 
 
 def model_json(model_cfg: TransformerConfig) -> dict[str, Any]:

@@ -237,7 +237,9 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--moe-experts", type=int, default=0, help="experts per layer (0: dense)")
     train.add_argument("--moe-top-k", type=int, default=2, help="experts per token")
     train.add_argument("--moe-capacity", type=float, default=1.25,
-                       help="MoE capacity factor (0: dropless)")
+                       help="MoE capacity factor: each expert takes this multiple of an even "
+                       "share of a sequence's routing choices; those beyond are dropped (the "
+                       "progress line's 'dropped' share); 0: dropless, none dropped")
     train.add_argument("--prefetch", action="store_true",
                        help="double-buffered prefetch of the next layer's weights in the "
                        "scanned layer loop (unrolled layers always gather one layer ahead)")
