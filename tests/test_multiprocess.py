@@ -157,7 +157,9 @@ NOISE = re.compile(r"Check failure|Traceback|^[IWEF]\d{4} \d\d:\d\d|\[Gloo\]", r
 def test_a_process_killed_ends_the_other_with_one_line(victim: int) -> None:
     # Started one by one, as a cluster scheduler does (no --processes launcher), with the
     # default heartbeat timeout: the survivor ends within 60 s, non-zero, with one line.
-    port = _free_ompi_port()
+    with socket.socket() as s:  # a port of the system's choice: no other test's
+        s.bind(("localhost", 0))
+        port = s.getsockname()[1]
     procs, out, err = [], [], []
     for i in range(2):
         procs.append(subprocess.Popen(
@@ -308,3 +310,18 @@ def test_shutdown_names_the_peer_that_never_reached_the_end(
     assert msg.startswith("process 0 finished the run, but process 1 did not reach its end")
     assert "\n" not in msg
     assert calls == ["barrier"]  # nothing shut down under a failed peer: JAX ends the run
+
+
+def test_a_runtime_error_waits_for_the_report_of_a_lost_process(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # A collective whose peer was killed fails before JAX's report names the lost process:
+    # the process waits (at most the heartbeat timeout) for that report, which ends it.
+    slept: list[float] = []
+    monkeypatch.setattr(distributed.time, "sleep", slept.append)
+    cfg = DistributedConfig("localhost:1234", 2, 1, heartbeat_timeout=7)
+    distributed.wait_for_lost_peer(distributed.jax.errors.JaxRuntimeError("gloo: closed"), cfg)
+    assert slept == [7 + distributed._LOSS_REPORT_MARGIN_S]
+    distributed.wait_for_lost_peer(ValueError("a bug"), cfg)  # other errors: at once
+    distributed.wait_for_lost_peer(distributed.jax.errors.JaxRuntimeError("x"),
+                                   DistributedConfig())  # one process: at once
+    assert len(slept) == 1

@@ -21,7 +21,11 @@ GLOO = (b"[Gloo] Rank 0 is connected to 1 peer ranks. Expected number of connect
         b"[Gloo] Rank 6 is connected to 7[Gloo] Rank 5 is connected to 7 peer ranks. Expected "
         b"number of connected peer ranks is :  peer ranks. Expected number of connected peer "
         b"ranks is : [Gloo] Rank 7 is connected to 7 peer ranks. Expected number of "
-        b"connected peer ranks is : 777\n\n\n")
+        b"connected peer ranks is : 777\n\n\n"
+        # one report's first piece ends another's line, its rest comes on the next line
+        b"[Gloo] Rank 4 is connected to 7 peer ranks. Expected number of connected peer ranks "
+        b"is : 7[Gloo] Rank \n"
+        b"5 is connected to 7 peer ranks. Expected number of connected peer ranks is : 7\n")
 #: Process 0's stderr when process 1 was killed: the service's error line, the barrier's
 #: Python traceback and the fatal report with its stack (shortened).
 PEER_LOST = (

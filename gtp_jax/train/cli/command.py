@@ -614,6 +614,7 @@ def _main(argv: list[str] | None, planner: Planner | None) -> int:
         initialize,
         joined_process_count,
         shutdown,
+        wait_for_lost_peer,
     )
 
     guard = None
@@ -637,7 +638,13 @@ def _main(argv: list[str] | None, planner: Planner | None) -> int:
         request_deterministic()
     use_compile_cache(cache)
     # XLA_FLAGS are set: JAX may start a backend from here on.
-    code = _run(args, sizes, cpu_sizes, checkpoint, observe, failure, data, planner)
+    try:
+        code = _run(args, sizes, cpu_sizes, checkpoint, observe, failure, data, planner)
+    except Exception as err:
+        # A collective whose peer was lost fails at once, before JAX says which process
+        # was lost (its report ends this process, and the output guard names the lost one).
+        wait_for_lost_peer(err, dist)
+        raise
     # Not in a `finally`: after an exception the shutdown barrier would wait for processes
     # that may never arrive; JAX's failure detection ends the others instead.
     try:

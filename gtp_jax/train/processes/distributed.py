@@ -356,6 +356,34 @@ def shutdown(timeout: int = DEFAULT_TIMEOUT) -> None:
     state.service = None
 
 
+#: Seconds past the heartbeat timeout that a process whose run failed inside the runtime
+#: waits for JAX's report of a lost process (see `wait_for_lost_peer`).
+_LOSS_REPORT_MARGIN_S = 5
+
+
+def wait_for_lost_peer(err: BaseException, config: DistributedConfig) -> None:
+    """Called with the exception that ended this process's part of a multi-process run:
+    when it came from the runtime (a collective or barrier whose peer is gone), waits until
+    JAX's report of the lost process ends this process, at most the heartbeat timeout and
+    a margin; returns at once for any other exception, or once the wait is over.
+
+    A peer killed mid-collective fails this process's collective at once (gloo: "connection
+    closed by peer"), before the coordination service says which process was lost: the
+    command line's output guard names it only from that report
+    (`gtp_jax.train.processes.output_guard`)."""
+    if not config.enabled or not _is_runtime_error(err):
+        return
+    time.sleep(config.heartbeat_timeout + _LOSS_REPORT_MARGIN_S)
+
+
+def _is_runtime_error(err: BaseException) -> bool:
+    """Whether `err` is XLA's runtime error (``JaxRuntimeError``, ``XlaRuntimeError``)."""
+    runtime = getattr(jax.errors, "JaxRuntimeError", None)
+    if runtime is not None and isinstance(err, runtime):
+        return True
+    return type(err).__name__ in ("JaxRuntimeError", "XlaRuntimeError")
+
+
 def coordination_client() -> object:
     """The coordination service's client of this process (``key_value_set``,
     ``key_value_dir_get``, ``wait_at_barrier``); for host-side agreement between processes
@@ -394,4 +422,5 @@ def _check_int(name: str, value: object, minimum: int) -> None:
 
 __all__: Sequence[str] = ("DEFAULT_HEARTBEAT_TIMEOUT", "DEFAULT_TIMEOUT", "DistributedConfig",
                           "DistributedJoinError", "DistributedPeerError",
-                          "initialize", "is_primary", "parse_address", "shutdown")
+                          "initialize", "is_primary", "parse_address", "shutdown",
+                          "wait_for_lost_peer")

@@ -62,8 +62,6 @@ GLOO_PIECES = re.compile(rb"\[Gloo\] Rank | is connected to | peer ranks\. "
                          rb"|Expected number of connected peer ranks is : ")
 GLOO_START = b"[Gloo] Rank "
 _NUMBERS = re.compile(rb"[\d\s]*")
-#: Prefix of an absl/glog line: severity, date, time, thread, ``file:line]``.
-_GLOG = rb"[IWEF]\d{4} [\d:.]+\s+\d+ "
 #: Text that may begin a loss report: a Python traceback, an error line of the coordination
 #: service or its client, a fatal log line, an uncaught C++ exception.
 HOLD_START = re.compile(
@@ -165,8 +163,7 @@ class StreamFilter:
         if self.held is not None and now >= self.hold_until and not self._dying():
             self._release()
         if self.partial and now - self.partial_since >= PARTIAL_S and self.held is None \
-                and b"[Gloo" not in self.partial \
-                and not (self.gloo_owed and _NUMBERS.fullmatch(self.partial)):
+                and not self._maybe_gloo(self.partial):
             self.write(self.partial)
             self.partial = b""
 
@@ -196,18 +193,18 @@ class StreamFilter:
         self.write(line)
 
     def _gloo(self, line: bytes) -> bool:
-        """Whether `line` is (the rest of) gloo's connection reports; a report that names
-        ranks it is NOT connected to is kept."""
-        reports = line.count(GLOO_START)
-        if reports:
-            if not _NUMBERS.fullmatch(GLOO_PIECES.sub(b"", line)):
-                return False
-            self.gloo_owed += reports - line.count(b"\n")
-            return True
-        if self.gloo_owed > 0 and _NUMBERS.fullmatch(line):
-            self.gloo_owed -= line.count(b"\n")
+        """Whether `line` is gloo's connection reports, or the rest of reports begun on an
+        earlier line; a report that names ranks it is NOT connected to is kept."""
+        starts = line.count(GLOO_START)
+        if (starts or self.gloo_owed > 0) and _NUMBERS.fullmatch(GLOO_PIECES.sub(b"", line)):
+            self.gloo_owed = max(0, self.gloo_owed + starts - line.count(b"\n"))
             return True
         return False
+
+    def _maybe_gloo(self, partial: bytes) -> bool:
+        """Whether a partial line may be (part of) a gloo report, to be judged once whole."""
+        return b"[Gloo" in partial or (
+            self.gloo_owed > 0 and bool(_NUMBERS.fullmatch(GLOO_PIECES.sub(b"", partial))))
 
     def _dying(self) -> bool:
         """Whether the held text has JAX's fatal report: the process is ending (the rest of
@@ -365,11 +362,34 @@ def _copy(out_fd: int, err_fd: int, hold_traceback_s: float, me: int | None,
             f.tick()
 
 
+def _copy_raw(fds: dict[int, int]) -> None:
+    """Copies `fds` (read end -> where to) unchanged until each ends."""
+    selector = selectors.DefaultSelector()
+    for fd in fds:
+        selector.register(fd, selectors.EVENT_READ)
+    while fds:
+        for key, _ in selector.select():
+            try:
+                data = os.read(key.fd, 65536)
+            except OSError:
+                data = b""
+            if not data:
+                selector.unregister(key.fd)
+                fds.pop(key.fd)
+                continue
+            with contextlib.suppress(OSError):
+                while data:
+                    data = data[os.write(fds[key.fd], data):]
+
+
 def _main(argv: list[str]) -> None:
     out_fd, err_fd, timeout, me, count, report = argv
-    _copy(int(out_fd), int(err_fd), float(timeout) + TRACEBACK_MARGIN_S,
-          None if me == "-" else int(me), None if count == "-" else int(count),
-          report == "1")
+    try:
+        _copy(int(out_fd), int(err_fd), float(timeout) + TRACEBACK_MARGIN_S,
+              None if me == "-" else int(me), None if count == "-" else int(count),
+              report == "1")
+    except Exception:  # noqa: BLE001 - never leave the run without its output
+        _copy_raw({int(out_fd): 1, int(err_fd): 2})
 
 
 if __name__ == "__main__":
