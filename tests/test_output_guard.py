@@ -152,6 +152,20 @@ def test_a_progress_bar_redrawn_in_place_passes_at_once():
     assert b"".join(out) == b"\r[#---] step 1/4 loss 5.5\r[##--] step 2/4 loss 5.2"
 
 
+def test_the_task_names_of_other_jax_builds_are_read_too():
+    # Some builds name the unhealthy tasks by their full name and say "detected failure".
+    text = (b"E0101 00:00:00.000000 1 coordination_service.cc:1] Use error polling to "
+            b"propagate the following error to all tasks: UNAVAILABLE: The following tasks "
+            b"are unhealthy (stopped sending heartbeats): /job:jax_worker/replica:0/task:3\n"
+            b"F0101 00:00:00.000001 1 client.h:82] Terminating process because the JAX "
+            b"distributed service detected failure\n")
+    assert lost_processes(text) == ([3], False)
+    f, out, losses = _filter()
+    f.feed(text)
+    f.close()
+    assert out == [] and len(losses) == 1
+
+
 def test_a_stack_without_the_runtime_report_is_no_lost_process():
     assert lost_processes(b"*** Check failure stack trace: ***\n    @ 0x0 (unknown)\n") is None
     assert lost_processes(b"the word heartbeat timeout in a log line\n") is None

@@ -68,14 +68,19 @@ HOLD_START = re.compile(
     rb"^(?:Traceback \(most recent call last\):|terminate called after throwing|F\d{4} "
     rb"|[EW]\d{4} [\d:.]+\s+\d+ (?:coordination_service\w*|preemption_\w+|client|service|"
     rb"distributed\w*)\.(?:cc|h):\d+\])")
-#: JAX's fatal report of a run that lost a process.
-FATAL = re.compile(rb"JAX distributed service detected fatal errors|Check failure stack trace"
-                   rb"|heartbeat timeout|stopped sending heartbeats|leader task was "
-                   rb"preempted/died|Failed to send RPC to coordination service")
+#: The fatal log line with which JAX ends a process whose run lost a process (the wording
+#: of jax 0.10 and 0.11; some builds say "detected failure").
+FATAL_REPORT = re.compile(rb"JAX distributed service detected (?:fatal errors|failure)")
+#: What reports a lost process: the fatal line, or the coordination service's own words.
+FATAL = re.compile(FATAL_REPORT.pattern + rb"|heartbeat timeout|stopped sending heartbeats"
+                   rb"|leader task was preempted/died|Failed to send RPC to coordination "
+                   rb"service")
 _COORDINATOR_LOST = re.compile(rb"leader task was preempted/died|Failed to send RPC to "
                                rb"coordination service")
-_UNHEALTHY = re.compile(rb"stopped sending heartbeats\):\s*((?:\d+[ \t,]*\r?\n?)+)")
-_TASK_TIMEOUT = re.compile(rb"Task (\d+) heartbeat timeout")
+#: The unhealthy tasks, as ``1`` lines or as ``/job:jax_worker/replica:0/task:1`` names.
+_UNHEALTHY = re.compile(rb"stopped sending heartbeats\)?:?\s*((?:(?:/job:\w+/replica:\d+"
+                        rb"/task:)?\d+[ \t,]*\r?\n?)+)")
+_TASK_TIMEOUT = re.compile(rb"[Tt]ask:? ?(\d+) heartbeat timeout")
 
 
 def lost_processes(text: bytes) -> tuple[list[int], bool] | None:
@@ -84,12 +89,16 @@ def lost_processes(text: bytes) -> tuple[list[int], bool] | None:
     if not FATAL.search(text):
         return None
     coordinator = bool(_COORDINATOR_LOST.search(text))
-    ids = {int(i) for m in _UNHEALTHY.finditer(text) for i in re.findall(rb"\d+", m.group(1))}
+    ids = set()
+    for found in _UNHEALTHY.finditer(text):
+        names = found.group(1)
+        ids |= {int(i) for i in re.findall(rb"/task:(\d+)" if b"/task:" in names else rb"\d+",
+                                           names)}
     ids |= {int(i) for i in _TASK_TIMEOUT.findall(text)}
     if coordinator:
         ids.add(0)
-    if not ids and not re.search(rb"JAX distributed service detected fatal errors", text):
-        return None  # a stack or a heartbeat word alone is no report of a lost process
+    if not ids and not FATAL_REPORT.search(text):
+        return None  # a heartbeat word alone is no report of a lost process
     return sorted(ids), coordinator
 
 
@@ -209,7 +218,7 @@ class StreamFilter:
     def _dying(self) -> bool:
         """Whether the held text has JAX's fatal report: the process is ending (the rest of
         the report, which names the lost process, follows it)."""
-        return any(b"detected fatal errors" in line for line in self.held or ())
+        return any(FATAL_REPORT.search(line) for line in self.held or ())
 
     def _check(self) -> bool:
         """Ends the stream with `on_loss` when the held text reports a lost process."""
