@@ -22,6 +22,11 @@ Launch (the same command on every process, only ``--process-id`` differs)::
 Instead of the flags, ``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES`` and
 ``JAX_PROCESS_ID`` may be set (all three), or ``--distributed-auto`` lets JAX detect a
 SLURM, Open MPI, Kubernetes or Cloud TPU job (`jax.distributed.initialize` with no args).
+
+A process that is lost (killed, crashed, its host gone) ends the others: JAX does it, at
+once when the coordinator's process is lost, else once the coordination service has missed
+its heartbeats for `DistributedConfig.heartbeat_timeout` seconds. The command line prints
+that as one line naming the lost process (`gtp_jax.train.processes.output_guard`).
 """
 
 from __future__ import annotations
