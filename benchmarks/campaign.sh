@@ -25,6 +25,11 @@
 #              cp2 x gtp2 on llama3-8b at 32k.
 #   processes  the command line's own multi-process launch (--processes): 4 x 1 and 2 x 2
 #              GPUs beside 1 x 4, a SIGTERM to one process then --resume auto, a kill -9.
+#   cluster    processes started one by one as a cluster scheduler does (--coordinator,
+#              --num-processes 2, --process-id; one per GPU, no --processes launcher): kill
+#              -9 of process 1, then of process 0 (the coordinator); how long the survivor
+#              took to exit, its status and its error lines ($OUT/cluster.log, and each
+#              process's output as $OUT/cluster_<victim>_p<i>.{out,err}).
 #   fp8_loss   1000 steps of the 1b preset on real text (DATA, default .carry/text: a folder
 #              of .txt files; TOKENIZER, default .carry/tok: a tokenizer.json folder), seq
 #              512 x 4, for each of RECIPES (default "bf16 fp8"; fp8 = --fp8-compute
@@ -284,6 +289,44 @@ part_processes() {
   sleep "${SIGTERM_AFTER:-40}"; local t=$(date +%s); pkill -KILL -f -- "--process-id 1" || true
   wait $launcher; echo "launcher exit $? after $(( $(date +%s) - t )) s"
   grep -E "^error" "$OUT/proc_kill.log" | head -3
+}
+
+part_cluster() {
+  # On GPUs one process per GPU (GPUs 0 and 1); on CPU (SCALE=cpu) 2 x 1 simulated devices.
+  local run="--preset $PRESET_SMALL --seq $SEQ_SMALL --batch 8 --steps 1000 --dp 1 --gtp 2"
+  local devices=(--local-device-ids 0 --local-device-ids 1) flags=${XLA_FLAGS:-}
+  [ "${SCALE:-gpu}" = cpu ] && { devices=("" "" "" ""); flags=""; }
+  for victim in 1 0; do
+    local port=$((20000 + RANDOM % 20000)) pids=() i
+    log "cluster: 2 processes started by hand, kill -9 of process $victim"
+    for i in 0 1; do
+      XLA_FLAGS="$flags" python3 -m gtp_jax train $run --log-every 1 \
+        --coordinator "localhost:$port" --num-processes 2 --process-id "$i" \
+        ${devices[$((2 * i))]} ${devices[$((2 * i + 1))]} \
+        > "$OUT/cluster_${victim}_p$i.out" 2> "$OUT/cluster_${victim}_p$i.err" &
+      pids+=($!)
+    done
+    local waited=0
+    until grep -q " step 3/" "$OUT/cluster_${victim}_p0.err" 2>/dev/null; do
+      sleep 1; waited=$((waited + 1))
+      if [ $waited -gt 900 ] || ! kill -0 "${pids[0]}" 2>/dev/null; then
+        echo "cluster: no step 3 (see $OUT/cluster_${victim}_p0.err)"; kill -9 "${pids[@]}"; break
+      fi
+    done
+    local survivor=$((1 - victim)) t0
+    t0=$(date +%s.%N); kill -9 "${pids[$victim]}"
+    wait "${pids[$survivor]}"; local code=$?
+    local took; took=$(python3 -c "import time; print(f'{time.time() - $t0:.1f}')")
+    sleep 2  # the survivor's last line is written as it ends
+    local err="$OUT/cluster_${victim}_p$survivor.err" out="$OUT/cluster_${victim}_p$survivor.out"
+    {
+      echo "kill -9 of process $victim: process $survivor exited after $took s, status $code"
+      echo "its error lines: $(grep -c '^error' "$err")"; grep '^error' "$err"
+      echo "abort stack, traceback, runtime log or gloo lines:" \
+        "$(cat "$err" "$out" | grep -c -E 'Check failure|Traceback|^[IWEF][0-9]{4} |\[Gloo\]')"
+    } | tee -a "$OUT/cluster.log"
+    wait "${pids[$victim]}" 2>/dev/null
+  done
 }
 
 part_fp8_loss() {

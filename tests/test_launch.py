@@ -12,7 +12,7 @@ import time
 import pytest
 
 from gtp_jax.train.processes import launch
-from gtp_jax.train.processes.launch import child_commands, describe_end, supervise
+from gtp_jax.train.processes.launch import child_commands, describe_end, supervise, without_flag
 
 #: A child that runs until told to stop, and stops cleanly on SIGTERM.
 WAITS = [sys.executable, "-c",
@@ -170,3 +170,57 @@ def test_launch_flag_mistakes_are_one_line(flags, message, capsys):
     assert main(["train", "--steps", "2", *flags]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and err.count("\n") == 1 and message in err, err
+
+
+def test_processes_that_end_together_name_the_killed_one_not_the_aborted_one(tmp_path):
+    # The coordinator's process killed: JAX aborts the others within milliseconds, so all
+    # have ended by the time the launcher looks; it names the killed one. (Both start
+    # their end once both run, whatever their start-up times.)
+    meet = ("import os, pathlib, resource, signal, sys, time\n"
+            f"d = pathlib.Path({str(tmp_path)!r}); (d / sys.argv[1]).touch()\n"
+            "while len(list(d.iterdir())) < 2: time.sleep(0.01)\n"
+            "resource.setrlimit(resource.RLIMIT_CORE, (0, 0))\n")
+    killed = [sys.executable, "-c", meet + "os.kill(os.getpid(), signal.SIGKILL)", "a"]
+    aborted = [sys.executable, "-c",
+               meet + "time.sleep(0.1); os.kill(os.getpid(), signal.SIGABRT)", "b"]
+    lines: list[str] = []
+    out = supervise([killed, aborted], poll=0.05, print_fn=lines.append)
+    assert out.code == 1 and out.lost is not None and out.lost[0] == 0
+    assert len(lines) == 1 and "process 0 of 2" in lines[0] and "SIGKILL" in lines[0], lines
+    # Processes that all fail alike printed their own errors: nothing to add.
+    failing = [sys.executable, "-c", "raise SystemExit(2)"]
+    lines.clear()
+    assert supervise([failing, failing], poll=0.05, print_fn=lines.append).code == 2
+    assert lines == []
+
+
+def test_the_launcher_flag_is_dropped_however_argparse_took_it():
+    assert without_flag(["--processe", "2", "--steps", "3"], "--processes") == ["--steps", "3"]
+    assert without_flag(["--processes=2", "--seq", "8"], "--processes") == ["--seq", "8"]
+    assert without_flag(["--steps", "3"], "--processes") == ["--steps", "3"]
+
+
+@pytest.mark.parametrize("flags,message", [
+    # What every process would refuse is refused once, before any starts, in the user's
+    # flags (not the --num-processes / --coordinator the launcher adds).
+    (["--processes", "3"], "--processes 3 does not divide the 8 devices of the mesh"),
+    (["--processes", "2", "--batch", "7"], "--batch=7 must be a multiple of dp*ep*gtp"),
+    (["--processes", "2", "--tp", "3"], "--tp=3 does not divide the tiny preset"),
+    (["--processes", "2", "--cp", "2", "--moe-experts", "4"],
+     "--cp=2 with --moe-experts=4"),
+    (["--processe", "2", "--batch", "7"], None),
+])
+def test_launch_refusals_are_one_line_before_any_process_starts(flags, message, capsys,
+                                                                 monkeypatch):
+    from gtp_jax.train.cli.command import main
+
+    def started(*args, **kwargs):
+        raise AssertionError("a process was started")
+
+    monkeypatch.setattr(launch, "launch", started)
+    assert main(["train", "--steps", "2", *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1, err
+    assert "--num-processes" not in err and "--coordinator" not in err, err
+    if message is not None:
+        assert message in err, err

@@ -74,17 +74,20 @@ def test_sigterm_saves_and_the_same_command_resumes_exactly(
     # Unfinished: not status 0 (`train && upload` must not ship it), nothing exported.
     assert proc.returncode == RESUMABLE_EXIT == 75, err
     assert "Traceback" not in err and "error" not in err.lower()
-    # The host dispatched step 3 before printing step 2, so the run stops after step 4.
+    # The host dispatched step 3 before printing step 2, so the run stops after step 3: at
+    # most two steps run after the signal (here only one, the signal came before step 3's
+    # stop check), as its message says.
+    assert "finishing at most two more steps" in err, err
     lines = out.strip().splitlines()
     assert lines[-1] == (
-        f"gtp_jax train: stopped by SIGTERM after step 4 of 6: checkpoint saved in "
+        f"gtp_jax train: stopped by SIGTERM after step 3 of 6: checkpoint saved in "
         f"{str(tmp_path / 'ck')!r}; run the same command with --resume auto to continue "
         f"(exit status 75: unfinished); --export-hf {str(export)!r} is written only when the "
         "run finishes."), out
     assert not export.exists()
-    assert Checkpointer(CheckpointConfig(tmp_path / "ck")).all_steps() == [4]
+    assert Checkpointer(CheckpointConfig(tmp_path / "ck")).all_steps() == [3]
     first = _losses(tmp_path / "first.json")
-    assert first == expected[:4]
+    assert first == expected[:3]
     capsys.readouterr()
     # The requeued job: the same command continues with the uninterrupted run's losses,
     # says where it resumed from, and exports the finished model.
@@ -92,7 +95,7 @@ def test_sigterm_saves_and_the_same_command_resumes_exactly(
                      "--log-dir", str(tmp_path / "logs")]) == 0
     assert first + _losses(tmp_path / "second.json") == expected
     out = capsys.readouterr().out
-    assert f"gtp_jax train: resumed from {tmp_path / 'ck' / '4'} (step 4 of 6)\n" in out
+    assert f"gtp_jax train: resumed from {tmp_path / 'ck' / '3'} (step 3 of 6)\n" in out
     assert f"  Hugging Face export: {export}\n" in out
     assert f"  metrics log: {tmp_path / 'logs' / 'metrics.jsonl'}\n" in out + "\n"
     assert sorted(os.listdir(export)) == ["config.json", "model.safetensors"]

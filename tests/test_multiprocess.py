@@ -4,10 +4,14 @@ collectives) train like 1 process x 8 devices; configuration errors."""
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 import socket
 import subprocess
 import sys
+import threading
+import time
 import types
 from pathlib import Path
 
@@ -102,6 +106,8 @@ def test_two_processes_match_one_process(tmp_path: Path) -> None:
         # (barrier, clients, coordinator last), so no gRPC error text reaches the user.
         found = ERROR_TEXT.findall(out + err)
         assert not found, f"process {i} printed {found}:\n{err[-2000:]}"
+        # gloo's connection reports (23 lines for this mesh) are not the user's business.
+        assert "[Gloo]" not in out + err, out
     # Process 0 alone prints the summary, shows progress and writes metrics.
     assert "on 8 cpu devices in 2 processes" in outputs[0][0]
     assert "summary (cpu, mesh dp=2 ep=1 gtp=4 tp=1, 2 processes" in outputs[0][0]
@@ -123,6 +129,74 @@ def test_two_processes_match_one_process(tmp_path: Path) -> None:
     for key, value in one.items():
         assert two[key].shape == value.shape and two[key].dtype == value.dtype, key
         assert max_rel_err(two[key], value) <= STATE_RTOL, key
+
+
+class _Reader:
+    """Collects a pipe's lines in a thread (the test waits for a line while the process
+    runs, then reads the rest)."""
+
+    def __init__(self, pipe) -> None:
+        self.lines: list[str] = []
+        self.thread = threading.Thread(target=self._read, args=(pipe,), daemon=True)
+        self.thread.start()
+
+    def _read(self, pipe) -> None:
+        for line in pipe:
+            self.lines.append(line)
+
+    def text(self) -> str:
+        return "".join(self.lines)
+
+
+#: What a survivor must not print: an abort stack, a Python traceback, the runtime's log
+#: lines (``F1128 12:11:06.254683 24922 client.h:80] ...``), gloo's connection reports.
+NOISE = re.compile(r"Check failure|Traceback|^[IWEF]\d{4} \d\d:\d\d|\[Gloo\]", re.M)
+
+
+@pytest.mark.parametrize("victim", [0, 1], ids=["coordinator-lost", "peer-lost"])
+def test_a_process_killed_ends_the_other_with_one_line(victim: int) -> None:
+    # Started one by one, as a cluster scheduler does (no --processes launcher), with the
+    # default heartbeat timeout: the survivor ends within 60 s, non-zero, with one line.
+    with socket.socket() as s:  # a port of the system's choice: no other test's
+        s.bind(("localhost", 0))
+        port = s.getsockname()[1]
+    procs, out, err = [], [], []
+    for i in range(2):
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "gtp_jax", "train", "--steps", "500", "--batch", "8",
+             "--seq", "16", "--layers", "1", "--dp", "2", "--gtp", "4", "--log-every", "1",
+             "--coordinator", f"localhost:{port}", "--num-processes", "2",
+             "--process-id", str(i)],
+            cwd=REPO_ROOT, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            text=True))
+        out.append(_Reader(procs[i].stdout))
+        err.append(_Reader(procs[i].stderr))
+    survivor = procs[1 - victim]
+    try:
+        deadline = time.monotonic() + 300
+        while "step 2/" not in err[0].text():  # both train: every step has collectives
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs), \
+                err[0].text() + err[1].text()
+            time.sleep(0.2)
+        os.kill(procs[victim].pid, signal.SIGKILL)
+        killed = time.monotonic()
+        survivor.wait(timeout=120)
+        waited = time.monotonic() - killed
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for reader in (out[1 - victim], err[1 - victim]):
+        reader.thread.join(timeout=30)  # the last line is written as the process ends
+    stderr, stdout = err[1 - victim].text(), out[1 - victim].text()
+    assert waited < 60, (waited, stderr)
+    assert survivor.returncode != 0
+    errors = [line for line in stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, stderr
+    assert errors[0].startswith(f"error: lost process {victim} of 2"), errors
+    assert f"process {1 - victim} stops too" in errors[0]
+    assert not NOISE.search(stderr + stdout), stderr + stdout
 
 
 # ---------------------------------------------------------------------- errors
@@ -236,3 +310,18 @@ def test_shutdown_names_the_peer_that_never_reached_the_end(
     assert msg.startswith("process 0 finished the run, but process 1 did not reach its end")
     assert "\n" not in msg
     assert calls == ["barrier"]  # nothing shut down under a failed peer: JAX ends the run
+
+
+def test_a_runtime_error_waits_for_the_report_of_a_lost_process(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # A collective whose peer was killed fails before JAX's report names the lost process:
+    # the process waits (at most the heartbeat timeout) for that report, which ends it.
+    slept: list[float] = []
+    monkeypatch.setattr(distributed.time, "sleep", slept.append)
+    cfg = DistributedConfig("localhost:1234", 2, 1, heartbeat_timeout=7)
+    distributed.wait_for_lost_peer(distributed.jax.errors.JaxRuntimeError("gloo: closed"), cfg)
+    assert slept == [7 + distributed._LOSS_REPORT_MARGIN_S]
+    distributed.wait_for_lost_peer(ValueError("a bug"), cfg)  # other errors: at once
+    distributed.wait_for_lost_peer(distributed.jax.errors.JaxRuntimeError("x"),
+                                   DistributedConfig())  # one process: at once
+    assert len(slept) == 1

@@ -774,7 +774,10 @@ def _mp_clean() -> tuple[str, str]:
     bad = [BAD_TEXT.search(text) for _, text in res]
     if any(bad):
         return CONFUSING, "error text on success: " + ", ".join(b.group(0) for b in bad if b)
-    return OK, "both exit 0, no error text"
+    gloo = sum(text.count("[Gloo]") for _, text in res)
+    if gloo:
+        return CONFUSING, f"{gloo} gloo connection lines in the output"
+    return OK, "both exit 0, no error text, no gloo lines"
 
 
 def _mp_missing_peer() -> tuple[str, str]:
@@ -790,40 +793,87 @@ def _mp_missing_peer() -> tuple[str, str]:
     return CONFUSING, f"exit {code}: {text.strip()[-160:]}"
 
 
-def _mp_peer_dies() -> tuple[str, str]:
+#: What the survivor of a lost process must not print: an abort stack, a traceback, the
+#: runtime's log lines (``F1128 12:11:06.254683 24922 client.h:80] ...``), gloo's lines.
+_NOISE = re.compile(r"Check failure|Traceback|^[IWEF]\d{4} \d\d:\d\d|\[Gloo\]", re.M)
+
+
+def _mp_killed(victim: int) -> tuple[str, str]:
+    """Two processes started one by one (as a cluster scheduler does, no --processes), one
+    killed by SIGKILL mid-run: the other must end within 60 s, non-zero, with one line
+    naming the lost process and nothing of the runtime's abort."""
     port = _free_port()
     env = dict(os.environ)
     env.pop("XLA_FLAGS", None)
-    base = ["--steps", "40", *SMALL, "--coordinator", f"localhost:{port}", "--num-processes",
-            "2"]
-    p0 = subprocess.Popen([sys.executable, "-m", "gtp_jax", "train", *base, "--process-id", "0"],
-                          env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    p1 = subprocess.Popen([sys.executable, "-m", "gtp_jax", "train", *base, "--process-id", "1"],
-                          env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    deadline = time.time() + 120
-    while time.time() < deadline and p1.poll() is None:
-        time.sleep(1)
-        if time.time() > deadline - 100:  # ~20 s in: past the join, mid-training
-            p1.kill()
-            break
+    base = ["--steps", "400", *SMALL, "--log-every", "1", "--coordinator", f"localhost:{port}",
+            "--num-processes", "2"]
+    files = [(WORK / f"mp_kill{victim}_{i}.out", WORK / f"mp_kill{victim}_{i}.err")
+             for i in range(2)]
+    ps = []
+    for i, (out, err) in enumerate(files):
+        with open(out, "w") as o, open(err, "w") as e:
+            ps.append(subprocess.Popen([sys.executable, "-m", "gtp_jax", "train", *base,
+                                        "--process-id", str(i)], env=env, stdout=o, stderr=e))
+    survivor = ps[1 - victim]
     try:
-        text, _ = p0.communicate(timeout=200)
-    except subprocess.TimeoutExpired:
-        p0.kill()
-        text, _ = p0.communicate()
-        return CONFUSING, "process 0 hung after its peer died"
-    p1.communicate()
-    if p0.returncode == 0:
-        return CONFUSING, "process 0 finished although its peer died"
+        deadline = time.time() + 300
+        while " step 2/" not in files[0][1].read_text():
+            if time.time() > deadline or any(p.poll() is not None for p in ps):
+                return CONFUSING, f"harness: no step 2: {files[0][1].read_text()[-160:]}"
+            time.sleep(0.5)
+        ps[victim].kill()
+        killed = time.time()
+        try:
+            survivor.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            return CONFUSING, f"process {1 - victim} still running 120 s after its peer died"
+        took = time.time() - killed
+    finally:
+        for p in ps:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+    time.sleep(1)  # the survivor's last line is written as it ends
+    text = files[1 - victim][0].read_text() + files[1 - victim][1].read_text()
     lines = [x for x in text.splitlines() if x.startswith("error:")]
-    if len(lines) == 1 and "process 1" in lines[0]:
-        return OK, lines[0][:140]
-    return CONFUSING, f"exit {p0.returncode}: {text.strip()[-200:]}"
+    if survivor.returncode == 0:
+        return CONFUSING, f"process {1 - victim} finished although its peer died"
+    if took > 60:
+        return CONFUSING, f"process {1 - victim} ended {took:.0f} s after its peer died"
+    noise = _NOISE.findall(text)
+    if noise:
+        return CONFUSING, f"printed {sorted(set(noise))}"
+    if len(lines) == 1 and f"lost process {victim}" in lines[0]:
+        return OK, f"{took:.0f} s: {lines[0][:120]}"
+    return CONFUSING, f"exit {survivor.returncode}: {text.strip()[-200:]}"
+
+
+def _launch_refusal(flags: list[str], *names: str) -> tuple[str, str]:
+    """A --processes refusal: one line before any process starts, in the user's flags."""
+    run = cli("--steps", "2", *flags)
+    outcome, detail = expect_error(run, *names)
+    typed = set(flags)
+    foreign = [f for f in ("--num-processes", "--coordinator", "--process-id")
+               if f not in typed and f in run.err]
+    if outcome == OK and foreign:
+        return CONFUSING, f"names {foreign}, which the user never typed: {detail}"
+    return outcome, detail
 
 
 add("multiprocess", "two processes, clean exit", _mp_clean)
 add("multiprocess", "process 0 alone (peer never joins)", _mp_missing_peer)
-add("multiprocess", "peer killed mid-run", _mp_peer_dies)
+add("multiprocess", "peer killed (-9) mid-run, processes started by hand",
+    lambda: _mp_killed(1))
+add("multiprocess", "coordinator killed (-9) mid-run, processes started by hand",
+    lambda: _mp_killed(0))
+add("multiprocess", "--processe 2 --batch 7", lambda: _launch_refusal(
+    ["--processe", "2", "--batch", "7"], "--batch", "--processe"))
+add("multiprocess", "--processes 3", lambda: _launch_refusal(["--processes", "3"],
+                                                             "--processes"))
+add("multiprocess", "--processes 2 --batch 7", lambda: _launch_refusal(
+    ["--processes", "2", "--batch", "7"], "--batch"))
+add("multiprocess", "--processes 2 --tp 3", lambda: _launch_refusal(
+    ["--processes", "2", "--tp", "3"], "--tp"))
 for flags, names in [
         (["--coordinator", "localhost:1", "--num-processes", "2", "--process-id", "2"],
          ("--process-id",)),
@@ -1808,6 +1858,53 @@ def _bd_batch_norm(running: bool) -> tuple[str, str]:
 
 add(BOUNDARY, "BatchNorm(use_running_average=True)", lambda: _bd_batch_norm(True))
 add(BOUNDARY, "BatchNorm in training mode", lambda: _bd_batch_norm(False))
+
+
+# ---- output a person can read (gloo's lines: "two processes, clean exit" above)
+def _ctrl_c_steps() -> tuple[str, str]:
+    """Ctrl-C mid-run: how many steps still run, and whether the message said so."""
+    proc = _child(["train", "--steps", "400", *SMALL, "--log-every", "1"])
+    last = 0
+    for line in proc.stderr:
+        found = re.search(r" step (\d+)/", line)
+        last = int(found.group(1)) if found else last
+        if last >= 3:
+            break
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=300)
+    said = [x for x in err.splitlines() if "SIGINT received" in x]
+    stopped = re.search(r"stopped by SIGINT after step (\d+)", out)
+    if stopped is None:
+        return CONFUSING, f"exit {proc.returncode}: {out.strip()[-140:]}"
+    more = int(stopped.group(1)) - last
+    if not said or "at most two more steps" not in said[0]:
+        return CONFUSING, f"ran {more} more steps; the message: {(said or [''])[0][:120]}"
+    if more > 2:
+        return CONFUSING, f"ran {more} more steps after the last one shown; says at most two"
+    return OK, f"{more} more step(s): {said[0][:110]}"
+
+
+def _moe_header() -> tuple[str, str]:
+    run = cli("--steps", "2", *SMALL, "--moe-experts", "4")
+    if run.code != 0:
+        return expect_ok(run)
+    if "'dropped' share" not in run.out or "--moe-capacity 0 is dropless" not in run.out:
+        return CONFUSING, "the dropped share and --moe-capacity 0 are not explained"
+    return OK, next(x for x in run.out.splitlines() if "MoE" in x)[-110:]
+
+
+def _describe_cpu_mesh() -> tuple[str, str]:
+    lines: list[str] = []
+    gtp_jax.describe_mesh(gtp_jax.make_mesh(dp=2, gtp=4), print_fn=lines.append)
+    gpu = [x for x in lines if "--xla_gpu" in x or "XLA_PJRT_GPU" in x]
+    if gpu:
+        return CONFUSING, f"lists GPU settings on a CPU mesh: {gpu[0].strip()[:120]}"
+    return OK, lines[-1].strip()[:120]
+
+
+add("output", "Ctrl-C mid-run: steps after it, and the message", _ctrl_c_steps)
+add("output", "--moe-experts 4: the dropped share explained", _moe_header)
+add("output", "describe_mesh on a CPU mesh", _describe_cpu_mesh)
 
 
 # --------------------------------------------------------------------------- main

@@ -125,7 +125,8 @@ def axis_groups(mesh: Mesh, axis: str) -> list[list[int]]:
 def describe_mesh(mesh: Mesh, *, print_fn=None) -> dict[str, list[list[int]]]:
     """Device groups of every axis, e.g. ``{"tp": [[0,1,2,3],[4,5,6,7]], "dp": [[0,4],...]}``.
 
-    With `print_fn` (e.g. ``print``) it also writes one line per axis.
+    With `print_fn` (e.g. ``print``) it also writes one line per axis, and the XLA settings
+    gtp_jax added that apply to the mesh's devices (none of its GPU settings on a CPU mesh).
     """
     _check_mesh(mesh, "describe_mesh")
     groups = {axis: axis_groups(mesh, axis) for axis in mesh.axis_names}
@@ -134,7 +135,7 @@ def describe_mesh(mesh: Mesh, *, print_fn=None) -> dict[str, list[list[int]]]:
         print_fn(f"mesh ({shape}) over {mesh.devices.size} devices")
         for axis, g in groups.items():
             print_fn(f"  {axis:>4} groups: {g}")
-        print_fn(f"  {describe_xla_flags()}")
+        print_fn(f"  {describe_xla_flags(mesh.devices.flat[0].platform)}")
     return groups
 
 

@@ -149,10 +149,22 @@ def added_xla_flags() -> list[str]:
     return list(_ADDED)
 
 
-def describe_xla_flags() -> str:
-    """One line saying which XLA settings gtp_jax added and how to opt out."""
+def applies_on(setting: str, platform: str) -> bool:
+    """Whether an added setting (an `added_xla_flags` entry) affects a `platform` backend
+    (``"cpu"``, ``"gpu"``, ...): the ``--xla_gpu_*`` flags and ``XLA_PJRT_GPU_*`` variables
+    affect GPUs only."""
+    gpu_only = setting.startswith(("--xla_gpu_", "XLA_PJRT_GPU_"))
+    return platform == "gpu" or not gpu_only
+
+
+def describe_xla_flags(platform: str | None = None) -> str:
+    """One line saying which XLA settings gtp_jax added and how to opt out; with `platform`
+    (a backend name, e.g. a mesh's devices' ``"cpu"``), only those that apply there."""
     if os.environ.get(OPT_OUT):
         return f"XLA settings: gtp_jax added none ({OPT_OUT} is set)"
     if not _ADDED:
         return "XLA settings: gtp_jax added none (set by the user already)"
-    return f"XLA settings added by gtp_jax: {' '.join(_ADDED)} (opt out: {OPT_OUT}=1)"
+    added = _ADDED if platform is None else [s for s in _ADDED if applies_on(s, platform)]
+    if not added:
+        return f"XLA settings: none of gtp_jax's apply on {platform} (they are for GPUs)"
+    return f"XLA settings added by gtp_jax: {' '.join(added)} (opt out: {OPT_OUT}=1)"

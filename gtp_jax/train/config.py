@@ -595,7 +595,20 @@ def describe_choices(cfg: TrainConfig, model_cfg: TransformerConfig | UserModel)
         loop = "layers scanned" + (" with prefetch (double-buffered gathers)" if cfg.prefetch
                                    else "")
     return (f"compute {cfg.dtype}, gathers {gather}{reduce}, remat {model_cfg.remat}, "
-            f"attention {attention}, {loop}{offload}{fp8}")
+            f"attention {attention}, {loop}{offload}{fp8}{describe_moe(model_cfg)}")
+
+
+def describe_moe(model_cfg: TransformerConfig) -> str:
+    """``", MoE 8 experts, top-2, capacity 1.25 ..."``: how a mixture of experts routes,
+    and what the progress line's ``dropped`` share is; "" for a dense model."""
+    if not model_cfg.moe_experts:
+        return ""
+    head = f", MoE {model_cfg.moe_experts} experts, top-{model_cfg.moe_top_k}"
+    if model_cfg.moe_capacity_factor is None:
+        return f"{head}, dropless (every routing choice computed)"
+    return (f"{head}, capacity {model_cfg.moe_capacity_factor:g}x an even share per expert: "
+            "routing choices beyond it are dropped (the progress line's 'dropped' share; "
+            "--moe-capacity 0 is dropless)")
 
 
 def describe_schedule(cfg: TrainConfig, given: TrainConfig | None = None) -> str:
@@ -658,13 +671,17 @@ def model_differences(model_cfg: TransformerConfig | UserModel, saved: dict[str,
             if k not in may_differ and saved.get(k) != now[k]]
 
 
-def check_devices(run: TrainConfig | Run) -> None:
+def check_devices(run: TrainConfig | Run, devices: int | None = None) -> None:
     """The mesh fits the devices and the model splits over tp and ep (checked here, before
-    anything is built, so the error names the configuration rather than a weight)."""
+    anything is built, so the error names the configuration rather than a weight).
+
+    `devices`: the device count the run will see (None: ``jax.device_count()``); given with
+    a resolved `Run`, nothing here starts a JAX backend (a launcher checks its processes'
+    run before starting them)."""
     run = resolve(run)
     cfg, model_cfg = run.config, run.model
     if isinstance(model_cfg, UserModel):
-        _check_user_devices(cfg, model_cfg)
+        _check_user_devices(cfg, model_cfg, devices)
         return
     widths = {"n_heads": model_cfg.n_heads, "d_ff": model_cfg.d_ff}
     if model_cfg.moe_experts:
@@ -694,14 +711,14 @@ def check_devices(run: TrainConfig | Run) -> None:
             "attention runs as ring attention over cp (with its own block kernels); use "
             "'auto' or 'xla'.")
     if cfg.cp == 1 and cfg.attention == "cudnn":
-        reason = cudnn_unsupported(model_cfg.dtype, model_cfg.head_size)
+        reason = cudnn_unsupported(model_cfg.dtype, model_cfg.head_size, run.backend)
         if reason is not None:
             raise UsageError(f"TrainConfig.attention='cudnn' does not apply here: {reason}; "
                              "use 'auto' (cuDNN where it applies) or 'xla'.")
-    _check_device_count(cfg)
+    _check_device_count(cfg, devices)
 
 
-def _check_user_devices(cfg: TrainConfig, user: UserModel) -> None:
+def _check_user_devices(cfg: TrainConfig, user: UserModel, devices: int | None) -> None:
     """`check_devices` of a run of a `UserModel`: the mesh, and cp only for a module that
     splits its inputs over it."""
     if cfg.cp > 1 and not user.has_input_layout():
@@ -710,11 +727,12 @@ def _check_user_devices(cfg: TrainConfig, user: UserModel) -> None:
             f"TrainConfig.cp={cfg.cp} with TrainConfig.model: {name} has no "
             "gtp_input_layout, so every cp rank would compute the whole sequence; give it "
             "one (docs/context_parallel.md) or use cp=1.")
-    _check_device_count(cfg)
+    _check_device_count(cfg, devices)
 
 
-def _check_device_count(cfg: TrainConfig) -> None:
-    total, devices = cfg.dp * cfg.ep * cfg.gtp * cfg.cp * cfg.tp, jax.device_count()
+def _check_device_count(cfg: TrainConfig, devices: int | None) -> None:
+    total = cfg.dp * cfg.ep * cfg.gtp * cfg.cp * cfg.tp
+    devices = jax.device_count() if devices is None else devices
     if total != devices:
         raise UsageError(
             f"the mesh dp*ep*gtp*cp*tp = {cfg.dp}*{cfg.ep}*{cfg.gtp}*{cfg.cp}*{cfg.tp} = "

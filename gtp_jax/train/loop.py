@@ -125,12 +125,13 @@ def train(cfg: TrainConfig, *, on_step: OnStep | None = None,
         rows of ``seq_len + 1`` tokens, each process reading only its own rows); the model's
         vocabulary is the tokenizer's (unless `cfg.vocab_size` is set, at least as large).
         None: the bundled byte corpus. A resumed run must use the same data and tokenizer.
-      stop: checked after each step is dispatched (`gtp_jax.train.lifecycle.preempt`; the command
-        line sets it on SIGTERM / SIGINT): once requested (on any process), the run finishes
-        the step in flight, checkpoints it (with `checkpoint`) and returns a result whose
-        ``stopped_by`` names the cause; ``cfg.export_hf`` is not written (the model is not
-        the run's result). Requested before the first step (while the data is tokenized or
-        the model built), the run raises `RunStopped` at once.
+      stop: checked after each step is dispatched, once the step before it is done
+        (`gtp_jax.train.lifecycle.preempt`; the command line sets it on SIGTERM / SIGINT):
+        once requested (on any process), the run finishes the step just dispatched (at most
+        two steps after the request), checkpoints it (with `checkpoint`) and returns a
+        result whose ``stopped_by`` names the cause; ``cfg.export_hf`` is not written (the
+        model is not the run's result). Requested before the first step (while the data is
+        tokenized or the model built), the run raises `RunStopped` at once.
 
     Returns:
       A `TrainResult` with per-step losses (float32 scalars), timings and, with
@@ -464,14 +465,14 @@ def step_loop(loop: LoopSpec, step_fn: TrainStep, batcher: Any, *, start: int,
     over them is computed after every ``loop.eval_every``-th step and the last one (the host
     waits for those steps, as for a checkpoint).
 
-    The host stays one step ahead of the devices: it dispatches step ``s``, builds step
-    ``s + 1``'s batch and copies it to the devices, and only then waits for step ``s - 1``'s
-    loss (for the NaN check, the progress bar and `on_step`). So the devices never wait for
-    the host between steps. The host waits for the step in flight only where it must: at a
-    checkpoint (the state is donated to the next step), at the simulated failure, at the
-    ends of the profiler window and after the last step. A step's time is the interval
-    between the completions of consecutive steps (the first one's from the end of the
-    compile).
+    The host stays one step ahead of the devices: it dispatches step ``s``, waits for step
+    ``s - 1``'s loss (for the NaN check, the progress bar and `on_step`), checks for a stop
+    request, and builds step ``s + 1``'s batch and copies it to the devices while step ``s``
+    runs. So the devices never wait for the host between steps. The host waits for the step
+    in flight only where it must: at a checkpoint (the state is donated to the next step),
+    at the simulated failure, at the ends of the profiler window and after the last step.
+    A step's time is the interval between the completions of consecutive steps (the first
+    one's includes compiling).
 
     Every `log_every`-th step, the last one and evaluated ones are logged: the progress line
     on a non-terminal (with grad norm and LR) and a record in `log`, flushed at once; the
@@ -569,7 +570,10 @@ def step_loop(loop: LoopSpec, step_fn: TrainStep, batcher: Any, *, start: int,
         with jax.profiler.StepTraceAnnotation("train", step_num=step), \
                 _device_memory_errors(run, step):
             metrics = step_fn(tokens)
-        # The host is one step ahead: a stop requested now ends the run after this step.
+        if pending is not None:
+            finish(*pending)  # the previous step, while this one runs
+        # The host is one step ahead: a stop requested until now ends the run after this
+        # step, so at most two steps run after the request (the one running and this one).
         stopping = stop is not None and step < loop.steps and stop.agreed(step)
         checkpoint = ckpt is not None and (
             step == loop.steps or stopping
@@ -579,8 +583,6 @@ def step_loop(loop: LoopSpec, step_fn: TrainStep, batcher: Any, *, start: int,
                 or (held_out is not None and step % loop.eval_every == 0))
         if not wait:
             ahead = next_batch()  # copied while this step runs
-        if pending is not None:
-            finish(*pending)
         pending = (step, metrics)
         if not wait:
             continue

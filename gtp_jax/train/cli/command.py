@@ -85,7 +85,7 @@ FLAGS = {
     "DistributedConfig.process_id": "--process-id",
     "DistributedConfig.local_device_ids": "--local-device-ids",
     "DistributedConfig.auto": "--distributed-auto", "DistributedConfig.timeout":
-    "--distributed-timeout",
+    "--distributed-timeout", "DistributedConfig.heartbeat_timeout": "--heartbeat-timeout",
     "SimulatedFailure.step": "--simulate-failure step",
     "SimulatedFailure.devices": "--simulate-failure device",
     "SimulatedFailure.tp_spares": "--tp-spares", "SimulatedFailure.axis": "--ntp-axis",
@@ -291,7 +291,9 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--moe-experts", type=int, default=0, help="experts per layer (0: dense)")
     train.add_argument("--moe-top-k", type=int, default=2, help="experts per token")
     train.add_argument("--moe-capacity", type=float, default=1.25,
-                       help="MoE capacity factor (0: dropless)")
+                       help="MoE capacity factor: each expert takes this multiple of an even "
+                       "share of a sequence's routing choices; those beyond are dropped (the "
+                       "progress line's 'dropped' share); 0: dropless, none dropped")
     train.add_argument("--prefetch", action="store_true",
                        help="double-buffered prefetch of the next layer's weights in the "
                        "scanned layer loop (unrolled layers always gather one layer ahead)")
@@ -414,6 +416,9 @@ def _parser() -> argparse.ArgumentParser:
                       help="let JAX detect the cluster (SLURM, Open MPI, Kubernetes)")
     dist.add_argument("--distributed-timeout", type=int, default=300, metavar="SECONDS",
                       help="how long to wait for every process to join the run")
+    dist.add_argument("--heartbeat-timeout", type=int, default=30, metavar="SECONDS",
+                      help="a process silent this long counts as lost: every other process "
+                           "stops, with one line naming it")
 
     obs = train.add_argument_group("observability")
     obs.add_argument("--profile-dir", default=None, type=PATH,
@@ -511,13 +516,15 @@ def _configs(args: argparse.Namespace) -> tuple[object, object | None, object]:
         dist = DistributedConfig(coordinator=args.coordinator, num_processes=args.num_processes,
                                  process_id=args.process_id,
                                  local_device_ids=_device_ids(args.local_device_ids),
-                                 auto=args.distributed_auto, timeout=args.distributed_timeout)
+                                 auto=args.distributed_auto, timeout=args.distributed_timeout,
+                                 heartbeat_timeout=args.heartbeat_timeout)
     else:
         env = DistributedConfig.from_env()
         dist = DistributedConfig(coordinator=env.coordinator, num_processes=env.num_processes,
                                  process_id=env.process_id,
                                  local_device_ids=_device_ids(args.local_device_ids),
-                                 timeout=args.distributed_timeout)
+                                 timeout=args.distributed_timeout,
+                                 heartbeat_timeout=args.heartbeat_timeout)
     checkpoint = None
     if args.checkpoint_dir is not None:
         checkpoint = CheckpointConfig(args.checkpoint_dir, every=args.checkpoint_every,
@@ -546,31 +553,63 @@ def main(argv: list[str] | None = None, *, planner: Planner | None = None) -> in
         return 128 + 2  # SIGINT, as a shell reports a process it interrupted
 
 
-def _launch(argv: list[str], args: argparse.Namespace) -> int:
-    """``--processes N``: this process starts and supervises the run's N processes
-    (`gtp_jax.train.processes.launch`) instead of training itself."""
-    from gtp_jax.base.host import gpu_count  # noqa: PLC0415
-    from gtp_jax.train.processes.launch import launch, without_flag  # noqa: PLC0415
-
+def _launch_flags_problem(args: argparse.Namespace) -> str | None:
+    """Why ``--processes`` cannot start a run with the other flags given (before anything
+    else is checked: the flags that join a run by hand conflict with it)."""
     joined = [flag for flag, value in (("--coordinator", args.coordinator),
                                        ("--num-processes", args.num_processes),
                                        ("--process-id", args.process_id),
                                        ("--local-device-ids", args.local_device_ids))
               if value is not None] + (["--distributed-auto"] if args.distributed_auto else [])
     if joined:
-        print(f"error: --processes starts the processes itself; drop {', '.join(joined)} "
-              "(or drop --processes to join a run started another way).", file=sys.stderr)
-        return 2
+        return (f"--processes starts the processes itself; drop {', '.join(joined)} (or drop "
+                "--processes to join a run started another way).")
     if args.processes < 2:
-        print(f"error: --processes {args.processes} must be >= 2 (one process needs no "
-              "launcher: drop --processes).", file=sys.stderr)
-        return 2
+        return (f"--processes {args.processes} must be >= 2 (one process needs no launcher: "
+                "drop --processes).")
+    return None
+
+
+def _launch(argv: list[str], args: argparse.Namespace, sizes: dict[str, int | None],
+            cpu_sizes: dict[str, int]) -> int:
+    """``--processes N``: this process starts and supervises the run's N processes
+    (`gtp_jax.train.processes.launch`) instead of training itself.
+
+    What every process would refuse is refused here, once and before any process starts,
+    in the flags the user typed: the process count against the devices, and the run's
+    configuration on the mesh the processes will build."""
+    from gtp_jax.base.host import gpu_count  # noqa: PLC0415
+    from gtp_jax.train.processes.launch import launch, without_flag  # noqa: PLC0415
+
+    processes, gpus = args.processes, gpu_count()
+    if gpus:
+        if gpus % processes:
+            return _fail(UsageError(
+                f"--processes {processes} does not divide this host's {gpus} GPUs into equal "
+                "blocks; use a divisor of the GPU count."), 2)
+        mesh, devices = _accelerator_mesh(sizes, gpus), gpus
+    else:
+        mesh, devices = cpu_sizes, math.prod(cpu_sizes.values())
+        if devices % processes:
+            given = " ".join(f"{k}={v}" for k, v in cpu_sizes.items())
+            return _fail(UsageError(
+                f"--processes {processes} does not divide the {devices} devices of the mesh "
+                f"({given}); each process simulates the same number of CPU devices: choose "
+                f"--processes dividing {devices}, or other mesh sizes."), 2)
+    backend = "gpu" if gpus else "cpu"
+    problem = deterministic_problem(args.deterministic, backend, args.dtype)
+    if problem:
+        return _fail(UsageError(problem), 2)
     try:
-        rest = argv[1:] if argv[:1] == ["train"] else argv  # child_commands adds "train"
-        return launch(without_flag(rest, "--processes"), args.processes, gpu_count())
-    except ValueError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+        cfg = _train_config(args, _PLANNED_MESH if args.plan == "auto" else mesh)
+        if args.plan != "auto":
+            from gtp_jax.train.config import check_devices, resolve  # noqa: PLC0415
+
+            check_devices(resolve(cfg, backend), devices=devices)
+    except UsageError as err:
+        return _fail(_mesh_defaults_hint(err, sizes, cpu_sizes, backend), 2)
+    rest = argv[1:] if argv[:1] == ["train"] else argv  # child_commands adds "train"
+    return launch(without_flag(rest, "--processes"), processes, gpus)
 
 
 def _main(argv: list[str] | None, planner: Planner | None) -> int:
@@ -583,7 +622,9 @@ def _main(argv: list[str] | None, planner: Planner | None) -> int:
         print("error: run python -m gtp_jax plan (with the plan options).", file=sys.stderr)
         return 2
     if args.processes is not None:
-        return _launch(argv, args)
+        problem = _launch_flags_problem(args)
+        if problem:
+            return _fail(UsageError(problem), 2)
     if args.memory_gib is not None and args.plan != "auto":
         print("error: --memory-gib needs --plan auto (the planner checks the budget).",
               file=sys.stderr)
@@ -616,18 +657,21 @@ def _main(argv: list[str] | None, planner: Planner | None) -> int:
     except UsageError as err:  # other exceptions are bugs: they keep their traceback
         return _fail(err, 2)
     total = math.prod(cpu_sizes.values())
-    if dist.num_processes and total % dist.num_processes:  # fail before joining a run
-        return _processes_error(dist.num_processes, total)
-    if total > MAX_SIMULATED_DEVICES * (dist.num_processes or 1):
+    if total > MAX_SIMULATED_DEVICES * (args.processes or dist.num_processes or 1):
         # On a CPU host each process simulates its share of the mesh; so many devices only
         # make sense on accelerators, where this count is never simulated (a CPU backend
         # asked for a million devices would take minutes and gigabytes before any message).
         given = " ".join(f"--{k} {v}" for k, v in sizes.items() if v is not None)
+        flag = "--processes" if args.processes is not None else "--num-processes"
         return _fail(UsageError(
             f"the mesh {given} has {total} devices: more than the "
             f"{MAX_SIMULATED_DEVICES} CPU devices one process simulates; choose mesh "
             "sizes whose product fits (dp*ep*gtp*cp*tp) or run on accelerators with "
-            "several processes (--num-processes)."), 2)
+            f"several processes ({flag})."), 2)
+    if args.processes is not None:
+        return _launch(argv, args, sizes, cpu_sizes)
+    if dist.num_processes and total % dist.num_processes:  # fail before joining a run
+        return _processes_error(dist.num_processes, total)
 
     from gtp_jax.train.processes.distributed import (  # noqa: PLC0415
         DistributedJoinError,
@@ -635,8 +679,16 @@ def _main(argv: list[str] | None, planner: Planner | None) -> int:
         initialize,
         joined_process_count,
         shutdown,
+        wait_for_lost_peer,
     )
 
+    guard = None
+    if dist.enabled:
+        from gtp_jax.train.processes.output_guard import guard_output  # noqa: PLC0415
+
+        # Before joining: gloo's connection lines and the runtime's report of a lost
+        # process (an abort that Python cannot intercept) become one line.
+        guard = guard_output(dist.process_id, dist.num_processes, dist.heartbeat_timeout)
     # Joining starts no backend, and with --distributed-auto it is what tells us the
     # process count the simulated CPU devices are divided by.
     try:
@@ -651,13 +703,24 @@ def _main(argv: list[str] | None, planner: Planner | None) -> int:
         request_deterministic()
     use_compile_cache(cache)
     # XLA_FLAGS are set: JAX may start a backend from here on.
-    code = _run(args, sizes, cpu_sizes, checkpoint, observe, failure, data, planner)
+    try:
+        code = _run(args, sizes, cpu_sizes, checkpoint, observe, failure, data, planner)
+    except Exception as err:
+        # A collective whose peer was lost fails at once, before JAX says which process
+        # was lost (its report ends this process, and the output guard names the lost one).
+        wait_for_lost_peer(err, dist)
+        raise
     # Not in a `finally`: after an exception the shutdown barrier would wait for processes
     # that may never arrive; JAX's failure detection ends the others instead.
     try:
         shutdown(dist.timeout)
     except DistributedPeerError as err:
         return _fail(err, 1)
+    if guard is not None:
+        # The run ended in order: everything printed is out before this process exits.
+        # (Not after an error: the runtime's report of a lost process may still come, and
+        # must reach the guard.)
+        guard.close()
     return code
 
 
@@ -695,7 +758,7 @@ def _run(args: argparse.Namespace, sizes: dict[str, int | None], cpu_sizes: dict
          data: object | None = None, planner: Planner | None = None) -> int:
     import jax  # noqa: PLC0415
 
-    from gtp_jax.train import CheckpointWriteError, TrainConfig, train  # noqa: PLC0415
+    from gtp_jax.train import CheckpointWriteError, train  # noqa: PLC0415
     from gtp_jax.train.lifecycle.preempt import RESUMABLE_EXIT, RunStopped, stop_on_signals  # noqa: PLC0415
     from gtp_jax.train.lifecycle.resume import RunFinished  # noqa: PLC0415
 
@@ -708,31 +771,7 @@ def _run(args: argparse.Namespace, sizes: dict[str, int | None], cpu_sizes: dict
     else:
         mesh = _accelerator_mesh(sizes, jax.device_count())
     try:
-        cfg = TrainConfig(preset=args.preset, model=args.model, layers=args.layers,
-                          steps=args.steps,
-                          batch_size=args.batch,
-                          seq_len=args.seq, lr=args.lr, warmup=args.warmup, seed=args.seed,
-                          dtype=args.dtype, gather_dtype=args.gather_dtype,
-                          reduce_dtype=args.reduce_dtype,
-                          pad_for_alignment=args.pad_for_alignment, remat=args.remat,
-                          attention=args.attention, unroll_layers=args.unroll_layers,
-                          gather_format=args.gather_format, prefetch=args.prefetch,
-                          fp8_compute=args.fp8_compute,
-                          fp8_min_features=args.fp8_min_features,
-                          overlap=args.overlap, moe_experts=args.moe_experts,
-                          moe_top_k=args.moe_top_k,
-                          moe_capacity_factor=args.moe_capacity or None,
-                          init_from_hf=args.init_from_hf, export_hf=args.export_hf,
-                          init_from=args.init_from,
-                          eval_every=args.eval_every, eval_batches=args.eval_batches,
-                          offload_optimizer=bool(args.offload_optimizer),
-                          offload_exclude=tuple(args.offload_exclude),
-                          offload_master_weights=bool(args.offload_master_weights),
-                          weight_decay=args.weight_decay, lr_schedule=args.lr_schedule,
-                          decay_steps=args.decay_steps, clip_grad_norm=args.clip_grad_norm,
-                          adam_b1=args.adam_b1, adam_b2=args.adam_b2, adam_eps=args.adam_eps,
-                          grad_accum=args.grad_accum,
-                          **(_PLANNED_MESH if args.plan == "auto" else mesh))
+        cfg = _train_config(args, _PLANNED_MESH if args.plan == "auto" else mesh)
         if args.plan == "auto":
             cfg = _planned(args, sizes, cfg, planner)
         # Printed once the run is validated and will train (a finished run's re-launch
@@ -742,14 +781,7 @@ def _run(args: argparse.Namespace, sizes: dict[str, int | None], cpu_sizes: dict
                            on_start=functools.partial(_print_header, given=cfg)
                            if primary else None, data=data, stop=stop)
     except UsageError as err:  # other exceptions are bugs: they keep their traceback
-        if jax.default_backend() == "cpu" and any(v is None for v in sizes.values()) and (
-                type(err).__name__ != "DeviceMemoryError") and (
-                "must be a multiple of dp" in str(err) or "grad_accum*dp" in str(err)
-                or "the mesh dp*ep*gtp*cp*tp" in str(err)):
-            given = {k: v for k, v in cpu_sizes.items() if sizes[k] is None}
-            err = UsageError(f"{err} (with defaults {given} for the mesh sizes not given; "
-                             "pass --dp/--gtp/--tp/--ep/--cp explicitly)")
-        return _fail(err, 2)
+        return _fail(_mesh_defaults_hint(err, sizes, cpu_sizes, jax.default_backend()), 2)
     except FloatingPointError as err:  # NaN/inf loss or state: not a bug, not a usage error
         return _fail(err, 1)
     except CheckpointWriteError as err:  # a full disk: the older checkpoints are kept
@@ -770,6 +802,51 @@ def _run(args: argparse.Namespace, sizes: dict[str, int | None], cpu_sizes: dict
     if primary:
         print(result.summary(), flush=True)
     return 0
+
+
+def _train_config(args: argparse.Namespace, mesh: dict[str, int]) -> object:
+    """The `TrainConfig` of the flags on `mesh` (validated: a `UsageError` names the
+    field)."""
+    from gtp_jax.train import TrainConfig  # noqa: PLC0415
+
+    return TrainConfig(preset=args.preset, model=args.model, layers=args.layers,
+                       steps=args.steps,
+                       batch_size=args.batch,
+                       seq_len=args.seq, lr=args.lr, warmup=args.warmup, seed=args.seed,
+                       dtype=args.dtype, gather_dtype=args.gather_dtype,
+                       reduce_dtype=args.reduce_dtype,
+                       pad_for_alignment=args.pad_for_alignment, remat=args.remat,
+                       attention=args.attention, unroll_layers=args.unroll_layers,
+                       gather_format=args.gather_format, prefetch=args.prefetch,
+                       fp8_compute=args.fp8_compute,
+                       fp8_min_features=args.fp8_min_features,
+                       overlap=args.overlap, moe_experts=args.moe_experts,
+                       moe_top_k=args.moe_top_k,
+                       moe_capacity_factor=args.moe_capacity or None,
+                       init_from_hf=args.init_from_hf, export_hf=args.export_hf,
+                       init_from=args.init_from,
+                       eval_every=args.eval_every, eval_batches=args.eval_batches,
+                       offload_optimizer=bool(args.offload_optimizer),
+                       offload_exclude=tuple(args.offload_exclude),
+                       offload_master_weights=bool(args.offload_master_weights),
+                       weight_decay=args.weight_decay, lr_schedule=args.lr_schedule,
+                       decay_steps=args.decay_steps, clip_grad_norm=args.clip_grad_norm,
+                       adam_b1=args.adam_b1, adam_b2=args.adam_b2, adam_eps=args.adam_eps,
+                       grad_accum=args.grad_accum, **mesh)
+
+
+def _mesh_defaults_hint(err: UsageError, sizes: dict[str, int | None],
+                        cpu_sizes: dict[str, int], backend: str) -> UsageError:
+    """`err`, naming the default mesh sizes on the CPU when a size the user left out is
+    what does not fit."""
+    if backend == "cpu" and any(v is None for v in sizes.values()) and (
+            type(err).__name__ != "DeviceMemoryError") and (
+            "must be a multiple of dp" in str(err) or "grad_accum*dp" in str(err)
+            or "the mesh dp*ep*gtp*cp*tp" in str(err)):
+        given = {k: v for k, v in cpu_sizes.items() if sizes[k] is None}
+        return UsageError(f"{err} (with defaults {given} for the mesh sizes not given; "
+                          "pass --dp/--gtp/--tp/--ep/--cp explicitly)")
+    return err
 
 
 def _stopped(result: object, primary: bool, steps: int, export_hf: str | None) -> int:

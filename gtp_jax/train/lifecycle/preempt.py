@@ -2,16 +2,17 @@
 
 `stop_on_signals` installs handlers for the duration of a run (the command line's `train`
 entry; the previous handlers come back on exit). The first signal only sets a flag
-(`StopRequest`); the step loop (`gtp_jax.train.loop`) checks it after dispatching each step,
-finishes that step, writes a checkpoint (atomic, as every save) and returns, and the command
-line exits with status `RESUMABLE_EXIT` (75): the run is unfinished, nothing is lost, and
-the same command continues it. Not 0, so that ``train && upload`` never publishes a partial
-run; nor is ``--export-hf`` written. Before the first step (tokenizing the data, building
-the model) the request is honoured at once: `RunStopped`, nothing trained. A second signal
-exits at once (status 128 + signal number): orbax
-publishes a checkpoint by renaming its temporary directory only when every item is written,
-so a save cut short is never listed, and the newest intact checkpoint stays the newest one a
-resume finds.
+(`StopRequest`); the step loop (`gtp_jax.train.loop`) checks it once the previous step is
+done and the next one is dispatched (the host runs one step ahead of the devices), finishes
+that step, writes a checkpoint (atomic, as every save) and returns: at most two steps run
+after the signal, the one running and the one dispatched. The command line exits with
+status `RESUMABLE_EXIT` (75): the run is unfinished, nothing is lost, and the same command
+continues it. Not 0, so that ``train && upload`` never publishes a partial run; nor is
+``--export-hf`` written. Before the first step (tokenizing the data, building the model)
+the request is honoured at once: `RunStopped`, nothing trained. A second signal exits at
+once (status 128 + signal number): orbax publishes a checkpoint by renaming its temporary
+directory only when every item is written, so a save cut short is never listed, and the
+newest intact checkpoint stays the newest one a resume finds.
 
 In a multi-process run the processes must stop after the same step, or they would write
 different checkpoints (or wait forever in each other's collectives). `StopRequest.agreed`
@@ -139,9 +140,9 @@ def stop_on_signals(signals: Sequence[int] = STOP_SIGNALS) -> Iterator[StopReque
                  "checkpoint is kept, a save in progress is discarded.")
             os._exit(128 + signum)
         request.request(signum)
-        _say(f"gtp_jax train: {name} received: finishing the step in flight, then saving a "
-             "checkpoint and exiting; before the first step, exiting at once (send it again "
-             "to exit at once).")
+        _say(f"gtp_jax train: {name} received: finishing at most two more steps (the host "
+             "runs one step ahead of the devices), then saving a checkpoint and exiting; "
+             "before the first step, exiting at once (send it again to exit at once).")
 
     previous = {s: signal.signal(s, handle) for s in signals}
     try:

@@ -22,6 +22,11 @@ Launch (the same command on every process, only ``--process-id`` differs)::
 Instead of the flags, ``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES`` and
 ``JAX_PROCESS_ID`` may be set (all three), or ``--distributed-auto`` lets JAX detect a
 SLURM, Open MPI, Kubernetes or Cloud TPU job (`jax.distributed.initialize` with no args).
+
+A process that is lost (killed, crashed, its host gone) ends the others: JAX does it, at
+once when the coordinator's process is lost, else once the coordination service has missed
+its heartbeats for `DistributedConfig.heartbeat_timeout` seconds. The command line prints
+that as one line naming the lost process (`gtp_jax.train.processes.output_guard`).
 """
 
 from __future__ import annotations
@@ -42,6 +47,11 @@ ENV_NUM_PROCESSES = "JAX_NUM_PROCESSES"
 ENV_PROCESS_ID = "JAX_PROCESS_ID"
 #: `jax.distributed.initialize`'s default ``initialization_timeout`` (seconds).
 DEFAULT_TIMEOUT = 300
+#: Seconds without heartbeats after which the coordination service counts a process as lost
+#: and ends the others (JAX's default, 100 s, left survivors waiting 50 to 90 s after a
+#: ``kill -9``). The heartbeats come from a thread of the runtime, not from Python, so a
+#: long compilation or a busy host does not delay them.
+DEFAULT_HEARTBEAT_TIMEOUT = 30
 
 
 class DistributedJoinError(RuntimeError):
@@ -64,6 +74,10 @@ class DistributedConfig:
         fields above may then stay None.
       timeout: seconds to wait for every process to join (``initialization_timeout`` of
         `jax.distributed.initialize`), >= 1.
+      heartbeat_timeout: seconds without heartbeats after which a process counts as lost
+        and every other process ends (``heartbeat_timeout_seconds`` of
+        `jax.distributed.initialize`), >= 2; the command line then prints one line naming
+        the lost process (`gtp_jax.train.processes.output_guard`).
     """
 
     coordinator: str | None = None
@@ -72,6 +86,7 @@ class DistributedConfig:
     local_device_ids: tuple[int, ...] | None = None
     auto: bool = False
     timeout: int = DEFAULT_TIMEOUT
+    heartbeat_timeout: int = DEFAULT_HEARTBEAT_TIMEOUT
 
     def __post_init__(self) -> None:
         given = {"coordinator": self.coordinator, "num_processes": self.num_processes,
@@ -110,6 +125,7 @@ class DistributedConfig:
         if not isinstance(self.auto, bool):
             raise UsageTypeError(f"DistributedConfig.auto={self.auto!r} must be a bool.")
         _check_int("timeout", self.timeout, 1)
+        _check_int("heartbeat_timeout", self.heartbeat_timeout, 2)
 
     @property
     def enabled(self) -> bool:
@@ -202,7 +218,8 @@ def initialize(config: DistributedConfig) -> None:
     try:
         if config.auto and config.coordinator is None:
             jax.distributed.initialize(local_device_ids=config.local_device_ids,
-                                       initialization_timeout=config.timeout + _JAX_MARGIN_S)
+                                       initialization_timeout=config.timeout + _JAX_MARGIN_S,
+                                       heartbeat_timeout_seconds=config.heartbeat_timeout)
             return
         jax.distributed.initialize(
             coordinator_address=config.coordinator,
@@ -210,6 +227,7 @@ def initialize(config: DistributedConfig) -> None:
             process_id=config.process_id,
             local_device_ids=list(config.local_device_ids) if config.local_device_ids else None,
             initialization_timeout=config.timeout + _JAX_MARGIN_S,
+            heartbeat_timeout_seconds=config.heartbeat_timeout,
         )
     except Exception as err:  # XlaRuntimeError (DEADLINE_EXCEEDED, UNAVAILABLE, ...)
         if isinstance(err, UsageError):
@@ -343,6 +361,34 @@ def shutdown(timeout: int = DEFAULT_TIMEOUT) -> None:
     state.service = None
 
 
+#: Seconds past the heartbeat timeout that a process whose run failed inside the runtime
+#: waits for JAX's report of a lost process (see `wait_for_lost_peer`).
+_LOSS_REPORT_MARGIN_S = 5
+
+
+def wait_for_lost_peer(err: BaseException, config: DistributedConfig) -> None:
+    """Called with the exception that ended this process's part of a multi-process run:
+    when it came from the runtime (a collective or barrier whose peer is gone), waits until
+    JAX's report of the lost process ends this process, at most the heartbeat timeout and
+    a margin; returns at once for any other exception, or once the wait is over.
+
+    A peer killed mid-collective fails this process's collective at once (gloo: "connection
+    closed by peer"), before the coordination service says which process was lost: the
+    command line's output guard names it only from that report
+    (`gtp_jax.train.processes.output_guard`)."""
+    if not config.enabled or not _is_runtime_error(err):
+        return
+    time.sleep(config.heartbeat_timeout + _LOSS_REPORT_MARGIN_S)
+
+
+def _is_runtime_error(err: BaseException) -> bool:
+    """Whether `err` is XLA's runtime error (``JaxRuntimeError``, ``XlaRuntimeError``)."""
+    runtime = getattr(jax.errors, "JaxRuntimeError", None)
+    if runtime is not None and isinstance(err, runtime):
+        return True
+    return type(err).__name__ in ("JaxRuntimeError", "XlaRuntimeError")
+
+
 def coordination_client() -> object:
     """The coordination service's client of this process (``key_value_set``,
     ``key_value_dir_get``, ``wait_at_barrier``); for host-side agreement between processes
@@ -379,6 +425,7 @@ def _check_int(name: str, value: object, minimum: int) -> None:
         raise UsageError(f"DistributedConfig.{name}={value!r} must be an int >= {minimum}.")
 
 
-__all__: Sequence[str] = ("DEFAULT_TIMEOUT", "DistributedConfig", "DistributedJoinError",
-                          "DistributedPeerError",
-                          "initialize", "is_primary", "parse_address", "shutdown")
+__all__: Sequence[str] = ("DEFAULT_HEARTBEAT_TIMEOUT", "DEFAULT_TIMEOUT", "DistributedConfig",
+                          "DistributedJoinError", "DistributedPeerError",
+                          "initialize", "is_primary", "parse_address", "shutdown",
+                          "wait_for_lost_peer")

@@ -12,7 +12,9 @@ mesh's devices). The launcher:
   out-of-memory kill, ``kill -9``), prints one line naming it and how it ended, stops the
   others (SIGTERM, then SIGKILL after `GRACE_S`: they may be waiting in a collective that
   will never complete) and exits with status 1, instead of leaving them to wait for JAX's
-  heartbeat timeout;
+  heartbeat timeout; when they all end at once (the coordinator's process lost: JAX ends the
+  others within milliseconds), it names the one that was killed rather than the ones JAX
+  aborted (SIGABRT);
 - when a process ends in order (finished, status 0, or stopped resumably, status 75) it
   waits up to `ORDERLY_S` for the others, which end after the same step (saving a checkpoint
   together can take that long); one still running after that is stopped and named;
@@ -30,6 +32,8 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
+
+from gtp_jax.train.processes.output_guard import LAUNCHED_ENV
 
 #: Seconds the other processes get to stop on SIGTERM after one was lost, before SIGKILL.
 GRACE_S = 10.0
@@ -137,6 +141,11 @@ def supervise(commands: Sequence[Sequence[str]], *, grace: float = GRACE_S,
                 while time.monotonic() < settle and any(c.poll() is None for c in children):
                     time.sleep(poll)
                 if all(c.poll() is not None for c in children):
+                    lost = _lost_among([c.returncode for c in children], children)
+                    if lost is not None:
+                        index, pid, code = lost
+                        say(f"error: process {index} of {len(children)} (pid {pid}) ended: "
+                            f"{describe_end(code)}; the others ended with it. {_RESUME}")
                     break
                 lost = bad[0]
                 index, pid, code = lost
@@ -171,6 +180,20 @@ def supervise(commands: Sequence[Sequence[str]], *, grace: float = GRACE_S,
     return Outcome(max(codes))
 
 
+def _lost_among(codes: Sequence[int], children: Sequence[subprocess.Popen]
+                ) -> tuple[int, int, int] | None:
+    """The process whose loss ended the others, when all ended within the settling time
+    and some were killed by a signal; None when none was (each process that failed printed
+    its own error).
+
+    A process aborted by SIGABRT is JAX's runtime ending a process whose peer was lost
+    (within milliseconds when the coordinator's process is), so another one is named."""
+    killed = [(i, child.pid, code) for i, (child, code) in enumerate(zip(children, codes))
+              if code < 0]
+    first = [k for k in killed if k[2] != -signal.SIGABRT] or killed
+    return first[0] if first else None
+
+
 def _stop(children: Sequence[subprocess.Popen], grace: float, poll: float) -> None:
     """SIGTERM to every running child; SIGKILL to those still running after `grace`."""
     for child in children:
@@ -186,14 +209,17 @@ def _stop(children: Sequence[subprocess.Popen], grace: float, poll: float) -> No
 
 
 def without_flag(argv: Sequence[str], flag: str) -> list[str]:
-    """`argv` without `flag` and its value (``--flag V`` or ``--flag=V``)."""
+    """`argv` without `flag` and its value (``--flag V`` or ``--flag=V``), also where it is
+    spelled as the abbreviation argparse took for it (``--processe 2``)."""
     out, skip = [], False
     for arg in argv:
+        name = arg.split("=", 1)[0]
+        spelled = name.startswith("--") and len(name) > 2 and flag.startswith(name)
         if skip:
             skip = False
-        elif arg == flag:
+        elif spelled and "=" not in arg:
             skip = True
-        elif not arg.startswith(flag + "="):
+        elif not spelled:
             out.append(arg)
     return out
 
@@ -210,4 +236,5 @@ def launch(argv: Sequence[str], processes: int, gpus: int | None) -> int:
     env = dict(os.environ)
     env["XLA_FLAGS"] = re.sub(r"--xla_force_host_platform_device_count=\S+", "",
                               env.get("XLA_FLAGS", "")).strip()
+    env[LAUNCHED_ENV] = "1"  # this process names a lost one; theirs only drop the stacks
     return supervise(commands, popen=lambda cmd: subprocess.Popen(cmd, env=env)).code
