@@ -21,7 +21,12 @@ from gtp_jax.models.attention import cudnn_unsupported, resolve_attention_impl
 from gtp_jax.models.hf import read_config
 from gtp_jax.sharding.offload import StreamableChain
 from gtp_jax.train.step import optim
-from gtp_jax.train.step.lr_defaults import LrDefaults, default_warmup, lr_defaults
+from gtp_jax.train.step.lr_defaults import (
+    LrDefaults,
+    default_warmup,
+    describe_warmup,
+    lr_defaults,
+)
 from gtp_jax.train.step.optim import check_optimizer_settings
 from gtp_jax.train.user_model import UserModel, check_spec
 
@@ -632,7 +637,7 @@ def describe_schedule(cfg: TrainConfig, given: TrainConfig | None = None) -> str
             lr_text += " (kept from the checkpoint)"
     if given is None or given.warmup is None:
         if warmup == default_warmup(cfg.lr_schedule_steps, defaults):
-            warmup_text += f" (a tenth of the steps, at most {defaults.max_warmup})"
+            warmup_text += f" ({describe_warmup(defaults)})"
         elif given is not None:
             warmup_text += " (kept from the checkpoint)"
     return (f"{lr_text}, {warmup_text}, {cfg.lr_schedule} schedule over "

@@ -55,11 +55,12 @@ SCHEDULE_VERSION = 2
 SCHEDULE_VERSIONS = (1, 2)
 
 
-def default_warmup(schedule_steps: int, longest: int = MAX_DEFAULT_WARMUP) -> int:
-    """The warm-up when none is given: a tenth of the schedule's steps (rounded down), at
-    most `longest` (`MAX_DEFAULT_WARMUP`; a preset's own:
-    `gtp_jax.train.step.lr_defaults`); 0 below 10 steps."""
-    return min(longest, int(schedule_steps * DEFAULT_WARMUP_FRACTION))
+def default_warmup(schedule_steps: int, longest: int = MAX_DEFAULT_WARMUP,
+                   fraction: float = DEFAULT_WARMUP_FRACTION) -> int:
+    """The warm-up when none is given: `fraction` of the schedule's steps (rounded down; a
+    tenth by default), at most `longest` (`MAX_DEFAULT_WARMUP`; a preset's own:
+    `gtp_jax.train.step.lr_defaults`); 0 below 10 steps at a tenth."""
+    return min(longest, int(schedule_steps * fraction))
 
 
 @functools.cache
