@@ -296,7 +296,7 @@ part_cluster() {
   local run="--preset $PRESET_SMALL --seq $SEQ_SMALL --batch 8 --steps 1000 --dp 1 --gtp 2"
   local devices=(--local-device-ids 0 --local-device-ids 1) flags=${XLA_FLAGS:-}
   [ "${SCALE:-gpu}" = cpu ] && { devices=("" "" "" ""); flags=""; }
-  for victim in 1 0; do
+  for victim in ${VICTIMS:-1 0}; do
     local port=$((20000 + RANDOM % 20000)) pids=() i
     log "cluster: 2 processes started by hand, kill -9 of process $victim"
     for i in 0 1; do
