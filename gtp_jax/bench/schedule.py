@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+from typing import Any
 
 _BITS = {"pred": 8, "s8": 8, "u8": 8, "s16": 16, "u16": 16, "f16": 16, "bf16": 16, "s32": 32,
          "u32": 32, "f32": 32, "s64": 64, "u64": 64, "f64": 64, "c64": 64, "c128": 128,
@@ -102,8 +103,8 @@ def _split_top(s: str) -> list[str]:
 
 def classify(line: str, comps: dict[str, str]) -> str | None:
     """``"all-gather"``, ``"reduce-scatter"`` (their sync op or async ``-start``), ``"dot"``
-    (a dot, or a fusion whose fused computation in `comps` holds one) or None for any other
-    instruction line of an HLO computation."""
+    (a dot, a GEMM custom call, or a fusion whose fused computation in `comps` holds a dot)
+    or None for any other instruction line of an HLO computation."""
     parsed = _parse(line)
     if not parsed:
         return None
@@ -113,6 +114,8 @@ def classify(line: str, comps: dict[str, str]) -> str | None:
             return coll
     if op == "dot":
         return "dot"
+    if op == "custom-call" and re.search(r'custom_call_target="[^"]*(gemm|matmul)', line):
+        return "dot"  # a GPU program's cuBLAS / cuBLASLt GEMM
     if op == "fusion":  # a fusion whose fused computation holds a dot
         callee = re.search(r"calls=%?([\w.\-]+)", line)
         if callee and " dot(" in comps.get(callee.group(1), ""):
@@ -308,3 +311,152 @@ def op_label(kind: str, direction: str, prefetch: bool) -> str:
     if kind == "dot":
         return "matmul"
     return kind
+
+
+@dataclasses.dataclass(frozen=True)
+class CollectiveWindow:
+    """One all-gather or reduce-scatter of a compiled computation, and the matmuls that can
+    run beside it.
+
+    `beside`: the dots (`classify`) of its computation that are neither among its operands'
+    producers, transitively, nor among its result's consumers: nothing in the program orders
+    them before or after it, so a scheduler may run them while it is in flight. `between`:
+    for an asynchronous collective (``-start`` / ``-done``), the dots scheduled between its
+    start and its done (what actually runs beside it); None for a synchronous one (a CPU
+    program's). `elements`: elements of its result (an all-gather's gathered weight, a
+    reduce-scatter's shard).
+    """
+
+    computation: str
+    name: str
+    kind: str
+    elements: int
+    beside: int
+    between: int | None
+
+
+def collective_windows(text: str) -> list[CollectiveWindow]:
+    """`CollectiveWindow` of every all-gather and reduce-scatter of a compiled HLO module's
+    text (every computation: the entry, and loop bodies)."""
+    comps = computations(text)
+    out = []
+    for cname, body in comps.items():
+        lines = body.splitlines()[1:]
+        parsed = [(p, line) for line in lines if (p := _parse(line))]
+        names = [p[1] for p, _ in parsed]
+        index = {n: i for i, n in enumerate(names)}
+        kinds = [classify(line, comps) for _, line in parsed]
+        users: dict[int, list[int]] = {i: [] for i in range(len(parsed))}
+        for i, (p, _) in enumerate(parsed):
+            for a in p[4]:
+                if a in index:
+                    users[index[a]].append(i)
+
+        def closure(start: int, step) -> set[int]:
+            seen, todo = set(), [start]
+            while todo:
+                for j in step(todo.pop()):
+                    if j not in seen:
+                        seen.add(j)
+                        todo.append(j)
+            return seen
+
+        def operands(i: int, parsed=parsed, index=index) -> list[int]:
+            return [index[a] for a in parsed[i][0][4] if a in index]
+
+        def consumers(i: int, users=users) -> list[int]:
+            return users[i]
+
+        for i, kind in enumerate(kinds):
+            if kind not in ("all-gather", "reduce-scatter"):
+                continue
+            p = parsed[i][0]
+            tied = closure(i, operands) | closure(i, consumers)
+            done = None
+            if p[3].endswith("-start"):
+                done = next((j for j in sorted(users[i]) if parsed[j][0][3].endswith("-done")),
+                            None)
+                # the done's consumers are the collective's too
+                if done is not None:
+                    tied |= closure(done, consumers)
+            beside = sum(1 for j, k in enumerate(kinds) if k == "dot" and j not in tied
+                         and j != i)
+            between = None if done is None else sum(
+                1 for j in range(i + 1, done) if kinds[j] == "dot")
+            shapes = _LEAF.findall(p[2])
+            leaf = shapes[-1] if shapes else ("", "")
+            elements = math.prod(int(d) for d in leaf[1].split(",") if d.strip()) \
+                if leaf[1].strip() else 1
+            out.append(CollectiveWindow(cname, p[1], kind, elements, beside, between))
+    return out
+
+
+def traced_windows(closed_jaxpr: Any) -> list[CollectiveWindow]:
+    """`CollectiveWindow` of every ``all_gather`` and ``reduce_scatter`` of a traced program
+    (``jax.make_jaxpr(f)(...)``), before XLA's passes: the program as gtp_jax builds it,
+    optimization barriers included. Every nested jaxpr that holds collectives is read on
+    its own (the sharded call's body, the backward pass's body); an equation whose nested
+    jaxprs hold a ``dot_general`` counts as a matmul. `between` is None."""
+    out: list[CollectiveWindow] = []
+    seen: set[int] = set()
+
+    def subjaxprs(eqn: Any) -> list[Any]:
+        subs = []
+        for v in eqn.params.values():
+            for x in (v if isinstance(v, (tuple, list)) else (v,)):
+                inner = getattr(x, "jaxpr", x)
+                if hasattr(inner, "eqns"):
+                    subs.append(inner)
+        return subs
+
+    def has_dot(jaxpr: Any) -> bool:
+        return any(e.primitive.name == "dot_general" or any(has_dot(s) for s in subjaxprs(e))
+                   for e in jaxpr.eqns)
+
+    def visit(jaxpr: Any, where: str) -> None:
+        if id(jaxpr) in seen:
+            return
+        seen.add(id(jaxpr))
+        eqns = jaxpr.eqns
+        producer = {}
+        for i, e in enumerate(eqns):
+            for v in e.outvars:
+                producer[v] = i
+        operands = [[producer[v] for v in e.invars if not _is_literal(v) and v in producer]
+                    for e in eqns]
+        users: dict[int, list[int]] = {i: [] for i in range(len(eqns))}
+        for i, ops in enumerate(operands):
+            for j in ops:
+                users[j].append(i)
+        gemm = [e.primitive.name == "dot_general" or any(has_dot(s) for s in subjaxprs(e))
+                for e in eqns]
+
+        def closure(start: int, step: Any) -> set[int]:
+            found, todo = set(), [start]
+            while todo:
+                for j in step(todo.pop()):
+                    if j not in found:
+                        found.add(j)
+                        todo.append(j)
+            return found
+
+        for i, e in enumerate(eqns):
+            name = e.primitive.name
+            if name in ("all_gather", "reduce_scatter"):
+                tied = closure(i, lambda j: operands[j]) | closure(i, lambda j: users[j])
+                beside = sum(1 for j in range(len(eqns)) if gemm[j] and j not in tied)
+                shape = getattr(e.outvars[0].aval, "shape", ())
+                kind = "all-gather" if name == "all_gather" else "reduce-scatter"
+                out.append(CollectiveWindow(where, f"{name}#{i}", kind, math.prod(shape),
+                                            beside, None))
+            for s in subjaxprs(e):
+                visit(s, f"{where}/{name}")
+
+    visit(getattr(closed_jaxpr, "jaxpr", closed_jaxpr), "")
+    return out
+
+
+def _is_literal(v: Any) -> bool:
+    from jax.extend.core import Literal  # noqa: PLC0415 - the text readers need no jax
+
+    return isinstance(v, Literal)
