@@ -569,9 +569,9 @@ def _unrolled_backward(spec, saved, ct):
             # before layer i - 1's starts: it runs beside layer i's, and the full-size
             # gradient it reads is not kept alive until the end of the backward pass. Its
             # result is written into the gradient stack before layer i - 1's backward too:
-            # left alone, XLA's GPU scheduler wrote every layer's slot at the end of the
-            # backward pass, keeping all the layers' reduce-scattered gradients alive beside
-            # the stack (a second copy of the gradients at the update's peak).
+            # left alone, a scheduler may write every layer's slot at the end of the
+            # backward pass and keep all the layers' reduce-scattered gradients alive beside
+            # the stack (a second copy of the gradients).
             shard_buf = _put(shard_buf, pending, i + 1)
             dh, shard_buf = _tied(spec, dh, shard_buf)
         pending = spec.reduce_scatter(dw)
