@@ -49,9 +49,11 @@ ERROR_TEXT = re.compile(r"CANCELLED|UNAVAILABLE|Connection refused|Traceback|DEA
 #: Adam divides by sqrt(nu), so entries whose gradients are tiny (rounding noise) amplify
 #: the reductions' ulp differences, most in the first update (about +-lr for every entry):
 #: measured 8.0e-5 (the MLP's down projection) now that step 1 trains (at lr / 2 with this
-#: warm-up), 2.4e-6 when it trained at rate 0. 2e-4 bounds that; a wrong or missing
-#: reduction changes a moment by O(1) of itself. Deterministic (both orders are fixed).
-STATE_RTOL = 2e-4
+#: warm-up), 2.4e-6 when it trained at rate 0; 6.4e-4 since the vocabulary-parallel head
+#: (each token's log-sum-exp is one more float32 sum across devices). 2e-3 bounds that; a
+#: wrong or missing reduction changes a moment by O(1) of itself. Deterministic (both
+#: orders are fixed).
+STATE_RTOL = 2e-3
 
 
 def _free_ompi_port() -> int:

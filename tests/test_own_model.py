@@ -106,15 +106,15 @@ def test_sigterm_saves_and_the_same_command_resumes_exactly(
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == RESUMABLE_EXIT, err
     assert "Traceback" not in err
-    # The host dispatched step 3 before printing step 2, so the run stops after step 4.
-    assert "stopped by SIGTERM after step 4 of 6: checkpoint saved" in out, out
+    # The host dispatched step 3 before seeing step 2's end: the run stops after step 3.
+    assert "stopped by SIGTERM after step 3 of 6: checkpoint saved" in out, out
     first = _losses(tmp_path / "first.json")
-    assert first == expected[:4]
+    assert first == expected[:3]
     capsys.readouterr()
     assert cli_main([*flags, "--metrics-json", str(tmp_path / "second.json")]) == 0
     assert first + _losses(tmp_path / "second.json") == expected
     out = capsys.readouterr().out
-    assert f"resumed from {tmp_path / 'ck' / '4'} (step 4 of 6)" in out
+    assert f"resumed from {tmp_path / 'ck' / '3'} (step 3 of 6)" in out
     assert "gtp_jax train: model=own_models:make_decoder steps=6" in out
     assert "the next-token loss on its logits" in out
     # A warm start from the finished run's weights: its first loss is the trained model's.
@@ -160,16 +160,16 @@ def test_fit_trains_a_model_built_in_code_as_the_command_line_does(
     first = fit(model, optimizer, _batches(6), steps=6, checkpoint=checkpoint,
                 on_step=sigterm_at_step_2, progress=False,
                 observe=ObserveConfig(log_dir=str(tmp_path / "logs"), log_every=1))
-    assert first.stopped_by == "SIGTERM" and first.checkpoint_steps == [4]
-    assert first.losses == expected[:4]
+    assert first.stopped_by == "SIGTERM" and first.checkpoint_steps == [3]
+    assert first.losses == expected[:3]
     assert signal.getsignal(signal.SIGTERM) is handler  # fit's own handler is gone
     # The same call again continues from the checkpoint: the model and optimizer are
-    # restored in place, the first 4 batches skipped.
+    # restored in place, the first 3 batches skipped.
     model, optimizer = build_model_and_optimizer(cfg)
     rest = fit(model, optimizer, _batches(6), steps=6, checkpoint=checkpoint, progress=False,
                observe=ObserveConfig(log_dir=str(tmp_path / "logs"), log_every=1))
-    assert rest.first_step == 5 and rest.stopped_by is None
-    assert rest.losses == expected[4:]
+    assert rest.first_step == 4 and rest.stopped_by is None
+    assert rest.losses == expected[3:]
     assert rest.tokens_per_step == 8 * 16 and rest.num_params == _decoder_params()
     assert [json.loads(line)["step"] for line in (tmp_path / "logs" / "metrics.jsonl").open()
             if "loss" in line] == [1, 2, 3, 4, 5, 6]

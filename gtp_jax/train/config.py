@@ -92,12 +92,14 @@ class TrainConfig:
       cp: context-parallel size: each sequence is split over ``cp`` devices and attention
         runs as ring attention (`gtp_jax.parallel.context`); 1: off.
       lr: peak AdamW learning rate (of the `lr_schedule`); None: the preset's own
-        (`gtp_jax.train.step.lr_defaults`: 3e-3 for tiny down to 1.5e-4 for llama3-70b; 3e-3
-        for an `init_from_hf` model), fixed when the run starts and recorded in its
+        (`gtp_jax.train.step.lr_defaults`: 3e-3 for tiny down to 7.5e-5 for llama3-70b; 3e-3
+        for an `init_from_hf` model or a user's `model`), fixed when the run starts and
+        recorded in its
         checkpoints (`peak_lr`; a resumed run keeps its checkpoint's).
-      warmup: warm-up steps: step k <= warmup trains at ``lr * k / warmup``; None: a tenth
-        of the schedule's steps, at most the preset's maximum (10 for tiny, small and 100m,
-        up to 200 for llama3-70b; `gtp_jax.train.step.lr_defaults`), fixed when the run
+      warmup: warm-up steps: step k <= warmup trains at ``lr * k / warmup``; None: the
+        preset's share of the schedule's steps (a tenth to a half), at most its maximum (10
+        for tiny, small and 100m,
+        up to 400 for llama3-70b; `gtp_jax.train.step.lr_defaults`), fixed when the run
         starts and recorded in its checkpoints. Must leave at least one step of the
         schedule to decay in (the constant schedule: at most its steps).
       weight_decay: AdamW decoupled weight decay.
@@ -356,8 +358,9 @@ class TrainConfig:
     @property
     def lr_defaults(self) -> LrDefaults:
         """The schedule defaults of this run's model: its preset's, or the generic ones for
-        an `init_from_hf` model (`gtp_jax.train.step.lr_defaults`)."""
-        return lr_defaults(None if self.init_from_hf is not None else self.preset)
+        an `init_from_hf` model or a user's (`model`; `gtp_jax.train.step.lr_defaults`)."""
+        other = self.init_from_hf is not None or self.model is not None
+        return lr_defaults(None if other else self.preset)
 
     @property
     def peak_lr(self) -> float:
@@ -367,7 +370,7 @@ class TrainConfig:
     @property
     def lr_warmup(self) -> int:
         """The warm-up: `warmup`, or the model's default for the schedule's length when it is
-        None (a tenth of it, at most the preset's maximum: `lr_defaults`)."""
+        None (the preset's share of it, at most the preset's maximum: `lr_defaults`)."""
         return self.warmup if self.warmup is not None else default_warmup(
             self.lr_schedule_steps, self.lr_defaults)
 
