@@ -352,15 +352,6 @@ def collective_windows(text: str) -> list[CollectiveWindow]:
                 if a in index:
                     users[index[a]].append(i)
 
-        def closure(start: int, step) -> set[int]:
-            seen, todo = set(), [start]
-            while todo:
-                for j in step(todo.pop()):
-                    if j not in seen:
-                        seen.add(j)
-                        todo.append(j)
-            return seen
-
         def operands(i: int, parsed=parsed, index=index) -> list[int]:
             return [index[a] for a in parsed[i][0][4] if a in index]
 
@@ -371,14 +362,14 @@ def collective_windows(text: str) -> list[CollectiveWindow]:
             if kind not in ("all-gather", "reduce-scatter"):
                 continue
             p = parsed[i][0]
-            tied = closure(i, operands) | closure(i, consumers)
+            tied = _closure(i, operands) | _closure(i, consumers)
             done = None
             if p[3].endswith("-start"):
                 done = next((j for j in sorted(users[i]) if parsed[j][0][3].endswith("-done")),
                             None)
                 # the done's consumers are the collective's too
                 if done is not None:
-                    tied |= closure(done, consumers)
+                    tied |= _closure(done, consumers)
             beside = sum(1 for j, k in enumerate(kinds) if k == "dot" and j not in tied
                          and j != i)
             between = None if done is None else sum(
@@ -431,19 +422,10 @@ def traced_windows(closed_jaxpr: Any) -> list[CollectiveWindow]:
         gemm = [e.primitive.name == "dot_general" or any(has_dot(s) for s in subjaxprs(e))
                 for e in eqns]
 
-        def closure(start: int, step: Any) -> set[int]:
-            found, todo = set(), [start]
-            while todo:
-                for j in step(todo.pop()):
-                    if j not in found:
-                        found.add(j)
-                        todo.append(j)
-            return found
-
         for i, e in enumerate(eqns):
             name = e.primitive.name
             if name in ("all_gather", "reduce_scatter"):
-                tied = closure(i, lambda j: operands[j]) | closure(i, lambda j: users[j])
+                tied = _closure(i, lambda j: operands[j]) | _closure(i, lambda j: users[j])
                 beside = sum(1 for j in range(len(eqns)) if gemm[j] and j not in tied)
                 shape = getattr(e.outvars[0].aval, "shape", ())
                 kind = "all-gather" if name == "all_gather" else "reduce-scatter"
@@ -454,6 +436,18 @@ def traced_windows(closed_jaxpr: Any) -> list[CollectiveWindow]:
 
     visit(getattr(closed_jaxpr, "jaxpr", closed_jaxpr), "")
     return out
+
+
+def _closure(start: int, step: Any) -> set[int]:
+    """Every node reachable from `start` by `step` (node -> its neighbours), `start` not
+    included unless a path returns to it."""
+    found, todo = set(), [start]
+    while todo:
+        for j in step(todo.pop()):
+            if j not in found:
+                found.add(j)
+                todo.append(j)
+    return found
 
 
 def _is_literal(v: Any) -> bool:
