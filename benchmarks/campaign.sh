@@ -17,10 +17,17 @@
 #              continue at a reduced tp), beside a uniform run of the reduced layout; loss
 #              curves, step times before and after, the re-layout time.
 #   tp_gtp     2-D TP x GTP on PRESET_TP (default llama3-8b) at SEQ_TP (default 8192):
-#              tp2 x gtp2, gtp4 and tp4, each plain and with ring collective matmuls; and
-#              the ring collective matmul alone against its GEMM-only budget (--micro).
+#              tp2 x gtp2, gtp4 and tp4, each plain and with ring collective matmuls, the
+#              ring variants traced on GPUs (their communication's hidden share); and the ring
+#              collective matmul alone against its GEMM-only budget (--micro). TP_MESHES
+#              ("TP:GTP:VARIANTS ...") picks the rows, TP_MICRO=0 leaves out the --micro one.
+#   plan_rank  the planner's ranking of gtp4, tp2 x gtp2 and tp4 at tp_gtp's shape (4
+#              sequences of SEQ_TP; python -m gtp_jax plan on this host, and --on-paper with
+#              CALIBRATION) beside the steps the tp_gtp and breakdown parts measured in $OUT.
 #   moe        a mixture of experts (8 experts, top-2): the command line's losses on ep1 (the
-#              reference), ep2 x gtp2 and ep4, with the share of routing dropped; step times.
+#              reference), ep2 x gtp2 and ep4, with the share of routing dropped (in float32
+#              on GPUs, JAX_DEFAULT_MATMUL_PRECISION=highest, or MOE_PRECISION); step times
+#              (MOE_STEP=0 leaves them out).
 #   context    ring attention: cp4 at 16k and 32k (traced: the ring's hidden share), and
 #              cp2 x gtp2 on llama3-8b at 32k.
 #   processes  the command line's own multi-process launch (--processes): 4 x 1 and 2 x 2
@@ -39,6 +46,24 @@
 #   matrix     every path a user takes (benchmarks/matrix.sh; CELLS, PROFILE_CELLS).
 #   fp8        FP8 compute on one GPU: Llama-3-8B-shaped blocks and the GEMM sweep, beside
 #              torchao float8 (benchmarks/fp8.sh; ROWS, PROFILE, LAYERS; $OUT/fp8_blocks).
+#   fp8_full   FP8 compute (FP8_RECIPES, default delayed) fed by FP8 gathers on the whole
+#              llama3-8b at FP8_SHAPE (default 8192x1) on every GPU, beside FSDP2 + torchao
+#              float8 all-gather (FP8_PEERS, default "float8"; "bf16 float8" adds bf16
+#              FSDP2); step, peak and first-step time of each (torchao's wheel in .carry/whl).
+#   eight      llama3-8b at EIGHT_SHAPES (default 8192x1) on every GPU (written for 8):
+#              gtp = all and dp2 x gtp4, bf16 (traced) and FP8 compute, against FSDP2 and
+#              HSDP (2 replicas) compiled and FSDP2 + torchao float8 (EIGHT_ROWS picks and
+#              orders them); tokens/s per GPU beside torchtitan's published 8x H100 figures
+#              and the planner's on-paper step.
+#   scaling    the llama3-8b step at SEQ_8B x 1 on each of SCALING_GPUS (default "1 2 4 8")
+#              GPUs, the first SCALING_GPUS of the host (1 GPU: --layers SCALING_LAYERS_1,
+#              default 16, as the whole model does not fit one): tokens/s and MFU per GPU,
+#              and the communication exposed in the trace.
+#   layers_70b  llama3-70b-shaped layers on every GPU (written for 8), 8192 tokens per GPU,
+#              remat dots: gtp = all and tp2 x gtp(n/2) (bench parallel), each with the first
+#              of LAYERS_70B (default "28 24": the planner's estimate of 28 is 92 GiB, of 32
+#              104 GiB, against the 105 GiB JAX's allocator takes of an H200) that runs,
+#              beside the planner's on-paper step and peak for the same layout.
 #   fp8_1b, fp8_8b
 #              FP8 compute fed by FP8 gathers against gtp_jax's bf16 step and FSDP2 +
 #              torch.compile + torchao float8 all-gather on every GPU, the 1b preset and 8
@@ -63,9 +88,13 @@
 # side, default 400), LONG_STEPS (the processes part's interrupted run, default 20 x
 # TRAIN_STEPS), SIGTERM_AFTER (seconds into it, default 40), PROC_PLAIN=0 (the processes part
 # without its plain timing runs), PROC_COUNTS (its process counts, default "4 2"), KILL=0
-# (without its kill -9). BUDGET=seconds: a part
-# starts only while the budget lasts, and the per-question scripts are stopped when it runs
-# out. REQUIRE_GPU=H200: run nothing (status 3) unless every GPU's name contains it.
+# (without its kill -9). BUDGET=seconds: a part starts only while the budget lasts (a
+# PARTS entry PART:SECONDS: while SECONDS are left), the per-question scripts are stopped
+# when it runs out, and a row of breakdown, step, tp_gtp, fp8_full, eight, scaling or
+# layers_70b starts only while its time is left. SCALE=cpu simulates CPU_DEVICES (default
+# 4) devices. CALIBRATION: the rates the on-paper planner predicts with (default: the 2x
+# H200 calibration in docs/results). REQUIRE_GPU=H200: run nothing (status 3) unless every
+# GPU's name contains it.
 # ARCHIVE=1: everything written, again as $OUT/campaign.tgz.
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -75,16 +104,22 @@ WORK=${WORK:-/tmp/gtp_campaign}; mkdir -p "$WORK"
 PARTS=${PARTS:-breakdown}
 T0=$(date +%s); log() { echo "== t=$(( $(date +%s) - T0 ))s $*"; }
 if [ "${SCALE:-gpu}" = cpu ]; then
-  export XLA_FLAGS="--xla_force_host_platform_device_count=4" JAX_PLATFORMS=cpu
+  CPU_DEVICES=${CPU_DEVICES:-4}
+  export XLA_FLAGS="--xla_force_host_platform_device_count=$CPU_DEVICES" JAX_PLATFORMS=cpu
   PRESET=${PRESET:-tiny}; SHAPES=${SHAPES:-"64x2"}; STEPS=${STEPS:-2}; NOTORCH="--no-torch"
   PRESET_TP=${PRESET_TP:-tiny}; SEQ_TP=${SEQ_TP:-64}; PRESET_SMALL=tiny; SEQ_SMALL=64
   CP_SEQS=${CP_SEQS:-128,256}; SEQ_CP8B=${SEQ_CP8B:-256}; PRESET_CP8B=tiny; TRAIN_STEPS=6
   SIGTERM_AFTER=${SIGTERM_AFTER:-20}; CHECK_DTYPE=""
+  # the whole-model rows (fp8_full, eight, scaling, layers_70b) on the tiny preset
+  PRESET_8B=tiny; SEQ_8B=${SEQ_8B:-64}; PRESET_70B=tiny; SEQ_70B=64; LAYERS_70B=${LAYERS_70B:-2}
+  SCALING_LAYERS_1=${SCALING_LAYERS_1:-2}; FP8_MIN="--fp8-min-features 64"
 else
   PRESET=${PRESET:-llama3-8b}; SHAPES=${SHAPES:-"2048x1 8192x1"}; STEPS=${STEPS:-8}; NOTORCH=""
   PRESET_TP=${PRESET_TP:-llama3-8b}; SEQ_TP=${SEQ_TP:-8192}; PRESET_SMALL=1b; SEQ_SMALL=2048
   CP_SEQS=${CP_SEQS:-16384,32768}; SEQ_CP8B=${SEQ_CP8B:-32768}; PRESET_CP8B=llama3-8b
   TRAIN_STEPS=${TRAIN_STEPS:-12}
+  PRESET_8B=llama3-8b; SEQ_8B=${SEQ_8B:-8192}; PRESET_70B=llama3-70b; SEQ_70B=8192
+  LAYERS_70B=${LAYERS_70B:-28 24}; SCALING_LAYERS_1=${SCALING_LAYERS_1:-16}; FP8_MIN=""
   # Loss comparisons across layouts in float32: bfloat16 rounding differs with the layout,
   # and the first AdamW steps (updates of +-lr wherever a gradient is near zero) amplify it.
   CHECK_DTYPE=${CHECK_DTYPE:---dtype float32}
@@ -94,6 +129,7 @@ fi
 # on GPUs (train refuses --deterministic with bfloat16 there).
 DET="--deterministic $CHECK_DTYPE"
 LIMIT=${LIMIT:-400}
+CALIBRATION=${CALIBRATION:-docs/results/2026-11-27_2xH200/plan_top5/calibration.json}
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 if [ -n "${REQUIRE_GPU:-}" ]; then
   nvidia-smi -L > "$OUT/gpus.txt" 2>&1
@@ -103,6 +139,35 @@ if [ -n "${REQUIRE_GPU:-}" ]; then
 fi
 left() { echo $(( ${BUDGET:-0} - ($(date +%s) - T0) )); }
 budgeted() { if [ -n "${BUDGET:-}" ]; then timeout "$(left)" "$@"; else "$@"; fi; }
+room() {  # room SECONDS ROW: false (and a line saying so) when BUDGET leaves less for ROW
+  [ -z "${BUDGET:-}" ] || [ "$(left)" -ge "$1" ] && return 0
+  log "skipped: ${*:2} (the budget leaves $(left) s, the row needs about $1 s)"; return 1
+}
+ndev() {  # the devices a part runs on: the simulated ones, or the host's GPUs
+  if [ "${SCALE:-gpu}" = cpu ]; then echo "$CPU_DEVICES"; else nvidia-smi -L | wc -l; fi
+}
+torchao_path() {  # PYTHONPATH with torchao (its wheel in .carry/whl), or false and a line
+  if ls .carry/whl/torchao-*.whl > /dev/null 2>&1 && [ ! -d /tmp/torchao_site/torchao ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/torchao_site \
+      .carry/whl/torchao-*.whl >&2
+  fi
+  if PYTHONPATH="/tmp/torchao_site:$PYTHONPATH" python3 -c "import torchao" 2>/dev/null; then
+    echo "/tmp/torchao_site:$PYTHONPATH"; return 0
+  fi
+  echo "FSDP2 + torchao float8: not run (no torchao: put its wheel in .carry/whl)" >&2
+  return 1
+}
+# The PyTorch peer, compiled, on the first N GPUs: peer OUT.json N [KEY=VALUE...]; its RESULT
+# line as OUT.json (empty when it failed), the rest of its output as OUT.log.
+peer() {
+  local json=$1 n=$2; shift 2
+  env PRESET="$PRESET_8B" SEQ="$SEQ_8B" MB=1 STEPS="$STEPS" "$@" COMPILE=1 timeout "$LIMIT" \
+    torchrun --nproc_per_node="$n" benchmarks/torch_fsdp2.py > "${json%.json}.log" 2>&1
+  sed -n 's/^RESULT //p' "${json%.json}.log" > "$json"
+  local name; name=$(basename "$json" .json)
+  if [ -s "$json" ]; then echo "[peer $name] $(python3 benchmarks/campaign_tables.py row "$json")"
+  else echo "[peer $name] failed: $(grep -E 'Error|error' "${json%.json}.log" | tail -1)"; fi
+}
 gpu_only() {  # a part that needs GPUs: skipped under SCALE=cpu
   [ "${SCALE:-gpu}" = cpu ] && { log "$1: skipped under SCALE=cpu (needs GPUs)"; return 0; }
   return 1
@@ -133,6 +198,7 @@ PY
 part_breakdown() {
   for shape in $SHAPES; do
     seq=${shape%x*}; mb=${shape#*x}; dir="$WORK/breakdown_${PRESET}_${seq}x${mb}"
+    room 150 "breakdown $shape" || break
     log "breakdown $PRESET seq $seq x $mb per GPU"
     rm -rf "$dir"
     python3 -m gtp_jax.bench breakdown --preset "$PRESET" --seq "$seq" --per-device-batch "$mb" \
@@ -151,6 +217,7 @@ part_step() {
     vis=(); [ "$gpus" != all ] && vis=(env CUDA_VISIBLE_DEVICES="$gpus")
     for shape in $SHAPES; do
       seq=${shape%x*}; mb=${shape#*x}; tag="step_${n}gpu_${seq}x${mb}"
+      room 120 "$tag" || break 2
       log "$tag: gtp_jax"
       "${vis[@]}" python3 -m gtp_jax.bench overlap --preset "$PRESET" --seq "$seq" \
         --per-device-batch "$mb" --steps "$STEPS" --warmup 2 --timeout "$LIMIT" \
@@ -203,32 +270,55 @@ part_ntp() {
 
 part_tp_gtp() {
   local base="--preset $PRESET_TP --seq $SEQ_TP --batch 4 --remat dots --steps $STEPS --timeout $LIMIT"
-  [ "${SCALE:-gpu}" = cpu ] && base="$base --cpu-devices 4"
-  for mesh in "2 2 tp_gtp,tp_gtp_overlap" "1 4 tp_gtp" "4 1 tp,tp_overlap"; do
-    set -- $mesh
+  [ "${SCALE:-gpu}" = cpu ] && base="$base --cpu-devices $CPU_DEVICES"
+  local mesh prof rings
+  for mesh in ${TP_MESHES:-2:2:tp_gtp,tp_gtp_overlap 1:4:tp_gtp 4:1:tp,tp_overlap}; do
+    set -- ${mesh//:/ }
+    room 100 "tp_gtp tp$1 x gtp$2" || return 0
+    # the ring variants traced on GPUs: how much of their communication the GEMMs hide
+    rings=$(echo "$3" | tr ',' '\n' | grep overlap | paste -sd, -); prof=""
+    [ "${SCALE:-gpu}" = cpu ] || [ -z "$rings" ] || \
+      prof="--profile-dir $WORK/tp_profile --profile-variants $rings"
     log "tp$1 x gtp$2: $3"
-    python3 -m gtp_jax.bench parallel $base --tp "$1" --gtp "$2" --variants "$3" \
-      --json "$OUT/tp${1}_gtp${2}.json" 2>&1 | grep -E "^\||^\[" | tail -6
+    python3 -m gtp_jax.bench parallel $base --tp "$1" --gtp "$2" --variants "$3" $prof \
+      --json "$OUT/tp${1}_gtp${2}.json" 2>&1 | grep -E "^\||^\[" | tail -8
   done
+  [ "${TP_MICRO:-1}" = 1 ] && room 120 "the ring collective matmul alone" || return 0
   log "ring collective matmul alone against its GEMM budget, tp 4"
   python3 -m gtp_jax.bench parallel $base --tp 4 --micro --json "$OUT/tp4_micro.json" 2>&1 \
     | grep -E "^\||^\[" | tail -12
 }
 
+part_plan_rank() {
+  local n; n=$(ndev)
+  log "the planner on this host: $PRESET_TP, seq $SEQ_TP, batch 4, $n devices"
+  python3 -m gtp_jax plan --preset "$PRESET_TP" --seq "$SEQ_TP" --batch 4 --gpus "$n" \
+    --top "${PLAN_TOP:-1}" --limit 0 --json "$OUT/plan_rank.json" > "$OUT/plan_rank.log" 2>&1
+  grep -E "^planned|^best|^error" "$OUT/plan_rank.log"
+  python3 -m gtp_jax plan --on-paper --preset "$PRESET_TP" --seq "$SEQ_TP" --batch 4 \
+    --gpus "$n" --memory-gib "${PAPER_GIB:-139}" --calibration "$CALIBRATION" --limit 0 \
+    --json "$OUT/plan_rank_paper.json" > "$OUT/plan_rank_paper.log" 2>&1
+  python3 benchmarks/campaign_tables.py rank "$OUT"
+}
+
 part_moe() {
   local run="--preset $PRESET_SMALL --seq $SEQ_SMALL --batch 8 --steps $TRAIN_STEPS --moe-experts 8 --moe-top-k 2 --log-every 1"
+  # Losses compared in float32 with every matmul at full precision: layouts whose GEMMs
+  # round differently on GPUs (TF32 or bf16 passes) shift tokens across the capacity line.
+  local MOE_PRECISION=${MOE_PRECISION:-highest}
   # ep dp gtp: ep1 (the reference; experts sharded by gtp, as replicated ones need 53 GiB a
   # GPU for the 1b preset's 4.7B parameters and more in float32), ep2 x gtp2, ep4
   for mesh in "1 1 4" "2 1 2" "4 1 1"; do
     set -- $mesh
     log "MoE, 8 experts top-2: ep$1 dp$2 gtp$3 (losses)"
-    python3 -m gtp_jax train $run --ep "$1" --dp "$2" --gtp "$3" $DET \
-      --metrics-json "$OUT/moe_ep$1.json" > "$OUT/moe_ep$1.log" 2>&1
+    JAX_DEFAULT_MATMUL_PRECISION=$MOE_PRECISION python3 -m gtp_jax train $run --ep "$1" \
+      --dp "$2" --gtp "$3" $DET --metrics-json "$OUT/moe_ep$1.json" > "$OUT/moe_ep$1.log" 2>&1
     grep -E "dropped|loss:" "$OUT/moe_ep$1.log" | tail -2
   done
   compare_losses "$OUT/moe_ep1.json" "$OUT/moe_ep2.json" "$OUT/moe_ep4.json"
+  [ "${MOE_STEP:-1}" = 1 ] || return 0
   local base="--preset $PRESET_SMALL --seq $SEQ_SMALL --batch 8 --steps $STEPS --timeout $LIMIT --moe-experts 8 --moe-top-k 2"
-  [ "${SCALE:-gpu}" = cpu ] && base="$base --cpu-devices 4"
+  [ "${SCALE:-gpu}" = cpu ] && base="$base --cpu-devices $CPU_DEVICES"
   [ "${SCALE:-gpu}" = cpu ] || base="$base --profile-dir $WORK/moe_profile --profile-variants no_tp_moe,tp_gtp_overlap_moe"
   log "MoE step time: ep4 (no_tp_moe), ep2 x gtp2 (tp_gtp_overlap_moe with tp 1: no ring)"
   python3 -m gtp_jax.bench parallel $base --tp 1 --gtp 2 --variants no_tp_moe,tp_gtp_overlap_moe \
@@ -363,6 +453,123 @@ fp8_step() {  # fp8_1b / fp8_8b
 part_fp8_1b() { fp8_step 1b; }
 part_fp8_8b() { fp8_step 8b; }
 
+# gtp_jax's step on the first N devices: jax_step OUT.json N [bench overlap options...]
+# (gtp_dots: remat dots, the library's loop; on CPU N simulated devices, on GPUs the first N).
+jax_step() {
+  local json=$1 n=$2; shift 2
+  local vis=(env XLA_FLAGS="--xla_force_host_platform_device_count=$n")
+  [ "${SCALE:-gpu}" = cpu ] || vis=(env CUDA_VISIBLE_DEVICES="$(seq -s, 0 $((n - 1)))")
+  "${vis[@]}" python3 -m gtp_jax.bench overlap --steps "$STEPS" --warmup 2 --timeout "$LIMIT" \
+    --variants gtp_dots "$@" --json "$json" > "${json%.json}.log" 2>&1
+  grep -E "^\[|Error" "${json%.json}.log" | tail -2
+}
+traced() {  # bench overlap's trace options on GPUs (nothing on CPU: no device kernels)
+  [ "${SCALE:-gpu}" = cpu ] || echo "--profile-dir $WORK/profile_$1 --profile-variants gtp_dots"
+}
+
+part_fp8_full() {
+  local n shape=${FP8_SHAPE:-${SEQ_8B}x1} recipe kind path
+  n=$(ndev); local seq=${shape%x*} mb=${shape#*x}
+  for recipe in ${FP8_RECIPES:-delayed}; do
+    room 130 "fp8_full gtp_jax $recipe" || return 0
+    log "FP8 compute ($recipe) fed by FP8 gathers, $PRESET_8B, $shape per device, $n devices"
+    jax_step "$OUT/fp8full_gtp_$recipe.json" "$n" --preset "$PRESET_8B" --seq "$seq" \
+      --per-device-batch "$mb" --fp8-compute "$recipe" --gather-format fp8 $FP8_MIN
+  done
+  if [ -z "$NOTORCH" ]; then
+    for kind in ${FP8_PEERS:-float8}; do
+      room 100 "fp8_full FSDP2 $kind" || break
+      log "FSDP2 compiled, $kind, $shape per GPU"
+      if [ "$kind" = float8 ]; then
+        path=$(torchao_path) || continue
+        peer "$OUT/fp8full_torch_$kind.json" "$n" SEQ="$seq" MB="$mb" FLOAT8=1 PYTHONPATH="$path"
+      else
+        peer "$OUT/fp8full_torch_$kind.json" "$n" SEQ="$seq" MB="$mb"
+      fi
+    done
+  fi
+  python3 benchmarks/campaign_tables.py fp8_full "$OUT"
+}
+
+part_eight() {
+  local n row kind layout compute label opts shape
+  n=$(ndev)
+  python3 benchmarks/campaign_tables.py reference
+  for shape in ${EIGHT_SHAPES:-${SEQ_8B}x1}; do
+    local seq=${shape%x*} mb=${shape#*x}
+    python3 -m gtp_jax plan --on-paper --preset "$PRESET_8B" --seq "$seq" --batch $((n * mb)) \
+      --gpus "$n" --memory-gib "${PAPER_GIB:-139}" --calibration "$CALIBRATION" --limit 0 \
+      --json "$OUT/eight_${shape}_paper.json" > "$OUT/eight_${shape}_paper.log" 2>&1
+    # kind:layout:compute; gtp layout 0 = every device, 4 = dp (n/4) x gtp4; torch layout =
+    # replicas (1: FSDP2, 2: HSDP), compute bf16 or float8 (torchao)
+    local rows="gtp:0:bf16 torch:1:bf16 gtp:4:bf16 torch:2:bf16 gtp:0:fp8 torch:1:float8 gtp:4:fp8"
+    for row in ${EIGHT_ROWS:-$rows}; do
+      IFS=: read -r kind layout compute <<< "$row"
+      label="eight_${shape}_${kind}${layout}_${compute}"
+      if [ "$kind" = gtp ]; then
+        room "$([ "$compute" = fp8 ] && echo 130 || echo 90)" "$label" || break
+        opts=(--gtp "$layout" $(traced "$label"))  # bf16 rows traced: exposed communication
+        [ "$compute" = fp8 ] && \
+          opts=(--gtp "$layout" --fp8-compute delayed --gather-format fp8 $FP8_MIN)
+        log "$label: gtp_jax, $PRESET_8B, $shape per device, gtp ${layout/#0/all} ($compute)"
+        jax_step "$OUT/$label.json" "$n" --preset "$PRESET_8B" --seq "$seq" \
+          --per-device-batch "$mb" "${opts[@]}"
+      elif [ -z "$NOTORCH" ]; then
+        room 100 "$label" || break
+        log "$label: $([ "$layout" = 1 ] && echo FSDP2 || echo "HSDP, $layout replicas"), $compute"
+        if [ "$compute" = float8 ]; then
+          local path; path=$(torchao_path) || continue
+          peer "$OUT/$label.json" "$n" SEQ="$seq" MB="$mb" REPLICATE="$layout" FLOAT8=1 \
+            PYTHONPATH="$path"
+        else
+          peer "$OUT/$label.json" "$n" SEQ="$seq" MB="$mb" REPLICATE="$layout"
+        fi
+      fi
+    done
+  done
+  python3 benchmarks/campaign_tables.py eight "$OUT"
+}
+
+part_scaling() {
+  local n layers
+  for n in ${SCALING_GPUS:-1 2 4 8}; do
+    layers=(); [ "$n" = 1 ] && layers=(--layers "$SCALING_LAYERS_1")
+    room 100 "scaling on $n devices" || break
+    log "scaling: $PRESET_8B, ${SEQ_8B} x 1 per device, $n devices ${layers[*]}"
+    jax_step "$OUT/scaling_${n}dev.json" "$n" --preset "$PRESET_8B" "${layers[@]}" \
+      --seq "$SEQ_8B" --per-device-batch 1 $(traced "scaling_$n")
+  done
+  python3 benchmarks/campaign_tables.py scaling "$OUT"
+}
+
+part_layers_70b() {
+  local n mesh layers base log; n=$(ndev)
+  base="--preset $PRESET_70B --seq $SEQ_70B --batch $n --remat dots --steps ${STEPS_70B:-4}"
+  base="$base --warmup 2 --timeout $LIMIT"
+  [ "${SCALE:-gpu}" = cpu ] && base="$base --cpu-devices $CPU_DEVICES"
+  for layers in $LAYERS_70B; do
+    python3 -m gtp_jax plan --on-paper --preset "$PRESET_70B" --layers "$layers" \
+      --seq "$SEQ_70B" --batch "$n" --gpus "$n" --memory-gib "${PAPER_GIB:-139}" \
+      --calibration "$CALIBRATION" --limit 0 --json "$OUT/l70_paper_$layers.json" \
+      > "$OUT/l70_paper_$layers.log" 2>&1
+  done
+  for mesh in 1:$n 2:$((n / 2)); do
+    set -- ${mesh//:/ }
+    for layers in $LAYERS_70B; do  # the most layers that run, largest first
+      room 150 "layers_70b tp$1 x gtp$2, $layers layers" || break 2
+      log "$PRESET_70B shape, $layers layers, seq $SEQ_70B, batch $n: tp$1 x gtp$2"
+      log="$OUT/l70_tp${1}_gtp${2}.log"
+      if python3 -m gtp_jax.bench parallel $base --layers "$layers" --tp "$1" --gtp "$2" \
+          --variants tp_gtp --json "$OUT/l70_tp${1}_gtp${2}.json" > "$log" 2>&1; then
+        grep -E "^\[" "$log" | tail -1; break
+      fi
+      echo "did not run with $layers layers: $(grep -E -i 'error|out of memory' "$log" | tail -1)"
+      cp "$log" "$OUT/l70_tp${1}_gtp${2}_${layers}_failed.log"
+    done
+  done
+  python3 benchmarks/campaign_tables.py layers_70b "$OUT"
+}
+
 plan_case() {  # preset, seqs, batch, steps, timeout
   if [ "${SCALE:-gpu}" = cpu ]; then
     OUT="$OUT/plan" PRESETS=tiny SEQS=64 BATCH=8 TOP=${TOP:-2} STEPS=3 TIMEOUT=300 \
@@ -411,12 +618,15 @@ part_tp() {
   OUT="$OUT/tp" budgeted bash benchmarks/parallel_tp.sh
 }
 
-for part in $PARTS; do
+for entry in $PARTS; do  # PART, or PART:SECONDS (started only while that much budget is left)
+  part=${entry%%:*}; need=${entry#"$part"}; need=${need#:}
   if ! declare -F "part_$part" >/dev/null; then
     echo "unknown part '$part'; parts: $(declare -F | sed -n 's/.*part_//p' | tr '\n' ' ')"
     exit 2
   fi
-  if [ -n "${BUDGET:-}" ] && [ "$(left)" -lt 30 ]; then log "skip $part: the budget is spent"; continue; fi
+  if [ -n "${BUDGET:-}" ] && [ "$(left)" -lt "${need:-30}" ]; then
+    log "skip $part: the budget leaves $(left) s, it needs about ${need:-30} s"; continue
+  fi
   "part_$part"
 done
 if [ -d "$OUT/plan/plan_accuracy" ]; then

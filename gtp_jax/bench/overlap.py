@@ -185,6 +185,7 @@ def run_variant(args: argparse.Namespace) -> dict:
         "variant": variant, "gather_format": args.gather_format,
         "fp8_compute": args.fp8_compute, "fp8_min_features": args.fp8_min_features,
         "fp8_layers": len(getattr(model, "fp8_layers", ())), "devices": n,
+        "mesh": {k: v for k, v in mesh.shape.items() if v > 1},
         "device_kind": kind, "preset": args.preset,
         "layers": cfg.n_blocks if user else cfg.n_layers, "seq": args.seq,
         "per_device_batch": args.per_device_batch,

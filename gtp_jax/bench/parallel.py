@@ -113,8 +113,11 @@ def run_model_variant(args: argparse.Namespace) -> dict:
     sizes = mesh_sizes(variant, n, tp, gtp)
     mesh = gtp_jax.make_mesh(**sizes, devices=devices)
     cfg = _model_config(args, variant)
-    model = gtp_jax.shard(Transformer(cfg, rngs=nnx.Rngs(0)), mesh, gtp_jax.GTPConfig(
-        gather_dtype=cfg.dtype, prefetch=args.prefetch))
+    # Built where it lives (shard_init: the same values as shard(Transformer(...)) bit for
+    # bit): a whole model on device 0 first would not fit for 70b-shaped layers, and would
+    # count in that device's allocator peak.
+    model = gtp_jax.shard_init(lambda: Transformer(cfg, rngs=nnx.Rngs(0)), mesh,
+                               gtp_jax.GTPConfig(gather_dtype=cfg.dtype, prefetch=args.prefetch))
     optimizer = nnx.Optimizer(model, optax.adamw(args.lr), wrt=nnx.Param)
     step = TrainStep(model, optimizer, functools.partial(lm_loss, aux_weight=cfg.moe_aux_weight))
 
