@@ -40,36 +40,78 @@ from helpers import get_mesh, test_key, test_seed  # noqa: E402
 
 # --------------------------------------------------------------------------- scheduling
 
-#: Files whose tests share expensive module- or session-scoped fixtures: their tests stay on
-#: one pytest-xdist worker (`pytest_xdist_make_scheduler`); every other test is scheduled on
-#: its own.
+#: The files that take longest (CPU seconds with -n 0 on 2 cores: README.md's commands about
+#: 170, the others 20-75), longest first. Each file runs whole on one pytest-xdist worker
+#: (`pytest_xdist_make_scheduler`), and the workers take the files in this order, then the
+#: others in file order, so that no long file starts last while the other worker idles. A
+#: file missing here costs only balance, never a test.
+LONGEST_FIRST = (
+    "test_readme.py", "test_reliability.py", "test_context_parallel.py", "test_lifecycle.py",
+    "test_fp8_delayed.py", "test_ntp_train.py", "test_offload.py", "test_fp8_compute.py",
+    "test_plan.py", "test_master_weights.py", "test_train.py", "test_checkpoint.py",
+    "test_moe.py", "test_flash_block.py", "test_ring_attention.py", "test_equivalence.py",
+    "test_prefetch.py", "test_multiprocess.py", "test_lowp_gather.py", "test_loop_memory.py",
+    "test_notebooks.py", "test_unrolled_loop.py", "test_step.py", "test_launch.py",
+    "test_shard_contract.py", "test_hf.py", "test_tp.py")
+
+#: Files whose tests share expensive module- or session-scoped fixtures: kept on one worker
+#: even when a run of a few files schedules the other files' tests one by one.
 SHARED_FIXTURE_FILES = frozenset({
     "test_checkpoint.py", "test_collective_matmul.py", "test_context_parallel.py",
     "test_data.py", "test_equivalence.py", "test_lifecycle.py", "test_nonuniform.py",
     "test_notebooks.py", "test_ntp_train.py", "test_reliability.py", "test_step.py",
     "test_tp.py"})
 
+#: `pytest -m smoke`: the quick first run (about a minute on 2 cores): configuration and
+#: usage errors, meshes, the layering rule, the kernels' references, and the core promise,
+#: a sharded model that computes what the unsharded one does (tests/test_equivalence.py,
+#: tests/test_shard_init.py).
+SMOKE_FILES = frozenset({
+    "test_config.py", "test_data.py", "test_errors.py", "test_usage_errors.py",
+    "test_mesh.py", "test_layering.py", "test_paths.py", "test_schedule.py",
+    "test_kernels.py", "test_trace.py", "test_host_memory.py", "test_plan_paper.py",
+    "test_written_state.py", "test_collective_matmul.py", "test_cross_entropy.py",
+    "test_elementwise.py", "test_equivalence.py", "test_shard_init.py"})
 
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects: it reads the smoke marks
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The README test (the longest) and the slow-marked tests first (started last, they
-    would leave the other worker idle at the end), the rest in file order."""
-    items.sort(key=lambda item: (item.path.name != "test_readme.py",  # the longest test
-                                 not item.get_closest_marker("slow")))
+    """Marks the `SMOKE_FILES` tests ``smoke``; orders the files as `LONGEST_FIRST` says
+    (the rest after them, in file order; tests keep their order within a file)."""
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    for item in items:
+        if item.path.name in SMOKE_FILES:
+            item.add_marker(pytest.mark.smoke)
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
 
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
-    """pytest-xdist's scope scheduling with one scope per file of `SHARED_FIXTURE_FILES`
-    and one per test elsewhere. (Its ``xdist_group`` marks do not group with current pytest:
-    the node-id suffix they rely on is no longer read, so a module fixture was built once
-    on each worker.)"""
+    """pytest-xdist's scope scheduling with one scope per file, taken in collection order:
+    a file's tests share their module fixtures and compiled programs on one worker (split
+    over two, each worker traced and compiled them again: about a tenth more CPU time).
+    A run of fewer files than 4 per worker (say one file with ``-n 2``) schedules each test
+    on its own instead, but for the `SHARED_FIXTURE_FILES`. (The ``xdist_group`` marks do
+    not group with current pytest: the node-id suffix they rely on is no longer read.)"""
     from xdist.scheduler import LoadScopeScheduling
 
-    class SharedFixtureScheduling(LoadScopeScheduling):
+    config.option.loadscopereorder = False  # keep `pytest_collection_modifyitems`' order
+
+    class FileScheduling(LoadScopeScheduling):
+        per_file = True
+
+        def schedule(self) -> None:
+            if self.collection is None:  # the first call: the collection is complete
+                nodeids = next(iter(self.registered_collections.values()))
+                files = {nodeid.split("::", 1)[0] for nodeid in nodeids}
+                self.per_file = len(files) >= 4 * len(self.nodes)
+            super().schedule()
+
         def _split_scope(self, nodeid: str) -> str:
             path = nodeid.split("::", 1)[0]
-            return path if path.rsplit("/", 1)[-1] in SHARED_FIXTURE_FILES else nodeid
+            shared = path.rsplit("/", 1)[-1] in SHARED_FIXTURE_FILES
+            return path if self.per_file or shared else nodeid
 
-    return SharedFixtureScheduling(config, log)
+    return FileScheduling(config, log)
 
 
 # --------------------------------------------------------------------------- fixtures

@@ -392,7 +392,7 @@ def test_cli_trains_with_cp_like_without(tmp_path, capsys) -> None:
     losses = {}
     for name, flags in (("cp", ["--cp", "2"]), ("plain", [])):
         out = tmp_path / f"{name}.json"
-        assert cli_main(["train", "--steps", "2", "--seq", "64", "--batch", "8",
+        assert cli_main(["train", "--steps", "2", "--seq", "64", "--batch", "8", "--layers", "2",
                          "--metrics-json", str(out), *flags]) == 0
         stdout = capsys.readouterr().out
         losses[name] = [s["loss"] for s in json.loads(out.read_text())["steps"]]

@@ -449,16 +449,16 @@ def test_offloaded_optimizer_state_with_delayed_scaling_is_checked_before_the_fi
 
 
 def test_resume_continues_delayed_scaling_exactly(tmp_path: Path) -> None:
-    # The tiny preset, unrolled layers (the CPU default), every projection in FP8.
-    run = TrainConfig(steps=2, batch_size=8, seq_len=16, warmup=1, dp=2, gtp=4,
+    # The tiny preset on 2 layers, unrolled (the CPU default), every projection in FP8.
+    run = TrainConfig(steps=2, batch_size=8, seq_len=16, warmup=1, dp=2, gtp=4, layers=2,
                       fp8_compute="delayed", fp8_min_features=128)
     full = train(run, progress=False, checkpoint=CheckpointConfig(tmp_path / "full"))
     first = train_until(run, tmp_path / "run", stop_after=1)
     assert first == full.losses[:1]
     saved = Checkpointer(CheckpointConfig(tmp_path / "run")).read_arrays(1)
     histories = {k: v for k, v in saved.items() if k.endswith("amax_history")}
-    # One stacked history per projection: [4 layers, 16 steps, (x, w, dy, uses)], 1 recorded.
-    assert len(histories) == 4 and all(h.shape == (4, 16, 4) for h in histories.values())
+    # One stacked history per projection: [2 layers, 16 steps, (x, w, dy, uses)], 1 recorded.
+    assert len(histories) == 4 and all(h.shape == (2, 16, 4) for h in histories.values())
     assert all(np.all(h[:, :1] > 0) and not np.any(h[:, 1:]) for h in histories.values())
     resumed = train(run, progress=False,
                     checkpoint=CheckpointConfig(tmp_path / "run", every=1, resume=True))

@@ -39,7 +39,9 @@ from gtp_jax.train.lifecycle.preempt import StopRequest
 from gtp_jax.train.loop import _global_batch, build_model_and_optimizer
 
 ROOT = Path(__file__).resolve().parents[1]
-RUN = ["train", "--steps", "6", "--batch", "8", "--seq", "32", "--warmup", "1"]
+#: Two layers instead of the tiny preset's four: these tests are about the run around the
+#: model (signals, checkpoints, warm starts), and each run compiles its programs afresh.
+RUN = ["train", "--steps", "6", "--batch", "8", "--seq", "32", "--warmup", "1", "--layers", "2"]
 
 
 def _losses(path: Path) -> list[float]:
@@ -161,14 +163,16 @@ def test_init_from_loads_the_weights_only(reference: tuple[Path, list[float]],
                                           capsys: pytest.CaptureFixture[str]) -> None:
     directory, _ = reference
     flags = ["train", "--steps", "2", "--batch", "8", "--seq", "32", "--warmup", "1",
-             "--lr", "1e-3", "--gtp", "8", "--dp", "1", "--init-from", str(directory),
+             "--layers", "2", "--lr", "1e-3", "--gtp", "8", "--dp", "1",
+             "--init-from", str(directory),
              "--checkpoint-dir", str(tmp_path / "ck"), "--resume", "auto"]
     assert cli_main([*flags, "--metrics-json", str(tmp_path / "m.json")]) == 0
     losses = _losses(tmp_path / "m.json")
     # Step 1's loss is the source's final weights' loss on the new run's first batch
     # (computed here on the same gtp=8 mesh, outside the training step: float32 rounding
     # of another program, hence 1e-6).
-    cfg = TrainConfig(steps=2, batch_size=8, seq_len=32, warmup=1, lr=1e-3, dp=1, gtp=8)
+    cfg = TrainConfig(steps=2, batch_size=8, seq_len=32, warmup=1, lr=1e-3, dp=1, gtp=8,
+                      layers=2)
     model, _ = build_model_and_optimizer(cfg)
     source = Checkpointer(CheckpointConfig(directory))
     source.restore(model, None)

@@ -59,7 +59,7 @@ def test_metrics_stream_while_alive_and_survive_a_crash(tmp_path) -> None:
         if step == 3:
             raise Crash("simulated crash after step 3")
 
-    cfg = TrainConfig(steps=5, batch_size=8, seq_len=16, warmup=2, dp=2, gtp=4)
+    cfg = TrainConfig(steps=5, batch_size=8, seq_len=16, warmup=2, dp=2, gtp=4, layers=2)
     with pytest.raises(Crash):
         train(cfg, on_step=on_step, progress=False,
               observe=ObserveConfig(log_dir=str(log_dir), log_every=1))
@@ -139,7 +139,7 @@ def test_non_finite_numbers_are_written_as_null_and_named(tmp_path) -> None:
 
 def test_a_resumed_run_logs_each_step_once(tmp_path, capsys) -> None:
     log_dir, ck = tmp_path / "logs", str(tmp_path / "ck")
-    cfg = TrainConfig(steps=4, batch_size=8, seq_len=16, warmup=2, dp=2, gtp=4)
+    cfg = TrainConfig(steps=4, batch_size=8, seq_len=16, warmup=2, dp=2, gtp=4, layers=2)
     observe = ObserveConfig(log_dir=str(log_dir), log_every=1)
 
     def crash_after_step_3(step: int, loss: float, seconds: float) -> None:
@@ -165,7 +165,7 @@ def test_a_resumed_run_logs_each_step_once(tmp_path, capsys) -> None:
 
 def test_a_log_dir_has_one_owner(tmp_path, capsys) -> None:
     log_dir = tmp_path / "logs"
-    cfg = TrainConfig(steps=2, batch_size=8, seq_len=16, warmup=1, dp=2, gtp=4)
+    cfg = TrainConfig(steps=2, batch_size=8, seq_len=16, warmup=1, dp=2, gtp=4, layers=2)
     train(cfg, progress=False, observe=ObserveConfig(log_dir=str(log_dir), log_every=1),
           checkpoint=CheckpointConfig(str(tmp_path / "ck")))
     before = (log_dir / METRICS_FILE).read_text()

@@ -250,8 +250,8 @@ def test_expert_weights_gathered_and_reduce_scattered_once_per_layer() -> None:
 def test_the_progress_line_shows_the_routing_dropped(capsys) -> None:
     from gtp_jax.train.cli.command import main as cli_main
 
-    run = ["train", "--steps", "2", "--batch", "8", "--seq", "32", "--moe-experts", "4",
-           "--log-every", "1"]
+    run = ["train", "--steps", "2", "--batch", "8", "--seq", "32", "--layers", "2",
+           "--moe-experts", "4", "--log-every", "1"]
     assert cli_main([*run, "--moe-capacity", "0.5"]) == 0
     err = capsys.readouterr().err
     shown = [float(line.split("dropped ")[1].split("%")[0]) for line in err.splitlines()

@@ -46,7 +46,9 @@ from gtp_jax.train.lifecycle.ntp import SimulatedFailure, check_failure, parse_f
 pytestmark = pytest.mark.slow  # minutes on 2 cores: `pytest -m "not slow"` skips it
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-CFG = TrainConfig(steps=8, batch_size=8, seq_len=32, warmup=2, dp=2, gtp=1, tp=4)
+#: Two layers (the tiny preset has four): the re-layout moves every layer alike, and each
+#: run compiles the uniform, healthy and degraded programs afresh.
+CFG = TrainConfig(steps=8, batch_size=8, seq_len=32, warmup=2, dp=2, gtp=1, tp=4, layers=2)
 K = 4  # the failure happens after this step
 FAILURE = SimulatedFailure(step=K, devices=(5,), tp_spares=2)
 LOSS_RTOL, PARAM_ATOL = 1e-5, 1e-6
@@ -156,7 +158,7 @@ def test_gtp_axis_with_alignment_padding_tracks_the_uniform_run():
     # of gtp * 8 (LeafSplit.align): GTP only changes where weights are stored, so the run
     # equals the uniform one before the failure and within the tolerance after it.
     cfg = TrainConfig(steps=6, batch_size=8, seq_len=32, warmup=2, dp=2, gtp=4,
-                      pad_for_alignment=8)
+                      pad_for_alignment=8, layers=2)
     uniform = train(cfg, progress=False)
     failed = train(cfg, progress=False, failure=SimulatedFailure(step=3, devices=(5,),
                                                                  axis="gtp"))
@@ -169,7 +171,7 @@ def test_tp2_degraded_to_one_device_tracks_the_uniform_run():
     # dp4 x tp2: the degraded replica runs at tp=1, where XLA returns its arrays' specs with
     # the 1-wide tp axis dropped (P() for a weight split over tp at tp=2): the re-layout
     # must still put them back split over tp on the core mesh.
-    cfg = TrainConfig(steps=6, batch_size=8, seq_len=32, warmup=2, dp=4, tp=2, gtp=1)
+    cfg = TrainConfig(steps=6, batch_size=8, seq_len=32, warmup=2, dp=4, tp=2, gtp=1, layers=2)
     uniform = train(cfg, progress=False)
     failed = train(cfg, progress=False, failure=SimulatedFailure(step=3, devices=(3,)))
     assert "replica dp=1: DEGRADED, tp=1" in failed.failure["layout_after"]

@@ -19,8 +19,8 @@ from gtp_jax.train import TrainConfig, TrainStep, build_model_and_optimizer, mod
 
 pytestmark = pytest.mark.slow  # minutes on 2 cores: `pytest -m "not slow"` skips it
 
-#: float32, the suite's dp=2 x gtp=4 mesh, small enough to compile quickly.
-CFG = TrainConfig(steps=3, batch_size=8, seq_len=32, warmup=1, dp=2, gtp=4)
+#: float32, the suite's dp=2 x gtp=4 mesh, small enough to compile quickly (2 layers).
+CFG = TrainConfig(steps=3, batch_size=8, seq_len=32, warmup=1, dp=2, gtp=4, layers=2)
 
 
 def _batches(cfg: TrainConfig, mesh: jax.sharding.Mesh, count: int = 3) -> list[jax.Array]:
@@ -94,7 +94,7 @@ def test_equal_partials_share_a_program(mesh_dp2_gtp4) -> None:
 
 def test_moe_aux_weight_is_applied() -> None:
     cfg = TrainConfig(steps=1, batch_size=8, seq_len=32, dp=2, gtp=4, moe_experts=4,
-                      moe_top_k=2)
+                      moe_top_k=2, layers=2)
     weight = 10.0 * model_config(cfg).moe_aux_weight
     model, optimizer = build_model_and_optimizer(cfg)
     batch = _batches(cfg, model.mesh, 1)[0]

@@ -46,7 +46,7 @@ SENTENCES = [
     "the sun rises over the river every morning",
 ]
 #: A small run on the default CPU mesh (dp=2 x gtp=4), rows of 17 tokens.
-RUN = TrainConfig(steps=4, batch_size=8, seq_len=16, warmup=1, dp=2, gtp=4)
+RUN = TrainConfig(steps=4, batch_size=8, seq_len=16, warmup=1, dp=2, gtp=4, layers=2)
 
 
 def make_tokenizer(folder: Path, *, eos: str | None = "</s>", bos: bool = True) -> Path:
@@ -270,7 +270,7 @@ def test_resume_and_held_out_loss(corpus, tmp_path: Path) -> None:
     metrics = tmp_path / "metrics.json"
     assert cli_main(["train", "--data", str(data), "--tokenizer", str(tok_dir), "--val-data",
                      str(val), "--steps", "4", "--batch", "8", "--seq", "16", "--warmup", "1",
-                     "--eval-every", "2", "--eval-batches", "2", "--metrics-json",
+                     "--layers", "2", "--eval-every", "2", "--eval-batches", "2", "--metrics-json",
                      str(metrics)]) == 0
     report = json.loads(metrics.read_text())
     assert [s.get("val_loss") is not None for s in report["steps"]] == [False, True, False, True]
