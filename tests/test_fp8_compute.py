@@ -15,6 +15,7 @@ reference of a sharded run is the unsharded module applied to each data shard's 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import re
 
@@ -247,6 +248,25 @@ def test_user_module_in_fp8_matches_unsharded_per_shard(key, seed):
     assert 1e-4 < max_rel_err(got["lin/kernel"], lin) < RTOL_FP8_VS_F32
     # unshard gives back the module's own matmuls
     assert gtp_jax.unshard(sharded).lin.dot_general is jax.lax.dot_general
+
+
+def test_quant_backend_picks_the_fp8_matmuls_quantizers_with_the_same_bits(key, seed):
+    """GTPConfig.quant_backend reaches the FP8 matmuls: "pallas" traces the kernels (run by
+    the interpreter here), "reference" none; both give the same loss and gradients."""
+    mesh = get_mesh("gtp8")
+    tokens = jax.device_put(mixed_tokens(key), gtp_jax.data_sharding(mesh))
+    out = {}
+    for backend in ("pallas", "reference"):
+        sharded = gtp_jax.shard(Mixed(nnx.Rngs(seed)), mesh,
+                                dataclasses.replace(ALL, quant_backend=backend))
+        step = nnx.value_and_grad(_mse)
+        text = str(jax.make_jaxpr(lambda m, t, step=step: step(m, t)[0])(sharded, tokens))
+        assert ("pallas_call" in text) == (backend == "pallas"), backend
+        loss, grads = nnx.jit(step)(sharded, tokens)
+        out[backend] = (float(loss), gtp_jax.unshard_values(sharded, grads))
+    assert out["pallas"][0] == out["reference"][0]
+    for path, g in out["reference"][1].items():
+        np.testing.assert_array_equal(out["pallas"][1][path], g, err_msg=path)
 
 
 @pytest.mark.parametrize(("unroll", "mesh_name"), [(True, "gtp8"), (False, "dp2_gtp4")],

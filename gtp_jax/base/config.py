@@ -119,7 +119,9 @@ class GTPConfig:
       quant_backend: None (default: the `gtp_jax.pallas` kernels when the default JAX
         backend is a GPU, else the pure-JAX reference, which gives the kernels' bits),
         "pallas" (the kernels; run by the Pallas interpreter off GPUs, slowly: for tests)
-        or "reference" (the pure-JAX reference implementation of the same formats).
+        or "reference" (the pure-JAX reference implementation of the same formats). It
+        applies to the FP8 matmuls of `fp8_compute` as well (their amax and casts:
+        "reference" leaves them to XLA's fusions).
       prefetch: double-buffered prefetch in `gtp_jax.scan_layers`: layer ``i + 1``'s
         weights are gathered while layer ``i`` computes, and in the backward loop layer
         ``i - 1``'s weights are gathered and layer ``i + 1``'s gradient reduce-scattered

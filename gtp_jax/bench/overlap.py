@@ -106,7 +106,8 @@ def run_variant(args: argparse.Namespace) -> dict:
             keep_gathered_layers=args.keep_gathered_layers,
             gather_format=None if args.gather_format == "none" else args.gather_format,
             fp8_compute=None if args.fp8_compute == "none" else args.fp8_compute,
-            fp8_min_features=args.fp8_min_features))
+            fp8_min_features=args.fp8_min_features,
+            quant_backend=None if args.quant_backend == "auto" else args.quant_backend))
     else:
         def spec(var):
             # a layer stack (gtp_stacked metadata: the bundled blocks, a user's Stack) is
@@ -184,6 +185,7 @@ def run_variant(args: argparse.Namespace) -> dict:
     return {
         "variant": variant, "gather_format": args.gather_format,
         "fp8_compute": args.fp8_compute, "fp8_min_features": args.fp8_min_features,
+        "quant_backend": args.quant_backend,
         "fp8_layers": len(getattr(model, "fp8_layers", ())), "devices": n,
         "mesh": {k: v for k, v in mesh.shape.items() if v > 1},
         "device_kind": kind, "preset": args.preset,
@@ -370,6 +372,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--gather-format", default="none",
                         choices=("none", "fp8", "mxfp8", "nvfp4"),
                         help="GTPConfig.gather_format of the gtp variants")
+    parser.add_argument("--quant-backend", default="auto",
+                        choices=("auto", "pallas", "reference"),
+                        help="GTPConfig.quant_backend of the gtp variants: how FP8 gathers and "
+                             "FP8 matmuls quantize (auto: the Pallas kernels on GPUs; "
+                             "reference: XLA's fusions of the same arithmetic)")
     parser.add_argument("--fp8-compute", default="none",
                         choices=("none", "tensorwise", "delayed"),
                         help="GTPConfig.fp8_compute of the gtp variants")

@@ -69,20 +69,37 @@ _X_SCALES: contextvars.ContextVar[list[tuple[Any, jax.Array]] | None] = contextv
     "gtp_jax_fp8_x_scales", default=None)
 
 
+#: How the FP8 matmuls traced in a sharded call quantize (`amax_axes`' ``quant_backend``):
+#: None (the Pallas kernels on GPUs), "pallas" or "reference" (XLA's own fusions).
+_QUANT_BACKEND: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "gtp_jax_fp8_quant_backend", default=None)
+
+
 @contextlib.contextmanager
-def amax_axes(axes: Sequence[str]) -> Iterator[None]:
+def amax_axes(axes: Sequence[str], quant_backend: str | None = None) -> Iterator[None]:
     """While tracing inside ``jax.shard_map``: the mesh axes over which a replicated
     variable's cotangent is summed (every axis of the mesh for ``P()``). Delayed-scaling
     matmuls traced meanwhile take their recorded amax's maximum over them and return the
     next history from the first device only (`fp8_matmul_delayed`), and share the scale of
-    an input several of them read (`_shared_x_scale`)."""
+    an input several of them read (`_shared_x_scale`). FP8 matmuls traced meanwhile
+    quantize with `quant_backend` (`GTPConfig.quant_backend`: None or "pallas", the Pallas
+    kernels on GPUs; "reference", XLA's fusions of the same arithmetic)."""
     token = _AMAX_AXES.set(tuple(axes))
     scales = _X_SCALES.set([])
+    backend = _QUANT_BACKEND.set(quant_backend)
     try:
         yield
     finally:
+        _QUANT_BACKEND.reset(backend)
         _X_SCALES.reset(scales)
         _AMAX_AXES.reset(token)
+
+
+def _matmul_backend() -> str | None:
+    """The ``backend`` of the FP8 matmuls being traced (`gtp_jax.pallas.fp8_matmul`):
+    "xla" where the sharded call asked for the reference quantizer, "pallas" for the
+    kernels, None (the kernels on GPUs, XLA elsewhere) by default."""
+    return {"reference": "xla", "pallas": "pallas"}.get(_QUANT_BACKEND.get())
 
 
 def _shared_x_scale(lhs: Any, history: jax.Array) -> jax.Array | None:
@@ -143,8 +160,9 @@ def fp8_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any,
     k = int(np.prod([lhs.shape[d] for d in lc]))
     x = jnp.transpose(lhs, (*lfree, *lc)).reshape(-1, k)
     w = jnp.transpose(rhs, (*rc, *rfree)).reshape(k, -1)
-    y = (fp8_matmul(x, w) if history is None
-         else fp8_matmul_delayed(x, w, history, axes=_AMAX_AXES.get(),
+    backend = _matmul_backend()
+    y = (fp8_matmul(x, w, backend=backend) if history is None
+         else fp8_matmul_delayed(x, w, history, axes=_AMAX_AXES.get(), backend=backend,
                                  x_scale=_shared_x_scale(lhs, history)))
     y = y.reshape(*(lhs.shape[d] for d in lfree),
                                  *(rhs.shape[d] for d in rfree))
@@ -162,7 +180,8 @@ def _gathered_dot(lhs: jax.Array, rhs: Any, lc: Sequence[int], preferred_element
     y = fp8_matmul_prequantized(
         x, w, w8, w8t, rhs.scale, amax_w=rhs.amax, history=history,
         axes=_AMAX_AXES.get() if history is not None else (),
-        x_scale=None if history is None else _shared_x_scale(lhs, history))
+        x_scale=None if history is None else _shared_x_scale(lhs, history),
+        backend=_matmul_backend())
     y = y.reshape(*(lhs.shape[d] for d in lfree), *rhs.shape[rhs.in_dims:])
     return y if preferred_element_type is None else y.astype(preferred_element_type)
 
@@ -211,7 +230,11 @@ def direct_kernels(module: nnx.Module, layers: Sequence[tuple[tuple, str, str]]
 def fp8_einsum(subscripts: str, *operands: Any, **kwargs: Any) -> jax.Array:
     """``jnp.einsum`` whose contractions run through `fp8_dot_general` (an
     ``nnx.Einsum(einsum_op=...)``)."""
-    return jnp.einsum(subscripts, *operands, _dot_general=fp8_dot_general, **kwargs)
+    # A new partial per call: ``jnp.einsum`` is jitted with ``_dot_general`` static, so the
+    # same function object would reuse the first trace, with the amax axes and quantizer
+    # backend of the sharded call that traced it first (read at trace time).
+    return jnp.einsum(subscripts, *operands, _dot_general=functools.partial(fp8_dot_general),
+                      **kwargs)
 
 
 #: The attribute of `Fp8DelayedMatmul` holding its history: the last name of its path in a

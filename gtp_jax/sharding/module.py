@@ -241,7 +241,7 @@ class ShardedModule(nnx.Module, HoldsShards):
                 call_leaves[i] = x
             call_args, call_kwargs = jax.tree.unflatten(arg_tree, call_leaves)
             attributes = python_attributes(module)
-            with fp8.amax_axes(amax_axes):
+            with fp8.amax_axes(amax_axes, self.config.quant_backend):
                 out = module(*call_args, **call_kwargs)
             refuse_attribute_writes(attributes, python_attributes(module))
             if probe:  # `_check_writes`: the values before and after the call
