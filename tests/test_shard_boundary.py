@@ -346,3 +346,18 @@ def test_batch_norm_in_training_mode_is_refused_before_anything_changes(jit) -> 
     call = nnx.jit(lambda m, x: m(x)) if jit else (lambda m, x: m(x))
     _one_line(lambda: call(sm, _x()), "'bn/", "batch statistics", "use_running_average=True")
     assert_unchanged(sm, before)
+
+
+def test_scan_equations_are_read_in_every_jax_form() -> None:
+    """The randomness check reads a scan's consts and carry from the installed jax's
+    equation (``num_consts``/``num_carry``, or jax 0.11's ``ft_in`` flat trees), and an
+    unknown form is reported as unknown, not an error."""
+    from gtp_jax.sharding.contract import scan_counts
+
+    def f(k, c, xs):  # one const, two carries that change every step, one xs
+        return jax.lax.scan(lambda c, x: ((c[0] * k + x, c[1] + c[0]), x), c, xs)
+
+    jaxpr = jax.make_jaxpr(f)(2.0, (1.0, 2.0), jnp.ones(3)).jaxpr
+    (eqn,) = [e for e in jaxpr.eqns if e.primitive.name == "scan"]
+    assert scan_counts(eqn.params) == (1, 2)
+    assert scan_counts({"jaxpr": None, "length": 3}) is None

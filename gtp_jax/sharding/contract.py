@@ -714,13 +714,32 @@ def _fixpoint(body: Any, head: list[bool], carry: list[bool], tail: list[bool],
     return carry
 
 
+def scan_counts(params: dict) -> tuple[int, int] | None:
+    """(consts, carry) input counts of a ``scan`` equation: ``num_consts`` / ``num_carry``
+    up to jax 0.10; from jax 0.11 the flat trees ``ft_in`` (consts, carry, xs). None when
+    neither reads (a newer form)."""
+    if "num_consts" in params and "num_carry" in params:
+        return int(params["num_consts"]), int(params["num_carry"])
+    try:
+        consts, carry, _ = params["ft_in"].unpack()
+        return len(list(consts.vals)), len(list(carry.vals))
+    except (KeyError, AttributeError, TypeError, ValueError):
+        return None
+
+
 def _nested_outputs(eqn: Any, ins: list[bool], axes: frozenset[str],
                     found: list[Any]) -> list[bool]:
     name, n_out, any_in = eqn.primitive.name, len(eqn.outvars), any(ins)
     params = eqn.params
+    counts = scan_counts(params) if name == "scan" else None
+    if name == "scan" and counts is None:
+        # An unknown form: every input may reach every carry (a draw inside is only
+        # reported where nothing that varies reaches the loop).
+        ins = [any_in] * len(ins)
+        counts = (0, 0)
     if name == "scan":
         body = params["jaxpr"].jaxpr
-        c, k = params["num_consts"], params["num_carry"]
+        c, k = counts
         carry = _fixpoint(body, ins[:c], ins[c:c + k], ins[c + k:], axes)
         return _varying_outputs(body, ins[:c] + carry + ins[c + k:], axes, found)
     if name == "while":
