@@ -482,3 +482,16 @@ def test_a_run_is_resolved_once(monkeypatch):
     assert resolve(run) is run and run.config.auto_fields == frozenset()
     with pytest.raises(dataclasses.FrozenInstanceError):
         run.model = None
+
+
+@pytest.mark.parametrize(("fp8", "given", "unrolled"), [
+    (None, None, True), ("delayed", None, False), ("tensorwise", None, False),
+    ("delayed", True, True), (None, False, False)])
+def test_fp8_compute_runs_the_scanned_loop_unless_told(fp8, given, unrolled) -> None:
+    """FP8's unrolled program compiles ten times longer for a few percent of step time: the
+    trainer scans its layers unless --unroll-layers says otherwise."""
+    from gtp_jax.train import TrainConfig
+    from gtp_jax.train.config import model_config
+
+    cfg = TrainConfig(preset="tiny", fp8_compute=fp8, unroll_layers=given, gtp=1, dp=1)
+    assert model_config(cfg).unrolled is unrolled

@@ -56,6 +56,7 @@ def run_variant(args: argparse.Namespace) -> dict:
     from gtp_jax.base.compile_watch import measure_compile
     from gtp_jax.models import Transformer, lm_loss, preset
     from gtp_jax.train import TrainStep
+    from gtp_jax.train.config import layer_loop_unrolled
     from gtp_jax.train.outputs.observe import memory_per_device, peak_flops
 
     variant = args.worker
@@ -82,7 +83,9 @@ def run_variant(args: argparse.Namespace) -> dict:
         loss_fn, vocab = user_loss, cfg.vocab
     else:
         cfg = preset(args.preset, dtype=jnp.bfloat16, remat=remat, max_seq_len=args.seq,
-                     attention_impl=attention, unroll_layers=args.unroll_layers,
+                     attention_impl=attention,
+                     unroll_layers=layer_loop_unrolled(
+                         args.unroll_layers, None if args.fp8_compute == "none" else "fp8"),
                      swiglu_backend=args.swiglu_backend, **overrides)
         loss_fn = functools.partial(lm_loss, aux_weight=cfg.moe_aux_weight)
         vocab = cfg.vocab_size
@@ -389,8 +392,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "backward loop reuses the forward pass's gathered weights")
     parser.add_argument("--unroll-layers", action=argparse.BooleanOptionalAction, default=None,
                         help="TransformerConfig.unroll_layers for every Transformer variant "
-                        "and the user model's Stack (default: the library's, unrolled "
-                        "unless remat full / the user's remat; "
+                        "and the user model's Stack (default: the trainer's, unrolled "
+                        "unless remat full or --fp8-compute / the user's remat; "
                         "--no-unroll-layers: the blocks run under lax.scan, where the "
                         "prefetch variants differ)")
     parser.add_argument("--swiglu-backend", default=None, choices=("pallas", "reference"),

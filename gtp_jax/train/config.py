@@ -129,7 +129,8 @@ class TrainConfig:
       remat: `TransformerConfig.remat`, or "auto": "dots" on GPUs, "none" elsewhere.
       attention: `TransformerConfig.attention_impl` ("auto": cuDNN's fused attention on a
         GPU where it applies, else XLA's; "cudnn"; "xla").
-      unroll_layers: `TransformerConfig.unroll_layers` (None: unrolled unless remat "full").
+      unroll_layers: `TransformerConfig.unroll_layers` (None: unrolled unless remat "full"
+        or FP8 compute, whose unrolled program compiles 10x longer: `layer_loop_unrolled`).
       gather_format: `GTPConfig.gather_format` (None, "fp8", "mxfp8" or "nvfp4").
       fp8_compute: `GTPConfig.fp8_compute` (None, "tensorwise" or "delayed": the decoder's
         projections compute in FP8; emulated exactly on CPUs).
@@ -504,6 +505,16 @@ def model_config(cfg: TrainConfig | Run) -> TransformerConfig | UserModel:
     return resolve(cfg).model
 
 
+def layer_loop_unrolled(unroll_layers: bool | None, fp8_compute: str | None) -> bool | None:
+    """`TransformerConfig.unroll_layers` for a run: as given, or with FP8 compute the
+    scanned loop when none is given. Unrolled, FP8's program compiles in 84 s instead of
+    7 s on llama3-8b (2x H200, 2026-11-28) for a 4% faster step; None leaves the choice to
+    the model (unrolled unless remat "full")."""
+    if unroll_layers is None and fp8_compute is not None:
+        return False
+    return unroll_layers
+
+
 def _model_config(cfg: TrainConfig) -> TransformerConfig | UserModel:
     """`model_config` of an already resolved `cfg`."""
     dtype = jnp.bfloat16 if cfg.dtype == "bfloat16" else jnp.float32
@@ -513,7 +524,8 @@ def _model_config(cfg: TrainConfig) -> TransformerConfig | UserModel:
         user.abstract()  # imports and calls the factory once: its errors name TrainConfig.model
         return user
     options = dict(dtype=dtype, remat=cfg.remat, tp_overlap=cfg.overlap,
-                   attention_impl=cfg.attention, unroll_layers=cfg.unroll_layers)
+                   attention_impl=cfg.attention,
+                   unroll_layers=layer_loop_unrolled(cfg.unroll_layers, cfg.fp8_compute))
     vocab_size = cfg.vocab_size if cfg.vocab_size is not None else VOCAB_SIZE
     if cfg.init_from_hf is not None:
         return _hf_model_config(cfg, options, vocab_size)

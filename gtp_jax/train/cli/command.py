@@ -300,7 +300,7 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--unroll-layers", action=argparse.BooleanOptionalAction, default=None,
                        help="run the layers as a Python loop (fastest) or, with "
                        "--no-unroll-layers, under lax.scan (smaller program, faster compile); "
-                       "default: unrolled unless --remat full")
+                       "default: unrolled unless --remat full or --fp8-compute")
     train.add_argument("--attention", choices=("auto", "cudnn", "xla"), default="auto",
                        help="attention kernel; auto: cuDNN's fused attention on GPUs where "
                        "it applies (bfloat16, head dim a multiple of 8 up to 128), else XLA")
