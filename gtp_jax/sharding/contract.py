@@ -346,9 +346,12 @@ def _passed_input(eqn: Any, i: int) -> Any:
     output (`_Origins.of`)."""
     name = eqn.primitive.name
     own = ("out", id(eqn), i)
+    counts = scan_counts(eqn.params) if name == "scan" else None
+    if name == "scan" and counts is None:
+        return own
     if name == "scan":
         body = eqn.params["jaxpr"].jaxpr
-        consts, carry = eqn.params["num_consts"], eqn.params["num_carry"]
+        consts, carry = counts
         got = _Origins(body).of(body.outvars[i])
         if i < carry:  # a carry that every iteration passes on is its initial value
             return consts + i if got == ("in", consts + i) else own
