@@ -11,10 +11,12 @@ after each optimizer step, torchao's FSDP2 recipe; the head stays bf16; needs to
 PYTHONPATH), AC (activation checkpointing per block as torchtitan applies it, before
 compiling and sharding: "none", the default; "full": each block recomputed in the backward;
 "op": selective, the outputs of matmuls and attention saved, the rest recomputed), REDUCE
-("float32", the default, torchtitan's; "bfloat16": gradients reduce-scattered in bf16). Same
-architecture (RMSNorm, SwiGLU, untied head; rotary-free attention has the same cost), bf16
-compute with fp32 master weights, fused AdamW, ``fully_shard`` per block. Prints
-``RESULT {json}`` on rank 0.
+("float32", the default, torchtitan's; "bfloat16": gradients reduce-scattered in bf16), MODEL
+("preset", the default; "user": the blocks of ``gtp_jax.bench.user_model.UserDecoder``, a GELU
+MLP instead of SwiGLU, sized by USER_D, USER_BLOCKS, USER_HEADS, USER_FF, USER_VOCAB, as
+``bench overlap``'s ``--user-*`` options). Same architecture (RMSNorm, SwiGLU, untied head;
+rotary-free attention has the same cost), bf16 compute with fp32 master weights, fused AdamW,
+``fully_shard`` per block. Prints ``RESULT {json}`` on rank 0.
 """
 
 import json
@@ -38,13 +40,14 @@ SIZES = {  # vocab, d_model, heads, layers, d_ff[, kv heads, head dim]
 
 
 class Block(nn.Module):
-    def __init__(self, d, heads, ff, kv=None, hd=None):
+    def __init__(self, d, heads, ff, kv=None, hd=None, gelu=False):
         super().__init__()
         self.heads, self.kv, self.hd = heads, kv or heads, hd or d // heads
+        self.gelu = gelu
         self.attn_norm, self.mlp_norm = nn.RMSNorm(d), nn.RMSNorm(d)
         self.qkv = nn.Linear(d, (heads + 2 * self.kv) * self.hd, bias=False)
         self.out = nn.Linear(heads * self.hd, d, bias=False)
-        self.gate_up = nn.Linear(d, 2 * ff, bias=False)
+        self.gate_up = nn.Linear(d, (1 if gelu else 2) * ff, bias=False)
         self.down = nn.Linear(ff, d, bias=False)
 
     def forward(self, x):
@@ -55,15 +58,17 @@ class Block(nn.Module):
         a = F.scaled_dot_product_attention(q, k, v, is_causal=True,
                                            enable_gqa=self.kv != self.heads)
         x = x + self.out(a.transpose(1, 2).reshape(b, t, self.heads * self.hd))
+        if self.gelu:  # the user decoder's MLP (jax.nn.gelu: the tanh approximation)
+            return x + self.down(F.gelu(self.gate_up(self.mlp_norm(x)), approximate="tanh"))
         gate, up = self.gate_up(self.mlp_norm(x)).chunk(2, dim=-1)
         return x + self.down(F.silu(gate) * up)
 
 
 class Decoder(nn.Module):
-    def __init__(self, vocab, d, heads, layers, ff, kv=None, hd=None):
+    def __init__(self, vocab, d, heads, layers, ff, kv=None, hd=None, gelu=False):
         super().__init__()
         self.embed = nn.Embedding(vocab, d)
-        self.blocks = nn.ModuleList(Block(d, heads, ff, kv, hd) for _ in range(layers))
+        self.blocks = nn.ModuleList(Block(d, heads, ff, kv, hd, gelu) for _ in range(layers))
         self.final_norm = nn.RMSNorm(d)
         self.head = nn.Linear(d, vocab, bias=False)
 
@@ -80,12 +85,18 @@ def main():
     dist.init_process_group("nccl")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.cuda.set_device(rank)
-    vocab, d, heads, layers, ff, *gqa = SIZES[os.environ.get("PRESET", "1b")]
+    user = os.environ.get("MODEL", "preset") == "user"
+    if user:  # defaults: gtp_jax.bench.user_model.UserDecoderConfig's
+        vocab, d, heads, layers, ff = (int(os.environ.get(f"USER_{k}", v)) for k, v in (
+            ("VOCAB", 32000), ("D", 2048), ("HEADS", 16), ("BLOCKS", 16), ("FF", 8192)))
+        gqa = []
+    else:
+        vocab, d, heads, layers, ff, *gqa = SIZES[os.environ.get("PRESET", "1b")]
     layers = int(os.environ.get("LAYERS", "0")) or layers
     seq, mb = int(os.environ.get("SEQ", "2048")), int(os.environ.get("MB", "4"))
     steps = int(os.environ.get("STEPS", "20"))
     torch.manual_seed(0)
-    model = Decoder(vocab, d, heads, layers, ff, *gqa).cuda()
+    model = Decoder(vocab, d, heads, layers, ff, *(gqa or (None, None)), gelu=user).cuda()
     float8 = os.environ.get("FLOAT8", "0") == "1"
     if float8:
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
@@ -186,12 +197,14 @@ def main():
             prof.export_chrome_trace(os.environ["PROFILE"])
     kv, hd = gqa or (heads, d // heads)  # the formula of TransformerConfig.train_flops_per_token
     attn = 2 * d * hd * (heads + kv)
-    flops_per_token = (6.0 * (layers * (attn + 3 * d * ff) + vocab * d)
+    mlp = (2 if user else 3) * d * ff
+    flops_per_token = (6.0 * (layers * (attn + mlp) + vocab * d)
                        + 6.0 * layers * heads * hd * seq)
     flops = flops_per_token * mb * seq
     if rank == 0:
         print("RESULT " + json.dumps({
-            "variant": ("torch_hsdp" if replicate > 1 else "torch_fsdp2")
+            "variant": ("user_" if user else "")
+                       + ("torch_hsdp" if replicate > 1 else "torch_fsdp2")
                        + ("_compiled" if compiled else "_eager") + ("_float8" if float8 else ""),
             "devices": world,
             "device_kind": torch.cuda.get_device_name(), "preset": os.environ.get("PRESET", "1b"),

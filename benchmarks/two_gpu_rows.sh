@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Two-GPU rows in one call, each within what is left of BUDGET seconds: the 1b preset at
 # 4 x 2048 tokens per GPU beside compiled FSDP2 (campaign part `step`); a user's decoder on
-# gtp_jax.Stack with its defaults beside XLA's automatic FSDP of it; FP8 compute fed by FP8
+# gtp_jax.Stack with its defaults beside XLA's automatic FSDP of it and its blocks in PyTorch
+# under FSDP2 (benchmarks/torch_fsdp2.py MODEL=user); FP8 compute fed by FP8
 # gathers on the whole llama3-8b at 8192 x 1, compiled cold and again from the persistent
 # compilation cache; ring attention over cp2 on the 1b preset at 16k and 32k (traced: the
 # ring's hidden share); the ring collective matmul alone at tp2 against its GEMM budget.
@@ -20,9 +21,10 @@ if [[ " ${ROWS:-1b user fp8 cp tp} " == *" 1b "* ]]; then
     within 230 bash benchmarks/campaign.sh 2>&1 | grep -E "^\||^\[" | tail -4
 fi
 if [[ " ${ROWS:-1b user fp8 cp tp} " == *" user "* ]]; then
-  log "a user's decoder on the stack (its defaults) beside XLA's automatic FSDP of it"
-  within 150 python3 -m gtp_jax.bench overlap --preset 1b --seq 2048 --per-device-batch 4 \
-    --steps 10 --warmup 3 --variants user_gtp,user_xla_fsdp --timeout 70 \
+  log "a user's decoder on the stack (its defaults) beside XLA's automatic FSDP of it and"
+  log "the same blocks in PyTorch under FSDP2 (compiled and eager)"
+  within 260 python3 -m gtp_jax.bench overlap --preset 1b --seq 2048 --per-device-batch 4 \
+    --steps 10 --warmup 3 --variants user_gtp,user_xla_fsdp --torch --timeout 70 \
     --json "$OUT/user_model.json" 2>&1 | grep -E "^\[|^\| user"
 fi
 if [[ " ${ROWS:-1b user fp8 cp tp} " == *" fp8 "* ]]; then

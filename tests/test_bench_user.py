@@ -59,6 +59,7 @@ def test_user_model_on_the_stack_is_the_python_loop_model() -> None:
      "--steps", "4", "--warmup", "1", "--remat", "full", "--attention", "xla", "--vocab", "300",
      "--optimizer", "train", "--reduce-dtype", "bfloat16", "--gather-format", "fp8",
      "--fp8-compute", "delayed", "--fp8-min-features", "64", "--no-remat-gathered",
+     "--quant-backend", "reference",
      "--keep-gathered-layers", "--no-unroll-layers", "--swiglu-backend", "reference",
      "--user-d", "32", "--user-blocks", "1", "--user-heads", "2", "--user-vocab", "64",
      "--no-user-remat", "--user-loop", "python", "--gtp", "2", "--profile-dir", "/tmp/p",
@@ -75,3 +76,26 @@ def test_worker_gets_every_option_of_the_parent(given: list[str]) -> None:
     for name, value in vars(parent).items():
         if name not in overlap.PARENT_ONLY:
             assert getattr(worker, name) == value, name
+
+
+@pytest.mark.parametrize(("variants", "user"), [("user_gtp,user_xla_fsdp", True),
+                                                ("gtp,user_gtp", False)])
+def test_the_pytorch_peer_of_a_user_decoder_run_is_that_decoder(monkeypatch, variants, user
+                                                                ) -> None:
+    """With only user_* variants, the FSDP2 peer builds the user decoder's blocks at the
+    run's --user-* sizes (MODEL=user), not the preset's."""
+    envs = []
+    monkeypatch.setattr(overlap.shutil, "which", lambda name: "/bin/torchrun")
+    monkeypatch.setattr(overlap, "run_for_result",
+                        lambda name, cmd, timeout, env: envs.append(env))
+    args = overlap.build_parser().parse_args(
+        ["--variants", variants, "--user-d", "96", "--user-blocks", "3", "--user-heads", "4",
+         "--user-vocab", "500"])
+    assert overlap._torch_peers(args, 2, 9.0) == []
+    assert len(envs) == 2  # compiled and eager
+    for env in envs:
+        if user:
+            assert (env["MODEL"], env["USER_D"], env["USER_BLOCKS"], env["USER_HEADS"],
+                    env["USER_FF"], env["USER_VOCAB"]) == ("user", "96", "3", "4", "384", "500")
+        else:
+            assert env.get("MODEL", "preset") != "user"

@@ -288,11 +288,18 @@ def _torch_peers(args: argparse.Namespace, ndev: int, timeout: float) -> list[di
         print("[torch] skipped: benchmarks/torch_fsdp2.py or torchrun not found", flush=True)
         return []
     replicate = ndev // args.gtp if args.gtp and ndev % args.gtp == 0 else 1
+    # Only a user's decoder in the run: the peer is its blocks in PyTorch (MODEL=user).
+    variants = [v for v in args.variants.split(",") if v]
+    user = bool(variants) and all(v.startswith("user_") for v in variants)
+    model = ({"MODEL": "user", "USER_D": str(args.user_d), "USER_BLOCKS": str(args.user_blocks),
+              "USER_HEADS": str(args.user_heads), "USER_VOCAB": str(args.user_vocab),
+              "USER_FF": str(4 * args.user_d)} if user else {})
     rows = []
     for compiled in ("1", "0"):
         env = dict(os.environ, PRESET=args.preset, SEQ=str(args.seq),
                    MB=str(args.per_device_batch), STEPS=str(args.steps),
-                   LAYERS=str(args.layers or 0), COMPILE=compiled, REPLICATE=str(replicate))
+                   LAYERS=str(args.layers or 0), COMPILE=compiled, REPLICATE=str(replicate),
+                   **model)
         row = run_for_result(f"torch compile={compiled}",
                              [torchrun, f"--nproc_per_node={ndev}", str(script)], timeout, env)
         if row:
