@@ -155,10 +155,29 @@ class _Reader:
 NOISE = re.compile(r"Check failure|Traceback|^[IWEF]\d{4} \d\d:\d\d|\[Gloo\]", re.M)
 
 
+#: The heartbeat timeout of the kill tests: a lost process is noticed within it (a short one
+#: keeps the test from waiting out the default 30 s; `test_the_default_heartbeat_...`).
+HEARTBEAT_S = 6
+#: What the survivor takes beyond the heartbeat timeout to notice the loss and exit, at most.
+NOTICE_S = 25
+
+
+def test_the_default_heartbeat_timeout_ends_a_survivor_within_a_minute() -> None:
+    """With the defaults, a survivor ends within 60 s of the loss: the heartbeat timeout
+    the command line uses, plus what `test_a_process_killed_ends_the_other_with_one_line`
+    allows beyond it."""
+    from gtp_jax.train.cli.command import _parser
+
+    args = _parser().parse_args(["train"])
+    assert args.heartbeat_timeout == distributed.DEFAULT_HEARTBEAT_TIMEOUT
+    assert distributed.DistributedConfig().heartbeat_timeout == args.heartbeat_timeout
+    assert args.heartbeat_timeout + NOTICE_S <= 60
+
+
 @pytest.mark.parametrize("victim", [0, 1], ids=["coordinator-lost", "peer-lost"])
 def test_a_process_killed_ends_the_other_with_one_line(victim: int) -> None:
-    # Started one by one, as a cluster scheduler does (no --processes launcher), with the
-    # default heartbeat timeout: the survivor ends within 60 s, non-zero, with one line.
+    # Started one by one, as a cluster scheduler does (no --processes launcher): the
+    # survivor ends within the heartbeat timeout and a little, non-zero, with one line.
     with socket.socket() as s:  # a port of the system's choice: no other test's
         s.bind(("localhost", 0))
         port = s.getsockname()[1]
@@ -168,7 +187,7 @@ def test_a_process_killed_ends_the_other_with_one_line(victim: int) -> None:
             [sys.executable, "-m", "gtp_jax", "train", "--steps", "500", "--batch", "8",
              "--seq", "16", "--layers", "1", "--dp", "2", "--gtp", "4", "--log-every", "1",
              "--coordinator", f"localhost:{port}", "--num-processes", "2",
-             "--process-id", str(i)],
+             "--process-id", str(i), "--heartbeat-timeout", str(HEARTBEAT_S)],
             cwd=REPO_ROOT, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             text=True))
         out.append(_Reader(procs[i].stdout))
@@ -192,7 +211,7 @@ def test_a_process_killed_ends_the_other_with_one_line(victim: int) -> None:
     for reader in (out[1 - victim], err[1 - victim]):
         reader.thread.join(timeout=30)  # the last line is written as the process ends
     stderr, stdout = err[1 - victim].text(), out[1 - victim].text()
-    assert waited < 60, (waited, stderr)
+    assert waited < HEARTBEAT_S + NOTICE_S, (waited, stderr)
     assert survivor.returncode != 0
     errors = [line for line in stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1, stderr

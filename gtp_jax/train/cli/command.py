@@ -416,6 +416,7 @@ def _parser() -> argparse.ArgumentParser:
                       help="let JAX detect the cluster (SLURM, Open MPI, Kubernetes)")
     dist.add_argument("--distributed-timeout", type=int, default=300, metavar="SECONDS",
                       help="how long to wait for every process to join the run")
+    # distributed.DEFAULT_HEARTBEAT_TIMEOUT (not imported here: it imports JAX)
     dist.add_argument("--heartbeat-timeout", type=int, default=30, metavar="SECONDS",
                       help="a process silent this long counts as lost: every other process "
                            "stops, with one line naming it")
