@@ -62,6 +62,11 @@ SHARED_FIXTURE_FILES = frozenset({
     "test_notebooks.py", "test_ntp_train.py", "test_reliability.py", "test_step.py",
     "test_tp.py"})
 
+#: Files whose tests are independent and long (each of test_readme.py's pages runs its own
+#: commands, 10-80 s): scheduled test by test even in a whole-suite run, so that the longest
+#: page does not hold the other pages on one worker.
+PER_TEST_FILES = frozenset({"test_readme.py"})
+
 #: `pytest -m smoke`: the quick first run (about a minute on 2 cores): configuration and
 #: usage errors, meshes, the layering rule, the kernels' references, and the core promise,
 #: a sharded model that computes what the unsharded one does (tests/test_equivalence.py,
@@ -88,7 +93,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
     """pytest-xdist's scope scheduling with one scope per file, taken in collection order:
     a file's tests share their module fixtures and compiled programs on one worker (split
-    over two, each worker traced and compiled them again: about a tenth more CPU time).
+    over two, each worker traced and compiled them again: about a tenth more CPU time),
+    but for the `PER_TEST_FILES`, whose tests are scheduled one by one.
     A run of fewer files than 4 per worker (say one file with ``-n 2``) schedules each test
     on its own instead, but for the `SHARED_FIXTURE_FILES`. (The ``xdist_group`` marks do
     not group with current pytest: the node-id suffix they rely on is no longer read.)"""
@@ -108,8 +114,10 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
 
         def _split_scope(self, nodeid: str) -> str:
             path = nodeid.split("::", 1)[0]
-            shared = path.rsplit("/", 1)[-1] in SHARED_FIXTURE_FILES
-            return path if self.per_file or shared else nodeid
+            name = path.rsplit("/", 1)[-1]
+            if name in PER_TEST_FILES:
+                return nodeid
+            return path if self.per_file or name in SHARED_FIXTURE_FILES else nodeid
 
     return FileScheduling(config, log)
 
