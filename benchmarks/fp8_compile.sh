@@ -9,10 +9,8 @@
 set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-runs/fp8_compile}; mkdir -p "$OUT"
-T0=$(date +%s); END=$((T0 + ${BUDGET:-540}))
-log() { echo "== t=$(( $(date +%s) - T0 ))s $*"; }
-within() { local left=$((END - $(date +%s))); [ "$left" -gt "$1" ] && left=$1
-  [ "$left" -lt 20 ] && { echo "skipped: budget spent"; return 1; }; timeout "$left" "${@:2}"; }
+DEFAULT_BUDGET=540
+. "$(dirname "$0")/budget.sh"
 COMMON="--preset ${PRESET:-llama3-8b} --layers ${LAYERS:-8} --seq ${SEQ:-8192} --per-device-batch 1
   --steps 6 --warmup 2 --variants gtp_dots --timeout 140"
 FP8="--fp8-compute delayed --gather-format fp8"

@@ -9,10 +9,8 @@ set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-runs/last}; mkdir -p "$OUT"
-T0=$(date +%s); END=$((T0 + ${BUDGET:-460}))
-log() { echo "== t=$(( $(date +%s) - T0 ))s $*"; }
-within() { local left=$((END - $(date +%s))); [ "$left" -gt "$1" ] && left=$1
-  [ "$left" -lt 20 ] && { echo "skipped: budget spent"; return 1; }; timeout "$left" "${@:2}"; }
+DEFAULT_BUDGET=460
+. "$(dirname "$0")/budget.sh"
 log "command line: llama3-8b, seq 8192, batch 2, 50 steps, the preset's defaults"
 within 150 python3 -m gtp_jax train --preset llama3-8b --seq 8192 --batch 2 --steps 50 \
   --log-every 10 --log-dir "$OUT/cli" --metrics-json "$OUT/cli.json" > "$OUT/cli.log" 2>&1

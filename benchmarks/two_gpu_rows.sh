@@ -11,10 +11,8 @@ set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-runs/two_gpu_rows}; mkdir -p "$OUT"
-T0=$(date +%s); END=$((T0 + ${BUDGET:-560}))
-log() { echo "== t=$(( $(date +%s) - T0 ))s $*"; }
-within() { local left=$((END - $(date +%s))); [ "$left" -gt "$1" ] && left=$1
-  [ "$left" -lt 20 ] && { echo "skipped: budget spent"; return 1; }; timeout "$left" "${@:2}"; }
+DEFAULT_BUDGET=560
+. "$(dirname "$0")/budget.sh"
 if [[ " ${ROWS:-1b user fp8 cp tp} " == *" 1b "* ]]; then
   log "1b, 4 x 2048 per GPU: gtp_jax's defaults beside FSDP2 compiled"
   OUT="$OUT" PARTS=step PRESET=1b SHAPES=2048x4 STEPS=10 LIMIT=110 \
