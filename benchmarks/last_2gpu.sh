@@ -24,7 +24,7 @@ within 160 python3 -m gtp_jax.bench overlap --preset llama3-8b --seq 8192 --per-
   --timeout 150 --json "$OUT/fp8_8b.json" 2>&1 | grep -E "^\[|^\| gtp"
 log "a user's decoder on the stack beside the bundled 1b (XLA attention, no remat), 4 x 2048"
 within 150 python3 -m gtp_jax.bench overlap --preset 1b --seq 2048 --per-device-batch 4 \
-  --steps 10 --warmup 3 --attention xla --no-user-remat --timeout 140 \
+  --steps 10 --warmup 3 --attention xla --user-remat none --timeout 140 \
   --variants gtp,user_gtp,user_gtp_prefetch --json "$OUT/user_model.json" 2>&1 \
   | grep -E "^\[|^\| (gtp|user)"
 log "cluster: one process per GPU started by hand, process 1 killed"

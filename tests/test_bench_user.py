@@ -62,7 +62,7 @@ def test_user_model_on_the_stack_is_the_python_loop_model() -> None:
      "--quant-backend", "reference",
      "--keep-gathered-layers", "--no-unroll-layers", "--swiglu-backend", "reference",
      "--user-d", "32", "--user-blocks", "1", "--user-heads", "2", "--user-vocab", "64",
-     "--no-user-remat", "--user-loop", "python", "--gtp", "2", "--profile-dir", "/tmp/p",
+     "--user-remat", "dots", "--user-loop", "python", "--gtp", "2", "--profile-dir", "/tmp/p",
      "--profile-variants", "gtp"],
 ])
 def test_worker_gets_every_option_of_the_parent(given: list[str]) -> None:

@@ -11,6 +11,7 @@ Variants (each in its own subprocess, so peak memory is per variant):
                  torch.compile'd and eager; HSDP (replicas x shards) with --gtp
   user_*         a user's own decoder (gtp_jax.bench.user_model: blocks on gtp_jax.Stack,
                  or --user-loop python: a Python loop of blocks, each under nnx.remat;
+                 attention by --attention, remat by --user-remat;
                  --user-d, --user-blocks): user_unwrapped (data parallel, weights
                  replicated), user_gtp (gtp_jax.shard, gtp = all devices), user_gtp_prefetch
                  (with GTPConfig(prefetch=True)), user_xla_fsdp (XLA's automatic FSDP of the
@@ -75,10 +76,16 @@ def run_variant(args: argparse.Namespace) -> dict:
     attention = args.attention if on_gpu else None
     if user:
         from gtp_jax.bench.user_model import UserDecoder, UserDecoderConfig, user_loss
+        from gtp_jax.models.attention import resolve_attention_impl
 
+        # The user's blocks call jax.nn.dot_product_attention with the implementation the
+        # bundled decoder would run (--attention): cuDNN's flash kernel where it applies.
         cfg = UserDecoderConfig(d_model=args.user_d, n_blocks=args.user_blocks,
                                 n_heads=args.user_heads, d_ff=4 * args.user_d,
                                 vocab=args.user_vocab, remat=args.user_remat,
+                                attention=resolve_attention_impl(
+                                    args.attention, jnp.bfloat16,
+                                    args.user_d // args.user_heads),
                                 loop=args.user_loop, unroll=args.unroll_layers)
         loss_fn, vocab = user_loss, cfg.vocab
     else:
@@ -197,6 +204,8 @@ def run_variant(args: argparse.Namespace) -> dict:
         "unroll_layers": bool(getattr(blocks, "unroll", False)) if user
         else bool(getattr(cfg, "unrolled", False)),
         "user_loop": cfg.loop if user else None,
+        "user_remat": cfg.remat if user else None,
+        "attention": cfg.attention if user else getattr(cfg, "attention_impl", None),
         "swiglu_backend": getattr(cfg, "swiglu_backend", None),
         "step_ms": med * 1e3, "step_ms_min": min(times) * 1e3, "loss": float(loss),
         "peak_mem_gib": peak / 2**30, "compiled_peak_gib": compiled_peak,
@@ -410,8 +419,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--user-blocks", type=int, default=16, help="user_* model blocks")
     parser.add_argument("--user-heads", type=int, default=16, help="user_* attention heads")
     parser.add_argument("--user-vocab", type=int, default=32000, help="user_* vocabulary")
-    parser.add_argument("--no-user-remat", dest="user_remat", action="store_false",
-                        help="user_* model without its per-block remat")
+    parser.add_argument("--user-remat", default="full", choices=("none", "dots", "full"),
+                        help="user_* model's per-block remat (full: nnx.remat's default, "
+                        "recompute each block; dots: save matmul outputs and the fused "
+                        "attention's, the bundled default)")
     parser.add_argument("--user-loop", default="stack", choices=("stack", "python"),
                         help="user_* model's blocks: on gtp_jax.Stack (the layer loop; "
                         "--unroll-layers applies), or a Python loop, nnx.remat per block")
