@@ -819,15 +819,27 @@ def _place(value: jax.Array, plan: ParamPlan | SplitPlan, mesh: Mesh) -> jax.Arr
     return _to_stored(plan, sharding)(value)
 
 
-@functools.cache
 def _to_stored(plan: ParamPlan | SplitPlan, sharding: NamedSharding):
-    # Jitted with an output sharding so each device only ever materializes its own shard.
-    return jax.jit(plan.to_stored, out_shardings=sharding)
+    """`plan.to_stored` jitted with an output sharding, so each device only ever
+    materializes its own shard."""
+    return _layout_program("to_stored", _layout_of(plan), sharding)
+
+
+def _from_stored(plan: ParamPlan | SplitPlan, sharding: NamedSharding):
+    """`plan.from_stored` jitted with an output sharding."""
+    return _layout_program("from_stored", _layout_of(plan), sharding)
+
+
+def _layout_of(plan: ParamPlan | SplitPlan) -> ParamPlan | SplitPlan:
+    """`plan` without its path: the layout change depends only on the shapes, splits and
+    padding, so the weights of one shape (every block of a Python loop of blocks) share
+    one traced and compiled program instead of one each."""
+    return dataclasses.replace(plan, path="")
 
 
 @functools.cache
-def _from_stored(plan: ParamPlan | SplitPlan, sharding: NamedSharding):
-    return jax.jit(plan.from_stored, out_shardings=sharding)
+def _layout_program(direction: str, layout: ParamPlan | SplitPlan, sharding: NamedSharding):
+    return jax.jit(getattr(layout, direction), out_shardings=sharding)
 
 
 def _validate_shard_args(module: Any, mesh: Any, config: Any) -> None:
