@@ -495,3 +495,49 @@ def test_fp8_compute_runs_the_scanned_loop_unless_told(fp8, given, unrolled) -> 
 
     cfg = TrainConfig(preset="tiny", fp8_compute=fp8, unroll_layers=given, gtp=1, dp=1)
     assert model_config(cfg).unrolled is unrolled
+
+
+def test_keep_gathered_layers_trains_like_the_default() -> None:
+    """`TrainConfig.keep_gathered_layers` (``--keep-gathered-layers``) changes where the
+    backward pass's weights come from (the forward pass's gathers, held), not what they are:
+    the same losses and parameters (float32; the gathers are exact copies, so only XLA's
+    fusion choices may move the last bit)."""
+    keep = dataclasses.replace(CFG, keep_gathered_layers=True)
+    base, kept = _run(CFG), _run(keep)
+    np.testing.assert_allclose(kept[0], base[0], rtol=1e-6)
+    for path, value in base[2].items():
+        assert_close(kept[2][path], value, 1e-6, str(path))
+
+    def gathers(cfg: TrainConfig) -> int:
+        """All-gathers in the step's program: the backward pass gathers each layer again
+        unless the forward pass's gathers are kept."""
+        model, optimizer = build_model_and_optimizer(cfg)
+        step = TrainStep(model, optimizer, lm_loss)
+        batch = _batches(cfg, model.mesh, 1)[0]
+        return step._program.fn.lower(step.state, batch).as_text().count("all_gather")
+
+    assert gathers(keep) < gathers(CFG)
+
+
+def test_memory_bound_counts_the_kept_gathered_weights() -> None:
+    """Kept gathered weights are held from the forward pass to the backward pass, beside the
+    saved activations: every layer-stacked weight, whole over gtp (float32 gathers here)."""
+    from gtp_jax.base.metadata import STACKED
+    from gtp_jax.models import Transformer
+
+    kept = dataclasses.replace(CFG, keep_gathered_layers=True)
+    model = nnx.eval_shape(lambda: Transformer(model_config(kept), rngs=nnx.Rngs(0)))
+    stacked = sum(v.get_value().size for _, v in nnx.to_flat_state(nnx.state(model, nnx.Param))
+                  if v.get_metadata().get(STACKED, False))
+    gained = memory_bound(kept)["activations"] - memory_bound(CFG)["activations"]
+    assert gained == stacked * 4
+
+
+def test_keep_gathered_layers_flag_and_its_refusal_with_the_planner(capsys) -> None:
+    args = _parser().parse_args(["train", "--keep-gathered-layers"])
+    assert args.keep_gathered_layers is True
+    assert cli_main(["train", "--steps", "1", "--plan", "auto", "--keep-gathered-layers"]) == 2
+    err = capsys.readouterr().err
+    assert "--keep-gathered-layers" in err and "--plan auto" in err
+    with pytest.raises(UsageTypeError, match="keep_gathered_layers"):
+        TrainConfig(keep_gathered_layers="yes")

@@ -36,7 +36,7 @@ from gtp_jax.train.user_model import UserModel, check_spec
 #: `TrainConfig.schedule_steps`).
 RESUME_MAY_DIFFER = frozenset({"steps", "dp", "gtp", "tp", "ep", "cp", "pad_for_alignment",
                                "gather_dtype", "reduce_dtype", "gather_format", "prefetch",
-                               "remat", "overlap",
+                               "keep_gathered_layers", "remat", "overlap",
                                "attention", "unroll_layers", "export_hf", "eval_every",
                                "eval_batches", "offload_optimizer", "offload_exclude",
                                "fp8_compute", "fp8_min_features", "grad_accum"})
@@ -137,6 +137,9 @@ class TrainConfig:
       fp8_min_features: `GTPConfig.fp8_min_features` (None: its default).
       prefetch: `GTPConfig.prefetch` (the scanned loop's double buffering; the unrolled loop
         always gathers one layer ahead).
+      keep_gathered_layers: `GTPConfig.keep_gathered_layers`: the backward pass reuses the
+        forward pass's gathered weights instead of gathering each layer again (every
+        layer's gathered weights held through the step; same numbers).
       offload_optimizer: `GTPConfig.offload_optimizer` (optimizer state in host memory).
       offload_exclude: `GTPConfig.offload_exclude` (regular expressions on parameter paths,
         e.g. ``"blocks/mlp/down"``, whose optimizer state stays on the device).
@@ -203,6 +206,7 @@ class TrainConfig:
     fp8_compute: str | None = None
     fp8_min_features: int | None = None
     prefetch: bool = False
+    keep_gathered_layers: bool = False
     offload_optimizer: bool = False
     offload_exclude: tuple[str, ...] = ()
     offload_master_weights: bool = False
@@ -258,7 +262,8 @@ class TrainConfig:
             if getattr(self, name) not in allowed:
                 raise UsageError(f"TrainConfig.{name}={getattr(self, name)!r}: use one of "
                                  f"{list(allowed)}.")
-        for name in ("prefetch", "overlap", "offload_optimizer", "offload_master_weights"):
+        for name in ("prefetch", "keep_gathered_layers", "overlap", "offload_optimizer",
+                     "offload_master_weights"):
             if not isinstance(getattr(self, name), bool):
                 raise UsageTypeError(f"TrainConfig.{name}={getattr(self, name)!r} must be a bool.")
         exclude = self.offload_exclude
@@ -564,6 +569,7 @@ def _gtp_config(cfg: TrainConfig) -> GTPConfig:
     return GTPConfig(gather_dtype=cfg.gather_dtype, reduce_dtype=cfg.reduce_dtype,
                      pad_for_alignment=cfg.pad_for_alignment,
                      gather_format=cfg.gather_format, prefetch=cfg.prefetch,
+                     keep_gathered_layers=cfg.keep_gathered_layers,
                      offload_optimizer=cfg.offload_optimizer,
                      offload_exclude=cfg.offload_exclude,
                      offload_master_weights=cfg.offload_master_weights,
@@ -614,6 +620,8 @@ def describe_choices(cfg: TrainConfig, model_cfg: TransformerConfig | UserModel)
     else:
         loop = "layers scanned" + (" with prefetch (double-buffered gathers)" if cfg.prefetch
                                    else "")
+    if cfg.keep_gathered_layers:
+        loop += "; the backward pass reuses the forward pass's gathered weights"
     return (f"compute {cfg.dtype}, gathers {gather}{reduce}, remat {model_cfg.remat}, "
             f"attention {attention}, {loop}{offload}{fp8}{describe_moe(model_cfg)}")
 

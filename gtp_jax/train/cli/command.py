@@ -49,6 +49,8 @@ FLAGS = {
     "TrainConfig.fp8_compute": "--fp8-compute", "GTPConfig.fp8_compute": "--fp8-compute",
     "GTPConfig.fp8_min_features": "--fp8-min-features",
     "GTPConfig.gather_format": "--gather-format", "GTPConfig.prefetch": "--prefetch",
+    "GTPConfig.keep_gathered_layers": "--keep-gathered-layers",
+    "TrainConfig.keep_gathered_layers": "--keep-gathered-layers",
     "GTPConfig.pad_for_alignment": "--pad-for-alignment",
     "GTPConfig.offload_optimizer": "--[no-]offload-optimizer",
     "GTPConfig.offload_exclude": "--offload-exclude",
@@ -297,6 +299,11 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--prefetch", action="store_true",
                        help="double-buffered prefetch of the next layer's weights in the "
                        "scanned layer loop (unrolled layers always gather one layer ahead)")
+    train.add_argument("--keep-gathered-layers", action="store_true",
+                       help="gather each layer's weights once per step: the backward pass "
+                       "reuses the forward pass's (faster where the backward pass waits on "
+                       "gathers, e.g. few tokens per GPU; every layer's gathered weights are "
+                       "held through the step; same numbers)")
     train.add_argument("--unroll-layers", action=argparse.BooleanOptionalAction, default=None,
                        help="run the layers as a Python loop (fastest) or, with "
                        "--no-unroll-layers, under lax.scan (smaller program, faster compile); "
@@ -819,6 +826,7 @@ def _train_config(args: argparse.Namespace, mesh: dict[str, int]) -> object:
                        pad_for_alignment=args.pad_for_alignment, remat=args.remat,
                        attention=args.attention, unroll_layers=args.unroll_layers,
                        gather_format=args.gather_format, prefetch=args.prefetch,
+                       keep_gathered_layers=args.keep_gathered_layers,
                        fp8_compute=args.fp8_compute,
                        fp8_min_features=args.fp8_min_features,
                        overlap=args.overlap, moe_experts=args.moe_experts,
@@ -880,6 +888,10 @@ _PLANNED_MESH = {"dp": 1, "gtp": 1, "tp": 1, "ep": 1, "cp": 1}
 def _planned(args: argparse.Namespace, sizes: dict[str, int | None], cfg: object,
              planner: Planner | None) -> object:
     """`cfg` laid out by `planner` (``--plan auto``), keeping the layout flags given."""
+    if args.keep_gathered_layers:
+        raise UsageError("--keep-gathered-layers: the planner (--plan auto) does not model "
+                         "the kept weights' memory; give the layout flags instead of "
+                         "--plan auto, or drop --keep-gathered-layers.")
     if planner is None:
         raise UsageError("--plan auto needs the planner: run python -m gtp_jax train.")
     fixed: dict[str, object] = {k: v for k, v in sizes.items() if v is not None}

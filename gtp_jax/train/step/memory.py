@@ -68,6 +68,9 @@ def memory_bound(run: TrainConfig | Run) -> dict[str, int]:
     device's parameters and gradients are bfloat16 and every unit, and every resident
     parameter, carries its float32 master beside its moments.
 
+    With `TrainConfig.keep_gathered_layers` every layer-stacked weight's gathered form is
+    held beside the activations (`_kept_gathered_bytes`).
+
     For your own model (`TrainConfig.model`, a `UserModel`) the parameters are counted from
     the module its factory builds (``nnx.eval_shape``: nothing allocated), each in the
     narrowest parameter dtype; its activations are the model's own and not counted (0), so
@@ -95,6 +98,9 @@ def memory_bound(run: TrainConfig | Run) -> dict[str, int]:
         cfg.dp * cfg.ep * cfg.gtp * cfg.cp)
     activations = (0 if isinstance(mc, UserModel) else
                    tokens * (mc.n_layers * mc.d_model + mc.vocab_size) * a_item // cfg.tp)
+    if cfg.keep_gathered_layers and not isinstance(mc, UserModel):
+        # every layer's gathered weights, held from the forward pass to the backward pass
+        activations += _kept_gathered_bytes(run)
     if cfg.offload_optimizer:
         total = params + kept + max(grads, activations, unit)
     else:
@@ -133,6 +139,24 @@ def pinned_host_peak(run: TrainConfig | Run) -> int:
                if is_stacked and not (cfg.offload_exclude and _matches(path, cfg.offload_exclude))]
     item = np.dtype(run.model.param_dtype).itemsize
     return need + max(stacked, default=0) * item // (cfg.gtp * cfg.tp * cfg.ep)
+
+
+def _kept_gathered_bytes(run: Run) -> int:
+    """Bytes per device of every layer's gathered weights that
+    `TrainConfig.keep_gathered_layers` holds from the forward pass to the backward pass: the
+    layer-stacked parameters in their gathered form (the gather dtype, or about a byte per
+    element for FP8 / MXFP8 and half a byte for NVFP4), split over tp (and, a lower bound,
+    ep)."""
+    cfg = run.config
+    elements = sum(int(np.prod(shape)) for _, shape, stacked in _param_shapes(run.model)
+                   if stacked)
+    if cfg.gather_format == "nvfp4":
+        nbytes = elements // 2
+    elif cfg.gather_format is not None:
+        nbytes = elements
+    else:
+        nbytes = elements * np.dtype(cfg.gather_dtype or run.model.param_dtype).itemsize
+    return nbytes // (cfg.tp * cfg.ep)
 
 
 def _state_parts(cfg: TrainConfig) -> int:
