@@ -79,13 +79,12 @@ def run_variant(args: argparse.Namespace) -> dict:
         from gtp_jax.models.attention import resolve_attention_impl
 
         # The user's blocks call jax.nn.dot_product_attention with the implementation the
-        # bundled decoder would run (--attention): cuDNN's flash kernel where it applies.
+        # bundled decoder would run (`attention`): cuDNN's flash kernel where it applies.
         cfg = UserDecoderConfig(d_model=args.user_d, n_blocks=args.user_blocks,
                                 n_heads=args.user_heads, d_ff=4 * args.user_d,
                                 vocab=args.user_vocab, remat=args.user_remat,
                                 attention=resolve_attention_impl(
-                                    args.attention, jnp.bfloat16,
-                                    args.user_d // args.user_heads),
+                                    attention, jnp.bfloat16, args.user_d // args.user_heads),
                                 loop=args.user_loop, unroll=args.unroll_layers)
         loss_fn, vocab = user_loss, cfg.vocab
     else:

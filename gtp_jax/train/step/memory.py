@@ -74,7 +74,7 @@ def memory_bound(run: TrainConfig | Run) -> dict[str, int]:
     For your own model (`TrainConfig.model`, a `UserModel`) the parameters are counted from
     the module its factory builds (``nnx.eval_shape``: nothing allocated), each in the
     narrowest parameter dtype; its activations are the model's own and not counted (0), so
-    the bound is the state's.
+    the bound is the state's (and the kept gathered weights of its `gtp_jax.Stack`s).
 
     Returns:
       ``{"params", "optimizer", "grads", "activations", "total"}`` in bytes.
@@ -98,8 +98,9 @@ def memory_bound(run: TrainConfig | Run) -> dict[str, int]:
         cfg.dp * cfg.ep * cfg.gtp * cfg.cp)
     activations = (0 if isinstance(mc, UserModel) else
                    tokens * (mc.n_layers * mc.d_model + mc.vocab_size) * a_item // cfg.tp)
-    if cfg.keep_gathered_layers and not isinstance(mc, UserModel):
-        # every layer's gathered weights, held from the forward pass to the backward pass
+    if cfg.keep_gathered_layers:
+        # every layer's gathered weights (a user's Stack too), held from the forward pass
+        # to the backward pass
         activations += _kept_gathered_bytes(run)
     if cfg.offload_optimizer:
         total = params + kept + max(grads, activations, unit)
