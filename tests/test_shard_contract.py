@@ -671,6 +671,29 @@ def test_weight_shared_with_the_rest_of_the_model_is_refused(make, part, names) 
     _assert_grads_equal(sm, g, nnx.grad(loss)(ref, x), rtol=1e-4)
 
 
+class _Trainer:
+    """A plain object holding the model (as a training script's trainer does)."""
+
+    def __init__(self, model):
+        self.model = model
+
+
+@pytest.mark.parametrize("hold", ["trainer", "list", "dict"])
+def test_a_shared_weight_is_refused_whatever_plain_object_holds_the_model(hold) -> None:
+    # The models around a sharded part are found among the callers' variables, also
+    # inside a plain object's attributes and a list or dict.
+    mesh = get_mesh("dp2_gtp4")
+    holder = {"trainer": lambda m: _Trainer(m), "list": lambda m: [m],
+              "dict": lambda m: {"lm": m}}[hold](TiedLM())
+
+    def shard_head(held):  # no variable holds the model itself, only `held`
+        return gtp_jax.shard((held.model if hold == "trainer" else held[0] if hold == "list"
+                              else held["lm"]).head, mesh, CFG0)
+
+    _one_line_error(lambda: shard_head(holder), "'embed' of the TiedLM",
+                    "shard the module that holds every use of it")
+
+
 def test_model_assembled_from_a_sharded_part_and_its_originals_is_refused_by_the_step() -> None:
     import optax
 

@@ -6,9 +6,9 @@ embedding read by the sharded head and by the unsharded input layer) would then 
 variables, trained apart, and the model's losses would drift from the unsharded model's
 without an error. Two checks refuse it instead:
 
-- `check_not_shared` (in `shard`): a model that holds the module (found upward from the
-  module through the objects that refer to it) also reaches a variable or submodule of it
-  other than through it, or holds the module itself at two places. This finds the usual
+- `check_not_shared` (in `shard`): a model that holds the module (one that a caller of
+  `shard` holds, `_caller_models`) also reaches a variable or submodule of it other than
+  through it, or holds the module itself at two places. This finds the usual
   pattern ``model.head = gtp_jax.shard(model.head, mesh)`` of a model built beforehand.
 - `check_untied` (`gtp_jax.train.TrainStep`, `gtp_jax.check_sharded`, and every call of a
   `ShardedModule`, through `check_callers`): a model holds, outside a `ShardedModule`, a
@@ -28,9 +28,9 @@ its keys per data shard, so its draws never equal the unsharded module's anyway.
 
 from __future__ import annotations
 
-import gc
 import sys
 import weakref
+from types import ModuleType
 from typing import Any
 
 from flax import nnx
@@ -40,12 +40,6 @@ from gtp_jax.sharding.contract import key_name
 from gtp_jax.sharding.plan import path_str
 
 _RNG = (nnx.Rngs, nnx.RngStream, nnx.RngState)
-_CONTAINERS = (dict, list, tuple)
-#: Bounds of the upward search from the module to the models that hold it: plain containers
-#: passed through between two graph nodes (a ``__dict__``, a list attribute, a tuple in
-#: it), and graph nodes climbed (the nesting depth of a model).
-_MAX_CONTAINERS = 4
-_MAX_LEVELS = 64
 
 _FIX = ("shard the module that holds every use of it (e.g. the whole model: a weight used "
         "in several places stays one weight there)")
@@ -94,55 +88,29 @@ def _walk(top: Any, stop: Any = None, stops: list[str] | None = None
     return out
 
 
-def _enclosing(module: nnx.Module) -> list[Any]:
-    """The NNX graph nodes that hold `module`, directly or through other graph nodes,
-    outermost first: found by following the objects that refer to it upward
-    (``gc.get_referrers``) through plain containers (a ``__dict__``, a list attribute)."""
-    ancestors: list[Any] = []
-    level = [module]
-    seen = {id(module), id(ancestors)}
-    for _ in range(_MAX_LEVELS):
-        holders: list[Any] = []
-        frontier = level
-        for _ in range(_MAX_CONTAINERS):
-            containers: list[Any] = []
-            # This function's own lists refer to the nodes too.
-            seen.update((id(level), id(holders), id(frontier), id(containers)))
-            for ref in gc.get_referrers(*frontier):
-                if id(ref) in seen:
-                    continue
-                seen.add(id(ref))
-                if _is_node(ref) and not isinstance(ref, nnx.Variable):
-                    holders.append(ref)
-                elif isinstance(ref, _CONTAINERS):
-                    containers.append(ref)
-            if not containers:
-                break
-            frontier = containers
-        if not holders:
-            break
-        ancestors.extend(holders)
-        level = holders
-    return ancestors[::-1]
-
-
 def check_not_shared(module: nnx.Module, where: str = "gtp_jax.shard") -> None:
     """Raises `UsageError` when a variable or submodule of `module` (other than `module`
     itself) is also reachable from a model that holds `module`, other than through `module`
     (see the module docstring).
 
-    The models holding `module` are found from the Python objects that refer to it
-    (``gc.get_referrers``: one pass over the interpreter's objects per level of nesting);
-    nothing is changed.
+    The models holding `module` are found among the callers' local variables
+    (`_caller_models`), as ``model.head = gtp_jax.shard(model.head, mesh)`` has them, at
+    the cost of a walk of each model's graph, whatever else the process holds. A model
+    that holds `module` but that no caller can see is not checked here; `check_callers`
+    refuses the tie at its first call. Nothing is changed.
     """
-    tops = _enclosing(module)
-    if not tops:  # held by no model: nothing to share with
-        return
-    inside = _walk(module)
+    inside: dict[int, tuple[str, Any]] | None = None
     name = type(module).__name__
-    for top in tops:
+    reached_before: set[int] = set()
+    for top in _caller_models(sys._getframe(1)):  # noqa: SLF001 - the callers' models
+        if top is module or id(top) in reached_before:
+            continue  # inside a model checked already (or the module itself)
         stops: list[str] = []
         reached = _walk(top, stop=module, stops=stops)
+        reached_before.update(reached)
+        if not stops:  # does not hold the module
+            continue
+        inside = _walk(module) if inside is None else inside
         for node_id, (path, node) in reached.items():
             if node_id in inside and node is not module and not isinstance(node, _RNG):
                 inner = inside[node_id][0]
@@ -287,22 +255,40 @@ def check_callers(where: str) -> None:
     is alive."""
     if not _anything_to_check():
         return
-    frame = sys._getframe(1)  # noqa: SLF001 - the callers' locals are the models
-    candidates: dict[int, Any] = {}
-    for _ in range(_MAX_FRAMES):
-        if frame is None:
-            break
-        for value in list(frame.f_locals.values()):
-            items = (list(value.values()) if isinstance(value, dict)
-                     else value if isinstance(value, (list, tuple)) else [value])
-            for item in items[:64]:
-                if nnx.graph.is_graph_node(item) and not isinstance(item, nnx.Variable):
-                    candidates.setdefault(id(item), item)
-        frame = frame.f_back
     reached: set[int] = set()
-    for node_id, top in reversed(list(candidates.items())):  # outermost callers first
-        if node_id in reached:
+    for top in _caller_models(sys._getframe(1)):  # noqa: SLF001 - the callers' models
+        if id(top) in reached:
             continue
         walked = _walk(top)
         reached.update(walked)
         check_untied(top, where, walked.values())
+
+
+#: Items looked at in each local variable that is a container or a plain object.
+_MAX_ITEMS = 64
+
+
+def _caller_models(frame: Any) -> list[Any]:
+    """The graph nodes (modules, not variables) that `frame` and its callers hold, outermost
+    caller first: their local variables, the items of those that are tuples, lists or dicts,
+    and the attributes of those that are plain objects (a trainer holding ``self.model``),
+    up to `_MAX_FRAMES` frames."""
+    found: dict[int, Any] = {}
+    for _ in range(_MAX_FRAMES):
+        if frame is None:
+            break
+        for value in list(frame.f_locals.values()):
+            if isinstance(value, dict):
+                items = list(value.values())
+            elif isinstance(value, (list, tuple)):
+                items = list(value)
+            elif nnx.graph.is_graph_node(value) or isinstance(value, (type, ModuleType)):
+                items = [value]
+            else:  # a plain object: its attributes (a class's are not looked into)
+                attributes = getattr(value, "__dict__", None)
+                items = [value, *(attributes.values() if isinstance(attributes, dict) else ())]
+            for item in items[:_MAX_ITEMS]:
+                if nnx.graph.is_graph_node(item) and not isinstance(item, nnx.Variable):
+                    found.setdefault(id(item), item)
+        frame = frame.f_back
+    return list(found.values())[::-1]
