@@ -157,7 +157,16 @@ def run_variant(args: argparse.Namespace) -> dict:
     # The time to the first step: the step's compile (or its read from the persistent
     # compilation cache), then its first run.
     first = time.perf_counter()
-    _, compiled = measure_compile(lambda: step.compile(batches[0]))
+    compile_events = None
+    if args.compile_profile_dir:  # XLA's and JAX's time inside the compile, by event
+        from gtp_jax.bench.compile_events import traced_compile
+
+        (_, compiled), compile_events = traced_compile(
+            lambda: measure_compile(lambda: step.compile(batches[0])),
+            str(Path(args.compile_profile_dir) / variant))
+        first = time.perf_counter() - compiled.seconds  # not the trace's writing and reading
+    else:
+        _, compiled = measure_compile(lambda: step.compile(batches[0]))
     jax.block_until_ready(run_step(0))
     first_step_s = time.perf_counter() - first
     launched = os.environ.get(LAUNCH_ENV)
@@ -214,7 +223,7 @@ def run_variant(args: argparse.Namespace) -> dict:
         "first_step_s": first_step_s, "launch_to_first_step_s": launch_to_first_step,
         **compiled.to_json(),
         "jax": jax.__version__, "xla_flags": os.environ.get("XLA_FLAGS", ""),
-        "trace": trace,
+        "trace": trace, "compile_events": compile_events,
     }
 
 
@@ -438,6 +447,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--profile-variants",
                         default="gtp,gtp_prefetch,gtp_dots,gtp_prefetch_dots",
                         help="variants to trace (3 steps after timing, so timing is unaffected)")
+    parser.add_argument("--compile-profile-dir", default=None,
+                        help="trace each variant's compile with jax.profiler here and add "
+                        "its longest host events (XLA's passes, autotuning, codegen) to its "
+                        "result as compile_events")
     parser.add_argument("--compiled-memory", action="store_true",
                         help="also report the step program's compiled peak (XLA's memory "
                         "analysis; compiles the step a second time unless the persistent "
