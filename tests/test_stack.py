@@ -523,3 +523,27 @@ def test_lifted_transforms_inside_a_block_only_pass_its_variables_on():
     x = jnp.ones((2, 6))
     np.testing.assert_array_equal(stack(x), plain(x))
     np.testing.assert_array_equal(stack.layers.inner.drop.rngs.count[...], [1, 1])
+
+
+def test_unsharded_unrolled_backward_cuts_its_layer_slices_behind_the_gradient():
+    # An unwrapped stack (no gtp_jax.shard) slices each layer's weights out of the stacks.
+    # The backward pass cuts its slices anew, tied to the gradient input by a barrier, and
+    # ties each layer's written gradient slot to it too: else XLA merges them with the
+    # forward pass's identical slices and keeps every layer's slice alive from the forward
+    # to the backward pass (1x H200, a user's 1b-shaped decoder: 19.4 against 18.8 GiB,
+    # the bundled 1b unwrapped 21.2 against 19.6 GiB). The program before XLA's passes
+    # shows the barriers (XLA's CPU compiler removes them before it merges, so the CPU's
+    # memory analysis cannot show the saving).
+    n, d = 4, 16
+    model = gtp_jax.Stack(lambda r: nnx.Linear(d, d, rngs=r), n, rngs=nnx.Rngs(0),
+                          unroll=True)
+    graphdef, state = nnx.split(model)
+
+    def loss(state, x):
+        return jnp.sum(nnx.merge(graphdef, state)(x) ** 2)
+
+    text = jax.jit(jax.grad(loss)).lower(state, jnp.ones((2, d))).as_text()
+    stacked = f"tensor<{n}x{d}x{d}xf32>"
+    tied = [line for line in text.splitlines()
+            if "optimization_barrier" in line and stacked in line]
+    assert len(tied) >= 2 * n, len(tied)  # before each layer's slices, after its slot

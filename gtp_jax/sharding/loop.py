@@ -519,6 +519,15 @@ def _tied(spec: LoopSpec, x: Any, y: Any) -> tuple[Any, Any]:
     return jax.lax.optimization_barrier((x, y))
 
 
+def _tied_plain(x: Any, plain: list[jax.Array]) -> tuple[Any, list[jax.Array]]:
+    """`x` and the stacked replicated parameters `plain` unchanged, but a slice of the
+    returned `plain` is a new value, cut no earlier than `x` exists (whole buffers pass the
+    barrier in place)."""
+    if not plain:
+        return x, plain
+    return jax.lax.optimization_barrier((x, plain))
+
+
 def _unrolled_forward(spec, h, shards, plain, consts, keep):
     kept = spec.kept_like(keep) is not None
     res, ws = [], []
@@ -562,6 +571,10 @@ def _unrolled_backward(spec, saved, ct):
         w_prev = None
         if i > 0:  # layer i - 1's gather runs beside layer i's backward
             dh, shards, w_prev = weights(i - 1, dh, shards)
+        # Layer i's replicated slices, cut no earlier than its gradient input exists: else
+        # XLA merges each with the identical slice the forward pass cut and keeps every
+        # layer's slice alive from the forward to the backward pass (a copy of the stack).
+        dh, plain = _tied_plain(dh, plain)
         dh, dw, dp, dc = _layer_vjp(spec.split_at(i), res[i], w, _static_at(plain, i),
                                     consts, dh, float_consts)
         if pending is not None:
@@ -575,7 +588,10 @@ def _unrolled_backward(spec, saved, ct):
             shard_buf = _put(shard_buf, pending, i + 1)
             dh, shard_buf = _tied(spec, dh, shard_buf)
         pending = spec.reduce_scatter(dw)
+        # Written into its stack before layer i - 1's backward starts, for the same reason
+        # as the reduce-scattered gradients above (here with no collective to wait for).
         plain_buf = _put(plain_buf, dp, i)
+        dh, plain_buf = _tied_plain(dh, plain_buf)
         dconsts = _add(dconsts, dc)
         w = w_prev
     shard_buf = _put(shard_buf, pending, 0)
