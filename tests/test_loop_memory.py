@@ -1,4 +1,5 @@
-"""Compiled memory of the scanned layer loop under `gtp_jax.shard`'s default config.
+"""Memory of the layer loop: compiled, under `gtp_jax.shard`'s default config, and where
+its gradient stacks are made.
 
 `GTPConfig.remat_gathered=True` (the default) wraps the sharded call in a checkpoint that
 re-gathers the unstacked weights (embedding, head) in the backward pass; that checkpoint must
@@ -9,6 +10,9 @@ the square of the depth. These tests read XLA's compiled memory analysis (no ste
 
 from __future__ import annotations
 
+import re
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -17,6 +21,7 @@ from helpers import get_mesh
 
 import gtp_jax
 from gtp_jax.models import Transformer, lm_loss, preset
+from gtp_jax.sharding.loop import layer_loop
 
 #: Temporary memory of the default config may exceed ``remat_gathered=False``'s by this
 #: factor: the only difference is re-gathering the embedding and head in the backward pass.
@@ -50,3 +55,55 @@ def test_scanned_loop_memory_is_linear_in_depth_with_default_config(remat, prefe
     # (the residual stacks saved per layer) is about 3-4x here.
     assert deep <= 2 * shallow, (remat, prefetch, shallow, deep)
     assert deep <= REMAT_GATHERED_SLACK * without, (remat, prefetch, deep, without)
+
+
+def _constant_broadcasts(text: str) -> set[str]:
+    """The result types (``4x24x24xf32``) of every broadcast of a constant scalar in the
+    lowered program `text`: buffers made from nothing, which XLA may allocate anywhere."""
+    consts = set(re.findall(r"(%[\w#]+) = stablehlo.constant", text))
+    found = re.finditer(r"= stablehlo.broadcast_in_dim (%[\w#]+), dims = \[\] : "
+                        r"\(tensor<[^>]*>\) -> tensor<([^>]*)>", text)
+    return {m.group(2) for m in found if m.group(1) in consts}
+
+
+def _tensor_type(shape: tuple[int, ...], dtype: Any) -> str:
+    return "x".join(map(str, shape)) + "x" + jnp.dtype(dtype).name.replace("float", "f")
+
+
+@pytest.mark.parametrize("schedule", ["plain", "prefetch", "unrolled"])
+def test_gradient_stacks_are_made_in_the_backward_pass(schedule):
+    # The backward pass writes each layer's gradient into a full-size stack. Made from a
+    # constant (no operand from the program), a stack may be allocated anywhere, and XLA's
+    # GPU scheduler allocated them before the forward pass: every layer's float32 gradient
+    # held through it (8 llama3-8b layers on one H200, 2048 tokens: a 31.3 GiB peak, 25.3
+    # since). Each stack is made from a value of the backward pass instead.
+    n, d = 4, 24
+    params = (jnp.ones((n, d, d)), jnp.ones((n, d)))
+
+    def loss(params: Any, x: jax.Array) -> jax.Array:
+        h = layer_loop(lambda h, p: jnp.tanh(h @ p[0] + p[1]), x, params, schedule=schedule)
+        return jnp.sum(h ** 2)
+
+    text = jax.jit(jax.grad(loss)).lower(params, jnp.ones((2, d))).as_text()
+    stacks = {_tensor_type(p.shape, p.dtype) for p in params}
+    assert not stacks & _constant_broadcasts(text), (schedule, stacks)
+
+
+@pytest.mark.parametrize("unroll", [True, False], ids=["unrolled", "scanned"])
+def test_sharded_gradient_stacks_are_made_in_the_backward_pass(unroll):
+    # The same for the reduce-scattered gradients of weights sharded over gtp (the local
+    # shards' stacks) and the replicated stacked parameters beside them.
+    n, d = 4, 24
+    model = gtp_jax.shard(
+        gtp_jax.Stack(lambda r: nnx.Linear(d, d, rngs=r), n, rngs=nnx.Rngs(0), unroll=unroll),
+        get_mesh("dp2_gtp4"), gtp_jax.GTPConfig(min_elements=1))
+    graphdef, state = nnx.split(model)
+
+    def loss(state: nnx.State, x: jax.Array) -> jax.Array:
+        return jnp.sum(nnx.merge(graphdef, state)(x) ** 2)
+
+    text = jax.jit(jax.grad(loss)).lower(state, jnp.ones((8, d))).as_text()
+    stacks = {_tensor_type(x.sharding.shard_shape(x.shape), x.dtype)
+              for x in jax.tree.leaves(state) if x.ndim >= 2 and x.shape[0] == n}
+    assert len(stacks) >= 2, stacks  # the sharded kernel and the replicated bias
+    assert not stacks & _constant_broadcasts(text), (unroll, stacks)
