@@ -15,6 +15,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from flax import nnx
 from helpers import get_mesh
@@ -107,3 +108,39 @@ def test_sharded_gradient_stacks_are_made_in_the_backward_pass(unroll):
               for x in jax.tree.leaves(state) if x.ndim >= 2 and x.shape[0] == n}
     assert len(stacks) >= 2, stacks  # the sharded kernel and the replicated bias
     assert not stacks & _constant_broadcasts(text), (unroll, stacks)
+
+
+@pytest.mark.parametrize("use", ["cast", "cast_under_remat", "cast_twice", "float32"])
+def test_unsharded_gradient_stacks_are_kept_in_the_dtype_the_layer_computes_them_in(use):
+    # A replicated weight the layer only casts to bfloat16 has a bfloat16 gradient, which the
+    # cast's transpose widens; its stack is kept before that widening (half the bytes, where
+    # the whole stack is allocated while most saved activations are alive) and widened at
+    # the end, exactly. A weight used twice (its widened gradients summed in float32) or in
+    # float32 keeps a float32 stack. Every case equals the scanned loop bit for bit.
+    n, d = 4, 24
+    params = (jax.random.normal(jax.random.key(0), (n, d, d)),
+              jax.random.normal(jax.random.key(1), (n, d)))
+
+    def layer(h: jax.Array, p: Any) -> jax.Array:
+        w = p[0] if use == "float32" else p[0].astype(jnp.bfloat16)
+        y = h @ w
+        if use == "cast_twice":
+            y = y + (h * 2) @ p[0].astype(jnp.bfloat16)
+        return jnp.tanh(y + p[1]).astype(h.dtype)
+
+    fn = jax.checkpoint(layer, policy=jax.checkpoint_policies.dots_saveable) \
+        if use == "cast_under_remat" else layer
+
+    def loss(params: Any, x: jax.Array, schedule: str) -> jax.Array:
+        return jnp.sum(layer_loop(fn, x, params, schedule=schedule) ** 2)
+
+    x = jax.random.normal(jax.random.key(2), (2, d))
+    grad = jax.jit(jax.grad(loss), static_argnums=2)
+    unrolled, scanned = grad(params, x, "unrolled"), grad(params, x, "plain")
+    for a, b in zip(unrolled, scanned):
+        assert a.dtype == jnp.float32
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    text = grad.lower(params, x, "unrolled").as_text()
+    bf16_stack = re.search(rf"stablehlo.dynamic_update_slice .*-> tensor<{n}x{d}x{d}xbf16>",
+                           text)
+    assert bool(bf16_stack) == (use in ("cast", "cast_under_remat")), use

@@ -28,6 +28,12 @@ from the layer's input activations is saved; a residual computed from the weight
 per-layer replicated parameters and constants alone is not, and the backward pass
 recomputes it from the re-gathered weights. So no gathered weight, and no cast, transpose
 or reshape of one, is kept from the forward pass, whatever the layer does with it.
+
+Gradient stacks. The backward pass writes each layer's weight gradients into full-size
+stacks, allocated when it first needs them (`_stacks_after`). Unsharded and unrolled, a
+replicated weight whose only use in the layer is one cast to a narrower float is cast
+before the layer instead (`_only_cast`), so its gradient stack is kept in that dtype and
+widened once at the end: the same values.
 """
 
 from __future__ import annotations
@@ -147,6 +153,9 @@ class LoopSpec:
       n_layers: length of the stack.
       schedule: one of `SCHEDULES`.
       keep_gathered: the forward pass stacks the gathered weights for the backward pass.
+      plain_casts: per replicated stacked parameter, the narrower float dtype the layer
+        casts it to where that cast is its only use (`_only_cast`), else None; empty: none
+        (the unrolled loop of an unsharded model fills it: `_unrolled_forward`).
       mid, last: residual splits of the scanned layers and of the peeled last layer.
       unrolled: the unrolled schedule's residual split of each layer (each layer is its own
         trace there), filled as the layers are traced. Layers whose arguments have the same
@@ -160,6 +169,7 @@ class LoopSpec:
     n_layers: int
     schedule: str
     keep_gathered: bool = False
+    plain_casts: tuple[Any, ...] = ()
     mid: _ResidualSplit = dataclasses.field(default_factory=_ResidualSplit)
     last: _ResidualSplit = dataclasses.field(default_factory=_ResidualSplit)
     unrolled: dict[int, _ResidualSplit] = dataclasses.field(default_factory=dict)
@@ -247,10 +257,81 @@ def layer_loop(layer_fn: Callable[[Any, Any], Any], carry: Any, stacked_params: 
 
     converted, consts = jax.closure_convert(apply, carry, _gathered_like(specs),
                                             _layer_like(plain))
-    spec = LoopSpec(layer=lambda h, w, p, c: converted(h, w, p, *c), gather_specs=specs,
+    layer = functools.partial(_call_converted, converted)
+    casts = ()
+    if schedule == "unrolled" and plain and not shards:
+        casts = _plain_casts(layer, carry, _layer_like(plain), list(consts))
+    spec = LoopSpec(layer=layer, gather_specs=specs,
                     n_layers=(shards or plain)[0].shape[0], schedule=schedule,
-                    keep_gathered=bool(keep_gathered and specs))
+                    keep_gathered=bool(keep_gathered and specs), plain_casts=casts)
     return _loop(spec, carry, shards, plain, list(consts))
+
+
+def _call_converted(converted: Callable, h: Any, w: list, p: list, c: list) -> Any:
+    return converted(h, w, p, *c)
+
+
+#: Primitives that call a jaxpr with their own operands as its inputs, one for one: a
+#: parameter's uses are followed into them (`_only_cast`).
+_CALLS = frozenset({"pjit", "jit", "closed_call", "core_call", "remat", "remat2",
+                    "checkpoint"})
+
+
+def _plain_casts(layer: Callable, h: Any, plain_like: list, consts: list) -> tuple[Any, ...]:
+    """Per replicated stacked parameter of `layer` (``(h, weights, plain, consts) -> h``,
+    no weights), the narrower float dtype it is cast to where one such cast is its only use
+    in the layer (`_only_cast`), else None."""
+    closed = jax.make_jaxpr(layer)(h, [], plain_like, consts)
+    first = len(jax.tree.leaves(h))
+    invars = closed.jaxpr.invars[first:first + len(plain_like)]
+    return tuple(_only_cast(closed.jaxpr, v) for v in invars)
+
+
+def _only_cast(jaxpr: Any, var: Any) -> Any:
+    """The float dtype narrower than `var`'s that `var` (an input of `jaxpr`) is cast to,
+    where that one cast is its only use (followed into calls and checkpoints); else None.
+
+    Such a parameter can be cast before the layer runs, with the same values: the layer's
+    own cast then does nothing, and its gradient comes out in the narrower dtype, which
+    widens exactly (the layer's backward pass computed it there and widened it). With two
+    uses the widened gradients would be summed in the wider dtype, so one use only."""
+    casts: list[Any] = []
+
+    def only_casts(jaxpr: Any, var: Any) -> bool:
+        if any(v is var for v in jaxpr.outvars):
+            return False
+        for eqn in jaxpr.eqns:
+            for k, x in enumerate(eqn.invars):
+                if x is not var:
+                    continue
+                name = eqn.primitive.name
+                if name == "convert_element_type" and _narrower(eqn.outvars[0].aval.dtype,
+                                                                var.aval.dtype):
+                    casts.append(eqn.outvars[0].aval.dtype)
+                    continue
+                inner = eqn.params.get("jaxpr")
+                inner = getattr(inner, "jaxpr", inner)
+                if (name not in _CALLS or inner is None
+                        or len(inner.invars) != len(eqn.invars)
+                        or not only_casts(inner, inner.invars[k])):
+                    return False
+        return True
+
+    if isinstance(var, Literal) or not only_casts(jaxpr, var) or len(casts) != 1:
+        return None
+    return casts[0]
+
+
+def _narrower(dtype: Any, than: Any) -> bool:
+    """Whether `dtype` is a float with fewer bits than the float `than`."""
+    return bool(jnp.issubdtype(dtype, jnp.floating) and jnp.issubdtype(than, jnp.floating)
+                and jnp.finfo(dtype).bits < jnp.finfo(than).bits)
+
+
+def _cast(values: list[jax.Array], dtypes: tuple[Any, ...]) -> list[jax.Array]:
+    """`values`, each cast to its dtype in `dtypes` (None or no entry: as it is)."""
+    return [v if i >= len(dtypes) or dtypes[i] is None else v.astype(dtypes[i])
+            for i, v in enumerate(values)]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -315,12 +396,14 @@ def _stacks_after(token: Any, n: int, like: Any) -> tuple[Any, Any]:
 
 
 def _put_new(buffers: list[Any], values: list[jax.Array], i: int,
-             stacks: list[jax.Array]) -> list[jax.Array]:
-    """`_put`, where a None buffer is first made like its stack in `stacks`, once its
-    value exists (`_stacks_after`)."""
+             stacks: list[jax.Array], dtypes: tuple[Any, ...] = ()) -> list[jax.Array]:
+    """`_put`, where a None buffer is first made like its stack in `stacks` (in its dtype
+    in `dtypes` where that is given: `_cast`), once its value exists (`_stacks_after`)."""
     if buffers and buffers[0] is None:
-        values, buffers = _stacks_after(values, stacks[0].shape[0] if stacks else 0,
-                                        _layer_like(stacks))
+        like = [jax.ShapeDtypeStruct(x.shape, x.dtype if k >= len(dtypes) or dtypes[k] is None
+                                     else dtypes[k])
+                for k, x in enumerate(_layer_like(stacks))]
+        values, buffers = _stacks_after(values, stacks[0].shape[0] if stacks else 0, like)
     return _put(buffers, values, i)
 
 
@@ -567,7 +650,7 @@ def _unrolled_forward(spec, h, shards, plain, consts, keep):
             # no earlier (left alone, XLA may issue it anywhere before its use).
             h, shards = _tied(spec, h, shards)
             w_next = spec.gather(_static_at(shards, i + 1))
-        p_i = _static_at(plain, i)
+        p_i = _cast(_static_at(plain, i), spec.plain_casts)
         h, r = _run_layer(spec, spec.split_at(i, (h, w, p_i, consts)) if keep else None, h, w,
                           p_i, consts)
         res.append(r)
@@ -604,8 +687,9 @@ def _unrolled_backward(spec, saved, ct):
         # XLA merges each with the identical slice the forward pass cut and keeps every
         # layer's slice alive from the forward to the backward pass (a copy of the stack).
         dh, plain = _tied_plain(dh, plain)
-        dh, dw, dp, dc = _layer_vjp(spec.split_at(i), res[i], w, _static_at(plain, i),
-                                    consts, dh, float_consts)
+        dh, dw, dp, dc = _layer_vjp(spec.split_at(i), res[i], w,
+                                    _cast(_static_at(plain, i), spec.plain_casts), consts,
+                                    dh, float_consts)
         if pending is not None:
             # Layer i + 1's reduce-scatter, issued before layer i's backward, must finish
             # before layer i - 1's starts: it runs beside layer i's, and the full-size
@@ -619,11 +703,14 @@ def _unrolled_backward(spec, saved, ct):
         pending = spec.reduce_scatter(dw)
         # Written into its stack before layer i - 1's backward starts, for the same reason
         # as the reduce-scattered gradients above (here with no collective to wait for).
-        plain_buf = _put_new(plain_buf, dp, i, plain)
+        # In the dtype the layer computes the gradient in (`_only_cast`): the stack is
+        # allocated whole at its first layer, while most saved activations are alive.
+        plain_buf = _put_new(plain_buf, dp, i, plain, spec.plain_casts)
         dh, plain_buf = _tied_plain(dh, plain_buf)
         dconsts = _add(dconsts, dc)
         w = w_prev
     shard_buf = _put_new(shard_buf, pending, 0, shards)
+    plain_buf = [b.astype(p.dtype) for b, p in zip(plain_buf, plain)]  # exact: widening
     return dh, shard_buf, plain_buf, _const_cts(dconsts, consts)
 
 
