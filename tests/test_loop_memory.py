@@ -110,13 +110,15 @@ def test_sharded_gradient_stacks_are_made_in_the_backward_pass(unroll):
     assert not stacks & _constant_broadcasts(text), (unroll, stacks)
 
 
+@pytest.mark.parametrize("schedule", ["unrolled", "plain", "prefetch"])
 @pytest.mark.parametrize("use", ["cast", "cast_under_remat", "cast_twice", "float32"])
-def test_unsharded_gradient_stacks_are_kept_in_the_dtype_the_layer_computes_them_in(use):
+def test_unsharded_gradient_stacks_are_kept_in_the_dtype_the_layer_computes_them_in(
+        use, schedule):
     # A replicated weight the layer only casts to bfloat16 has a bfloat16 gradient, which the
     # cast's transpose widens; its stack is kept before that widening (half the bytes, where
     # the whole stack is allocated while most saved activations are alive) and widened at
     # the end, exactly. A weight used twice (its widened gradients summed in float32) or in
-    # float32 keeps a float32 stack. Every case equals the scanned loop bit for bit.
+    # float32 keeps a float32 stack. Every case equals a Python loop's gradients bit for bit.
     n, d = 4, 24
     params = (jax.random.normal(jax.random.key(0), (n, d, d)),
               jax.random.normal(jax.random.key(1), (n, d)))
@@ -131,16 +133,20 @@ def test_unsharded_gradient_stacks_are_kept_in_the_dtype_the_layer_computes_them
     fn = jax.checkpoint(layer, policy=jax.checkpoint_policies.dots_saveable) \
         if use == "cast_under_remat" else layer
 
-    def loss(params: Any, x: jax.Array, schedule: str) -> jax.Array:
+    def loss(params: Any, x: jax.Array) -> jax.Array:
         return jnp.sum(layer_loop(fn, x, params, schedule=schedule) ** 2)
 
+    def python_loop(params: Any, x: jax.Array) -> jax.Array:
+        for i in range(n):
+            x = fn(x, (params[0][i], params[1][i]))
+        return jnp.sum(x ** 2)
+
     x = jax.random.normal(jax.random.key(2), (2, d))
-    grad = jax.jit(jax.grad(loss), static_argnums=2)
-    unrolled, scanned = grad(params, x, "unrolled"), grad(params, x, "plain")
-    for a, b in zip(unrolled, scanned):
-        assert a.dtype == jnp.float32
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    text = grad.lower(params, x, "unrolled").as_text()
+    grad = jax.jit(jax.grad(loss))
+    for got, want in zip(grad(params, x), jax.jit(jax.grad(python_loop))(params, x)):
+        assert got.dtype == jnp.float32
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    text = grad.lower(params, x).as_text()
     bf16_stack = re.search(rf"stablehlo.dynamic_update_slice .*-> tensor<{n}x{d}x{d}xbf16>",
                            text)
-    assert bool(bf16_stack) == (use in ("cast", "cast_under_remat")), use
+    assert bool(bf16_stack) == (use in ("cast", "cast_under_remat")), (use, schedule)

@@ -30,10 +30,10 @@ recomputes it from the re-gathered weights. So no gathered weight, and no cast, 
 or reshape of one, is kept from the forward pass, whatever the layer does with it.
 
 Gradient stacks. The backward pass writes each layer's weight gradients into full-size
-stacks, allocated when it first needs them (`_stacks_after`). Unsharded and unrolled, a
-replicated weight whose only use in the layer is one cast to a narrower float is cast
-before the layer instead (`_only_cast`), so its gradient stack is kept in that dtype and
-widened once at the end: the same values.
+stacks, allocated when it first needs them (`_stacks_after`). Unsharded, a replicated
+weight whose only use in the layer is one cast to a narrower float is cast before the
+layer instead (`_only_cast`), so its gradient stack is kept in that dtype and widened once
+at the end: the same values.
 """
 
 from __future__ import annotations
@@ -155,7 +155,8 @@ class LoopSpec:
       keep_gathered: the forward pass stacks the gathered weights for the backward pass.
       plain_casts: per replicated stacked parameter, the narrower float dtype the layer
         casts it to where that cast is its only use (`_only_cast`), else None; empty: none
-        (the unrolled loop of an unsharded model fills it: `_unrolled_forward`).
+        (filled for an unsharded loop: the loop casts those parameters before each layer
+        and keeps their gradient stacks in that dtype).
       mid, last: residual splits of the scanned layers and of the peeled last layer.
       unrolled: the unrolled schedule's residual split of each layer (each layer is its own
         trace there), filled as the layers are traced. Layers whose arguments have the same
@@ -259,7 +260,7 @@ def layer_loop(layer_fn: Callable[[Any, Any], Any], carry: Any, stacked_params: 
                                             _layer_like(plain))
     layer = functools.partial(_call_converted, converted)
     casts = ()
-    if schedule == "unrolled" and plain and not shards:
+    if plain and not shards:
         casts = _plain_casts(layer, carry, _layer_like(plain), list(consts))
     spec = LoopSpec(layer=layer, gather_specs=specs,
                     n_layers=(shards or plain)[0].shape[0], schedule=schedule,
@@ -332,6 +333,25 @@ def _cast(values: list[jax.Array], dtypes: tuple[Any, ...]) -> list[jax.Array]:
     """`values`, each cast to its dtype in `dtypes` (None or no entry: as it is)."""
     return [v if i >= len(dtypes) or dtypes[i] is None else v.astype(dtypes[i])
             for i, v in enumerate(values)]
+
+
+def _plain_at(spec: LoopSpec, plain: list[jax.Array], i: Any) -> list[jax.Array]:
+    """Layer `i`'s slices of the replicated stacks, as the layer gets them (`_cast`)."""
+    return _cast(_at(plain, i), spec.plain_casts)
+
+
+def _plain_like(spec: LoopSpec, plain: list[jax.Array]) -> list[jax.ShapeDtypeStruct]:
+    """One layer's slice of each replicated stack as the layer gets it, the dtype of its
+    gradient stack (`_cast`)."""
+    return [jax.ShapeDtypeStruct(x.shape, x.dtype if k >= len(spec.plain_casts)
+                                 or spec.plain_casts[k] is None else spec.plain_casts[k])
+            for k, x in enumerate(_layer_like(plain))]
+
+
+def _widened(grads: list[jax.Array], plain: list[jax.Array]) -> list[jax.Array]:
+    """Gradient stacks in their parameters' dtypes (exact: they were only narrowed where
+    the layer computed them narrower)."""
+    return [g.astype(p.dtype) for g, p in zip(grads, plain)]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -449,7 +469,7 @@ def _saved_like(spec: LoopSpec, split: _ResidualSplit, h: Any, plain: list, cons
     if not keep:
         return None
     return split.saved_shapes(spec.layer, (h, _gathered_like(spec.gather_specs),
-                                           _layer_like(plain), consts))
+                                           _plain_like(spec, plain), consts))
 
 
 def _gathered_like(specs: Sequence[GatherSpec]) -> list[Any]:
@@ -511,7 +531,8 @@ def _plain_forward(spec, h, shards, plain, consts, keep):
 
     def body(h_, i):
         w = spec.gather(_at(shards, i))
-        h_, res = _run_layer(spec, spec.mid if keep else None, h_, w, _at(plain, i), consts)
+        h_, res = _run_layer(spec, spec.mid if keep else None, h_, w, _plain_at(spec, plain, i),
+                             consts)
         return h_, (res, None if kept is None else spec.kept(w))
 
     # residuals: (stacked saved residuals, stacked kept weights or None)
@@ -528,14 +549,14 @@ def _plain_backward(spec, saved, ct):
         dh, dconsts = c
         res_i, w_i = xs
         w = spec.gather(_at(shards, i)) if w_i is None else spec.unkept(w_i)
-        dh, dw, dp, dc = _layer_vjp(spec.mid, res_i, w, _at(plain, i), consts, dh,
-                                    float_consts)
+        dh, dw, dp, dc = _layer_vjp(spec.mid, res_i, w, _plain_at(spec, plain, i), consts,
+                                    dh, float_consts)
         return (dh, _add(dconsts, dc)), (spec.reduce_scatter(dw), dp)
 
     (dh, dconsts), (shard_grads, plain_grads) = _scan_stacked(
-        body, (ct, zero), spec.n_layers, (_layer_like(shards), _layer_like(plain)),
+        body, (ct, zero), spec.n_layers, (_layer_like(shards), _plain_like(spec, plain)),
         reverse=True, xs=(stacked_res, stacked_w), after=True)
-    return dh, shard_grads, plain_grads, _const_cts(dconsts, consts)
+    return dh, shard_grads, _widened(plain_grads, plain), _const_cts(dconsts, consts)
 
 
 # --------------------------------------------------------------------------- prefetch
@@ -550,14 +571,14 @@ def _prefetch_forward(spec, h, shards, plain, consts, keep):
         def body(c, i):
             h_, w_cur = c
             w_next = spec.gather(_at(shards, i + 1))  # independent of this layer's compute
-            h_, res = _run_layer(spec, spec.mid if keep else None, h_, w_cur, _at(plain, i),
-                                 consts)
+            h_, res = _run_layer(spec, spec.mid if keep else None, h_, w_cur,
+                                 _plain_at(spec, plain, i), consts)
             return (h_, w_next), (res, None if kept is None else spec.kept(w_cur))
 
         (h, w), (stacked_res, stacked_w) = _scan_stacked(
             body, (h, w), last, (_saved_like(spec, spec.mid, h, plain, consts, keep), kept))
-    h, last_res = _run_layer(spec, spec.last if keep else None, h, w, _at(plain, last),
-                             consts)
+    h, last_res = _run_layer(spec, spec.last if keep else None, h, w,
+                             _plain_at(spec, plain, last), consts)
     return h, (stacked_res, last_res, stacked_w, None if kept is None else spec.kept(w))
 
 
@@ -576,18 +597,19 @@ def _prefetch_backward(spec, saved, ct):
     # loop carry) instead of being concatenated at the end, allocated when the backward
     # pass starts (`_stacks_after`).
     ct, (shard_buf, plain_buf) = _stacks_after(
-        ct, spec.n_layers, (_layer_like(shards), _layer_like(plain)))
+        ct, spec.n_layers, (_layer_like(shards), _plain_like(spec, plain)))
 
     w = spec.gather(_at(shards, last)) if last_w is None else spec.unkept(last_w)
     w_prev = weights(last - 1) if last > 0 else None
-    dh, pending, dp_last, dc = _layer_vjp(spec.last, last_res, w, _at(plain, last), consts,
-                                          ct, float_consts)
+    dh, pending, dp_last, dc = _layer_vjp(spec.last, last_res, w,
+                                          _plain_at(spec, plain, last), consts, ct,
+                                          float_consts)
     plain_buf = _put(plain_buf, dp_last, last)
     dconsts = [d if d is not None else jnp.zeros(c.shape, c.dtype) if f else None
                for d, c, f in zip(dc, consts, float_consts)]
     if last == 0:
         shard_buf = _put(shard_buf, spec.reduce_scatter(pending), 0)
-        return dh, shard_buf, plain_buf, _const_cts(dconsts, consts)
+        return dh, shard_buf, _widened(plain_buf, plain), _const_cts(dconsts, consts)
 
     if last > 1:
         def body(c, i):
@@ -595,7 +617,8 @@ def _prefetch_backward(spec, saved, ct):
             w_next = weights(i - 1)  # prefetch layer i - 1
             sbuf = _put(sbuf, spec.reduce_scatter(pending_), i + 1)  # beside layer i
             dh_, dw, dp, dc_ = _layer_vjp(spec.mid, _tree_at(stacked_res, i), w_cur,
-                                          _at(plain, i), consts, dh_, float_consts)
+                                          _plain_at(spec, plain, i), consts, dh_,
+                                          float_consts)
             pbuf = _put(pbuf, dp, i)
             return (dh_, w_next, dw, _add(dconsts_, dc_), sbuf, pbuf), None
 
@@ -603,12 +626,12 @@ def _prefetch_backward(spec, saved, ct):
         (dh, w_prev, pending, dconsts, shard_buf, plain_buf), _ = jax.lax.scan(
             body, carry, jnp.arange(1, last), reverse=True)
     shard_buf = _put(shard_buf, spec.reduce_scatter(pending), 1)
-    dh, dw0, dp0, dc = _layer_vjp(spec.mid, _tree_at(stacked_res, 0), w_prev, _at(plain, 0),
-                                  consts, dh, float_consts)
+    dh, dw0, dp0, dc = _layer_vjp(spec.mid, _tree_at(stacked_res, 0), w_prev,
+                                  _plain_at(spec, plain, 0), consts, dh, float_consts)
     dconsts = _add(dconsts, dc)
     shard_buf = _put(shard_buf, spec.reduce_scatter(dw0), 0)
     plain_buf = _put(plain_buf, dp0, 0)
-    return dh, shard_buf, plain_buf, _const_cts(dconsts, consts)
+    return dh, shard_buf, _widened(plain_buf, plain), _const_cts(dconsts, consts)
 
 
 # --------------------------------------------------------------------------- unrolled
@@ -710,7 +733,7 @@ def _unrolled_backward(spec, saved, ct):
         dconsts = _add(dconsts, dc)
         w = w_prev
     shard_buf = _put_new(shard_buf, pending, 0, shards)
-    plain_buf = [b.astype(p.dtype) for b, p in zip(plain_buf, plain)]  # exact: widening
+    plain_buf = _widened(plain_buf, plain)
     return dh, shard_buf, plain_buf, _const_cts(dconsts, consts)
 
 
