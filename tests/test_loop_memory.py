@@ -110,8 +110,14 @@ def test_sharded_gradient_stacks_are_made_in_the_backward_pass(unroll):
     assert not stacks & _constant_broadcasts(text), (unroll, stacks)
 
 
+@jax.jit
+def _jit_cast(x: jax.Array) -> jax.Array:
+    return x.astype(jnp.bfloat16)
+
+
 @pytest.mark.parametrize("schedule", ["unrolled", "plain", "prefetch"])
-@pytest.mark.parametrize("use", ["cast", "cast_under_remat", "cast_twice", "float32"])
+@pytest.mark.parametrize("use", ["cast", "cast_under_remat", "cast_in_jit", "cast_twice",
+                                 "float32"])
 def test_unsharded_gradient_stacks_are_kept_in_the_dtype_the_layer_computes_them_in(
         use, schedule):
     # A replicated weight the layer only casts to bfloat16 has a bfloat16 gradient, which the
@@ -124,7 +130,8 @@ def test_unsharded_gradient_stacks_are_kept_in_the_dtype_the_layer_computes_them
               jax.random.normal(jax.random.key(1), (n, d)))
 
     def layer(h: jax.Array, p: Any) -> jax.Array:
-        w = p[0] if use == "float32" else p[0].astype(jnp.bfloat16)
+        w = p[0] if use == "float32" else _jit_cast(p[0]) if use == "cast_in_jit" \
+            else p[0].astype(jnp.bfloat16)
         y = h @ w
         if use == "cast_twice":
             y = y + (h * 2) @ p[0].astype(jnp.bfloat16)
@@ -149,4 +156,5 @@ def test_unsharded_gradient_stacks_are_kept_in_the_dtype_the_layer_computes_them
     text = grad.lower(params, x).as_text()
     bf16_stack = re.search(rf"stablehlo.dynamic_update_slice .*-> tensor<{n}x{d}x{d}xbf16>",
                            text)
-    assert bool(bf16_stack) == (use in ("cast", "cast_under_remat")), (use, schedule)
+    narrowed = use in ("cast", "cast_under_remat", "cast_in_jit")
+    assert bool(bf16_stack) == narrowed, (use, schedule)

@@ -258,18 +258,29 @@ def layer_loop(layer_fn: Callable[[Any, Any], Any], carry: Any, stacked_params: 
 
     converted, consts = jax.closure_convert(apply, carry, _gathered_like(specs),
                                             _layer_like(plain))
-    layer = functools.partial(_call_converted, converted)
+    layer = functools.partial(_call_converted, converted, ())
     casts = ()
     if plain and not shards:
         casts = _plain_casts(layer, carry, _layer_like(plain), list(consts))
+        if any(c is not None for c in casts):
+            # The loop hands such parameters over cast (`_cast`); the layer's program, traced
+            # for the parameters' own dtypes, gets them widened back, exactly, and its own
+            # cast narrows them again (XLA folds the pair). The widening's transpose narrows
+            # the gradient back to the dtype the layer computed it in.
+            layer = functools.partial(_call_converted, converted,
+                                      tuple(x.dtype for x in plain))
     spec = LoopSpec(layer=layer, gather_specs=specs,
                     n_layers=(shards or plain)[0].shape[0], schedule=schedule,
                     keep_gathered=bool(keep_gathered and specs), plain_casts=casts)
     return _loop(spec, carry, shards, plain, list(consts))
 
 
-def _call_converted(converted: Callable, h: Any, w: list, p: list, c: list) -> Any:
-    return converted(h, w, p, *c)
+def _call_converted(converted: Callable, widen: tuple[Any, ...], h: Any, w: list, p: list,
+                    c: list) -> Any:
+    """``converted(h, w, p, *c)``, with ``p[k]`` first cast to ``widen[k]`` (no entry: as
+    it is)."""
+    return converted(h, w, [x.astype(widen[k]) if k < len(widen) else x
+                            for k, x in enumerate(p)], *c)
 
 
 #: Primitives that call a jaxpr with their own operands as its inputs, one for one: a
@@ -281,7 +292,8 @@ _CALLS = frozenset({"pjit", "jit", "closed_call", "core_call", "remat", "remat2"
 def _plain_casts(layer: Callable, h: Any, plain_like: list, consts: list) -> tuple[Any, ...]:
     """Per replicated stacked parameter of `layer` (``(h, weights, plain, consts) -> h``,
     no weights), the narrower float dtype it is cast to where one such cast is its only use
-    in the layer (`_only_cast`), else None."""
+    in the layer (`_only_cast`), else None. Read from the layer's jaxpr, never run with
+    other dtypes than those it was traced for (`_call_converted` widens them back)."""
     closed = jax.make_jaxpr(layer)(h, [], plain_like, consts)
     first = len(jax.tree.leaves(h))
     invars = closed.jaxpr.invars[first:first + len(plain_like)]
