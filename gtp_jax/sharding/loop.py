@@ -427,15 +427,12 @@ def _stacks_after(token: Any, n: int, like: Any) -> tuple[Any, Any]:
         lambda x: jnp.broadcast_to(zero.astype(x.dtype), (n, *x.shape)), like)
 
 
-def _put_new(buffers: list[Any], values: list[jax.Array], i: int,
-             stacks: list[jax.Array], dtypes: tuple[Any, ...] = ()) -> list[jax.Array]:
-    """`_put`, where a None buffer is first made like its stack in `stacks` (in its dtype
-    in `dtypes` where that is given: `_cast`), once its value exists (`_stacks_after`)."""
+def _put_new(buffers: list[Any], values: list[jax.Array], i: int, n: int,
+             like: list[jax.ShapeDtypeStruct]) -> list[jax.Array]:
+    """`_put`, where None buffers are first made, ``[n, *x.shape]`` for each slot `like`,
+    once `values` exist (`_stacks_after`)."""
     if buffers and buffers[0] is None:
-        like = [jax.ShapeDtypeStruct(x.shape, x.dtype if k >= len(dtypes) or dtypes[k] is None
-                                     else dtypes[k])
-                for k, x in enumerate(_layer_like(stacks))]
-        values, buffers = _stacks_after(values, stacks[0].shape[0] if stacks else 0, like)
+        values, buffers = _stacks_after(values, n, like)
     return _put(buffers, values, i)
 
 
@@ -733,18 +730,19 @@ def _unrolled_backward(spec, saved, ct):
             # left alone, a scheduler may write every layer's slot at the end of the
             # backward pass and keep all the layers' reduce-scattered gradients alive beside
             # the stack (a second copy of the gradients).
-            shard_buf = _put_new(shard_buf, pending, i + 1, shards)
+            shard_buf = _put_new(shard_buf, pending, i + 1, spec.n_layers,
+                                 _layer_like(shards))
             dh, shard_buf = _tied(spec, dh, shard_buf)
         pending = spec.reduce_scatter(dw)
         # Written into its stack before layer i - 1's backward starts, for the same reason
         # as the reduce-scattered gradients above (here with no collective to wait for).
         # In the dtype the layer computes the gradient in (`_only_cast`): the stack is
         # allocated whole at its first layer, while most saved activations are alive.
-        plain_buf = _put_new(plain_buf, dp, i, plain, spec.plain_casts)
+        plain_buf = _put_new(plain_buf, dp, i, spec.n_layers, _plain_like(spec, plain))
         dh, plain_buf = _tied_plain(dh, plain_buf)
         dconsts = _add(dconsts, dc)
         w = w_prev
-    shard_buf = _put_new(shard_buf, pending, 0, shards)
+    shard_buf = _put_new(shard_buf, pending, 0, spec.n_layers, _layer_like(shards))
     plain_buf = _widened(plain_buf, plain)
     return dh, shard_buf, plain_buf, _const_cts(dconsts, consts)
 
