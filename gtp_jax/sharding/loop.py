@@ -154,9 +154,9 @@ class LoopSpec:
       schedule: one of `SCHEDULES`.
       keep_gathered: the forward pass stacks the gathered weights for the backward pass.
       plain_casts: per replicated stacked parameter, the narrower float dtype the layer
-        casts it to where that cast is its only use (`_only_cast`), else None; empty: none
-        (filled for an unsharded loop: the loop casts those parameters before each layer
-        and keeps their gradient stacks in that dtype).
+        casts it to where that cast is its only use (`_only_cast`), else None (always None
+        with shards); the loop casts those parameters before each layer and keeps their
+        gradient stacks in that dtype.
       mid, last: residual splits of the scanned layers and of the peeled last layer.
       unrolled: the unrolled schedule's residual split of each layer (each layer is its own
         trace there), filled as the layers are traced. Layers whose arguments have the same
@@ -259,7 +259,7 @@ def layer_loop(layer_fn: Callable[[Any, Any], Any], carry: Any, stacked_params: 
     converted, consts = jax.closure_convert(apply, carry, _gathered_like(specs),
                                             _layer_like(plain))
     layer = functools.partial(_call_converted, converted, ())
-    casts = ()
+    casts: tuple[Any, ...] = (None,) * len(plain)
     if plain and not shards:
         casts = _plain_casts(layer, carry, _layer_like(plain), list(consts))
         if any(c is not None for c in casts):
@@ -342,9 +342,8 @@ def _narrower(dtype: Any, than: Any) -> bool:
 
 
 def _cast(values: list[jax.Array], dtypes: tuple[Any, ...]) -> list[jax.Array]:
-    """`values`, each cast to its dtype in `dtypes` (None or no entry: as it is)."""
-    return [v if i >= len(dtypes) or dtypes[i] is None else v.astype(dtypes[i])
-            for i, v in enumerate(values)]
+    """`values`, each cast to its dtype in `dtypes` (None: as it is)."""
+    return [v if d is None else v.astype(d) for v, d in zip(values, dtypes, strict=True)]
 
 
 def _plain_at(spec: LoopSpec, plain: list[jax.Array], i: Any) -> list[jax.Array]:
@@ -355,9 +354,8 @@ def _plain_at(spec: LoopSpec, plain: list[jax.Array], i: Any) -> list[jax.Array]
 def _plain_like(spec: LoopSpec, plain: list[jax.Array]) -> list[jax.ShapeDtypeStruct]:
     """One layer's slice of each replicated stack as the layer gets it, the dtype of its
     gradient stack (`_cast`)."""
-    return [jax.ShapeDtypeStruct(x.shape, x.dtype if k >= len(spec.plain_casts)
-                                 or spec.plain_casts[k] is None else spec.plain_casts[k])
-            for k, x in enumerate(_layer_like(plain))]
+    return [jax.ShapeDtypeStruct(x.shape, x.dtype if d is None else d)
+            for x, d in zip(_layer_like(plain), spec.plain_casts, strict=True)]
 
 
 def _widened(grads: list[jax.Array], plain: list[jax.Array]) -> list[jax.Array]:
@@ -700,6 +698,7 @@ def _unrolled_backward(spec, saved, ct):
     # update), made when its first gradient exists (`_put_new`); stacking the per-layer
     # gradients at the end would copy them.
     shard_buf, plain_buf = [None] * len(shards), [None] * len(plain)
+    shard_like, plain_like = _layer_like(shards), _plain_like(spec, plain)
     last = spec.n_layers - 1
 
     def weights(i: int, dh: Any, stack: list) -> tuple[Any, list, list[jax.Array]]:
@@ -730,19 +729,18 @@ def _unrolled_backward(spec, saved, ct):
             # left alone, a scheduler may write every layer's slot at the end of the
             # backward pass and keep all the layers' reduce-scattered gradients alive beside
             # the stack (a second copy of the gradients).
-            shard_buf = _put_new(shard_buf, pending, i + 1, spec.n_layers,
-                                 _layer_like(shards))
+            shard_buf = _put_new(shard_buf, pending, i + 1, spec.n_layers, shard_like)
             dh, shard_buf = _tied(spec, dh, shard_buf)
         pending = spec.reduce_scatter(dw)
         # Written into its stack before layer i - 1's backward starts, for the same reason
         # as the reduce-scattered gradients above (here with no collective to wait for).
         # In the dtype the layer computes the gradient in (`_only_cast`): the stack is
         # allocated whole at its first layer, while most saved activations are alive.
-        plain_buf = _put_new(plain_buf, dp, i, spec.n_layers, _plain_like(spec, plain))
+        plain_buf = _put_new(plain_buf, dp, i, spec.n_layers, plain_like)
         dh, plain_buf = _tied_plain(dh, plain_buf)
         dconsts = _add(dconsts, dc)
         w = w_prev
-    shard_buf = _put_new(shard_buf, pending, 0, spec.n_layers, _layer_like(shards))
+    shard_buf = _put_new(shard_buf, pending, 0, spec.n_layers, shard_like)
     plain_buf = _widened(plain_buf, plain)
     return dh, shard_buf, plain_buf, _const_cts(dconsts, consts)
 
