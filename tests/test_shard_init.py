@@ -126,3 +126,43 @@ def test_init_program_holds_only_the_shards():
     assert stats.output_size_in_bytes < 0.4 * whole
     # Generating a weight whole before slicing it would need at least the whole model.
     assert stats.temp_size_in_bytes < whole
+
+
+class _Const(nnx.Module):
+    """A module with a weight made from a constant array (a constant of the traced build)."""
+
+    def __init__(self, fill: float):
+        self.w = nnx.Param(jnp.asarray(np.full((6, 10), fill, np.float32)))
+
+
+def test_a_build_again_reuses_its_program_and_only_an_identical_one():
+    """Building the same module again (new closures) runs the program compiled the first
+    time; a different seed, constant, mesh or config never gets another build's program
+    (the values would be silently those of the other build)."""
+    cfg = dataclasses.replace(ODD, n_layers=1)
+    mesh = gtp_jax.make_mesh(dp=2, gtp=4)
+    make = lambda seed: lambda: Transformer(cfg, rngs=nnx.Rngs(seed))  # noqa: E731
+    first = compiled_init(make(7), mesh)
+    assert compiled_init(make(7), mesh) is first
+    assert_same_sharded(gtp_jax.shard_init(make(7), mesh), gtp_jax.shard(make(7)(), mesh))
+    others = [compiled_init(make(8), mesh),
+              compiled_init(make(7), gtp_jax.make_mesh(gtp=8)),
+              # the same layout on other devices: only the output shardings differ
+              compiled_init(make(7), jax.sharding.Mesh(mesh.devices[::-1], mesh.axis_names)),
+              compiled_init(make(7), mesh, gtp_jax.GTPConfig(pad_for_alignment=8)),
+              compiled_init(lambda: Transformer(dataclasses.replace(cfg, d_ff=72),
+                                                rngs=nnx.Rngs(7)), mesh)]
+    assert len({id(p) for p in [first, *others]}) == 6
+    # The seed is a literal and a constant array a constant of the traced program: builds
+    # that differ only there get their own values.
+    a = gtp_jax.shard_init(make(7), mesh)
+    b = gtp_jax.shard_init(make(8), mesh)
+    fa, fb = (dict(nnx.to_flat_state(nnx.state(m, nnx.Param))) for m in (a, b))
+    random = [p for p in fa if p[-1] in ("embedding", "kernel")]  # norms start at one
+    assert random and all(not np.array_equal(np.asarray(fa[p].get_value()),
+                                             np.asarray(fb[p].get_value())) for p in random)
+    small = gtp_jax.GTPConfig(min_elements=1)
+    for fill in (1.0, 2.0):
+        (w,) = jax.tree.leaves(nnx.state(gtp_jax.shard_init(lambda f=fill: _Const(f), mesh,
+                                                            small), nnx.Param))
+        assert np.asarray(w)[0, 0] == fill

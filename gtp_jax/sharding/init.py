@@ -20,10 +20,13 @@ is lost (both seen on a simulated 8-device CPU mesh).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import hashlib
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import jax
+import numpy as np
 from flax import nnx
 from jax.extend import core as jcore
 from jax.sharding import Mesh
@@ -78,11 +81,13 @@ def compiled_init(make_module: Callable[[], nnx.Module], mesh: Mesh,
     """The program `shard_init` runs, compiled and not run: its ``memory_analysis()`` says
     what one device holds (outputs: its shards) and needs (temporaries) while building."""
     _, program = _init_program(make_module, mesh, config)
-    return program.lower().compile()
+    return program
 
 
-def _init_program(make_module: Any, mesh: Any, config: Any) -> tuple[Placement, Any]:
-    """(the placement plan, the jitted program returning each array variable's stored value)."""
+def _init_program(make_module: Any, mesh: Any, config: Any
+                  ) -> tuple[Placement, jax.stages.Compiled]:
+    """(the placement plan, the compiled program returning each array variable's stored
+    value)."""
     if isinstance(make_module, nnx.Module):
         raise UsageTypeError(
             "gtp_jax.shard_init: make_module must be a callable with no arguments that builds "
@@ -121,7 +126,60 @@ def _init_program(make_module: Any, mesh: Any, config: Any) -> tuple[Placement, 
         return [x if placement.plans[i] is None else placement.plans[i].to_stored(x)
                 for i, x in zip(arrays, values)]
 
-    return placement, jax.jit(build, out_shardings=[shardings[i] for i in arrays])
+    return placement, _compiled(build, [shardings[i] for i in arrays])
+
+
+#: Compiled build programs by what they compute (`_compiled`), newest last.
+_PROGRAMS: OrderedDict[Hashable, jax.stages.Compiled] = OrderedDict()
+#: How many `_PROGRAMS` are kept (each holds only a small executable).
+_KEEP_PROGRAMS = 8
+
+
+def _compiled(build: Callable[[], list[jax.Array]], out_shardings: list[Any]
+              ) -> jax.stages.Compiled:
+    """``jax.jit(build, out_shardings=...)``, compiled, or the program compiled for an
+    earlier `build` that traced to the same program.
+
+    A model built again with the same factory, mesh and config (a notebook cell run
+    again, a fresh model to restore a checkpoint into, a test suite) traces to the same program
+    from a new closure, which ``jax.jit``'s own cache (keyed on the function object)
+    never matches; lowering and compiling it again took most of a repeated build. The
+    key is the traced program itself: its printed jaxpr (every operation, shape, dtype,
+    literal such as the seed, and nested jaxpr), its constants' bytes, the output
+    shardings and JAX's tracing configuration, so two builds share a program only when
+    they compute the same values into the same layout.
+    """
+    closed = jax.make_jaxpr(build)()
+    key = (str(closed.jaxpr), _consts_key(closed.consts), tuple(out_shardings),
+           _trace_config())
+    program = _PROGRAMS.pop(key, None)
+    if program is None:
+        program = jax.jit(jcore.jaxpr_as_fun(closed),
+                          out_shardings=list(out_shardings)).lower().compile()
+    _PROGRAMS[key] = program
+    while len(_PROGRAMS) > _KEEP_PROGRAMS:
+        _PROGRAMS.popitem(last=False)
+    return program
+
+
+def _consts_key(consts: list[Any]) -> tuple:
+    """The constants' shapes, dtypes and a digest of their bytes."""
+    key = []
+    for c in consts:
+        a = np.asarray(c)
+        key.append((a.shape, str(a.dtype), hashlib.sha256(a.tobytes()).hexdigest()))
+    return tuple(key)
+
+
+def _trace_config() -> Hashable:
+    """JAX's configuration that tracing and lowering read (``jax.jit``'s own cache key
+    part); None where this JAX has no such function (then only the jaxpr keys)."""
+    try:
+        from jax._src import config as jax_config  # noqa: PLC0415
+
+        return jax_config.trace_context()
+    except (ImportError, AttributeError):
+        return None
 
 
 def _op_by_op(closed: Any) -> list[jax.Array]:
