@@ -170,6 +170,18 @@ class GTPConfig:
         (as `include`) whose optimizer state stays in device memory (partial offload):
         their moments are updated in place with no copy, so each step moves only the
         others' (`python -m gtp_jax plan` picks what spare device memory can keep).
+      coalesce_layer_collectives: the layer loop gathers all of one layer's weights that
+        share a gather dtype with ONE all-gather (their shards flattened into one buffer,
+        the gathered buffer cut back into the weights), and reduce-scatters all of the
+        layer's gradients with ONE reduce-scatter, instead of one collective per weight.
+        The same values (gathers move bits; a gradient's sum over the axis may add its
+        shards in another order). XLA's GPU scheduler keeps one collective in flight at
+        a time by default, so a layer's seven weight gathers queue behind each other and
+        some run with no GEMM beside them; one gather per layer can run beside the whole
+        layer. The cost: the cut copies the gathered layer once (one layer of weights in
+        the compute dtype, written and read). Low-precision (`gather_format`) and FP8
+        kernels keep their own collectives. Off by default until its step time is
+        measured on several GPUs (docs/overlap.md).
     """
 
     axis: str = "gtp"
@@ -192,6 +204,7 @@ class GTPConfig:
     offload_optimizer: bool = False
     offload_exclude: tuple[str, ...] = ()
     offload_master_weights: bool = False
+    coalesce_layer_collectives: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.axis, str) or not self.axis:
@@ -245,7 +258,8 @@ class GTPConfig:
                 "(steps of amax history of the delayed recipe; 16 is TransformerEngine's "
                 "default).")
         for field in ("prefetch", "remat_gathered", "keep_gathered_layers",
-                      "offload_optimizer", "offload_master_weights"):
+                      "offload_optimizer", "offload_master_weights",
+                      "coalesce_layer_collectives"):
             if not isinstance(getattr(self, field), bool):
                 raise UsageTypeError(
                     f"GTPConfig.{field}={getattr(self, field)!r} must be True or False.")

@@ -113,6 +113,7 @@ def run_variant(args: argparse.Namespace) -> dict:
             gather_dtype=jnp.bfloat16, prefetch=variant_kind == "gtp_prefetch",
             reduce_dtype=args.reduce_dtype, remat_gathered=not args.no_remat_gathered,
             keep_gathered_layers=args.keep_gathered_layers,
+            coalesce_layer_collectives=args.coalesce_layer_collectives,
             gather_format=None if args.gather_format == "none" else args.gather_format,
             fp8_compute=None if args.fp8_compute == "none" else args.fp8_compute,
             fp8_min_features=args.fp8_min_features,
@@ -411,6 +412,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="GTPConfig.fp8_min_features of the gtp variants")
     parser.add_argument("--no-remat-gathered", action="store_true",
                         help="GTPConfig(remat_gathered=False) for the gtp variants")
+    parser.add_argument("--coalesce-layer-collectives", action="store_true",
+                        help="GTPConfig(coalesce_layer_collectives=True) for the gtp variants: "
+                        "one all-gather and one reduce-scatter per layer")
     parser.add_argument("--keep-gathered-layers", action="store_true",
                         help="GTPConfig(keep_gathered_layers=True) for the gtp variants: the "
                         "backward loop reuses the forward pass's gathered weights")

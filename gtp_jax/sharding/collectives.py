@@ -12,13 +12,15 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from gtp_jax.sharding.fp8_gather import gather_fp8
 from gtp_jax.sharding.gather_spec import GatherSpec
 
 __all__ = ["GATHERED_WEIGHT", "GatherSpec", "all_gather_shard", "all_gather_shards",
-           "gather_weight", "gradient_of", "reduce_scatter_grad", "regather_policy",
+           "gather_weight", "gradient_of", "reduce_scatter_grad", "reduce_scatter_grads",
+           "regather_policy",
            "resolve_quant_backend"]
 
 #: `checkpoint_name` of every gathered weight. Remat policies that do not save this name
@@ -61,6 +63,7 @@ def all_gather_shards(shards: Sequence[jax.Array], specs: Sequence[GatherSpec]
     out: list[Any] = [None] * len(shards)
     groups: dict[tuple[str, str, str], list[int]] = {}
     direct: dict[str, list[int]] = {}
+    coalesced: dict[tuple[str, Any], list[int]] = {}
     for i, spec in enumerate(specs):
         if spec.fp8_in_dims:
             direct.setdefault(spec.axis, []).append(i)
@@ -72,9 +75,16 @@ def all_gather_shards(shards: Sequence[jax.Array], specs: Sequence[GatherSpec]
         shard = shards[i]
         if spec.gather_dtype is not None:
             shard = shard.astype(spec.gather_dtype)
+        if spec.coalesce and spec.axis_size > 1:
+            coalesced.setdefault((spec.axis, np.dtype(shard.dtype)), []).append(i)
+            out[i] = shard  # gathered below, with the others of its dtype
+            continue
         if spec.axis_size > 1:
             shard = jax.lax.all_gather(shard, spec.axis, axis=spec.shard_dim, tiled=True)
         out[i] = _unpad(shard, spec)
+    for idx in coalesced.values():
+        for i, w in zip(idx, _gather_coalesced([out[i] for i in idx], [specs[i] for i in idx])):
+            out[i] = w
     for (gather_format, backend, axis), idx in groups.items():
         from gtp_jax import pallas  # deferred: the kernels load only when a format is used
 
@@ -92,6 +102,28 @@ def all_gather_shards(shards: Sequence[jax.Array], specs: Sequence[GatherSpec]
     for idx in direct.values():
         for i, w in zip(idx, gather_fp8([shards[i] for i in idx], [specs[i] for i in idx])):
             out[i] = w
+    return out
+
+
+def _gather_coalesced(shards: Sequence[jax.Array], specs: Sequence[GatherSpec]
+                      ) -> list[jax.Array]:
+    """All-gathers `shards` (one dtype, one axis) with ONE all-gather: each shard, its shard
+    dim moved first, is flattened into one buffer; the ``[axis_size, total]`` result is cut
+    back, each piece's rows put in rank order along its shard dim (what a tiled all-gather
+    of that shard gives), unpadded."""
+    if len(shards) == 1:
+        spec = specs[0]
+        return [_unpad(jax.lax.all_gather(shards[0], spec.axis, axis=spec.shard_dim,
+                                          tiled=True), spec)]
+    n = specs[0].axis_size
+    flat = [jnp.moveaxis(s, spec.shard_dim, 0).reshape(-1) for s, spec in zip(shards, specs)]
+    full = jax.lax.all_gather(jnp.concatenate(flat), specs[0].axis, axis=0, tiled=False)
+    out, start = [], 0
+    for s, spec, f in zip(shards, specs, flat):
+        moved = jnp.moveaxis(s, spec.shard_dim, 0).shape  # (rows per rank, *other dims)
+        piece = full[:, start:start + f.size].reshape((n * moved[0], *moved[1:]))
+        out.append(_unpad(jnp.moveaxis(piece, 0, spec.shard_dim), spec))
+        start += f.size
     return out
 
 
@@ -121,16 +153,58 @@ def reduce_scatter_grad(grad: jax.Array, spec: GatherSpec) -> jax.Array:
       The gradient shard, shape ``spec.shard_shape``, dtype ``spec.param_dtype``; rows that
       are padding get exactly zero, so padded parameters never move.
     """
-    grad = grad.astype(spec.reduce_dtype)
-    pad = spec.padded_size - spec.logical_shape[spec.shard_dim]
-    if pad:
-        widths = [(0, 0)] * grad.ndim
-        widths[spec.shard_dim] = (0, pad)
-        grad = jnp.pad(grad, widths)
+    grad = _padded(grad.astype(spec.reduce_dtype), spec)
     if spec.axis_size > 1:
         grad = jax.lax.psum_scatter(grad, spec.axis, scatter_dimension=spec.shard_dim,
                                     tiled=True)
     return grad.astype(spec.param_dtype)
+
+
+def reduce_scatter_grads(grads: Sequence[jax.Array], specs: Sequence[GatherSpec]
+                        ) -> list[jax.Array]:
+    """`reduce_scatter_grad` of each gradient; those whose spec coalesces
+    (`GatherSpec.coalesce`, over the same axis, in the same reduce dtype) with ONE
+    reduce-scatter: each padded gradient, its shard dim moved first, as ``[axis_size,
+    rows per rank * rest]`` (row ``r``: rank ``r``'s shard, flattened), joined along dim 1
+    and reduce-scattered over dim 0; each rank's ``[total]`` result cut back into its
+    shards."""
+    out: list[Any] = [None] * len(grads)
+    coalesced: dict[tuple[str, Any], list[int]] = {}
+    for i, (g, spec) in enumerate(zip(grads, specs)):
+        if spec.coalesce and spec.axis_size > 1:
+            coalesced.setdefault((spec.axis, np.dtype(spec.reduce_dtype)), []).append(i)
+        else:
+            out[i] = reduce_scatter_grad(g, spec)
+    for (axis, _), idx in coalesced.items():
+        if len(idx) == 1:
+            out[idx[0]] = reduce_scatter_grad(grads[idx[0]], specs[idx[0]])
+            continue
+        rows, moved = [], []
+        for i in idx:
+            spec = specs[i]
+            m = jnp.moveaxis(_padded(grads[i].astype(spec.reduce_dtype), spec),
+                             spec.shard_dim, 0)
+            moved.append(m.shape)
+            rows.append(m.reshape(spec.axis_size, -1))
+        mine = jax.lax.psum_scatter(jnp.concatenate(rows, axis=1), axis, scatter_dimension=0,
+                                    tiled=False)
+        start = 0
+        for i, r, shape in zip(idx, rows, moved):
+            spec, size = specs[i], r.shape[1]
+            shard = mine[start:start + size].reshape((shape[0] // spec.axis_size, *shape[1:]))
+            out[i] = jnp.moveaxis(shard, 0, spec.shard_dim).astype(spec.param_dtype)
+            start += size
+    return out
+
+
+def _padded(grad: jax.Array, spec: GatherSpec) -> jax.Array:
+    """`grad` zero-padded along the shard dim to ``spec.padded_size``."""
+    pad = spec.padded_size - spec.logical_shape[spec.shard_dim]
+    if not pad:
+        return grad
+    widths = [(0, 0)] * grad.ndim
+    widths[spec.shard_dim] = (0, pad)
+    return jnp.pad(grad, widths)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))

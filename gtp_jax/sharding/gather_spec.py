@@ -30,6 +30,8 @@ class GatherSpec:
       fp8_in_dims: > 0 for the kernel of an FP8-compute layer gathered in fp8: it is
         gathered as a `gtp_jax.sharding.fp8_gather.Fp8GatheredWeight` whose payload the
         layer's FP8 GEMM reads as is; the layer contracts its first `fp8_in_dims` dims.
+      coalesce: gathered (and its gradient reduce-scattered) in one collective with the
+        other coalescing weights of the same call (`GTPConfig.coalesce_layer_collectives`).
     """
 
     axis: str
@@ -43,6 +45,7 @@ class GatherSpec:
     gather_format: str | None = None
     quant_backend: str | None = None
     fp8_in_dims: int = 0
+    coalesce: bool = False
 
     @property
     def padded_shape(self) -> tuple[int, ...]:

@@ -52,7 +52,7 @@ from gtp_jax.sharding.collectives import (
     GatherSpec,
     all_gather_shards,
     gradient_of,
-    reduce_scatter_grad,
+    reduce_scatter_grads,
 )
 from gtp_jax.sharding.fp8_gather import gathered_like, with_value, without_value
 from gtp_jax.sharding.lazy import is_shard
@@ -194,7 +194,8 @@ class LoopSpec:
         return all_gather_shards(layer_shards, self.gather_specs)
 
     def reduce_scatter(self, grads: list[Any]) -> list[jax.Array]:
-        return [reduce_scatter_grad(gradient_of(g), s) for g, s in zip(grads, self.gather_specs)]
+        # One call per layer: coalescing specs share one reduce-scatter.
+        return reduce_scatter_grads([gradient_of(g) for g in grads], self.gather_specs)
 
     def kept_like(self, keep: bool) -> list[Any] | None:
         """One layer's gathered weights as kept (`kept`), when a forward pass that saves

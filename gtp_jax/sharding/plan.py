@@ -368,5 +368,6 @@ def plan_param(
         reduce_dtype=config.reduce_dtype,
         gather_format=config.gather_format,
         quant_backend=config.quant_backend,
+        coalesce=config.coalesce_layer_collectives,
     )
     return ParamPlan(path=path, spec=spec, stacked=stacked, splits=tuple(splits))

@@ -36,7 +36,8 @@ from gtp_jax.train.user_model import UserModel, check_spec
 #: `TrainConfig.schedule_steps`).
 RESUME_MAY_DIFFER = frozenset({"steps", "dp", "gtp", "tp", "ep", "cp", "pad_for_alignment",
                                "gather_dtype", "reduce_dtype", "gather_format", "prefetch",
-                               "keep_gathered_layers", "remat", "overlap",
+                               "keep_gathered_layers", "coalesce_layer_collectives",
+                               "remat", "overlap",
                                "attention", "unroll_layers", "export_hf", "eval_every",
                                "eval_batches", "offload_optimizer", "offload_exclude",
                                "fp8_compute", "fp8_min_features", "grad_accum"})
@@ -140,6 +141,8 @@ class TrainConfig:
       keep_gathered_layers: `GTPConfig.keep_gathered_layers`: the backward pass reuses the
         forward pass's gathered weights instead of gathering each layer again (every
         layer's gathered weights held through the step; same numbers).
+      coalesce_layer_collectives: `GTPConfig.coalesce_layer_collectives`: one all-gather
+        and one reduce-scatter per layer instead of one per weight.
       offload_optimizer: `GTPConfig.offload_optimizer` (optimizer state in host memory).
       offload_exclude: `GTPConfig.offload_exclude` (regular expressions on parameter paths,
         e.g. ``"blocks/mlp/down"``, whose optimizer state stays on the device).
@@ -207,6 +210,7 @@ class TrainConfig:
     fp8_min_features: int | None = None
     prefetch: bool = False
     keep_gathered_layers: bool = False
+    coalesce_layer_collectives: bool = False
     offload_optimizer: bool = False
     offload_exclude: tuple[str, ...] = ()
     offload_master_weights: bool = False
@@ -262,8 +266,8 @@ class TrainConfig:
             if getattr(self, name) not in allowed:
                 raise UsageError(f"TrainConfig.{name}={getattr(self, name)!r}: use one of "
                                  f"{list(allowed)}.")
-        for name in ("prefetch", "keep_gathered_layers", "overlap", "offload_optimizer",
-                     "offload_master_weights"):
+        for name in ("prefetch", "keep_gathered_layers", "coalesce_layer_collectives",
+                     "overlap", "offload_optimizer", "offload_master_weights"):
             if not isinstance(getattr(self, name), bool):
                 raise UsageTypeError(f"TrainConfig.{name}={getattr(self, name)!r} must be a bool.")
         exclude = self.offload_exclude
@@ -570,6 +574,7 @@ def _gtp_config(cfg: TrainConfig) -> GTPConfig:
                      pad_for_alignment=cfg.pad_for_alignment,
                      gather_format=cfg.gather_format, prefetch=cfg.prefetch,
                      keep_gathered_layers=cfg.keep_gathered_layers,
+                     coalesce_layer_collectives=cfg.coalesce_layer_collectives,
                      offload_optimizer=cfg.offload_optimizer,
                      offload_exclude=cfg.offload_exclude,
                      offload_master_weights=cfg.offload_master_weights,
@@ -622,6 +627,8 @@ def describe_choices(cfg: TrainConfig, model_cfg: TransformerConfig | UserModel)
                                    else "")
     if cfg.keep_gathered_layers:
         loop += "; the backward pass reuses the forward pass's gathered weights"
+    if cfg.coalesce_layer_collectives:
+        loop += "; one gather and one reduce-scatter per layer"
     return (f"compute {cfg.dtype}, gathers {gather}{reduce}, remat {model_cfg.remat}, "
             f"attention {attention}, {loop}{offload}{fp8}{describe_moe(model_cfg)}")
 

@@ -51,6 +51,8 @@ FLAGS = {
     "GTPConfig.gather_format": "--gather-format", "GTPConfig.prefetch": "--prefetch",
     "GTPConfig.keep_gathered_layers": "--keep-gathered-layers",
     "TrainConfig.keep_gathered_layers": "--keep-gathered-layers",
+    "GTPConfig.coalesce_layer_collectives": "--coalesce-layer-collectives",
+    "TrainConfig.coalesce_layer_collectives": "--coalesce-layer-collectives",
     "GTPConfig.pad_for_alignment": "--pad-for-alignment",
     "GTPConfig.offload_optimizer": "--[no-]offload-optimizer",
     "GTPConfig.offload_exclude": "--offload-exclude",
@@ -304,6 +306,9 @@ def _parser() -> argparse.ArgumentParser:
                        "reuses the forward pass's (faster where the backward pass waits on "
                        "gathers, e.g. few tokens per GPU; every layer's gathered weights are "
                        "held through the step; same numbers)")
+    train.add_argument("--coalesce-layer-collectives", action="store_true",
+                       help="one all-gather and one reduce-scatter per layer instead of one "
+                       "per weight (same numbers; docs/overlap.md)")
     train.add_argument("--unroll-layers", action=argparse.BooleanOptionalAction, default=None,
                        help="run the layers as a Python loop (fastest) or, with "
                        "--no-unroll-layers, under lax.scan (smaller program, faster compile); "
@@ -827,6 +832,7 @@ def _train_config(args: argparse.Namespace, mesh: dict[str, int]) -> object:
                        attention=args.attention, unroll_layers=args.unroll_layers,
                        gather_format=args.gather_format, prefetch=args.prefetch,
                        keep_gathered_layers=args.keep_gathered_layers,
+                       coalesce_layer_collectives=args.coalesce_layer_collectives,
                        fp8_compute=args.fp8_compute,
                        fp8_min_features=args.fp8_min_features,
                        overlap=args.overlap, moe_experts=args.moe_experts,

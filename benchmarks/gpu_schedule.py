@@ -1,0 +1,95 @@
+"""XLA's GPU schedule of the training step for N GPUs, compiled on a host with fewer.
+
+JAX can compile for GPUs it does not have: ``jax.experimental.topologies`` describes N
+compile-only H200s of the local GPU's kind (``topology="1x1xN"``), and a program lowered on
+a mesh of them compiles (nothing runs). This builds the trainer's step for such a mesh
+(abstract state: nothing is allocated), compiles it with gtp_jax's XLA flags, and reads
+the schedule back (`gtp_jax.bench.schedule.collective_windows`): for each all-gather and
+reduce-scatter, whether XLA made it asynchronous and how many GEMMs run between its start
+and its done. A collective with none is exposed unless other work hides it (a fusion,
+attention); this is the schedule's view, not a timing: a run on N GPUs says what the
+overlap is worth.
+
+Usage (on a host with at least one GPU):
+  python benchmarks/gpu_schedule.py --gpus 2 --preset llama3-8b --layers 4 --seq 2048 \
+      --batch 2 [--coalesce] [--no-unroll --prefetch] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import json
+import sys
+import time
+
+import jax
+from jax.experimental import topologies
+
+# Importing gtp_jax sets its XLA flags, before anything below starts the GPU backend.
+from gtp_jax.bench.schedule import collective_windows
+from gtp_jax.plan.memory import _lowered_step
+from gtp_jax.train.config import TrainConfig, resolve_auto
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--gpus", type=int, default=2, help="GPUs to compile for (gtp = gpus)")
+    p.add_argument("--preset", default="llama3-8b")
+    p.add_argument("--layers", type=int, default=4, help="the preset's depth, smaller")
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--batch", type=int, default=None, help="global; default one per GPU")
+    p.add_argument("--no-unroll", action="store_true", help="the scanned layer loop")
+    p.add_argument("--prefetch", action="store_true")
+    p.add_argument("--coalesce", action="store_true",
+                   help="GTPConfig(coalesce_layer_collectives=True)")
+    p.add_argument("--json", default=None, help="write every collective's window here")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if jax.default_backend() != "gpu":
+        print("gpu_schedule: needs a GPU host (its compiler compiles for the topology)",
+              file=sys.stderr)
+        return 2
+    devices = list(topologies.get_topology_desc(
+        "gpu_schedule", "cuda", topology=f"1x1x{args.gpus}").devices)
+    # The trainer builds its mesh from jax.devices(): the compile-only devices stand in for
+    # them while the step is built, lowered and compiled.
+    jax.devices = lambda *a, **k: devices
+    jax.device_count = lambda *a, **k: len(devices)
+    cfg = resolve_auto(TrainConfig(
+        preset=args.preset, layers=args.layers, seq_len=args.seq,
+        batch_size=args.batch or args.gpus, dp=1, gtp=args.gpus,
+        unroll_layers=not args.no_unroll, prefetch=args.prefetch,
+        coalesce_layer_collectives=args.coalesce, steps=10, warmup=1))
+    start = time.perf_counter()
+    text = _lowered_step(cfg).compile().as_text()
+    seconds = time.perf_counter() - start
+    windows = collective_windows(text)
+    rows: dict[tuple[str, str], list[int]] = collections.defaultdict(lambda: [0, 0])
+    for w in windows:
+        state = "sync" if w.between is None else ("no GEMM" if w.between == 0 else "GEMMs")
+        rows[(w.kind, state)][0] += 1
+        rows[(w.kind, state)][1] += w.elements
+    total = sum(w.elements for w in windows) or 1
+    print(f"{args.preset}, {args.layers} layers, {args.seq} x {cfg.batch_size // args.gpus} "
+          f"tokens per GPU, {args.gpus}x {devices[0].device_kind}, "
+          f"{'scanned' if args.no_unroll else 'unrolled'}"
+          f"{', prefetch' if args.prefetch else ''}{', coalesced' if args.coalesce else ''}"
+          f" (compiled in {seconds:.1f} s)")
+    print("| collective | between start and done | count | elements | share of elements |")
+    print("|---|---|---|---|---|")
+    for (kind, state), (count, elements) in sorted(rows.items()):
+        print(f"| {kind} | {state} | {count} | {elements / 1e6:.0f}M | "
+              f"{elements / total:.0%} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([dataclasses.asdict(w) for w in windows], f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
