@@ -4,11 +4,12 @@ JAX can compile for GPUs it does not have: ``jax.experimental.topologies`` descr
 compile-only H200s of the local GPU's kind (``topology="1x1xN"``), and a program lowered on
 a mesh of them compiles (nothing runs). This builds the trainer's step for such a mesh
 (abstract state: nothing is allocated), compiles it with gtp_jax's XLA flags, and reads
-the schedule back (`gtp_jax.bench.schedule.collective_windows`): for each all-gather and
-reduce-scatter, whether XLA made it asynchronous and how many GEMMs run between its start
-and its done. A collective with none is exposed unless other work hides it (a fusion,
-attention); this is the schedule's view, not a timing: a run on N GPUs says what the
-overlap is worth.
+the schedule back (`gtp_jax.bench.schedule.collective_windows`): for each all-gather,
+reduce-scatter and collective-permute (a ring's hop: ring attention with ``--cp``, tp's
+ring matmuls with ``--tp --overlap``), whether XLA made it asynchronous and how many GEMMs
+(or attention kernels) run between its start and its done. A collective with none is
+exposed unless other work hides it (a fusion); this is the schedule's view, not a timing:
+a run on N GPUs says what the overlap is worth.
 
 Usage (on a host with at least one GPU):
   python benchmarks/gpu_schedule.py --gpus 2 --preset llama3-8b --layers 4 --seq 2048 \
@@ -35,7 +36,12 @@ from gtp_jax.train.config import TrainConfig, resolve_auto
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--gpus", type=int, default=2, help="GPUs to compile for (gtp = gpus)")
+    p.add_argument("--gpus", type=int, default=2,
+                   help="GPUs to compile for (gtp = gpus / (tp * cp))")
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--cp", type=int, default=1, help="context parallel: ring attention")
+    p.add_argument("--overlap", action="store_true",
+                   help="tp's ring collective matmuls (TrainConfig.overlap)")
     p.add_argument("--preset", default="llama3-8b")
     p.add_argument("--layers", type=int, default=4, help="the preset's depth, smaller")
     p.add_argument("--seq", type=int, default=2048)
@@ -56,13 +62,15 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     devices = list(topologies.get_topology_desc(
         "gpu_schedule", "cuda", topology=f"1x1x{args.gpus}").devices)
+    gtp = args.gpus // (args.tp * args.cp)
     # The trainer builds its mesh from jax.devices(): the compile-only devices stand in for
     # them while the step is built, lowered and compiled.
     jax.devices = lambda *a, **k: devices
     jax.device_count = lambda *a, **k: len(devices)
     cfg = resolve_auto(TrainConfig(
         preset=args.preset, layers=args.layers, seq_len=args.seq,
-        batch_size=args.batch or args.gpus, dp=1, gtp=args.gpus,
+        batch_size=args.batch or gtp, dp=1, gtp=gtp, tp=args.tp, cp=args.cp,
+        overlap=args.overlap,
         unroll_layers=not args.no_unroll, prefetch=args.prefetch,
         coalesce_layer_collectives=args.coalesce, steps=10, warmup=1))
     start = time.perf_counter()
@@ -75,8 +83,9 @@ def main(argv: list[str] | None = None) -> int:
         rows[(w.kind, state)][0] += 1
         rows[(w.kind, state)][1] += w.elements
     total = sum(w.elements for w in windows) or 1
-    print(f"{args.preset}, {args.layers} layers, {args.seq} x {cfg.batch_size // args.gpus} "
-          f"tokens per GPU, {args.gpus}x {devices[0].device_kind}, "
+    print(f"{args.preset}, {args.layers} layers, {args.seq} tokens x {cfg.batch_size} "
+          f"(gtp {gtp}, tp {args.tp}, cp {args.cp}{', ring matmuls' if args.overlap else ''}),"
+          f" {args.gpus}x {devices[0].device_kind}, "
           f"{'scanned' if args.no_unroll else 'unrolled'}"
           f"{', prefetch' if args.prefetch else ''}{', coalesced' if args.coalesce else ''}"
           f" (compiled in {seconds:.1f} s)")

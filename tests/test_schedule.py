@@ -13,6 +13,7 @@ from gtp_jax.bench.schedule import (
     BufferLifetime,
     buffer_lifetimes,
     classify,
+    collective_windows,
     computations,
     live_bytes,
     shape_bytes,
@@ -186,3 +187,29 @@ def test_compiled_all_gather_lives_until_its_dot():
     # min_bytes keeps the gathered weight and drops the per-device shard.
     assert ag in buffer_lifetimes(text, min_bytes=ag.bytes)
     assert all(b.bytes >= ag.bytes for b in buffer_lifetimes(text, min_bytes=ag.bytes))
+
+
+RING_HLO = """HloModule ring, is_scheduled=true
+
+ENTRY %main (p0: f32[8,8], p1: f32[8,8]) -> f32[8,8] {
+  %p0 = f32[8,8]{1,0} parameter(0)
+  %p1 = f32[8,8]{1,0} parameter(1)
+  %hop = (f32[8,8]{1,0}, f32[8,8]{1,0}, u32[], u32[]) collective-permute-start(%p0)
+  %att = (f32[8,8]{1,0}, u8[0]{0}) custom-call(%p1, %p1), custom_call_target="__cudnn$fmhaSoftmax"
+  %hop.done = f32[8,8]{1,0} collective-permute-done(%hop)
+  %bare = (f32[8,8]{1,0}, f32[8,8]{1,0}, u32[], u32[]) collective-permute-start(%hop.done)
+  %bare.done = f32[8,8]{1,0} collective-permute-done(%bare)
+  %o = f32[8,8]{1,0} get-tuple-element(%att), index=0
+  ROOT %add = f32[8,8]{1,0} add(%bare.done, %o)
+}
+"""
+
+
+def test_ring_hops_and_attention_kernels_in_collective_windows():
+    # A ring's hop is a window of its own; cuDNN's attention between its start and done
+    # counts as the compute beside it, as a GEMM does.
+    windows = {w.name: w for w in collective_windows(RING_HLO)}
+    assert set(windows) == {"hop", "bare"}
+    assert windows["hop"].kind == "collective-permute" and windows["hop"].elements == 64
+    assert windows["hop"].between == 1
+    assert windows["bare"].between == 0

@@ -315,8 +315,9 @@ def op_label(kind: str, direction: str, prefetch: bool) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class CollectiveWindow:
-    """One all-gather or reduce-scatter of a compiled computation, and the matmuls that can
-    run beside it.
+    """One all-gather, reduce-scatter or collective-permute (a ring's hop) of a compiled
+    computation, and the matmuls (GEMMs, attention and Pallas kernels) that can run beside
+    it.
 
     `beside`: the dots (`classify`) of its computation that are neither among its operands'
     producers, transitively, nor among its result's consumers: nothing in the program orders
@@ -335,9 +336,17 @@ class CollectiveWindow:
     between: int | None
 
 
+#: The collectives `collective_windows` reports (a ring's hops are collective-permutes).
+WINDOW_COLLECTIVES = ("all-gather", "reduce-scatter", "collective-permute")
+#: Custom calls that compute beside a collective as a GEMM does: cuDNN's fused attention and
+#: Pallas / Triton kernels (ring attention's flash blocks).
+_KERNEL_TARGET = re.compile(r'custom_call_target="[^"]*(cudnn\$fmha|triton|mosaic)')
+
+
 def collective_windows(text: str) -> list[CollectiveWindow]:
-    """`CollectiveWindow` of every all-gather and reduce-scatter of a compiled HLO module's
-    text (every computation: the entry, and loop bodies)."""
+    """`CollectiveWindow` of every all-gather, reduce-scatter and collective-permute of a
+    compiled HLO module's text (every computation: the entry, and loop bodies). Besides
+    dots and GEMMs, attention and Pallas kernels count as the compute beside one."""
     comps = computations(text)
     out = []
     for cname, body in comps.items():
@@ -345,7 +354,7 @@ def collective_windows(text: str) -> list[CollectiveWindow]:
         parsed = [(p, line) for line in lines if (p := _parse(line))]
         names = [p[1] for p, _ in parsed]
         index = {n: i for i, n in enumerate(names)}
-        kinds = [classify(line, comps) for _, line in parsed]
+        kinds = [_window_kind(p, line, comps) for p, line in parsed]
         users: dict[int, list[int]] = {i: [] for i in range(len(parsed))}
         for i, (p, _) in enumerate(parsed):
             for a in p[4]:
@@ -359,7 +368,7 @@ def collective_windows(text: str) -> list[CollectiveWindow]:
             return users[i]
 
         for i, kind in enumerate(kinds):
-            if kind not in ("all-gather", "reduce-scatter"):
+            if kind not in WINDOW_COLLECTIVES:
                 continue
             p = parsed[i][0]
             tied = _closure(i, operands) | _closure(i, consumers)
@@ -375,11 +384,24 @@ def collective_windows(text: str) -> list[CollectiveWindow]:
             between = None if done is None else sum(
                 1 for j in range(i + 1, done) if kinds[j] == "dot")
             shapes = _LEAF.findall(p[2])
-            leaf = shapes[-1] if shapes else ("", "")
+            # an async collective-permute's tuple: (operand, result, contexts...)
+            at = 1 if p[3] == "collective-permute-start" and len(shapes) > 1 else -1
+            leaf = shapes[at] if shapes else ("", "")
             elements = math.prod(int(d) for d in leaf[1].split(",") if d.strip()) \
                 if leaf[1].strip() else 1
             out.append(CollectiveWindow(cname, p[1], kind, elements, beside, between))
     return out
+
+
+def _window_kind(parsed: tuple, line: str, comps: dict[str, str]) -> str | None:
+    """`classify`'s kind, with a collective-permute (not its done) as one, and an
+    attention or Pallas kernel as ``"dot"`` (compute that can hide a collective)."""
+    op = parsed[3]
+    if op.startswith("collective-permute") and not op.endswith("done"):
+        return "collective-permute"
+    if op == "custom-call" and _KERNEL_TARGET.search(line):
+        return "dot"
+    return classify(line, comps)
 
 
 def traced_windows(closed_jaxpr: Any) -> list[CollectiveWindow]:
