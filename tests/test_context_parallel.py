@@ -366,9 +366,10 @@ def test_cp_step_moves_kv_by_collective_permute_without_full_scores() -> None:
     seq = 40  # no model dim is 40 or 10
     el = seq // 4
     hlo = _step_hlo(CFG, mesh, seq)
-    # K/V blocks [local batch, S/cp, heads, head_dim] travel by collective-permute (the
-    # logits' zigzag reorder permutes [.., S/2cp, vocab] halves, which do not match this)
-    kv = f"[{BATCH // 2},{el},{CFG.n_heads},{CFG.head_size}]"
+    # K/V blocks [local batch, S/cp, heads, head_dim] travel by collective-permute, K and V
+    # as one flat buffer (the logits' zigzag reorder permutes [.., S/2cp, vocab] halves,
+    # which do not match this)
+    kv = f"[{2 * (BATCH // 2) * el * CFG.n_heads * CFG.head_size}]"
     permutes = [ln for ln in hlo.splitlines() if "collective-permute(" in ln]
     assert any(kv in ln for ln in permutes), f"no K/V {kv} collective-permute"
     shapes = _shapes(hlo)

@@ -319,20 +319,24 @@ def test_ring_program_uses_collective_permute_and_no_full_scores(key):
 
 @pytest.mark.parametrize("n", [2, 4])
 def test_backward_hops_carry_gradients_behind_kv(n):
-    """bf16 inputs: K/V hops are bf16, dK/dV hops float32. Forward n-1 K/V hops; backward
-    n-1 K/V hops (the first without any gradient) and n-1 dK/dV hops (n-2 to the next
-    visitor, the last one home) -- one gradient hop fewer than a ring whose accumulators
-    travel with every K/V block and then go home."""
+    """bf16 inputs: K/V hops are bf16, dK/dV hops float32, and each hop is ONE ppermute
+    (K and V, or dK and dV, flattened into one buffer: XLA's GPU scheduler keeps one
+    collective in flight, so two per hop left one of them synchronous). Forward n-1 K/V
+    hops; backward n-1 K/V hops (the first without any gradient) and n-1 dK/dV hops (n-2 to
+    the next visitor, the last one home) -- one gradient hop fewer than a ring whose
+    accumulators travel with every K/V block and then go home."""
     mesh = cp_mesh(n)
     q = jnp.ones((1, 4 * n, 2, 8), jnp.bfloat16)
     f = jax.shard_map(lambda q, k, v: ring_attention(q, k, v, axis="cp"), mesh=mesh,
                       in_specs=(P(None, "cp"),) * 3, out_specs=P(None, "cp"))
     grad = jax.grad(lambda q, k, v: jnp.sum(f(q, k, v).astype(jnp.float32)), (0, 1, 2))
-    hops = re.findall(r"(\w+)\[[\d,]*\]\S* = ppermute", str(jax.make_jaxpr(grad)(q, q, q)))
-    assert hops.count("bf16") == 2 * 2 * (n - 1), hops  # (k, v) per hop, forward + backward
-    assert hops.count("f32") == 2 * (n - 1), hops  # (dk, dv) per hop
-    first_backward = 2 * (n - 1) + 2  # the forward's hops, then the backward's first
-    assert hops[:first_backward] == ["bf16"] * first_backward, hops
+    hops = re.findall(r"(\w+)\[([\d,]*)\]\S* = ppermute", str(jax.make_jaxpr(grad)(q, q, q)))
+    block = 1 * 4 * 2 * 8  # one device's K (or V): [1, 4, 2, 8]
+    assert hops.count(("bf16", str(2 * block))) == 2 * (n - 1), hops  # K+V, fwd + bwd
+    assert hops.count(("f32", str(2 * block))) == n - 1, hops  # dK+dV
+    assert len(hops) == 3 * (n - 1), hops
+    first_backward = (n - 1) + 1  # the forward's hops, then the backward's first
+    assert [t for t, _ in hops[:first_backward]] == ["bf16"] * first_backward, hops
 
 
 # --------------------------------------------------------------------------- errors

@@ -314,7 +314,28 @@ def _ring_step(run, own, lower, higher, i, j, step, acc):
 
 
 def _shift(x, axis: str, n: int):
-    return lax.ppermute(x, axis, perm=[(a, (a + 1) % n) for a in range(n)])
+    """`x` (a pytree of arrays) one step around the ring. The leaves of one dtype travel as
+    ONE collective-permute (flattened into one buffer, cut back after): XLA's GPU scheduler
+    keeps one collective in flight at a time, so K and V sent apart had one of the two made
+    synchronous, with nothing beside it."""
+    perm = [(a, (a + 1) % n) for a in range(n)]
+    leaves, treedef = jax.tree.flatten(x)
+    groups: dict[Any, list[int]] = {}
+    for index, leaf in enumerate(leaves):
+        groups.setdefault(jnp.dtype(leaf.dtype), []).append(index)
+    out = list(leaves)
+    for idx in groups.values():
+        if len(idx) == 1:
+            out[idx[0]] = lax.ppermute(leaves[idx[0]], axis, perm=perm)
+            continue
+        moved = lax.ppermute(jnp.concatenate([leaves[i].reshape(-1) for i in idx]), axis,
+                             perm=perm)
+        start = 0
+        for i in idx:
+            size = leaves[i].size
+            out[i] = moved[start:start + size].reshape(leaves[i].shape)
+            start += size
+    return jax.tree.unflatten(treedef, out)
 
 
 def _ring_forward(spec: _Spec, q, k, v):
