@@ -166,3 +166,25 @@ def test_a_build_again_reuses_its_program_and_only_an_identical_one():
         (w,) = jax.tree.leaves(nnx.state(gtp_jax.shard_init(lambda f=fill: _Const(f), mesh,
                                                             small), nnx.Param))
         assert np.asarray(w)[0, 0] == fill
+
+
+class _FromKey(nnx.Module):
+    def __init__(self, key: jax.Array):
+        self.w = nnx.Param(jax.random.normal(key, (6, 10)))
+
+
+def test_a_key_made_outside_the_factory_builds_its_own_values():
+    # Against shard_init's advice the factory reads a key made outside it: a constant of the
+    # traced build (a typed key). It still builds, and another key builds other values.
+    mesh = gtp_jax.make_mesh(dp=2, gtp=4)
+    small = gtp_jax.GTPConfig(min_elements=1)
+    got = []
+    for seed in (1, 2, 1):
+        key = jax.random.key(seed)
+        (w,) = jax.tree.leaves(nnx.state(gtp_jax.shard_init(lambda k=key: _FromKey(k), mesh,
+                                                            small), nnx.Param))
+        got.append(np.asarray(w))
+    want = np.asarray(jax.random.normal(jax.random.key(1), (6, 10)))
+    np.testing.assert_array_equal(got[0][:, :10], want)  # stored padded to 12 columns
+    assert not np.array_equal(got[0], got[1])
+    np.testing.assert_array_equal(got[0], got[2])

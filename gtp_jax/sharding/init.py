@@ -150,8 +150,11 @@ def _compiled(build: Callable[[], list[jax.Array]], out_shardings: list[Any]
     they compute the same values into the same layout.
     """
     closed = jax.make_jaxpr(build)()
-    key = (str(closed.jaxpr), _consts_key(closed.consts), tuple(out_shardings),
-           _trace_config())
+    consts = _consts_key(closed.consts)
+    if consts is None:  # a constant this cannot read back: compiled, not kept
+        return jax.jit(jcore.jaxpr_as_fun(closed),
+                       out_shardings=list(out_shardings)).lower().compile()
+    key = (str(closed.jaxpr), consts, tuple(out_shardings), _trace_config())
     program = _PROGRAMS.pop(key, None)
     if program is None:
         program = jax.jit(jcore.jaxpr_as_fun(closed),
@@ -162,11 +165,17 @@ def _compiled(build: Callable[[], list[jax.Array]], out_shardings: list[Any]
     return program
 
 
-def _consts_key(consts: list[Any]) -> tuple:
-    """The constants' shapes, dtypes and a digest of their bytes."""
+def _consts_key(consts: list[Any]) -> tuple | None:
+    """The constants' shapes, dtypes and a digest of their bytes; None where one cannot be
+    read back whole (a PRNG key made outside `make_module`, an array of other processes)."""
     key = []
     for c in consts:
-        a = np.asarray(c)
+        try:
+            if jax.dtypes.issubdtype(getattr(c, "dtype", None), jax.dtypes.prng_key):
+                c = jax.random.key_data(c)
+            a = np.asarray(c)
+        except (TypeError, ValueError, RuntimeError):
+            return None
         key.append((a.shape, str(a.dtype), hashlib.sha256(a.tobytes()).hexdigest()))
     return tuple(key)
 
