@@ -116,14 +116,14 @@ def _gather_coalesced(shards: Sequence[jax.Array], specs: Sequence[GatherSpec]
         return [_unpad(jax.lax.all_gather(shards[0], spec.axis, axis=spec.shard_dim,
                                           tiled=True), spec)]
     n = specs[0].axis_size
-    flat = [jnp.moveaxis(s, spec.shard_dim, 0).reshape(-1) for s, spec in zip(shards, specs)]
-    full = jax.lax.all_gather(jnp.concatenate(flat), specs[0].axis, axis=0, tiled=False)
+    moved = [jnp.moveaxis(s, spec.shard_dim, 0) for s, spec in zip(shards, specs)]
+    full = jax.lax.all_gather(jnp.concatenate([m.reshape(-1) for m in moved]), specs[0].axis,
+                              axis=0, tiled=False)
     out, start = [], 0
-    for s, spec, f in zip(shards, specs, flat):
-        moved = jnp.moveaxis(s, spec.shard_dim, 0).shape  # (rows per rank, *other dims)
-        piece = full[:, start:start + f.size].reshape((n * moved[0], *moved[1:]))
+    for m, spec in zip(moved, specs):  # m: (rows per rank, *other dims)
+        piece = full[:, start:start + m.size].reshape((n * m.shape[0], *m.shape[1:]))
         out.append(_unpad(jnp.moveaxis(piece, 0, spec.shard_dim), spec))
-        start += f.size
+        start += m.size
     return out
 
 

@@ -151,14 +151,14 @@ def _compiled(build: Callable[[], list[jax.Array]], out_shardings: list[Any]
     """
     closed = jax.make_jaxpr(build)()
     consts = _consts_key(closed.consts)
-    if consts is None:  # a constant this cannot read back: compiled, not kept
-        return jax.jit(jcore.jaxpr_as_fun(closed),
-                       out_shardings=list(out_shardings)).lower().compile()
-    key = (str(closed.jaxpr), consts, tuple(out_shardings), _trace_config())
-    program = _PROGRAMS.pop(key, None)
+    key = None if consts is None else (str(closed.jaxpr), consts, tuple(out_shardings),
+                                       _trace_config())
+    program = _PROGRAMS.pop(key, None) if key is not None else None
     if program is None:
         program = jax.jit(jcore.jaxpr_as_fun(closed),
                           out_shardings=list(out_shardings)).lower().compile()
+    if key is None:  # a constant this cannot read back: compiled, not kept
+        return program
     _PROGRAMS[key] = program
     while len(_PROGRAMS) > _KEEP_PROGRAMS:
         _PROGRAMS.popitem(last=False)
