@@ -13,7 +13,7 @@ a run on N GPUs says what the overlap is worth.
 
 Usage (on a host with at least one GPU):
   python benchmarks/gpu_schedule.py --gpus 2 --preset llama3-8b --layers 4 --seq 2048 \
-      --batch 2 [--coalesce] [--no-unroll --prefetch] [--json out.json]
+      --batch 2 [--no-coalesce] [--no-unroll --prefetch] [--json out.json]
 """
 
 from __future__ import annotations
@@ -48,8 +48,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=None, help="global; default one per GPU")
     p.add_argument("--no-unroll", action="store_true", help="the scanned layer loop")
     p.add_argument("--prefetch", action="store_true")
-    p.add_argument("--coalesce", action="store_true",
-                   help="GTPConfig(coalesce_layer_collectives=True)")
+    p.add_argument("--coalesce", action=argparse.BooleanOptionalAction, default=True,
+                   help="GTPConfig.coalesce_layer_collectives (default on; --no-coalesce: "
+                   "one collective per weight)")
     p.add_argument("--json", default=None, help="write every collective's window here")
     return p
 
@@ -87,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
           f"(gtp {gtp}, tp {args.tp}, cp {args.cp}{', ring matmuls' if args.overlap else ''}),"
           f" {args.gpus}x {devices[0].device_kind}, "
           f"{'scanned' if args.no_unroll else 'unrolled'}"
-          f"{', prefetch' if args.prefetch else ''}{', coalesced' if args.coalesce else ''}"
+          f"{', prefetch' if args.prefetch else ''}{'' if args.coalesce else ', one collective per weight'}"
           f" (compiled in {seconds:.1f} s)")
     print("| collective | between start and done | count | elements | share of elements |")
     print("|---|---|---|---|---|")

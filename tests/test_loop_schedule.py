@@ -38,11 +38,12 @@ GPU_PROBE = (Path(__file__).resolve().parents[1] / "docs" / "results" / "2026-11
 LAYER_GEMMS = 6
 
 
-def _layer_windows(unroll: bool, prefetch: bool):
+def _layer_windows(unroll: bool, prefetch: bool, coalesce: bool):
     cfg = preset("tiny", n_layers=4, unroll_layers=unroll)
     mesh = gtp_jax.make_mesh(dp=2, gtp=4)
     sm = gtp_jax.shard(Transformer(cfg, rngs=nnx.Rngs(0)), mesh,
-                       gtp_jax.GTPConfig(prefetch=prefetch))
+                       gtp_jax.GTPConfig(prefetch=prefetch,
+                                         coalesce_layer_collectives=coalesce))
     graphdef, state = nnx.split(sm)
 
     def grads(state, tokens):
@@ -50,19 +51,24 @@ def _layer_windows(unroll: bool, prefetch: bool):
 
     traced = jax.make_jaxpr(grads)(state, jnp.zeros((8, 17), jnp.int32))
     stacked = [p for p in sm.plan if p.stacked]
-    gathered = {math.prod(p.spec.padded_shape) for p in stacked}
-    shards = {math.prod(p.spec.shard_shape) for p in stacked}
+    gathered = [math.prod(p.spec.padded_shape) for p in stacked]
+    shards = [math.prod(p.spec.shard_shape) for p in stacked]
+    if coalesce:  # one collective per layer: all of a layer's (float32) weights at once
+        gathered, shards = [sum(gathered)], [sum(shards)]
     windows = [w for w in traced_windows(traced)
                if (w.kind == "all-gather" and w.elements in gathered)
                or (w.kind == "reduce-scatter" and w.elements in shards)]
-    return windows, len(stacked)
+    return windows, len(gathered)
 
 
-@pytest.mark.parametrize("unroll,prefetch", [(True, False), (False, True)],
-                         ids=["unrolled", "scanned-prefetch"])
-def test_each_layer_collective_has_a_layers_matmuls_beside_it(unroll: bool,
-                                                              prefetch: bool) -> None:
-    windows, weights = _layer_windows(unroll, prefetch)
+@pytest.mark.parametrize("unroll,prefetch,coalesce",
+                         [(True, False, True), (False, True, True), (True, False, False),
+                          (False, True, False)],
+                         ids=["unrolled", "scanned-prefetch", "unrolled-per-weight",
+                              "scanned-prefetch-per-weight"])
+def test_each_layer_collective_has_a_layers_matmuls_beside_it(unroll: bool, prefetch: bool,
+                                                              coalesce: bool) -> None:
+    windows, weights = _layer_windows(unroll, prefetch, coalesce)
     gathers = [w for w in windows if w.kind == "all-gather"]
     scatters = [w for w in windows if w.kind == "reduce-scatter"]
     assert gathers and scatters, windows

@@ -180,8 +180,9 @@ class GTPConfig:
         some run with no GEMM beside them; one gather per layer can run beside the whole
         layer. The cost: the cut copies the gathered layer once (one layer of weights in
         the compute dtype, written and read). Low-precision (`gather_format`) and FP8
-        kernels keep their own collectives. Off by default until its step time is
-        measured on several GPUs (docs/overlap.md).
+        kernels keep their own collectives. On by default: on 2 H200s it took llama3-8b's
+        step from 302.9 to 287.9 ms at 2048 tokens per GPU, 883.4 to 864.7 at 8192, for
+        0.5 GiB more at the peak (docs/overlap.md); False gives one collective per weight.
     """
 
     axis: str = "gtp"
@@ -204,7 +205,7 @@ class GTPConfig:
     offload_optimizer: bool = False
     offload_exclude: tuple[str, ...] = ()
     offload_master_weights: bool = False
-    coalesce_layer_collectives: bool = False
+    coalesce_layer_collectives: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.axis, str) or not self.axis:

@@ -412,9 +412,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="GTPConfig.fp8_min_features of the gtp variants")
     parser.add_argument("--no-remat-gathered", action="store_true",
                         help="GTPConfig(remat_gathered=False) for the gtp variants")
-    parser.add_argument("--coalesce-layer-collectives", action="store_true",
-                        help="GTPConfig(coalesce_layer_collectives=True) for the gtp variants: "
-                        "one all-gather and one reduce-scatter per layer")
+    parser.add_argument("--coalesce-layer-collectives", action=argparse.BooleanOptionalAction,
+                        default=True,
+                        help="GTPConfig.coalesce_layer_collectives of the gtp variants: one "
+                        "all-gather and one reduce-scatter per layer (default), or one per "
+                        "weight (--no-coalesce-layer-collectives)")
     parser.add_argument("--keep-gathered-layers", action="store_true",
                         help="GTPConfig(keep_gathered_layers=True) for the gtp variants: the "
                         "backward loop reuses the forward pass's gathered weights")

@@ -142,7 +142,8 @@ class TrainConfig:
         forward pass's gathered weights instead of gathering each layer again (every
         layer's gathered weights held through the step; same numbers).
       coalesce_layer_collectives: `GTPConfig.coalesce_layer_collectives`: one all-gather
-        and one reduce-scatter per layer instead of one per weight.
+        and one reduce-scatter per layer instead of one per weight (default; False: one
+        per weight).
       offload_optimizer: `GTPConfig.offload_optimizer` (optimizer state in host memory).
       offload_exclude: `GTPConfig.offload_exclude` (regular expressions on parameter paths,
         e.g. ``"blocks/mlp/down"``, whose optimizer state stays on the device).
@@ -210,7 +211,7 @@ class TrainConfig:
     fp8_min_features: int | None = None
     prefetch: bool = False
     keep_gathered_layers: bool = False
-    coalesce_layer_collectives: bool = False
+    coalesce_layer_collectives: bool = True
     offload_optimizer: bool = False
     offload_exclude: tuple[str, ...] = ()
     offload_master_weights: bool = False

@@ -51,8 +51,8 @@ FLAGS = {
     "GTPConfig.gather_format": "--gather-format", "GTPConfig.prefetch": "--prefetch",
     "GTPConfig.keep_gathered_layers": "--keep-gathered-layers",
     "TrainConfig.keep_gathered_layers": "--keep-gathered-layers",
-    "GTPConfig.coalesce_layer_collectives": "--coalesce-layer-collectives",
-    "TrainConfig.coalesce_layer_collectives": "--coalesce-layer-collectives",
+    "GTPConfig.coalesce_layer_collectives": "--[no-]coalesce-layer-collectives",
+    "TrainConfig.coalesce_layer_collectives": "--[no-]coalesce-layer-collectives",
     "GTPConfig.pad_for_alignment": "--pad-for-alignment",
     "GTPConfig.offload_optimizer": "--[no-]offload-optimizer",
     "GTPConfig.offload_exclude": "--offload-exclude",
@@ -306,9 +306,11 @@ def _parser() -> argparse.ArgumentParser:
                        "reuses the forward pass's (faster where the backward pass waits on "
                        "gathers, e.g. few tokens per GPU; every layer's gathered weights are "
                        "held through the step; same numbers)")
-    train.add_argument("--coalesce-layer-collectives", action="store_true",
-                       help="one all-gather and one reduce-scatter per layer instead of one "
-                       "per weight (same numbers; docs/overlap.md)")
+    train.add_argument("--coalesce-layer-collectives", action=argparse.BooleanOptionalAction,
+                       default=True,
+                       help="one all-gather and one reduce-scatter per layer (the default) or, "
+                       "with --no-coalesce-layer-collectives, one per weight (same numbers; "
+                       "docs/overlap.md)")
     train.add_argument("--unroll-layers", action=argparse.BooleanOptionalAction, default=None,
                        help="run the layers as a Python loop (fastest) or, with "
                        "--no-unroll-layers, under lax.scan (smaller program, faster compile); "
