@@ -13,7 +13,7 @@ a run on N GPUs says what the overlap is worth.
 
 Usage (on a host with at least one GPU):
   python benchmarks/gpu_schedule.py --gpus 2 --preset llama3-8b --layers 4 --seq 2048 \
-      --batch 2 [--no-coalesce] [--no-unroll --prefetch] [--json out.json]
+      --batch 2 [--no-coalesce] [--no-unroll --prefetch] [--json out.json] [--memory]
 """
 
 from __future__ import annotations
@@ -22,16 +22,20 @@ import argparse
 import collections
 import dataclasses
 import json
+import os
+import shutil
 import sys
+import tempfile
 import time
 
 import jax
 from jax.experimental import topologies
 
 # Importing gtp_jax sets its XLA flags, before anything below starts the GPU backend.
+from gtp_jax.bench.memory import breakdown_of_dump, dump_flags, model_shapes
 from gtp_jax.bench.schedule import collective_windows
-from gtp_jax.plan.memory import _lowered_step
-from gtp_jax.train.config import TrainConfig, resolve_auto
+from gtp_jax.plan.memory import MemoryFigure, _lowered_step
+from gtp_jax.train.config import TrainConfig, model_config, resolve_auto
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -52,11 +56,18 @@ def _parser() -> argparse.ArgumentParser:
                    help="GTPConfig.coalesce_layer_collectives (default on; --no-coalesce: "
                    "one collective per weight)")
     p.add_argument("--json", default=None, help="write every collective's window here")
+    p.add_argument("--memory", action="store_true",
+                   help="also print the compiled step's peak by category "
+                   "(gtp_jax.bench.memory, from XLA's buffer assignment)")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    dump = None
+    if args.memory:  # before the GPU backend starts: XLA reads its flags then
+        dump = tempfile.mkdtemp(prefix="gpu_schedule_dump_")
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {dump_flags(dump)}"
     if jax.default_backend() != "gpu":
         print("gpu_schedule: needs a GPU host (its compiler compiles for the topology)",
               file=sys.stderr)
@@ -75,7 +86,8 @@ def main(argv: list[str] | None = None) -> int:
         unroll_layers=not args.no_unroll, prefetch=args.prefetch,
         coalesce_layer_collectives=args.coalesce, steps=10, warmup=1))
     start = time.perf_counter()
-    text = _lowered_step(cfg).compile().as_text()
+    compiled = _lowered_step(cfg).compile()
+    text = compiled.as_text()
     seconds = time.perf_counter() - start
     windows = collective_windows(text)
     rows: dict[tuple[str, str], list[int]] = collections.defaultdict(lambda: [0, 0])
@@ -88,7 +100,8 @@ def main(argv: list[str] | None = None) -> int:
           f"(gtp {gtp}, tp {args.tp}, cp {args.cp}{', ring matmuls' if args.overlap else ''}),"
           f" {args.gpus}x {devices[0].device_kind}, "
           f"{'scanned' if args.no_unroll else 'unrolled'}"
-          f"{', prefetch' if args.prefetch else ''}{'' if args.coalesce else ', one collective per weight'}"
+          f"{', prefetch' if args.prefetch else ''}"
+          f"{'' if args.coalesce else ', one collective per weight'}"
           f" (compiled in {seconds:.1f} s)")
     print("| collective | between start and done | count | elements | share of elements |")
     print("|---|---|---|---|---|")
@@ -98,6 +111,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump([dataclasses.asdict(w) for w in windows], f, indent=1)
+    if dump:
+        weights, vocab = model_shapes(model_config(cfg))
+        figure = MemoryFigure.of(compiled)
+        print(f"\ncompiled: argument {figure.argument / 2**30:.2f} GiB, temp "
+              f"{figure.temp / 2**30:.2f} GiB, peak {figure.peak / 2**30:.2f} GiB")
+        print(breakdown_of_dump(dump, weight_elements=weights, vocab=vocab).table())
+        shutil.rmtree(dump, ignore_errors=True)
     return 0
 
 

@@ -77,6 +77,20 @@ def test_a_fusion_without_an_op_name_takes_its_body_s():
                     vocab=frozenset()) == "optimizer"
 
 
+def test_a_forward_matmul_result_of_a_weight_s_size_is_an_activation():
+    """A GEMM's output kept for the backward pass whose element count equals a weight's
+    (tokens x features = rows x columns) is a saved activation, not a gathered weight."""
+    gemm = read_instructions(HLO)["fusion.5"].__class__(
+        "custom-call", "(bf16[8,4], s8[16])", "jit(step)/jvp()/shard_map/jvp()/dot_general")
+    kwargs = dict(weight_elements=frozenset({32}), vocab=frozenset({50}))
+    assert classify(gemm, 64, peak_phase="backward", **kwargs) == "saved activations"
+    cast = gemm.__class__("fusion", "bf16[8,4]", "jit(step)/jvp()/shard_map/convert_element_type")
+    assert classify(cast, 64, peak_phase="backward", **kwargs) == "gathered weights"
+    wgrad = gemm.__class__("custom-call", "(f32[8,4], s8[16])",
+                           "jit(step)/transpose(jvp())/shard_map/dot_general")
+    assert classify(wgrad, 128, peak_phase="backward", **kwargs) == "weight gradients"
+
+
 def test_update_instructions_are_those_outside_the_passes():
     assert update_instructions(HLO) == frozenset({"add.8"})
 

@@ -12,7 +12,7 @@ text (its opcode and the JAX operation it came from, ``op_name``) and puts it in
   (``state[...]`` op names), 1/N per device;
 - ``batch``: the other inputs (the token batch);
 - ``gathered weights``: all-gather results and what is made of them in the forward pass (a
-  buffer of a weight's size and dtype, outside the backward pass);
+  buffer of a weight's size and dtype, outside the backward pass, not a matmul's result);
 - ``weight gradients``: reduce-scatter inputs and results, and buffers of a weight's size
   made in the backward pass (full per-device gradients before their reduce-scatter);
 - ``logits and loss``: buffers with a vocabulary-sized dim;
@@ -191,8 +191,12 @@ def classify(inst: Instruction | None, nbytes: int, *, peak_phase: str,
     elements = {_prod(dims) for _, dims in shapes}
     if phase == "update":
         return "optimizer"
-    if elements & weight_elements and not any(set(dims) & vocab and len(dims) >= 3
-                                              for _, dims in shapes):
+    # A matmul's result in the forward pass is an activation, even where its element count
+    # is a weight's (llama3-8b at 2048 tokens: the [2048, 28672] gate_up output has the
+    # down projection's 4096 x 14336 elements).
+    activation = phase == "forward" and op.endswith("dot_general")
+    if (elements & weight_elements and not activation
+            and not any(set(dims) & vocab and len(dims) >= 3 for _, dims in shapes)):
         return "weight gradients" if phase == "backward" else "gathered weights"
     if any(set(dims) & vocab for _, dims in shapes):
         return "logits and loss"
