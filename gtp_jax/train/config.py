@@ -628,8 +628,9 @@ def describe_choices(cfg: TrainConfig, model_cfg: TransformerConfig | UserModel)
                                    else "")
     if cfg.keep_gathered_layers:
         loop += "; the backward pass reuses the forward pass's gathered weights"
-    if cfg.coalesce_layer_collectives:
-        loop += "; one gather and one reduce-scatter per layer"
+    if cfg.gtp > 1:  # at gtp=1 nothing is gathered or reduce-scattered
+        loop += ("; one gather and one reduce-scatter per layer" if
+                 cfg.coalesce_layer_collectives else "; one gather and reduce-scatter per weight")
     return (f"compute {cfg.dtype}, gathers {gather}{reduce}, remat {model_cfg.remat}, "
             f"attention {attention}, {loop}{offload}{fp8}{describe_moe(model_cfg)}")
 
