@@ -32,6 +32,7 @@ import jax
 from jax.experimental import topologies
 
 # Importing gtp_jax sets its XLA flags, before anything below starts the GPU backend.
+from gtp_jax.bench.compile_events import traced_compile
 from gtp_jax.bench.memory import breakdown_of_dump, dump_flags, model_shapes
 from gtp_jax.bench.schedule import collective_windows
 from gtp_jax.plan.memory import MemoryFigure, _lowered_step
@@ -56,6 +57,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="GTPConfig.coalesce_layer_collectives (default on; --no-coalesce: "
                    "one collective per weight)")
     p.add_argument("--json", default=None, help="write every collective's window here")
+    p.add_argument("--compile-profile", default=None, metavar="DIR",
+                   help="trace the compile into DIR and print where its time goes "
+                   "(gtp_jax.bench.compile_events)")
     p.add_argument("--memory", action="store_true",
                    help="also print the compiled step's peak by category "
                    "(gtp_jax.bench.memory, from XLA's buffer assignment)")
@@ -86,7 +90,12 @@ def main(argv: list[str] | None = None) -> int:
         unroll_layers=not args.no_unroll, prefetch=args.prefetch,
         coalesce_layer_collectives=args.coalesce, steps=10, warmup=1))
     start = time.perf_counter()
-    compiled = _lowered_step(cfg).compile()
+    events = None
+    if args.compile_profile:
+        compiled, events = traced_compile(lambda: _lowered_step(cfg).compile(),
+                                          args.compile_profile)
+    else:
+        compiled = _lowered_step(cfg).compile()
     text = compiled.as_text()
     seconds = time.perf_counter() - start
     windows = collective_windows(text)
@@ -111,6 +120,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump([dataclasses.asdict(w) for w in windows], f, indent=1)
+    if events:
+        print("\n| compile event | seconds | count |\n|---|---|---|")
+        for e in events[:25]:
+            print(f"| `{e['name']}` | {e['seconds']:.2f} | {e['count']} |")
     if dump:
         weights, vocab = model_shapes(model_config(cfg))
         figure = MemoryFigure.of(compiled)
