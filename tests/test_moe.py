@@ -218,8 +218,11 @@ def test_expert_weights_gathered_and_reduce_scattered_once_per_layer() -> None:
     """
     mesh = gtp_jax.make_mesh(ep=2, gtp=2, tp=2)
     cfg = dataclasses.replace(MOE, unroll_layers=False)
+    # One collective per weight, so that each projection's gather can be read by its shape
+    # (one per layer, the default, flattens every weight into one buffer: no per-expert
+    # collective can exist there; tests/test_coalesce.py checks that form).
     sm = gtp_jax.shard(Transformer(cfg, rngs=nnx.Rngs(0)), mesh,
-                       gtp_jax.GTPConfig(min_elements=0))
+                       gtp_jax.GTPConfig(min_elements=0, coalesce_layer_collectives=False))
     plans = {p.path: p for p in sm.plan}
     w_in = plans["blocks/mlp/w_in"].spec
     w_out = plans["blocks/mlp/w_out"].spec

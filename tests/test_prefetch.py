@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 
 import jax
@@ -75,8 +76,9 @@ def test_kept_gathered_weights_equal_regathered_ones(key, seed, prefetch, remat,
                       _train(prefetch, tokens, seed, remat, n_layers, keep=True))
 
 
-@pytest.mark.parametrize("prefetch", [False, True])
-def test_kept_gathered_weights_leave_the_backward_pass_without_gathers(prefetch):
+@pytest.mark.parametrize("prefetch,coalesce", [(False, True), (True, True), (False, False)],
+                         ids=["unrolled", "prefetch", "unrolled_per_weight"])
+def test_kept_gathered_weights_leave_the_backward_pass_without_gathers(prefetch, coalesce):
     mesh = get_mesh("dp2_gtp4")
     tokens = jax.device_put(jax.numpy.zeros((8, 17), jax.numpy.int32),
                             gtp_jax.data_sharding(mesh))
@@ -84,16 +86,20 @@ def test_kept_gathered_weights_leave_the_backward_pass_without_gathers(prefetch)
     def gathers(keep: bool, grad: bool) -> int:
         model = gtp_jax.shard(Transformer(CFG, rngs=nnx.Rngs(0)), mesh,
                               gtp_jax.GTPConfig(prefetch=prefetch, keep_gathered_layers=keep,
-                                                remat_gathered=not keep))
+                                                remat_gathered=not keep,
+                                                coalesce_layer_collectives=coalesce))
         graphdef, state = nnx.split(model)
 
         def loss(state):
             return lm_loss(nnx.merge(graphdef, state), tokens)
 
         text = jax.jit(jax.grad(loss) if grad else loss).lower(state).as_text()
-        # gathers of weights (a weight's padded shape), not of activations or token ids
-        # (the vocabulary-parallel embedding and head gather those)
+        # gathers of weights (a weight's padded shape; one per layer: all of its weights'
+        # shards as one [gtp, total] buffer), not of activations or token ids (the
+        # vocabulary-parallel embedding and head gather those)
         weights = {"x".join(map(str, p.spec.padded_shape)) for p in model.plan}
+        stacked = [p.spec for p in model.plan if p.stacked]
+        weights.add(f"{stacked[0].axis_size}x{sum(math.prod(s.shard_shape) for s in stacked)}")
         results = re.findall(r"stablehlo\.all_gather.*?-> tensor<([\dx]+)x\w+>", text)
         return sum(r in weights for r in results)
 
@@ -104,7 +110,7 @@ def test_kept_gathered_weights_leave_the_backward_pass_without_gathers(prefetch)
     # gathered), and the stacked layers' weights once more (in the backward loop) otherwise
     assert forward > 0
     assert gathers(True, grad=True) == forward
-    assert gathers(False, grad=True) >= forward + 4
+    assert gathers(False, grad=True) >= forward + (1 if coalesce else 4)
 
 
 def test_prefetch_loop_carries_next_layers_gathered_weights():

@@ -10,6 +10,8 @@ the bound of tests/test_equivalence.py (1e-5 relative).
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -138,8 +140,11 @@ def test_sharded_stack_trains_like_the_unsharded_one(reference, stack, config):
     graphdef, state = nnx.split(sm)
     jaxpr = jax.make_jaxpr(lambda s: nnx.grad(mse_loss)(nnx.merge(graphdef, s), tokens))(state)
     gathered = _gathered_shapes(jaxpr.jaxpr)
+    # one per layer (the default): all of a layer's shards as one [gtp, total] buffer
+    layer = (stacked[0].spec.axis_size, sum(math.prod(p.spec.shard_shape) for p in stacked))
+    assert layer in gathered, (layer, gathered)
+    assert (layer[0], N * layer[1]) not in gathered  # never the whole stack's shards
     for p in stacked:
-        assert p.spec.padded_shape in gathered, (p.path, gathered)
         assert (N, *p.spec.padded_shape) not in gathered, p.path
 
     ref_steps, ref_params, ref_layers = reference
