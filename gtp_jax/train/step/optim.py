@@ -140,6 +140,19 @@ def lr_schedule(lr: float, warmup: int, schedule_steps: int, *, schedule: str = 
     if version == 1:
         return _lr_schedule_v1(lr, warmup, schedule_steps, schedule, decay, end)
     stable_until = schedule_steps - decay if schedule == "wsd" else warmup
+    setting = (lr, warmup, stable_until, decay, end, schedule)
+    try:
+        return _cached_rate(*setting)
+    except TypeError:  # an unhashable setting (a JAX scalar as the rate): not cached
+        return _rate(*setting)
+
+
+def _rate(lr: float, warmup: int, stable_until: int, decay: int, end: float, schedule: str
+          ) -> optax.Schedule:
+    """Version 2's schedule as one jitted program, one per setting: the optimizer's init
+    evaluates the rate outside any jit, where each jnp operation would compile a program of
+    its own (eleven, about 0.4 s on a CPU); an optimizer built again with the same setting
+    reuses the compiled one."""
 
     def rate(count: Any) -> jax.Array:
         step = jnp.asarray(count, jnp.float32) + 1.0  # the step this update trains
@@ -154,9 +167,10 @@ def lr_schedule(lr: float, warmup: int, schedule_steps: int, *, schedule: str = 
                 after = lr + (end - lr) * progress
         return jnp.where(step <= warmup, warm, after)
 
-    # One program: the optimizer's init evaluates the rate outside any jit, where each jnp
-    # operation above would compile a program of its own (eleven, about 0.4 s on a CPU).
     return jax.jit(rate)
+
+
+_cached_rate = functools.lru_cache(maxsize=64)(_rate)
 
 
 def _lr_schedule_v1(lr: float, warmup: int, schedule_steps: int, schedule: str, decay: int,
