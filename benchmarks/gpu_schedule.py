@@ -33,10 +33,10 @@ from jax.experimental import topologies
 
 # Importing gtp_jax sets its XLA flags, before anything below starts the GPU backend.
 from gtp_jax.bench.compile_events import traced_compile
-from gtp_jax.bench.memory import breakdown_of_dump, dump_flags, model_shapes
+from gtp_jax.bench.memory import dump_flags, read_compiled
 from gtp_jax.bench.schedule import collective_windows
-from gtp_jax.plan.memory import MemoryFigure, _lowered_step
-from gtp_jax.train.config import TrainConfig, model_config, resolve_auto
+from gtp_jax.plan.memory import _lowered_step
+from gtp_jax.train.config import TrainConfig, resolve_auto
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -125,11 +125,9 @@ def main(argv: list[str] | None = None) -> int:
         for e in events[:25]:
             print(f"| `{e['name']}` | {e['seconds']:.2f} | {e['count']} |")
     if dump:
-        weights, vocab = model_shapes(model_config(cfg))
-        figure = MemoryFigure.of(compiled)
-        print(f"\ncompiled: argument {figure.argument / 2**30:.2f} GiB, temp "
-              f"{figure.temp / 2**30:.2f} GiB, peak {figure.peak / 2**30:.2f} GiB")
-        print(breakdown_of_dump(dump, weight_elements=weights, vocab=vocab).table())
+        print()
+        print(read_compiled(compiled, cfg, dump,
+                            f"{args.gpus}x {devices[0].device_kind}").table())
         shutil.rmtree(dump, ignore_errors=True)
     return 0
 

@@ -378,8 +378,8 @@ def main(argv: list[str] | None = None) -> int:
 def _compile_and_read(args: argparse.Namespace, folder: str) -> PeakBreakdown:
     import jax
 
-    from gtp_jax.plan.memory import MemoryFigure, _lowered_step
-    from gtp_jax.train.config import TrainConfig, model_config, resolve_auto
+    from gtp_jax.plan.memory import _lowered_step
+    from gtp_jax.train.config import TrainConfig, resolve_auto
 
     n = jax.device_count()
     gtp = args.gtp or max(1, n // (args.dp * args.tp))
@@ -388,12 +388,22 @@ def _compile_and_read(args: argparse.Namespace, folder: str) -> PeakBreakdown:
                                    batch_size=batch, dp=args.dp, gtp=gtp, tp=args.tp,
                                    remat=args.remat, unroll_layers=args.unroll_layers,
                                    steps=10, warmup=1))
-    figure = MemoryFigure.of(_lowered_step(cfg).compile())
+    return read_compiled(_lowered_step(cfg).compile(), cfg, folder,
+                         f"{jax.devices()[0].device_kind} x{n}")
+
+
+def read_compiled(compiled: Any, cfg: Any, folder: str | Path, devices: str) -> PeakBreakdown:
+    """Prints the compiled step's memory figures (XLA's memory analysis; `devices` names
+    what it was compiled for) and returns `breakdown_of_dump` of `folder`, where it was
+    dumped (`dump_flags`); `cfg` is the resolved `TrainConfig` it was built from."""
+    from gtp_jax.plan.memory import MemoryFigure
+    from gtp_jax.train.config import model_config
+
+    figure = MemoryFigure.of(compiled)
     weights, vocab = model_shapes(model_config(cfg))
     result = breakdown_of_dump(folder, weight_elements=weights, vocab=vocab)
     print(f"compiled: argument {figure.argument / 2**30:.2f} GiB, temp "
-          f"{figure.temp / 2**30:.2f} GiB, peak {figure.peak / 2**30:.2f} GiB "
-          f"({jax.devices()[0].device_kind} x{n})")
+          f"{figure.temp / 2**30:.2f} GiB, peak {figure.peak / 2**30:.2f} GiB ({devices})")
     return result
 
 
