@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 import re
+import subprocess
+import sys
 import tempfile
 
 NUM_DEVICES = 8
@@ -20,8 +22,31 @@ _flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "",
 # classic loop emitters instead of its fusion emitters compile them in about half the CPU
 # time (test_tp + test_ring_attention: 175 -> 80 CPU-seconds). Every comparison is between
 # programs compiled with the same flags.
-COMPILE_FAST = ("--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true "
-                "--xla_cpu_parallel_codegen_split_count=1 --xla_cpu_use_fusion_emitters=false")
+COMPILE_FAST_CANDIDATES = (
+    "--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true",
+    "--xla_cpu_parallel_codegen_split_count=1", "--xla_cpu_use_fusion_emitters=false")
+
+
+def _known_xla_flags(flags: tuple[str, ...]) -> tuple[str, ...]:
+    """The `flags` this jaxlib's XLA knows. XLA aborts the process on a flag it does not know
+    (jaxlib 0.11 dropped ``--xla_cpu_use_fusion_emitters``), so they are tried in a child
+    process first: once per run (the pytest-xdist workers and the tests' subprocesses read
+    the answer from the environment)."""
+    known = os.environ.get("GTP_JAX_TESTS_XLA_FLAGS")
+    if known is not None:
+        return tuple(known.split())
+
+    def accepted(candidate: tuple[str, ...]) -> bool:
+        env = {**os.environ, "XLA_FLAGS": " ".join(candidate), "JAX_PLATFORMS": "cpu"}
+        return subprocess.run([sys.executable, "-c", "import jax; jax.devices()"], env=env,
+                              capture_output=True).returncode == 0
+
+    known = flags if accepted(flags) else tuple(f for f in flags if accepted((f,)))
+    os.environ["GTP_JAX_TESTS_XLA_FLAGS"] = " ".join(known)
+    return known
+
+
+COMPILE_FAST = " ".join(_known_xla_flags(COMPILE_FAST_CANDIDATES))
 os.environ["XLA_FLAGS"] = (f"{_flags} {COMPILE_FAST} "
                            f"--xla_force_host_platform_device_count={NUM_DEVICES}").strip()
 os.environ["JAX_PLATFORMS"] = "cpu"
