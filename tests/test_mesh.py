@@ -11,7 +11,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import gtp_jax
-from gtp_jax.base.host import gpu_count
+from gtp_jax.base.host import gpu_count, jax_gpu_count
 from gtp_jax.base.mesh import AXES, axis_groups, data_size
 from gtp_jax.base.xla_flags import (
     DEFAULT_XLA_FLAGS,
@@ -245,6 +245,11 @@ def test_the_pinned_host_pools_of_a_hosts_gpus_share_its_memory_unless_the_user_
     assert gpu_count(missing, environ={"CUDA_VISIBLE_DEVICES": "0,1,2"}) == 3
     assert gpu_count(missing, environ={"CUDA_VISIBLE_DEVICES": ""}) == 0
     assert gpu_count(missing, environ={}) is None
+    # What JAX runs on: the host's GPUs, unless JAX_PLATFORMS leaves them out
+    gpus = str(tmp_path / "gpus")
+    assert jax_gpu_count(gpus, environ={}) == 2
+    assert jax_gpu_count(gpus, environ={"JAX_PLATFORMS": "cuda,cpu"}) == 2
+    assert jax_gpu_count(gpus, environ={"JAX_PLATFORMS": "cpu"}) is None
     user = {PINNED_POOL_ENV: "100"}
     apply_default_xla_flags(user, host_bytes=251 * 2**30)
     assert user[PINNED_POOL_ENV] == "100" and pinned_pool_bytes(user) == 100 * 2**30

@@ -21,7 +21,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from jax.sharding import NamedSharding
+from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import gtp_jax
@@ -425,7 +425,8 @@ def test_partial_offload_is_validated_before_anything_is_placed():
 
 
 def test_streamed_init_builds_each_unit_alone_with_the_values_of_tx_init():
-    mesh = jax.make_mesh((8,), ("x",))
+    # Auto axes, as gtp_jax.make_mesh builds (jax.make_mesh defaults to Explicit from 0.11)
+    mesh = jax.make_mesh((8,), ("x",), axis_types=(AxisType.Auto,))
     put = lambda x, spec: jax.device_put(x, NamedSharding(mesh, P(*spec)))  # noqa: E731
     rng = np.random.default_rng(0)
     params = {"stack": put(rng.normal(size=(5, 8, 3)).astype(np.float32), (None, "x")),

@@ -457,13 +457,15 @@ def test_offloaded_layouts_over_the_pinned_host_pool_are_rejected_without_compil
         monkeypatch):
     # On a GPU host (the backend is faked: the CPU backend has no pinned pool) an offloaded
     # state larger than XLA's pinned host pool is rejected by its bound; the on-device
-    # layouts are unaffected.
+    # layouts are unaffected. (The fake reaches every module: the attention is set to XLA's,
+    # which a faked GPU backend would otherwise resolve to cuDNN's on CPU devices.)
     monkeypatch.setattr(planner.jax, "default_backend", lambda: "gpu")
     monkeypatch.setattr(planner, "pinned_pool_bytes", lambda: 1024)
     monkeypatch.setattr(planner, "available_host_bytes", lambda: None)
     space = PlanSpace(mesh={"dp": 2, "gtp": 4}, remat=("none",), loops=("unrolled",),
                       offload=(False, True))
-    result = plan(BASE, space=space, top=1, cal=FIXED, memory_gib=1000.0)
+    result = plan(dataclasses.replace(BASE, attention="xla"), space=space, top=1, cal=FIXED,
+                  memory_gib=1000.0)
     status = {c.layout.offload: c.status for c in result.candidates}
     assert status[False] == "fits"
     assert status[True].startswith("rejected: host: the offloaded optimizer state needs")

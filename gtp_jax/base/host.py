@@ -137,3 +137,15 @@ def gpu_count(proc: str = "/proc/driver/nvidia/gpus",
     if visible is None:
         return None
     return len([d for d in visible.split(",") if d.strip() and d.strip() != "-1"])
+
+
+def jax_gpu_count(proc: str = "/proc/driver/nvidia/gpus",
+                  environ: dict[str, str] | None = None) -> int | None:
+    """The GPUs JAX will run on here: `gpu_count`, but None where ``JAX_PLATFORMS`` names
+    platforms without a GPU (``JAX_PLATFORMS=cpu`` on a GPU host runs on CPU devices)."""
+    env = os.environ if environ is None else environ
+    platforms = [p.strip().lower() for p in env.get("JAX_PLATFORMS", "").split(",")
+                 if p.strip()]
+    if platforms and not any(p in ("cuda", "gpu", "rocm") for p in platforms):
+        return None
+    return gpu_count(proc, env)

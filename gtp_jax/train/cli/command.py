@@ -593,10 +593,10 @@ def _launch(argv: list[str], args: argparse.Namespace, sizes: dict[str, int | No
     What every process would refuse is refused here, once and before any process starts,
     in the flags the user typed: the process count against the devices, and the run's
     configuration on the mesh the processes will build."""
-    from gtp_jax.base.host import gpu_count  # noqa: PLC0415
+    from gtp_jax.base.host import jax_gpu_count  # noqa: PLC0415
     from gtp_jax.train.processes.launch import launch, without_flag  # noqa: PLC0415
 
-    processes, gpus = args.processes, gpu_count()
+    processes, gpus = args.processes, jax_gpu_count()
     if gpus:
         if gpus % processes:
             return _fail(UsageError(
