@@ -4,7 +4,9 @@ between equal steps, writes back on `sync`, and applies the loss function it is 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -16,6 +18,7 @@ from helpers import assert_close, flat_values
 import gtp_jax
 from gtp_jax.models import lm_loss
 from gtp_jax.train import TrainConfig, TrainStep, build_model_and_optimizer, model_config
+from gtp_jax.train.step.train_step import step_program
 
 pytestmark = pytest.mark.slow  # minutes on 2 cores: `pytest -m "not slow"` skips it
 
@@ -252,3 +255,34 @@ def test_a_loss_that_is_not_a_scalar_is_one_line(loss_fn, has_aux, match) -> Non
     after = flat_values(gtp_jax.unshard(model))
     for path, value in before.items():
         np.testing.assert_array_equal(np.asarray(after[path]), np.asarray(value))
+
+
+def test_without_a_data_axis_the_step_takes_each_layers_gradient_buffer() -> None:
+    # On a mesh with no data axis the unrolled layer loop hands its gradient stacks over as
+    # per-layer buffers stacked at the end (gtp_jax.sharding.loop._LayerGrads; XLA's GPU
+    # compiler then makes no whole stack before the update): the same training as an
+    # nnx.jit step of the same model, to float32 rounding.
+    cfg = dataclasses.replace(CFG, dp=1, gtp=8)
+    model, optimizer = build_model_and_optimizer(cfg)
+    reference, ref_optimizer = build_model_and_optimizer(cfg)
+
+    @nnx.jit
+    def plain(model, optimizer, tokens):
+        loss, grads = nnx.value_and_grad(_loss)(model, tokens)
+        optimizer.update(model, grads)
+        return loss
+
+    step = TrainStep(model, optimizer, _loss)
+    batches = _batches(cfg, model.mesh)
+    text = step_program(step.graphdef, _loss).lower(step.state, batches[0]).as_text()
+    kernel = model.module.blocks.mlp.down.kernel.get_value()
+    stack = "x".join(map(str, kernel.sharding.shard_shape(kernel.shape)))
+    assert re.search(rf"stablehlo.concatenate .*-> tensor<{stack}xf32>", text), stack
+    for batch in batches:
+        assert_close(float(step(batch)["loss"]), float(plain(reference, ref_optimizer, batch)),
+                     1e-6, "loss")
+    step.sync()
+    params, ref_params = flat_values(gtp_jax.unshard(model)), flat_values(
+        gtp_jax.unshard(reference))
+    for key, value in params.items():
+        assert_close(value, ref_params[key], 1e-6, str(key))
