@@ -6,13 +6,14 @@ set up the 8 simulated CPU devices these helpers rely on.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import re
 import subprocess
 import sys
 import zlib
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import jax
@@ -119,6 +120,23 @@ def train_until(run: Any, directory: Any, stop_after: int) -> list[float]:
 def get_mesh(name: str) -> jax.sharding.Mesh:
     """The (cached) mesh called `name` in `MESHES`."""
     return gtp_jax.make_mesh(**MESHES[name])
+
+
+@contextlib.contextmanager
+def jax_events(event: str) -> Iterator[list[str]]:
+    """Within: the list of the ``fun_name`` of each JAX duration `event` recorded (e.g.
+    ``"/jax/core/compile/backend_compile_duration"``: one per compiled program)."""
+    names: list[str] = []
+
+    def on_duration(name: str, seconds: float, **kwargs: object) -> None:
+        if name == event:
+            names.append(str(kwargs.get("fun_name")))
+
+    jax.monitoring.register_event_duration_secs_listener(on_duration)
+    try:
+        yield names
+    finally:
+        jax.monitoring.unregister_event_duration_listener(on_duration)
 
 
 def test_key(nodeid: str, salt: int = 0) -> jax.Array:

@@ -12,7 +12,7 @@ import sys
 
 import jax
 import pytest
-from helpers import cli_env
+from helpers import cli_env, jax_events
 
 from gtp_jax.base.compile_watch import (
     HIT_EVENT,
@@ -73,20 +73,11 @@ def test_describe_names_the_cache_only_where_known() -> None:
 def test_the_run_reports_its_compile_and_first_step(tmp_path, capsys) -> None:
     """One run: the lines before the loop, the step compiled once (the first call runs it),
     and the time in the result, its summary and JSON, metrics.jsonl and the metrics JSON."""
-    compiles: list[str] = []
-
-    def on_duration(event: str, seconds: float, **kwargs: object) -> None:
-        if event == "/jax/core/compile/backend_compile_duration":
-            compiles.append(str(kwargs.get("fun_name")))
-
-    jax.monitoring.register_event_duration_secs_listener(on_duration)
-    try:
+    with jax_events("/jax/core/compile/backend_compile_duration") as compiles:
         # A shape no other test compiles (jit's in-memory cache would have it).
         result = train(TrainConfig(steps=3, batch_size=8, seq_len=19, warmup=1),
                        observe=ObserveConfig(log_dir=str(tmp_path / "logs"), log_every=5,
                                              metrics_json=str(tmp_path / "m.json")))
-    finally:
-        jax.monitoring.unregister_event_duration_listener(on_duration)
     assert compiles.count("jit(step)") == 1  # compiled ahead, not again at the first call
     out = capsys.readouterr().out
     assert "gtp_jax train: compiling the training step ...\n" in out

@@ -36,6 +36,7 @@ from helpers import (
     flat_state,
     flat_values,
     get_mesh,
+    jax_events,
     mixed_tokens,
     mse_loss,
     params_rtol,
@@ -339,18 +340,9 @@ def test_an_eager_call_and_its_gradient_run_as_compiled_programs(key, seed) -> N
     mesh = get_mesh("dp2_gtp4")
     sm = gtp_jax.shard(ref, mesh, gtp_jax.GTPConfig(pad_for_alignment=0))
     tokens = jax.random.randint(key, (8, 14), 0, cfg.vocab_size)  # a length no other test has
-    lowered: list[str] = []
-
-    def on_duration(event: str, seconds: float, **kwargs: object) -> None:
-        if event == "/jax/core/compile/jaxpr_to_mlir_module_duration":
-            lowered.append(str(kwargs.get("fun_name")))
-
-    jax.monitoring.register_event_duration_secs_listener(on_duration)
-    try:
+    with jax_events("/jax/core/compile/jaxpr_to_mlir_module_duration") as lowered:
         logits = sm(place(mesh, tokens[:, :-1])).logits
         loss, grads = nnx.value_and_grad(lm_loss)(sm, place(mesh, tokens))
-    finally:
-        jax.monitoring.unregister_event_duration_listener(on_duration)
     # The forward call, and the gradient's forward and backward: one program each. The loss
     # around the call runs eagerly, operation by operation (about 40 small programs); the
     # sharded body's operations, compiled one by one, were about 540 more.
