@@ -793,7 +793,9 @@ def _unrolled_backward(spec, saved, ct):
         dh = plain_grads.put(dh, i, [d.astype(like.dtype) for d, like in zip(dp, plain_like)])
         dconsts = _add(dconsts, dc)
         w = w_prev
-    shard_grads.put(dh, 0, pending)
+    # The returned `dh` passes the barrier with the last gradients (a barrier's operand that
+    # is read again elsewhere is copied first).
+    dh = shard_grads.put(dh, 0, pending)
     return (dh, shard_grads.stacked(), _widened(plain_grads.stacked(), plain),
             _const_cts(dconsts, consts))
 
