@@ -740,8 +740,7 @@ def hold_params_in(model: ShardedModule, dtype: Any, wrt: Any = nnx.Param, *,
             device = sharding.with_memory_kind("device") \
                 if isinstance(sharding, NamedSharding) else sharding
             try:
-                node.set_value(jax.block_until_ready(
-                    jax.jit(lambda x: x.astype(dtype), out_shardings=device)(src)))
+                node.set_value(jax.block_until_ready(_cast_program(dtype, device)(src)))
             except Exception as err:  # e.g. out of device memory part way
                 first = (str(err).strip().splitlines() or [type(err).__name__])[0]
                 raise RuntimeError(
@@ -821,6 +820,14 @@ def unshard_values(module: ShardedModule, tree: Any) -> dict[str, jax.Array]:
 def _place(value: jax.Array, plan: ParamPlan | SplitPlan, mesh: Mesh) -> jax.Array:
     sharding = NamedSharding(mesh, plan.partition_spec(np.ndim(value)))
     return _to_stored(plan, sharding)(value)
+
+
+@functools.cache
+def _cast_program(dtype: Any, sharding: Any):
+    """``x.astype(dtype)`` jitted with an output sharding: one program per (dtype,
+    sharding), shared by every variable of a shape (a fresh function per variable was traced
+    and lowered again for each)."""
+    return jax.jit(lambda x: x.astype(dtype), out_shardings=sharding)
 
 
 def _to_stored(plan: ParamPlan | SplitPlan, sharding: NamedSharding):
