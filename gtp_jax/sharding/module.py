@@ -822,7 +822,7 @@ def _place(value: jax.Array, plan: ParamPlan | SplitPlan, mesh: Mesh) -> jax.Arr
     return _to_stored(plan, sharding)(value)
 
 
-@functools.cache
+@functools.lru_cache(maxsize=256)
 def _cast_program(dtype: Any, sharding: Any):
     """``x.astype(dtype)`` jitted with an output sharding: one program per (dtype,
     sharding), shared by every variable of a shape (a fresh function per variable was traced
