@@ -153,7 +153,7 @@ def test_read_arrays_are_logical(saved) -> None:
         np.testing.assert_array_equal(arrays["model/module/" + "/".join(map(str, key))], value)
     for key, value in opt_state.items():
         np.testing.assert_array_equal(arrays["optimizer/" + "/".join(map(str, key))], value)
-    assert arrays["model/module/blocks/attn/out/kernel"].shape == (4, 4, 32, 128)
+    assert arrays["model/module/blocks/attn/out/kernel"].shape == (2, 4, 32, 128)
 
 
 def _linear(mesh: jax.sharding.Mesh, out: int = 48, seed: int = 0) -> gtp_jax.ShardedModule:

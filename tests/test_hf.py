@@ -233,7 +233,7 @@ def test_gqa_tp_trains_like_unsharded(mesh_sizes, seed) -> None:
 def test_existing_presets_keep_their_layout() -> None:
     """Multi-head presets keep the fused qkv projection (old checkpoints restore)."""
     model = nnx.eval_shape(lambda: Transformer(preset("tiny"), rngs=nnx.Rngs(0)))
-    assert model.blocks.attn.qkv.kernel.shape == (4, 128, 3, 4, 32)
+    assert model.blocks.attn.qkv.kernel.shape == (2, 128, 3, 4, 32)
     assert not hasattr(model.blocks.attn, "kv")
 
 

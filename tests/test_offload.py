@@ -123,7 +123,8 @@ def _traced_step(group: int | None, layout: str = "grouped"
     layer-stacked parameters, and the jaxpr's input variables. `layout`: ``"grouped"``, the
     state as `TrainStep` trains it (`group_offloaded`: one host array per layer group), or
     ``"stacked"``, as it is stored (one host buffer per stacked moment)."""
-    cfg = dataclasses.replace(CFG, offload_optimizer=True)
+    # 4 layers: groups of 2 make more than one unit of layers.
+    cfg = dataclasses.replace(CFG, offload_optimizer=True, layers=4)
     model, optimizer = build_model_and_optimizer(cfg)
     step = TrainStep(model, optimizer, LOSS, offload_group_layers=group)
     stacked = [tuple(v.get_value().shape) for _, v in nnx.to_flat_state(nnx.state(model, nnx.Param))

@@ -133,7 +133,7 @@ def test_bound_never_exceeds_the_compiled_peak(layout, accum):
     peak = compiled_memory(cfg).peak
     assert 0 < bound["total"] <= peak, (bound, peak)
     # Not vacuous: within 4x of the peak even for this tiny model, whose float32
-    # temporaries (CPU compile) outweigh its 0.87M parameters' state. (The CPU backend's
+    # temporaries (CPU compile) outweigh its 0.47M parameters' state. (The CPU backend's
     # figure also counts an offloaded state's host buffers.)
     assert bound["total"] + pinned_host_bound(cfg) >= peak / 4, (bound, peak)
 
@@ -510,21 +510,21 @@ def test_layout_over_the_compiled_peak_is_refused_before_training(monkeypatch, c
 def test_plan_command_prints_the_ranked_table_and_the_command_to_train(capsys, tmp_path,
                                                                          fixed_rates):
     path = tmp_path / "plan.json"
-    argv = ["plan", "--preset", "tiny", "--layers", "2", "--gpus", "8", "--seq", "32",
+    argv = ["plan", "--preset", "tiny", "--layers", "1", "--gpus", "8", "--seq", "32",
             "--batch", "8", "--top", "1", "--limit", "4", "--json", str(path)]
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert re.search(r"planned in [\d.]+ s: rates [\d.]+ s .*, \d+ layouts compiled in", out)
     best = [line for line in out.splitlines() if line.startswith("best: ")]
     assert best and best[0].startswith(
-        "best: python -m gtp_jax train --preset tiny --layers 2 --batch 8 --seq 32 ")
+        "best: python -m gtp_jax train --preset tiny --layers 1 --batch 8 --seq 32 ")
     saved = json.loads(path.read_text())
     fits = [c for c in saved["candidates"] if c["status"] == "fits"]
     assert fits and best[0].endswith(fits[0]["flags"])
-    # The layers replaced are the model planned: less memory than the preset's 4 layers.
+    # The layers replaced are the model planned: less memory than the preset's 2 layers.
     layout = Layout(**fits[0]["layout"])
     assert fits[0]["bound_bytes"] == memory_bound(
-        dataclasses.replace(layout.apply(BASE), layers=2))["total"]
+        dataclasses.replace(layout.apply(BASE), layers=1))["total"]
     assert fits[0]["bound_bytes"] < memory_bound(layout.apply(BASE))["total"]
 
 

@@ -211,7 +211,7 @@ def _parser() -> argparse.ArgumentParser:
                        "override the file (docs/training_options.md)")
     train.add_argument("--preset", default="tiny",
                        help="model size (parameters with the corpus's 256-byte vocabulary; "
-                            "--data's tokenizer sets a larger one): tiny (0.87M), small "
+                            "--data's tokenizer sets a larger one): tiny (0.47M), small "
                             "(19.4M), 100m (85M), 1b (823M), and the Llama shapes "
                             "llama3.2-1b (974M), llama3.2-3b (2.8B), llama3-8b (7.0B), "
                             "llama3-70b (68.5B)")

@@ -15,7 +15,7 @@ takes the peak rate of a published model of its width (and, where there is one, 
 =============  =======  ======  =========  =========  ===========  ==============================
 preset         d_model  layers  peak LR    warm-up    max warm-up  published model, its peak LR
 =============  =======  ======  =========  =========  ===========  ==============================
-tiny           128      4       3e-3       1/10       10           (the test model; unchanged)
+tiny           128      2       3e-3       1/10       10           (the test model; unchanged)
 small          512      6       1e-3       1/10       10           Pythia-70M: 1e-3
 100m           768      12      6e-4       1/10       10           GPT-3 Small, Pythia-160M: 6e-4
 1b             2048     16      3e-4       1/4        50           Pythia-1B: 3e-4
