@@ -46,8 +46,8 @@ from gtp_jax.train import (
     train,
 )
 from gtp_jax.train.cli.command import main as cli_main
+from gtp_jax.train.config import COMPARED_AS_MODEL, resolve_auto
 from gtp_jax.train.config import model_json as _model_json
-from gtp_jax.train.config import resolve_auto
 from gtp_jax.train.lifecycle.checkpoint import (
     CheckpointConfig,
     CheckpointCorruptError,
@@ -529,8 +529,9 @@ def test_resume_compares_every_field_that_is_not_layout_only() -> None:
     cfg = TrainConfig(steps=6, schedule_steps=6, warmup=1, schedule_version=2, lr=3e-3,
                       moe_experts=4, moe_top_k=2)
     assert RESUME_MAY_DIFFER <= {f.name for f in dataclasses.fields(TrainConfig)}
+    # `layers` is compared through the model it builds (the next test).
     compared = [f.name for f in dataclasses.fields(TrainConfig)
-                if f.name not in RESUME_MAY_DIFFER]
+                if f.name not in RESUME_MAY_DIFFER | COMPARED_AS_MODEL]
     assert {"moe_top_k", "moe_capacity_factor", "lr", "dtype", "schedule_steps", "warmup",
             "schedule_version"} <= set(compared)
     for name in compared:
@@ -554,6 +555,24 @@ def test_resume_compares_every_field_that_is_not_layout_only() -> None:
     meta["extra"]["model_config"].update(unroll_layers=False, swiglu_backend="reference",
                                          cp_attention_backend="reference")
     assert _check_resume(cfg, model_config(cfg), meta, "/ck").schedule_steps == 6
+
+
+def test_a_presets_depth_resumes_however_it_is_spelled() -> None:
+    # A run of the tiny preset saved when its default depth was 4 (layers=None): the same
+    # depth spelled layers=4 resumes it; the preset's depth now (2) is refused, and the
+    # error names the flag that builds the checkpoint's depth.
+    cfg = TrainConfig(steps=6, schedule_steps=6, warmup=1, schedule_version=2, lr=3e-3)
+    four = dataclasses.replace(cfg, layers=4)
+    meta = _meta(cfg)
+    meta["extra"]["model_config"] = _model_json(model_config(four))
+    assert _check_resume(four, model_config(four), meta, "/ck").layers == 4
+    with pytest.raises(UsageError, match=r"model n_layers: checkpoint 4 vs now 2; "
+                                         r"TrainConfig.layers=4 builds the checkpoint's depth"):
+        _check_resume(cfg, model_config(cfg), meta, "/ck")
+    # A different depth either way is a different run.
+    with pytest.raises(UsageError, match=r"model n_layers: checkpoint 4 vs now 3"):
+        three = dataclasses.replace(cfg, layers=3)
+        _check_resume(three, model_config(three), meta, "/ck")
 
 
 def test_resume_rejects_changed_moe_fields() -> None:

@@ -41,6 +41,11 @@ RESUME_MAY_DIFFER = frozenset({"steps", "dp", "gtp", "tp", "ep", "cp", "pad_for_
                                "attention", "unroll_layers", "export_hf", "eval_every",
                                "eval_batches", "offload_optimizer", "offload_exclude",
                                "fp8_compute", "fp8_min_features", "grad_accum"})
+#: TrainConfig fields that only spell the bundled decoder's shape: a resumed run compares the
+#: model they resolve to (`model_differences`), not the fields. A run of a preset's depth
+#: saved with ``layers=None`` resumes with ``layers`` set to that depth, e.g. after the
+#: preset's own depth changed.
+COMPARED_AS_MODEL = frozenset({"layers"})
 #: Fields whose default, "auto", is resolved for the backend (`resolve_auto`): the fast path
 #: on GPUs, exact float32 on CPUs. A resumed run keeps the saved run's values for those left
 #: on "auto" (`adopt_saved`).
