@@ -293,17 +293,16 @@ def check_resume(cfg: TrainConfig, model_cfg: TransformerConfig | UserModel,
     saved_cfg = {**{f.name: f.default for f in dataclasses.fields(TrainConfig)}, **saved_cfg,
                  **saved_schedule}
     mine = dataclasses.asdict(cfg)
-    same_kind = saved_cfg.get("model") == mine.get("model")  # else named below, whole
+    # Else the differing TrainConfig.model names the whole model.
+    same_kind = saved_cfg.get("model") == mine.get("model")
     differ = [f"TrainConfig.{k}: checkpoint {saved_cfg.get(k)!r} vs now {mine[k]!r}"
               for k in mine if k not in RESUME_MAY_DIFFER and saved_cfg.get(k) != mine[k]
               and not (same_kind and k in COMPARED_AS_MODEL)]
     if same_kind:
-        model_differ = model_differences(model_cfg, saved_model, MODEL_MAY_DIFFER)
-        if isinstance(saved_model.get("n_layers"), int) and any(
-                d.startswith("model n_layers:") for d in model_differ):
-            model_differ.append(f"TrainConfig.layers={saved_model['n_layers']} builds the "
-                                "checkpoint's depth")
-        differ += model_differ
+        differ += model_differences(model_cfg, saved_model, MODEL_MAY_DIFFER)
+        depth = saved_model.get("n_layers")
+        if isinstance(depth, int) and getattr(model_cfg, "n_layers", depth) != depth:
+            differ.append(f"TrainConfig.layers={depth} builds the checkpoint's depth")
     if differ:
         raise UsageError(
             f"CheckpointConfig.resume: the checkpoint in {directory!r} belongs to a different "
