@@ -21,9 +21,9 @@ from gtp_jax.train.step.lr_defaults import GENERIC, PRESET_LR
 #: preset -> (peak LR, default warm-up of a 50-step and of a 5000-step run): the table of
 #: `gtp_jax.train.step.lr_defaults` (and docs/training_options.md).
 EXPECTED = {
-    "tiny": (3e-3, 5, 10), "small": (1e-3, 5, 10), "100m": (6e-4, 5, 10),
-    "1b": (3e-4, 12, 50), "llama3.2-1b": (3e-4, 12, 50), "llama3.2-3b": (1.5e-4, 25, 100),
-    "llama3-8b": (1.5e-4, 25, 200), "llama3-70b": (7.5e-5, 25, 400),
+    "tiny": (3e-3, 5, 10), "small": (1e-3, 5, 10), "100m": (3e-4, 5, 10),
+    "1b": (3e-5, 12, 50), "llama3.2-1b": (3e-5, 12, 50), "llama3.2-3b": (2e-5, 25, 100),
+    "llama3-8b": (1e-5, 25, 200), "llama3-70b": (5e-6, 25, 400),
 }
 
 
@@ -50,7 +50,7 @@ def test_explicit_values_win_and_a_checkpoint_shape_model_takes_the_generic_ones
     assert (hf.with_schedule().lr, hf.with_schedule().warmup) == (3e-3, 5)
     default = TrainConfig(preset="llama3-8b", steps=2000)
     assert describe_schedule(default.with_schedule(), default) == (
-        "lr 0.00015 (the llama3-8b preset's default), warm-up 200 steps (half of the "
+        "lr 1e-05 (the llama3-8b preset's default), warm-up 200 steps (half of the "
         "steps, at most 200), cosine schedule over 2000 steps")
     # The command line leaves both unset unless given; a job file sets them as flags do.
     args = _parser().parse_args(["train", "--preset", "llama3-8b"])

@@ -98,7 +98,7 @@ class TrainConfig:
       cp: context-parallel size: each sequence is split over ``cp`` devices and attention
         runs as ring attention (`gtp_jax.parallel.context`); 1: off.
       lr: peak AdamW learning rate (of the `lr_schedule`); None: the preset's own
-        (`gtp_jax.train.step.lr_defaults`: 3e-3 for tiny down to 7.5e-5 for llama3-70b; 3e-3
+        (`gtp_jax.train.step.lr_defaults`: 3e-3 for tiny down to 5e-6 for llama3-70b; 3e-3
         for an `init_from_hf` model or a user's `model`), fixed when the run starts and
         recorded in its
         checkpoints (`peak_lr`; a resumed run keeps its checkpoint's).

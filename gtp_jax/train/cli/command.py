@@ -235,7 +235,7 @@ def _parser() -> argparse.ArgumentParser:
                        "attention (default 1)")
     train.add_argument("--lr", type=float, default=None,
                        help="peak learning rate (default: the preset's own, from 3e-3 for "
-                       "tiny to 1.5e-4 for llama3-70b, docs/training_options.md; 3e-3 with "
+                       "tiny to 5e-6 for llama3-70b, docs/training_options.md; 3e-3 with "
                        "--init-from-hf; a resumed run keeps its own)")
     train.add_argument("--warmup", type=int, default=None,
                        help="warm-up steps: step k of them trains at k/warmup of --lr "

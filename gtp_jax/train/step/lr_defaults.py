@@ -8,34 +8,40 @@ A model that is not a preset (``TrainConfig.init_from_hf``) takes `GENERIC`.
 
 One rate for every size does not train: at ``3e-3`` (the tiny preset's rate), llama3-8b's
 loss rose from 6.48 to 12.62 in 12 steps on two H200s (uniform over the byte vocabulary is
-5.55). AdamW moves every weight by about the rate each step, so a wider matrix's output
-moves more per step; published recipes lower the peak rate as the width grows. Each preset
-takes the peak rate of a published model of its width (and, where there is one, its depth):
+5.55). Published rates do not either: they are for batches of millions of tokens, and a run on
+a few GPUs trains thousands to tens of thousands a step. AdamW's first updates move every
+weight by about the rate whatever its gradient; across a wide, deep stack that moves the
+output by a large share of itself, and the loss rises during the warm-up before it comes
+down. Each preset's rate is the highest of those measured whose loss never rose more than
+1.0 above its lowest so far in 50 steps at 4,096 tokens a step (2 x 2048; one H100,
+2026-12-07, ``docs/results/2026-12-07_1xH100_lr/``), lowered where the preset is deeper
+than what fit on one GPU:
 
-=============  =======  ======  =========  =========  ===========  ==============================
-preset         d_model  layers  peak LR    warm-up    max warm-up  published model, its peak LR
-=============  =======  ======  =========  =========  ===========  ==============================
-tiny           128      2       3e-3       1/10       10           (the test model; unchanged)
-small          512      6       1e-3       1/10       10           Pythia-70M: 1e-3
-100m           768      12      6e-4       1/10       10           GPT-3 Small, Pythia-160M: 6e-4
-1b             2048     16      3e-4       1/4        50           Pythia-1B: 3e-4
-llama3.2-1b    2048     16      3e-4       1/4        50           Pythia-1B: 3e-4
-llama3.2-3b    3072     28      1.5e-4     1/2        100          Llama 3 8B: 3e-4, halved
-llama3-8b      4096     32      1.5e-4     1/2        200          Llama 3 8B: 3e-4, halved
-llama3-70b     8192     80      7.5e-5     1/2        400          Llama 3 70B: 1.5e-4, halved
-=============  =======  ======  =========  =========  ===========  ==============================
+=============  =======  ======  =======  =======  ===========  ================================
+preset         d_model  layers  peak LR  warm-up  max warm-up  measured (layers: LR -> rise)
+=============  =======  ======  =======  =======  ===========  ================================
+tiny           128      2       3e-3     1/10     10           (the test model; unchanged)
+small          512      6       1e-3     1/10     10           6: 1e-3 -> 0.16
+100m           768      12      3e-4     1/10     10           12: 6e-4 -> 1.35, 3e-4 -> 0.71
+1b             2048     16      3e-5     1/4      50           16: 3e-4 -> 3.88, 1e-4 -> 1.89,
+                                                               6e-5 -> 1.17, 3e-5 -> 0.22
+llama3.2-1b    2048     16      3e-5     1/4      50           16: 3e-4 -> 5.07 (as 1b)
+llama3.2-3b    3072     28      2e-5     1/2      100          8: 1.5e-4 -> 3.24, 6e-5 -> 0.87,
+                                                               3e-5 -> 0.27; 28 deep: lower
+llama3-8b      4096     32      1e-5     1/2      200          8: 7.5e-5 -> 1.28, 3e-5 -> 0.42;
+                                                               16: 1.5e-4 -> 7.55, 3e-5 -> 1.42,
+                                                               2e-5 -> 0.71, 1e-5 -> 0.32
+llama3-70b     8192     80      5e-6     1/2      400          2: 7.5e-5 -> 1.08, 3e-5 -> 0.35,
+                                                               1.5e-5 -> 0.23; 80 deep: lower
+=============  =======  ======  =======  =======  ===========  ================================
 
-Meta did not publish a pretraining rate of Llama 3.2 1B / 3B (pruned from Llama 3.1 8B and
-distilled); their widths' published rates are used. The published rates of the 4096- and
-8192-wide models are for batches of about 4M tokens warmed up over thousands of steps
-(Llama 2: 2000 steps; Llama 3 405B: 8000). A run on a few GPUs trains batches of tens of
-thousands of tokens for tens to thousands of steps: AdamW's first updates move every weight
-by about the rate whatever its gradient, and across a 4096-wide layer that moves its output
-by a large share of itself. On 2x H200 (2026-11-28) llama3-8b at 3e-4 warmed up over 5 of 50
-steps went from loss 6.48 to 24.2 by step 6 before coming down (uniform over the byte
-vocabulary is 5.55). So the widest presets take half the published rate and warm up over
-half the run (at most the cap); the 2048-wide ones over a quarter; the small ones over a
-tenth (a short run is not all warm-up). A 1000-step llama3-8b run warms up over 200 steps.
+The rates that stayed stable ended the 50 steps within 0.08 of the lowest loss measured at
+their width and depth; those whose loss rose, up to 0.26 above it. The stable rate halved
+from 8 to 16 llama3-8b layers, so a preset deeper than what fit on one GPU takes less than
+its measured stable rate: llama3-8b (32 layers) half its 16-layer rate; llama3.2-3b (28) and
+llama3-70b (80) by the same judgement, not measured. A run with a batch of millions of tokens
+can take the published rates (``--lr``). The widest presets warm up over half the run (at
+most the cap), the 2048-wide ones over a quarter, the small ones over a tenth.
 """
 
 from __future__ import annotations
@@ -72,12 +78,12 @@ PRESET_LR: dict[str, LrDefaults] = {
     for name, lr, max_warmup, fraction in (
         ("tiny", 3e-3, 10, 0.1),
         ("small", 1e-3, 10, 0.1),
-        ("100m", 6e-4, 10, 0.1),
-        ("1b", 3e-4, 50, 0.25),
-        ("llama3.2-1b", 3e-4, 50, 0.25),
-        ("llama3.2-3b", 1.5e-4, 100, 0.5),
-        ("llama3-8b", 1.5e-4, 200, 0.5),
-        ("llama3-70b", 7.5e-5, 400, 0.5),
+        ("100m", 3e-4, 10, 0.1),
+        ("1b", 3e-5, 50, 0.25),
+        ("llama3.2-1b", 3e-5, 50, 0.25),
+        ("llama3.2-3b", 2e-5, 100, 0.5),
+        ("llama3-8b", 1e-5, 200, 0.5),
+        ("llama3-70b", 5e-6, 400, 0.5),
     )
 }
 
