@@ -186,18 +186,20 @@ def test_shard_key_reaches_modules_inside_sharded_call(key) -> None:
 
 def test_default_xla_flags_are_explicit_and_escapable() -> None:
     defaults = [f"{f}={v}" for f, v in DEFAULT_XLA_FLAGS.items()]
-    assert "--xla_gpu_enable_triton_gemm=false" in defaults  # compile time: docs/overlap.md
+    # Compile time (docs/overlap.md):
+    assert "--xla_gpu_enable_triton_gemm=false" in defaults
+    assert "--xla_gpu_experimental_enable_fusion_autotuner=false" in defaults
     env: dict[str, str] = {}
     assert apply_default_xla_flags(env, host_bytes=16 * 2**30, gpus=1) == [
         *defaults, f"{PINNED_POOL_ENV}=14"]
     assert env["XLA_FLAGS"].split() == defaults
     # The user's values win, flag by flag: the way back to Triton GEMMs is to set it.
-    first, second = DEFAULT_XLA_FLAGS
+    first, second, *rest = DEFAULT_XLA_FLAGS
     user = {"XLA_FLAGS": f"{second}=true", PINNED_POOL_ENV: "20"}
-    assert apply_default_xla_flags(user, host_bytes=16 * 2**30) == [
-        f"{first}={DEFAULT_XLA_FLAGS[first]}"]
+    kept = [f"{f}={DEFAULT_XLA_FLAGS[f]}" for f in (first, *rest)]
+    assert apply_default_xla_flags(user, host_bytes=16 * 2**30) == kept
     assert user[PINNED_POOL_ENV] == "20"
-    assert user["XLA_FLAGS"].split() == [f"{second}=true", f"{first}={DEFAULT_XLA_FLAGS[first]}"]
+    assert user["XLA_FLAGS"].split() == [f"{second}=true", *kept]
     mine = {"XLA_FLAGS": " ".join(f"{f}=false" for f in DEFAULT_XLA_FLAGS), PINNED_POOL_ENV: "1"}
     assert apply_default_xla_flags(mine, host_bytes=16 * 2**30) == []
     assert apply_default_xla_flags({OPT_OUT: "1"}, host_bytes=512 * 2**30) == []

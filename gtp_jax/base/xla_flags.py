@@ -26,10 +26,18 @@ OPT_OUT = "GTP_JAX_NO_DEFAULT_XLA_FLAGS"
 #:   preset's FP8 step compiled in 117 s, 19 s without; 8 llama3-8b layers 168 s, 14 s;
 #:   bf16 12.4 s, 4.1 s) and bought no step time (the cuBLAS / cuBLASLt GEMMs it then uses
 #:   were as fast or faster: 75.7 vs 76.6 ms, 183.6 vs 186.1 ms). Set
-#:   ``--xla_gpu_enable_triton_gemm=true`` in ``XLA_FLAGS`` to have them back.
+#:   ``--xla_gpu_enable_triton_gemm=true`` in ``XLA_FLAGS`` to have them back;
+#: * no fusion autotuning: XLA otherwise compiles each elementwise / reduction fusion with
+#:   more than one emitter to pick one, a cost that grows with the program's distinct
+#:   fusions (jax 0.11.2, H100: llama3-8b's step for 2 GPUs, 32 layers unrolled, compiled in
+#:   20.3 / 21.5 s, 13.3 / 11.5 s without; on one GPU, 16 layers 5.0 -> 4.2 s, FP8 8 layers
+#:   5.5 -> 4.0 s) and bought no step time (95.1-97.2 ms both ways on 8 layers, 194.5 /
+#:   195.0 ms on 16, FP8 162.6 / 163.1 ms, the 1b preset 93.2 / 93.1 ms). Set
+#:   ``--xla_gpu_experimental_enable_fusion_autotuner=true`` to have it back.
 DEFAULT_XLA_FLAGS: dict[str, str] = {
     "--xla_gpu_enable_latency_hiding_scheduler": "true",
     "--xla_gpu_enable_triton_gemm": "false",
+    "--xla_gpu_experimental_enable_fusion_autotuner": "false",
 }
 
 #: XLA's cap on the pinned host memory a GPU process allocates for each device (GiB; memory
