@@ -86,6 +86,8 @@ def test_header_says_what_was_chosen():
     assert "prefetch has no further effect" in line
     scanned = dataclasses.replace(cfg, unroll_layers=False)
     assert "layers scanned with prefetch" in describe_choices(scanned, model_config(scanned))
+    whole = dataclasses.replace(scanned, dp=8, gtp=1)
+    assert "prefetch has no effect at gtp=1" in describe_choices(whole, model_config(whole))
     ring = dataclasses.replace(cfg, cp=2, gtp=2)
     assert "attention ring over cp=2" in describe_choices(ring, model_config(ring))
 

@@ -56,8 +56,8 @@ def _loop_carry_shapes(hlo: str) -> list[str]:
     return shapes
 
 
-def _compiled_forward(prefetch: bool) -> str:
-    mesh = get_mesh("gtp8")
+def _compiled_forward(prefetch: bool, mesh_name: str = "gtp8") -> str:
+    mesh = get_mesh(mesh_name)
     model = gtp_jax.shard(Transformer(CFG, rngs=nnx.Rngs(0)), mesh,
                           gtp_jax.GTPConfig(prefetch=prefetch))
     graphdef, state = nnx.split(model)
@@ -125,6 +125,13 @@ def test_prefetch_loop_carries_next_layers_gathered_weights():
     # one being used): bounded, not one per layer.
     for shape in full:
         assert pre.count(shape) == 1, (shape, pre)
+
+
+def test_prefetch_at_gtp1_carries_no_second_copy_of_the_weights():
+    # Nothing is gathered at gtp=1: the double buffer would only hold the next layer's
+    # weights a second time (llama3-8b's scanned loop ran out of memory on one GPU for it).
+    full = {"f32[96,3,4,24]", "f32[4,24,96]", "f32[96,400]", "f32[200,96]"}
+    assert not full & set(_loop_carry_shapes(_compiled_forward(True, "dp8_gtp1")))
 
 
 def test_prefetch_gathers_next_layer_before_current_dot():

@@ -103,7 +103,8 @@ def scan_layers(
       prefetch: double buffering: layer ``i + 1``'s all-gather is issued before layer ``i``
         computes, and the backward loop gathers layer ``i - 1`` and reduce-scatters layer
         ``i + 1``'s gradient while layer ``i``'s backward runs. None follows the shards
-        (``GTPConfig.prefetch``).
+        (``GTPConfig.prefetch``). No effect where every shard is whole (a GTP axis of
+        size 1: nothing to gather).
       unroll: a Python loop over the layers instead of ``lax.scan`` (sharded or not; the
         ``"unrolled"`` schedule of `gtp_jax.sharding.loop`): each layer's saved residuals
         stay in their own buffers instead of being copied into and out of a stack, and the
@@ -121,6 +122,10 @@ def scan_layers(
     shards = [x for x in jax.tree.leaves(stacked_params, is_leaf=is_shard) if is_shard(x)]
     if prefetch is None:
         prefetch = any(x.prefetch for x in shards)
+    if prefetch and all(x.spec.axis_size == 1 for x in shards):
+        # One shard per weight (gtp=1): nothing is gathered, so a double buffer would only
+        # hold a second copy of the next layer's weights (llama3-8b: 0.9 GiB in bf16).
+        prefetch = False
     if unroll or shards:
         schedule = "unrolled" if unroll else "prefetch" if prefetch else "plain"
         return layer_loop(layer_fn, carry, stacked_params, remat_policy=remat_policy,

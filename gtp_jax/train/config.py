@@ -629,8 +629,10 @@ def describe_choices(cfg: TrainConfig, model_cfg: TransformerConfig | UserModel)
         if cfg.prefetch:
             loop += "; prefetch has no further effect there (the scanned loop's option)"
     else:
-        loop = "layers scanned" + (" with prefetch (double-buffered gathers)" if cfg.prefetch
-                                   else "")
+        loop = "layers scanned"
+        if cfg.prefetch:
+            loop += (" with prefetch (double-buffered gathers)" if cfg.gtp > 1 else
+                     "; prefetch has no effect at gtp=1 (nothing is gathered)")
     if cfg.keep_gathered_layers:
         loop += "; the backward pass reuses the forward pass's gathered weights"
     if cfg.gtp > 1:  # at gtp=1 nothing is gathered or reduce-scattered
