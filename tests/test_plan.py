@@ -616,7 +616,19 @@ def test_one_wide_gtp_layouts_take_no_gather_format():
     narrow = [lay for lay in layouts if lay.gtp == 1]
     assert narrow and all(lay.gather_format is None for lay in narrow)
     assert {lay.gather_format for lay in wide} == {None, "fp8", "nvfp4"}
-    assert len(wide) == 3 * len(narrow)
+    assert len(wide) == 3 * len({(lay.remat, lay.loop) for lay in wide})
+    assert len(narrow) == len({(lay.remat, lay.loop) for lay in narrow})
+
+
+def test_one_wide_gtp_layouts_plan_prefetch_as_the_scanned_loop():
+    # Prefetch has nothing to gather over gtp=1: the same program as the scanned loop, so
+    # one candidate, unless prefetch is the only loop asked for.
+    space = PlanSpace(mesh={"tp": 1, "cp": 1, "ep": 1})
+    layouts, _ = enumerate_layouts(BASE, 2, space)
+    assert {lay.loop for lay in layouts if lay.gtp == 2} == {"unrolled", "scanned", "prefetch"}
+    assert {lay.loop for lay in layouts if lay.gtp == 1} == {"unrolled", "scanned"}
+    only, _ = enumerate_layouts(BASE, 2, dataclasses.replace(space, loops=("prefetch",)))
+    assert {lay.loop for lay in only if lay.gtp == 1} == {"prefetch"}
 
 
 @pytest.mark.parametrize("preset", ["llama3.2-3b", "llama3-8b", "tiny"])

@@ -184,7 +184,11 @@ def enumerate_layouts(base: TrainConfig, devices: int, space: PlanSpace) -> tupl
         # every format there is the same program as None: one candidate, not several.
         formats = (space.gather_formats if mesh["gtp"] > 1
                    else tuple(dict.fromkeys(None for _ in space.gather_formats)))
-        combos = [c for c in itertools.product(space.remat, space.loops, formats,
+        # Nor does prefetch (`gtp_jax.sharding.scan.scan_layers`): there it is the scanned
+        # loop's program, planned once as "scanned" when that is a choice.
+        loops = (space.loops if mesh["gtp"] > 1 or "scanned" not in space.loops
+                 else tuple(loop for loop in space.loops if loop != "prefetch"))
+        combos = [c for c in itertools.product(space.remat, loops, formats,
                                                space.offload, space.master)
                   if c[3] or not c[4]]  # master weights only with offload
         if reason is not None:
