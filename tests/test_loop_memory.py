@@ -162,19 +162,20 @@ def test_unsharded_gradient_stacks_are_kept_in_the_dtype_the_layer_computes_them
     assert bool(bf16_stack) == narrowed, (use, schedule)
 
 
-@pytest.mark.parametrize("mesh_name,by_layer", [("gtp8", True), ("dp2_gtp4", False)])
-def test_unrolled_gradients_stay_per_layer_unless_a_data_axis_sums_the_stacks(
-        mesh_name, by_layer):
-    # Without a data axis the unrolled backward pass keeps each layer's gradients in buffers
-    # of their own and stacks them once at the end (a concatenation): a stack written slot
-    # by slot is allocated whole at the backward pass's start, beside every saved
-    # activation (llama3-8b compiled for 2 GPUs, 2048 tokens per GPU: a 58.1 GiB peak, 53.8
-    # by layer). Where the stacks are summed over a data axis after the loop (dp: the
-    # all-reduce at the shard_map boundary reads whole stacks), slots are kept.
+@pytest.mark.parametrize("mesh_name", ["gtp8", "dp2_gtp4"])
+def test_unrolled_gradients_stay_per_layer_unless_a_data_axis_sums_the_stacks(mesh_name):
+    # The unrolled backward pass keeps each layer's gradients in buffers of their own and
+    # stacks them once at the end (a concatenation): a stack written slot by slot is
+    # allocated whole at the backward pass's start, beside every saved activation
+    # (llama3-8b compiled for 2 GPUs, 2048 tokens per GPU: a 58.1 GiB peak, 53.8 by layer).
+    # The GTP shards' gradients are summed over a data axis in the loop, layer by layer
+    # (`gtp_jax.sharding.data_view`), so they stay per layer under dp too; a replicated
+    # per-layer parameter's (the bias here) is summed over dp where the sharded call ends,
+    # reading whole stacks: there slots are kept.
     n, d = 4, 24
     model = gtp_jax.shard(
         gtp_jax.Stack(lambda r: nnx.Linear(d, d, rngs=r), n, rngs=nnx.Rngs(0), unroll=True),
-        get_mesh(mesh_name), gtp_jax.GTPConfig(min_elements=1))
+        get_mesh(mesh_name), gtp_jax.GTPConfig(min_elements=2 * d))
     graphdef, state = nnx.split(model)
 
     def loss(state: nnx.State, x: jax.Array) -> jax.Array:
@@ -182,7 +183,14 @@ def test_unrolled_gradients_stay_per_layer_unless_a_data_axis_sums_the_stacks(
 
     text = jax.jit(jax.grad(loss)).lower(state, jnp.ones((8, d))).as_text()
     kernel = next(x for x in jax.tree.leaves(state) if x.ndim == 3)
-    stack = _tensor_type(kernel.sharding.shard_shape(kernel.shape), kernel.dtype)
-    concatenated = re.search(rf"stablehlo.concatenate .*-> tensor<{stack}>", text)
-    slotted = re.search(rf"stablehlo.dynamic_update_slice .*-> tensor<{stack}>", text)
-    assert (bool(concatenated), bool(slotted)) == (by_layer, not by_layer), (mesh_name, stack)
+    bias = next(x for x in jax.tree.leaves(state) if x.ndim == 2)
+    assert bias.sharding.shard_shape(bias.shape) == (n, d)  # replicated: not GTP-sharded
+
+    def made(x: jax.Array, op: str) -> bool:
+        stack = _tensor_type(x.sharding.shard_shape(x.shape), x.dtype)
+        return bool(re.search(rf"stablehlo.{op} .*-> tensor<{stack}>", text))
+
+    assert made(kernel, "concatenate") and not made(kernel, "dynamic_update_slice"), mesh_name
+    data_axis = mesh_name != "gtp8"
+    assert made(bias, "dynamic_update_slice") == data_axis, mesh_name
+    assert made(bias, "concatenate") == (not data_axis), mesh_name

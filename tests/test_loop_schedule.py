@@ -38,7 +38,8 @@ GPU_PROBE = (Path(__file__).resolve().parents[1] / "docs" / "results" / "2026-11
 LAYER_GEMMS = 6
 
 
-def _layer_windows(unroll: bool, prefetch: bool, coalesce: bool):
+def _layer_windows(unroll: bool, prefetch: bool, coalesce: bool,
+                   kinds: tuple[str, ...] = ("all-gather", "reduce-scatter")):
     cfg = preset("tiny", n_layers=4, unroll_layers=unroll)
     mesh = gtp_jax.make_mesh(dp=2, gtp=4)
     sm = gtp_jax.shard(Transformer(cfg, rngs=nnx.Rngs(0)), mesh,
@@ -55,9 +56,9 @@ def _layer_windows(unroll: bool, prefetch: bool, coalesce: bool):
     shards = [math.prod(p.spec.shard_shape) for p in stacked]
     if coalesce:  # one collective per layer: all of a layer's (float32) weights at once
         gathered, shards = [sum(gathered)], [sum(shards)]
-    windows = [w for w in traced_windows(traced)
-               if (w.kind == "all-gather" and w.elements in gathered)
-               or (w.kind == "reduce-scatter" and w.elements in shards)]
+    windows = [w for w in traced_windows(traced) if w.kind in kinds and (
+        (w.kind == "all-gather" and w.elements in gathered)
+        or (w.kind != "all-gather" and w.elements in shards))]
     return windows, len(gathered)
 
 
@@ -76,6 +77,22 @@ def test_each_layer_collective_has_a_layers_matmuls_beside_it(unroll: bool, pref
     short = [w for w in gathers if w.beside < LAYER_GEMMS]
     # at most the first layer's gathers of the forward and of the backward pass
     assert len(short) <= 2 * weights, (len(short), [w.beside for w in gathers])
+
+
+@pytest.mark.parametrize("unroll", [True, False], ids=["unrolled", "scanned-prefetch"])
+def test_each_layers_data_parallel_all_reduce_runs_in_the_loop_beside_matmuls(unroll: bool
+                                                                             ) -> None:
+    # Under dp the stacked weights' gradient shards are summed over dp layer by layer in
+    # the backward loop (`gtp_jax.sharding.data_view`), not once over whole stacks after
+    # it: one all-reduce of a layer's shard per layer (unrolled), or one in the scanned
+    # backward loop's body and one for each of the two layers it peels; each with matmuls
+    # beside it but the last one's.
+    windows, _ = _layer_windows(unroll, prefetch=not unroll, coalesce=True,
+                                kinds=("all-reduce",))
+    assert len(windows) == (4 if unroll else 3), windows
+    assert sum(w.beside > 0 for w in windows) >= len(windows) - 1, windows
+    if not unroll:
+        assert any(w.computation.endswith("/scan") for w in windows), windows
 
 
 def test_the_reader_finds_a_collective_with_nothing_beside_it() -> None:

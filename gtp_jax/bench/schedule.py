@@ -405,7 +405,8 @@ def _window_kind(parsed: tuple, line: str, comps: dict[str, str]) -> str | None:
 
 
 def traced_windows(closed_jaxpr: Any) -> list[CollectiveWindow]:
-    """`CollectiveWindow` of every ``all_gather`` and ``reduce_scatter`` of a traced program
+    """`CollectiveWindow` of every ``all_gather``, ``reduce_scatter`` and ``psum`` (kind
+    ``"all-reduce"``) of a traced program
     (``jax.make_jaxpr(f)(...)``), before XLA's passes: the program as gtp_jax builds it,
     optimization barriers included. Every nested jaxpr that holds collectives is read on
     its own (the sharded call's body, the backward pass's body); an equation whose nested
@@ -446,11 +447,12 @@ def traced_windows(closed_jaxpr: Any) -> list[CollectiveWindow]:
 
         for i, e in enumerate(eqns):
             name = e.primitive.name
-            if name in ("all_gather", "reduce_scatter"):
+            if name in ("all_gather", "reduce_scatter") or name.startswith("psum"):
                 tied = _closure(i, lambda j: operands[j]) | _closure(i, lambda j: users[j])
                 beside = sum(1 for j in range(len(eqns)) if gemm[j] and j not in tied)
                 shape = getattr(e.outvars[0].aval, "shape", ())
-                kind = "all-gather" if name == "all_gather" else "reduce-scatter"
+                kind = {"all_gather": "all-gather", "reduce_scatter": "reduce-scatter"}.get(
+                    name, "all-reduce")
                 out.append(CollectiveWindow(where, f"{name}#{i}", kind, math.prod(shape),
                                             beside, None))
             for s in subjaxprs(e):

@@ -143,7 +143,8 @@ def _unpad(full: jax.Array, spec: GatherSpec) -> jax.Array:
 
 
 def reduce_scatter_grad(grad: jax.Array, spec: GatherSpec) -> jax.Array:
-    """Sums a full-weight gradient over the GTP axis and keeps this device's shard.
+    """Sums a full-weight gradient over the GTP axis and keeps this device's shard (then
+    sums the shard over ``spec.data_axes``, if any).
 
     Args:
       grad: this device's partial gradient of the full weight, shape ``spec.logical_shape``.
@@ -157,6 +158,8 @@ def reduce_scatter_grad(grad: jax.Array, spec: GatherSpec) -> jax.Array:
     if spec.axis_size > 1:
         grad = jax.lax.psum_scatter(grad, spec.axis, scatter_dimension=spec.shard_dim,
                                     tiled=True)
+    if spec.data_axes:
+        grad = jax.lax.psum(grad, spec.data_axes)
     return grad.astype(spec.param_dtype)
 
 
@@ -172,10 +175,11 @@ def reduce_scatter_grads(grads: Sequence[jax.Array], specs: Sequence[GatherSpec]
     coalesced: dict[tuple[str, Any], list[int]] = {}
     for i, (g, spec) in enumerate(zip(grads, specs)):
         if spec.coalesce and spec.axis_size > 1:
-            coalesced.setdefault((spec.axis, np.dtype(spec.reduce_dtype)), []).append(i)
+            coalesced.setdefault((spec.axis, np.dtype(spec.reduce_dtype), spec.data_axes),
+                                 []).append(i)
         else:
             out[i] = reduce_scatter_grad(g, spec)
-    for (axis, _), idx in coalesced.items():
+    for (axis, _, summed), idx in coalesced.items():
         if len(idx) == 1:
             out[idx[0]] = reduce_scatter_grad(grads[idx[0]], specs[idx[0]])
             continue
@@ -188,6 +192,8 @@ def reduce_scatter_grads(grads: Sequence[jax.Array], specs: Sequence[GatherSpec]
             rows.append(m.reshape(spec.axis_size, -1))
         mine = jax.lax.psum_scatter(jnp.concatenate(rows, axis=1), axis, scatter_dimension=0,
                                     tiled=False)
+        if summed:
+            mine = jax.lax.psum(mine, summed)
         start = 0
         for i, r, shape in zip(idx, rows, moved):
             spec, size = specs[i], r.shape[1]

@@ -32,6 +32,11 @@ class GatherSpec:
         layer's FP8 GEMM reads as is; the layer contracts its first `fp8_in_dims` dims.
       coalesce: gathered (and its gradient reduce-scattered) in one collective with the
         other coalescing weights of the same call (`GTPConfig.coalesce_layer_collectives`).
+      data_axes: mesh axes the gradient shard is summed over right after its reduce-scatter
+        (a layer-stacked weight under data parallelism: each layer's all-reduce then runs
+        in the backward pass, beside the next layer's compute, instead of once over the
+        whole stacks after it; `gtp_jax.sharding.module`). Empty: summed, if at all, where
+        the sharded call's ``shard_map`` ends.
     """
 
     axis: str
@@ -46,6 +51,7 @@ class GatherSpec:
     quant_backend: str | None = None
     fp8_in_dims: int = 0
     coalesce: bool = False
+    data_axes: tuple[str, ...] = ()
 
     @property
     def padded_shape(self) -> tuple[int, ...]:

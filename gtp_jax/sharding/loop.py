@@ -707,8 +707,9 @@ class _LayerGrads:
     compiled for 2 GPUs (its optimizer reads the stacks whole; XLA's GPU compiler reads
     the layers' buffers through the concatenation and allocates no stack): peak 58.1 ->
     53.8 GiB at 2048 tokens per GPU. But a stack summed over a data axis after the loop
-    (the gradient all-reduce at the ``shard_map`` boundary) is first made whole: there the
-    slots are cheaper (`_gradients_by_layer`).
+    (the gradient all-reduce at the ``shard_map`` boundary: the replicated per-layer
+    parameters', and the shards' when `GatherSpec.data_axes` does not sum them in the
+    loop) is first made whole: there the slots are cheaper (`_gradients_by_layer`).
     """
 
     def __init__(self, n: int, like: list[jax.ShapeDtypeStruct], dtypes: list[Any],
@@ -739,14 +740,18 @@ class _LayerGrads:
                 for k, dtype in enumerate(self.dtypes)]
 
 
-def _gradients_by_layer(spec: LoopSpec) -> bool:
-    """Whether the unrolled backward pass keeps each layer's gradients in buffers of their
-    own (`_LayerGrads`): unless the mesh the loop is traced on (inside ``shard_map``) has
-    an axis of size > 1 that is neither a GTP axis nor tp or ep, a data axis over which the
-    weights are replicated, whose gradient sum after the loop reads whole stacks."""
+def _gradients_by_layer(spec: LoopSpec, shards: bool) -> bool:
+    """Whether the unrolled backward pass keeps each layer's gradients of the GTP shards
+    (`shards`) or of the replicated per-layer parameters in buffers of their own
+    (`_LayerGrads`): unless the mesh the loop is traced on (inside ``shard_map``) has an
+    axis of size > 1 that is neither a GTP axis nor tp or ep, a data axis over which the
+    weights are replicated, whose gradient sum after the loop reads whole stacks. The
+    shards' data axes summed in the loop (`GatherSpec.data_axes`) do not count."""
     mesh = jax.sharding.get_abstract_mesh()
     axes = current_axes()
     own = {s.axis for s in spec.gather_specs} | {axes.tp, axes.ep}
+    if shards:
+        own |= {a for s in spec.gather_specs for a in s.data_axes}
     return all(size == 1 or name in own
                for name, size in zip(mesh.axis_names, mesh.axis_sizes))
 
@@ -756,13 +761,12 @@ def _unrolled_backward(spec, saved, ct):
     float_consts = _is_float(consts)
     dconsts = _zero_cts(consts, float_consts)
     n = spec.n_layers
-    by_layer = _gradients_by_layer(spec)
     plain_like = _plain_like(spec, plain)
     # In the dtype the layer computes the gradient in (`_only_cast`), widened at the end.
     shard_grads = _LayerGrads(n, _layer_like(shards), [x.dtype for x in shards],
-                              functools.partial(_tied, spec), by_layer)
+                              functools.partial(_tied, spec), _gradients_by_layer(spec, True))
     plain_grads = _LayerGrads(n, plain_like, [x.dtype for x in plain_like], _tied_plain,
-                              by_layer)
+                              _gradients_by_layer(spec, False))
 
     def weights(i: int, dh: Any, stack: list) -> tuple[Any, list, list[jax.Array]]:
         """Layer i's weights: kept, or gathered no earlier than `dh` exists."""

@@ -53,6 +53,7 @@ from gtp_jax.sharding.contract import (
     trace_body,
     unwrap,
 )
+from gtp_jax.sharding.data_view import data_view, unmentioned_axes, viewed_spec
 from gtp_jax.sharding.lazy import GTPShard, LazyWeight, whole_weight
 from gtp_jax.sharding.plan import (
     ParamPlan,
@@ -216,6 +217,16 @@ class ShardedModule(nnx.Module, HoldsShards):
         single = mesh.devices.size == 1
         # Ranks that see different tokens: the data axes, and cp when the sequence is split.
         reduce_axes = () if single else axes + (seq_axes(mesh) if seq_split else ())
+        # Layer-stacked GTP shards whose gradients shard_map would sum over the data axes
+        # after the backward pass: summed in the layer loop instead, layer by layer, beside
+        # the next layer's backward (`gtp_jax.sharding.data_view`).
+        viewed = {} if single else {
+            i: unmentioned_axes(mesh, value_specs[i]) for i, p in enumerate(paths)
+            if p in plans and plans[p].stacked}
+        viewed = {i: a for i, a in viewed.items() if a}
+        plans = {**plans, **{paths[i]: dataclasses.replace(
+            plans[paths[i]], spec=dataclasses.replace(plans[paths[i]].spec, data_axes=a))
+            for i, a in viewed.items()}}
         side_keys: list[tuple[tuple, nnx.Variable]] = []
         # shard_map's transpose sums a replicated variable's cotangent over every mesh axis;
         # the delayed FP8 recipe's amax histories are reduced over the same axes.
@@ -295,13 +306,26 @@ class ShardedModule(nnx.Module, HoldsShards):
                 body = functools.partial(body, lazy=True)
             elif gathered:
                 body = jax.checkpoint(body, policy=gathered_weight_policy(gathered))
+        def viewed_body(local_values: list, local_args: list) -> Any:
+            return body([x[0] if i in viewed else x for i, x in enumerate(local_values)],
+                        local_args)
+
         run = body if single else jax.shard_map(
-            body,
+            viewed_body if viewed else body,
             mesh=mesh,
-            in_specs=(value_specs, arg_specs),
+            in_specs=([viewed_spec(s, viewed[i]) if i in viewed else s
+                       for i, s in enumerate(value_specs)], arg_specs),
             out_specs=(layout.specs, P()),
             check_vma=False,
         )
+        if viewed:
+            sharded_run = run
+
+            def run(values: list, local_args: list) -> Any:
+                return sharded_run([data_view(x, mesh, value_specs[i], viewed[i])
+                                    if i in viewed else x for i, x in enumerate(values)],
+                                   local_args)
+
         # The body is traced inside this call (also under jit/grad), so model code sees the
         # axes; backward rules never read them (they get axis names as static arguments).
         # Under jit: `run` joins the caller's program. Called eagerly (a notebook cell,
