@@ -33,34 +33,43 @@ def unmentioned_axes(mesh: Mesh, spec: P) -> tuple[str, ...]:
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
-def data_view(x: jax.Array, mesh: Mesh, spec: P, axes: tuple[str, ...]) -> jax.Array:
-    """`x` (a global array laid out as `spec` on `mesh`) with a leading dim over `axes`.
+def data_view(xs: tuple[jax.Array, ...], mesh: Mesh, specs: tuple[P, ...],
+              axes: tuple[tuple[str, ...], ...]) -> tuple[jax.Array, ...]:
+    """Each of `xs` (global arrays laid out as `specs` on `mesh`) with a leading dim over
+    its `axes`, in one local ``shard_map`` each way (traced once per call, not per leaf).
 
     Args:
-      x: e.g. a stacked GTP shard ``[n, ...]``, replicated over `axes`.
+      xs: e.g. stacked GTP shards ``[n, ...]``, replicated over their `axes`.
       mesh: the mesh of the sharded call.
-      spec: `x`'s partition spec.
-      axes: mesh axes `spec` does not name (`unmentioned_axes`).
+      specs: the partition spec of each of `xs`.
+      axes: for each of `xs`, the mesh axes its spec does not name (`unmentioned_axes`).
 
     Returns:
-      ``[prod(sizes of axes), *x.shape]`` laid out as ``viewed_spec(spec, axes)``: every
-      rank's slice is its own copy of `x`. The gradient is one rank's slice of the
-      cotangent, which the caller must have made equal on every rank.
+      For each ``x``: ``[prod(sizes of its axes), *x.shape]`` laid out as
+      ``viewed_spec(spec, axes)``: every rank's slice is its own copy of ``x``. The gradient
+      is one rank's slice of the cotangent, which the caller must have made equal on every
+      rank.
     """
-    return _local(lambda s: s[None], mesh, spec, viewed_spec(spec, axes))(x)
+    return _local(lambda *s: tuple(v[None] for v in s), mesh, specs,
+                  _viewed_specs(specs, axes))(*xs)
 
 
-def _local(fn, mesh: Mesh, in_spec: P, out_spec: P):
-    return jax.shard_map(fn, mesh=mesh, in_specs=in_spec, out_specs=out_spec,
+def _viewed_specs(specs, axes) -> tuple[P, ...]:
+    return tuple(viewed_spec(s, a) for s, a in zip(specs, axes))
+
+
+def _local(fn, mesh: Mesh, in_specs: tuple[P, ...], out_specs: tuple[P, ...]):
+    return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
                          check_vma=False)
 
 
-def _fwd(x, mesh, spec, axes):
-    return data_view(x, mesh, spec, axes), None
+def _fwd(xs, mesh, specs, axes):
+    return data_view(xs, mesh, specs, axes), None
 
 
-def _bwd(mesh, spec, axes, _, ct):
-    return (_local(lambda c: c[0], mesh, viewed_spec(spec, axes), spec)(ct),)
+def _bwd(mesh, specs, axes, _, cts):
+    return (_local(lambda *c: tuple(v[0] for v in c), mesh, _viewed_specs(specs, axes),
+                   specs)(*cts),)
 
 
 data_view.defvjp(_fwd, _bwd)

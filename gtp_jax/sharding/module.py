@@ -221,9 +221,8 @@ class ShardedModule(nnx.Module, HoldsShards):
         # after the backward pass: summed in the layer loop instead, layer by layer, beside
         # the next layer's backward (`gtp_jax.sharding.data_view`).
         viewed = {} if single else {
-            i: unmentioned_axes(mesh, value_specs[i]) for i, p in enumerate(paths)
-            if p in plans and plans[p].stacked}
-        viewed = {i: a for i, a in viewed.items() if a}
+            i: a for i, (p, s) in enumerate(zip(paths, value_specs))
+            if p in plans and plans[p].stacked and (a := unmentioned_axes(mesh, s))}
         plans = {**plans, **{paths[i]: dataclasses.replace(
             plans[paths[i]], spec=dataclasses.replace(plans[paths[i]].spec, data_axes=a))
             for i, a in viewed.items()}}
@@ -322,8 +321,10 @@ class ShardedModule(nnx.Module, HoldsShards):
             sharded_run = run
 
             def run(values: list, local_args: list) -> Any:
-                return sharded_run([data_view(x, mesh, value_specs[i], viewed[i])
-                                    if i in viewed else x for i, x in enumerate(values)],
+                views = dict(zip(viewed, data_view(
+                    tuple(values[i] for i in viewed), mesh,
+                    tuple(value_specs[i] for i in viewed), tuple(viewed.values()))))
+                return sharded_run([views.get(i, x) for i, x in enumerate(values)],
                                    local_args)
 
         # The body is traced inside this call (also under jit/grad), so model code sees the
