@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import re
 
 import jax
@@ -85,6 +86,32 @@ def test_unrolled_gathers_are_tied_one_layer_ahead(grad):
     # forward: one per layer after the first; backward: one gather per layer but the last
     # and one reduce-scatter per layer but the first (the forward's are in the grad too)
     assert barriers >= (3 * (n - 1) if grad else n - 1), barriers
+
+
+def test_each_layer_is_linearized_once_not_once_per_layer(monkeypatch):
+    # The unrolled loop linearizes the layer (jax.vjp: JVP plus partial evaluation, most of
+    # a layer's trace time) once per argument type and evaluates that jaxpr for every
+    # layer: tracing a deep unrolled model costs one layer's linearization, not one per
+    # layer (a 32-layer tiny decoder's gradient: 2.2 -> 1.6 s to trace on a CPU).
+    from gtp_jax.sharding import loop
+
+    calls = []
+    vjp = jax.vjp
+
+    def counting(fn, *args, **kwargs):
+        if isinstance(fn, functools.partial) and fn.func is loop._call_converted:
+            calls.append(fn)
+        return vjp(fn, *args, **kwargs)
+
+    monkeypatch.setattr(jax, "vjp", counting)
+    mesh = get_mesh("gtp8")
+    cfg = preset("tiny", **{**CFG.__dict__, "unroll_layers": True, "n_layers": 5})
+    model = gtp_jax.shard(Transformer(cfg, rngs=nnx.Rngs(0)), mesh)
+    graphdef, state = nnx.split(model)
+    tokens = jax.device_put(np.zeros((8, 16), np.int32), gtp_jax.data_sharding(mesh))
+    grads = jax.jit(jax.grad(lambda s: lm_loss(nnx.merge(graphdef, s), tokens)))
+    grads.trace(state)
+    assert len(calls) == 1, len(calls)
 
 
 def test_prefetch_does_not_change_the_unrolled_program():

@@ -69,38 +69,68 @@ class _ResidualSplit:
 
     Filled when the forward pass is traced (once per trace site: the scanned layers and a
     peeled last layer have different traced backward functions), read when the backward
-    pass is traced.
+    pass is traced. The layer is linearized once per split: its jaxpr (`jaxpr`: the
+    layer's output and its vjp residuals) is then evaluated for every layer that shares
+    the split (the unrolled layers with the same argument types, each scan iteration), not
+    traced and linearized again.
     """
 
     def __init__(self) -> None:
-        self.treedef: Any = None
+        self.treedef: Any = None  # of the layer's vjp function (its leaves: the residuals)
         self.saved: tuple[bool, ...] = ()
-        self.jaxpr: Any = None  # closed jaxpr: (h, weights, plain, consts) -> residuals
+        # closed jaxpr: (h, weights, plain, consts) -> (output leaves, residuals)
+        self.jaxpr: Any = None
         self.num_h = 0  # leaves of the activations argument
+        self.num_out = 0  # leaves of the layer's output
+        self.out_tree: Any = None
+        self.signature: Any = None  # `_signature` of the arguments the jaxpr was traced for
+
+    def share(self, twin: _ResidualSplit) -> None:
+        """Uses `twin`'s trace (a layer whose arguments have the same types)."""
+        for name in ("treedef", "saved", "jaxpr", "num_h", "num_out", "out_tree",
+                     "signature"):
+            setattr(self, name, getattr(twin, name))
 
     def saved_shapes(self, layer: Callable, args: tuple) -> list[jax.ShapeDtypeStruct]:
         """Shapes of the residuals `forward` saves (traces the layer abstractly once;
         `args` may be ``jax.ShapeDtypeStruct``s)."""
         if self.jaxpr is None:
-            closed = jax.make_jaxpr(lambda *a: jax.tree.leaves(jax.vjp(layer, *a)[1]))(*args)
+            trees: list[Any] = []
+
+            def linearized(*a: Any) -> tuple[list, list]:
+                out, pullback = jax.vjp(layer, *a)
+                out_leaves, out_tree = jax.tree.flatten(out)
+                leaves, treedef = jax.tree.flatten(pullback)
+                trees[:] = [out_tree, treedef]
+                return out_leaves, leaves
+
+            closed = jax.make_jaxpr(linearized)(*args)
+            self.out_tree, self.treedef = trees
+            self.num_out = self.out_tree.num_leaves
             self.jaxpr = closed
             self.num_h = len(jax.tree.leaves(args[0]))
-            self.saved = _activation_dependent(closed.jaxpr, self.num_h)
-        return [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype)
-                for v, keep in zip(self.jaxpr.jaxpr.outvars, self.saved) if keep]
+            self.saved = _activation_dependent(closed.jaxpr, self.num_h)[self.num_out:]
+            self.signature = (jax.tree.structure(args), tuple(
+                (a.shape, a.dtype, a.weak_type) for a in closed.in_avals))
+        return [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v, keep in zip(
+            self.jaxpr.jaxpr.outvars[self.num_out:], self.saved) if keep]
 
     def forward(self, layer: Callable, args: tuple) -> tuple[Any, list[jax.Array]]:
         """Runs the layer; returns its output and the residuals that must be saved."""
         self.saved_shapes(layer, args)
-        out, pullback = jax.vjp(layer, *args)
-        leaves, treedef = jax.tree.flatten(pullback)
-        if self.treedef is None:
-            self.treedef = treedef
-        if treedef != self.treedef or len(leaves) != len(self.saved):
-            raise RuntimeError(
-                "gtp_jax layer loop: the layer's residual structure differs between two "
-                "traces of the same layer; the layer function must be deterministic in "
-                "structure.")
+        if _signature(args) == self.signature:
+            flat = jax.core.eval_jaxpr(self.jaxpr.jaxpr, self.jaxpr.consts,
+                                       *jax.tree.leaves(args))
+            out = jax.tree.unflatten(self.out_tree, flat[:self.num_out])
+            leaves = flat[self.num_out:]
+        else:  # arguments of other types than traced (e.g. weak types): linearize these
+            out, pullback = jax.vjp(layer, *args)
+            leaves, treedef = jax.tree.flatten(pullback)
+            if treedef != self.treedef or len(leaves) != len(self.saved):
+                raise RuntimeError(
+                    "gtp_jax layer loop: the layer's residual structure differs between "
+                    "two traces of the same layer; the layer function must be "
+                    "deterministic in structure.")
         return out, [x for x, keep in zip(leaves, self.saved) if keep]
 
     def pullback(self, saved: list[jax.Array], args_but_h: tuple) -> Callable:
@@ -111,7 +141,8 @@ class _ResidualSplit:
         """
         flat = [None] * self.num_h + jax.tree.leaves(args_but_h)
         missing = [i for i, keep in enumerate(self.saved) if not keep]
-        recomputed = iter(_eval_outputs(self.jaxpr, flat, missing))
+        recomputed = iter(_eval_outputs(self.jaxpr, flat,
+                                        [self.num_out + i for i in missing]))
         kept = iter(saved)
         leaves = [next(kept) if keep else next(recomputed) for keep in self.saved]
         return jax.tree.unflatten(self.treedef, leaves)
@@ -187,7 +218,7 @@ class LoopSpec:
         split = _ResidualSplit()
         twin = self.by_signature.setdefault(_signature(args), split)
         if twin.jaxpr is not None:
-            split.jaxpr, split.num_h, split.saved = twin.jaxpr, twin.num_h, twin.saved
+            split.share(twin)
         self.unrolled[i] = split
         return split
 
