@@ -355,6 +355,27 @@ def test_an_eager_call_and_its_gradient_run_as_compiled_programs(key, seed) -> N
     assert_state_matches(grads, ref_grads, sm.plan, rtol=FP32_RTOL, what="eager gradient")
 
 
+def test_a_sharded_call_traces_the_module_once(monkeypatch) -> None:
+    """The checks of a sharded call (randomness from shard-identical keys, the module's own
+    remat regions) read the program's own trace, which the call then reuses: the module's
+    Python runs once per traced call, not once for the checks and again for the program."""
+    calls = []
+    forward = Transformer._forward
+
+    def counting(self, *args, **kwargs):
+        calls.append(1)
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(Transformer, "_forward", counting)
+    cfg = preset("tiny", **{**TRANSFORMER_SIZES, "n_layers": 2})
+    mesh = get_mesh("dp2_gtp4")  # data shards: the randomness check runs
+    sm = gtp_jax.shard(Transformer(cfg, rngs=nnx.Rngs(0)), mesh)
+    graphdef, state = nnx.split(sm)
+    tokens = jax.ShapeDtypeStruct((8, 17), jnp.int32)
+    jax.jit(jax.grad(lambda s, t: lm_loss(nnx.merge(graphdef, s), t))).trace(state, tokens)
+    assert len(calls) == 1, len(calls)
+
+
 @pytest.mark.parametrize("gather_dtype", [None, "bfloat16"])
 def test_bf16_compute_matches_unsharded_bf16(gather_dtype, key, seed) -> None:
     mesh = get_mesh("dp2_gtp4")

@@ -18,9 +18,9 @@ from jax.ad_checkpoint import checkpoint_name
 from gtp_jax.sharding.fp8_gather import gather_fp8
 from gtp_jax.sharding.gather_spec import GatherSpec
 
-__all__ = ["GATHERED_WEIGHT", "GatherSpec", "all_gather_shard", "all_gather_shards",
-           "gather_weight", "gradient_of", "reduce_scatter_grad", "reduce_scatter_grads",
-           "regather_policy",
+__all__ = ["GATHERED_POLICY", "GATHERED_WEIGHT", "GatherSpec", "all_gather_shard",
+           "all_gather_shards", "gather_weight", "gradient_of", "reduce_scatter_grad",
+           "reduce_scatter_grads", "regather_policy",
            "resolve_quant_backend"]
 
 #: `checkpoint_name` of every gathered weight. Remat policies that do not save this name
@@ -267,6 +267,12 @@ def gather_weight(shard: jax.Array, spec: GatherSpec) -> jax.Array:
 def regather_policy(*_: Any, **__: Any) -> bool:
     """Remat policy of a low-precision gather: save nothing (it is re-gathered whole)."""
     return False
+
+
+#: Attribute (True) of the remat policy that `gtp_jax.shard` wraps a module's body in to
+#: re-gather its weights in the backward pass (`gtp_jax.sharding.scan.gathered_weight_policy`):
+#: the library's own checkpoint, which the check for the module's own remat regions skips.
+GATHERED_POLICY = "gtp_jax_gathered_weights"
 
 
 def _check_shard(shard: Any, spec: GatherSpec) -> None:

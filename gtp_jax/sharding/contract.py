@@ -14,7 +14,7 @@ outputs and written state must look like, and how they leave.
 - `replaced_read_only` / `same_values` / `refuse_write`: parameters (and RNG keys) written
   in ``__call__`` are refused, never dropped; values NNX's lifted transforms only pass on
   are not writes (for state without a combining rule either: `refuse_unruled`).
-- `trace_body` / `has_user_remat`: whether the module's own code has remat regions (then
+- `body_jaxpr` / `has_user_remat`: whether the module's own code has remat regions (then
   weights are gathered where they are read, so the module's policy applies to them).
 - `python_attributes` / `refuse_attribute_writes`: a plain attribute set in ``__call__``
   is refused, never lost.
@@ -34,13 +34,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.extend import core as jcore
-from jax.sharding import Mesh
-from jax.sharding import PartitionSpec as P
 
 from gtp_jax.base.errors import UsageError, UsageTypeError
 from gtp_jax.base.metadata import REDUCE
 from gtp_jax.base.state import RULES, type_rule
-from gtp_jax.sharding.collectives import regather_policy
+from gtp_jax.sharding.collectives import GATHERED_POLICY, regather_policy
 from gtp_jax.sharding.plan import path_str
 
 #: Variables written back after a call: everything but parameters and RNG keys (keys are
@@ -567,34 +565,34 @@ def per_example_rows(paths: list[str], values: list, rules: dict[str, str | None
             jnp.ndim(leaf) >= 1 and jnp.shape(leaf)[0] == batch for leaf in jax.tree.leaves(x)))
 
 
+def _own_policy(policy: Any) -> bool:
+    """Whether a remat `policy` is gtp_jax's: a gather's, or the body's (`GATHERED_POLICY`)."""
+    return policy is regather_policy or getattr(policy, GATHERED_POLICY, False)
+
+
 # Name of the ``jax.checkpoint`` primitive across JAX versions.
 _REMAT_NAMES = ("checkpoint", "remat", "remat2")
 
 
-def trace_body(body: Callable, mesh: Mesh, value_specs: list, arg_specs: list,
-               values: list, args: list) -> Any:
-    """The jaxpr of the sharded call's body as each device runs it (inside ``shard_map``
-    on a mesh of several devices): its inputs are the leaves of ``(values, args)``."""
-    if mesh.devices.size == 1:
-        return jax.make_jaxpr(lambda v, a: jax.tree.leaves(body(v, a)))(values, args).jaxpr
-    fn = jax.shard_map(body, mesh=mesh, in_specs=(value_specs, arg_specs),
-                       out_specs=(P(), P()), check_vma=False)
-    outer = jax.make_jaxpr(lambda v, a: jax.tree.leaves(fn(v, a)))(values, args).jaxpr
-    found = [e for e in outer.eqns if e.primitive.name == "shard_map"]
+def body_jaxpr(program: Any) -> Any:
+    """The jaxpr of the sharded call's body as each device runs it, from the jaxpr of the
+    whole call (`program`: its ``shard_map``, or on one device the body itself): its inputs
+    are the leaves of the body's ``(values, args)``."""
+    found = [e for e in program.jaxpr.eqns if e.primitive.name == "shard_map"]
     inner = list(jcore.jaxprs_in_params(found[0].params)) if len(found) == 1 else []
     # (Were the body not found, the outer program holds it, with the same inputs one to
     # one: both checks read it there.)
-    return inner[0] if len(inner) == 1 else outer
+    return inner[0] if len(inner) == 1 else program.jaxpr
 
 
 def has_user_remat(jaxpr: Any) -> bool:
-    """Whether the module's own code (not gtp_jax's gathers) uses ``jax.checkpoint``, in the
-    body's jaxpr (`trace_body`)."""
+    """Whether the module's own code (not gtp_jax's gathers, nor the checkpoint of the
+    gathered weights around the body) uses ``jax.checkpoint``, in the body's jaxpr
+    (`body_jaxpr`)."""
 
     def walk(j) -> bool:
         for eqn in j.eqns:
-            if eqn.primitive.name in _REMAT_NAMES and \
-                    eqn.params.get("policy") is not regather_policy:
+            if eqn.primitive.name in _REMAT_NAMES and not _own_policy(eqn.params.get("policy")):
                 return True
             if eqn.primitive.name.startswith("custom_"):
                 continue  # opaque to an outer checkpoint's policy (e.g. gtp_jax.scan_layers)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -34,6 +34,7 @@ from gtp_jax.sharding.contract import (
     OutputLayout,
     Replicated,
     arg_name,
+    body_jaxpr,
     check_call_arguments,
     check_outputs,
     has_user_remat,
@@ -50,7 +51,6 @@ from gtp_jax.sharding.contract import (
     replicated,
     same_values,
     side_rules,
-    trace_body,
     unwrap,
 )
 from gtp_jax.sharding.data_view import data_view, unmentioned_axes, viewed_spec
@@ -284,41 +284,27 @@ class ShardedModule(nnx.Module, HoldsShards):
         # Randomness is checked where shards see different examples (else every shard
         # computes what the unsharded module does).
         check_draws = batch is not None and not single and data_size(mesh) > 1
-        traced = None
-        if (self.config.remat_gathered and built) or check_draws:
-            with use_axes(axes_in_use):
-                traced = trace_body(body, mesh, value_specs, arg_specs, values, local_args)
-        if check_draws:
-            varying = [flag for x, flag in zip(
-                [*values, *local_args],
-                [*(p in split_rows for p in paths), *(spec != P() for spec in arg_specs)])
-                for _ in jax.tree.leaves(x)]
-            if len(varying) == len(traced.invars):
-                refuse_shard_identical_draws(traced, varying, frozenset(reduce_axes))
-        if self.config.remat_gathered and built:
-            if has_user_remat(traced):
-                lazy = True
-                # An outer checkpoint would impose its policy inside the module's own remat
-                # regions (JAX applies the outermost policy to nested ones). Instead each
-                # weight is gathered where it is read, inside those regions, whose policy
-                # then applies to it too.
-                body = functools.partial(body, lazy=True)
-            elif gathered:
-                body = jax.checkpoint(body, policy=gathered_weight_policy(gathered))
-        def viewed_body(local_values: list, local_args: list) -> Any:
-            return body([x[0] if i in viewed else x for i, x in enumerate(local_values)],
-                        local_args)
 
-        run = body if single else jax.shard_map(
-            viewed_body if viewed else body,
-            mesh=mesh,
-            in_specs=([viewed_spec(s, viewed[i]) if i in viewed else s
-                       for i, s in enumerate(value_specs)], arg_specs),
-            out_specs=(layout.specs, P()),
-            check_vma=False,
-        )
-        if viewed:
-            sharded_run = run
+        def make_run(body: Callable) -> Callable:
+            """`body` over the mesh: ``shard_map``, its layer-stacked shards seen per data
+            rank (`data_view`); the body itself on one device."""
+            if single:
+                return body
+
+            def viewed_body(local_values: list, local_args: list) -> Any:
+                return body([x[0] if i in viewed else x for i, x in enumerate(local_values)],
+                            local_args)
+
+            sharded_run = jax.shard_map(
+                viewed_body if viewed else body,
+                mesh=mesh,
+                in_specs=([viewed_spec(s, viewed[i]) if i in viewed else s
+                           for i, s in enumerate(value_specs)], arg_specs),
+                out_specs=(layout.specs, P()),
+                check_vma=False,
+            )
+            if not viewed:
+                return sharded_run
 
             def run(values: list, local_args: list) -> Any:
                 views = dict(zip(viewed, data_view(
@@ -327,6 +313,29 @@ class ShardedModule(nnx.Module, HoldsShards):
                 return sharded_run([views.get(i, x) for i, x in enumerate(values)],
                                    local_args)
 
+            return run
+
+        if self.config.remat_gathered and gathered:
+            body = jax.checkpoint(body, policy=gathered_weight_policy(gathered))
+        run = jax.jit(make_run(body))
+        if (self.config.remat_gathered and built) or check_draws:
+            # The checks read the program's own trace: jit reuses it for the call below.
+            with use_axes(axes_in_use):
+                traced = body_jaxpr(run.trace(values, local_args).jaxpr)
+            if check_draws:
+                varying = [flag for x, flag in zip(
+                    [*values, *local_args],
+                    [*(p in split_rows for p in paths), *(spec != P() for spec in arg_specs)])
+                    for _ in jax.tree.leaves(x)]
+                if len(varying) == len(traced.invars):
+                    refuse_shard_identical_draws(traced, varying, frozenset(reduce_axes))
+            if self.config.remat_gathered and built and has_user_remat(traced):
+                lazy = True
+                # An outer checkpoint would impose its policy inside the module's own remat
+                # regions (JAX applies the outermost policy to nested ones). Instead each
+                # weight is gathered where it is read, inside those regions, whose policy
+                # then applies to it too.
+                run = jax.jit(make_run(functools.partial(call_body, lazy=True)))
         # The body is traced inside this call (also under jit/grad), so model code sees the
         # axes; backward rules never read them (they get axis names as static arguments).
         # Under jit: `run` joins the caller's program. Called eagerly (a notebook cell,
@@ -334,7 +343,7 @@ class ShardedModule(nnx.Module, HoldsShards):
         # operation, compiling each on its own (an eager gradient of a two-layer decoder:
         # about 540 programs, 38 s on 2 CPU cores); jitted, it is one program per call.
         with use_axes(axes_in_use):
-            out, side = jax.jit(run)(values, local_args)
+            out, side = run(values, local_args)
             if replaced:
                 probe = functools.partial(call_body, lazy=lazy, probe=tuple(replaced))
                 if not single:

@@ -8,7 +8,7 @@ from typing import Any, TypeVar
 
 import jax
 
-from gtp_jax.sharding.collectives import GATHERED_WEIGHT, regather_policy
+from gtp_jax.sharding.collectives import GATHERED_POLICY, GATHERED_WEIGHT, regather_policy
 from gtp_jax.sharding.gather_spec import GatherSpec
 from gtp_jax.sharding.lazy import is_shard
 from gtp_jax.sharding.loop import layer_loop
@@ -55,6 +55,7 @@ def gathered_weight_policy(specs: Sequence[GatherSpec]) -> Callable[..., bool]:
                 return False
         return True
 
+    setattr(policy, GATHERED_POLICY, True)
     return policy
 
 
