@@ -85,12 +85,6 @@ class _ResidualSplit:
         self.out_tree: Any = None
         self.signature: Any = None  # `_signature` of the arguments the jaxpr was traced for
 
-    def share(self, twin: _ResidualSplit) -> None:
-        """Uses `twin`'s trace (a layer whose arguments have the same types)."""
-        for name in ("treedef", "saved", "jaxpr", "num_h", "num_out", "out_tree",
-                     "signature"):
-            setattr(self, name, getattr(twin, name))
-
     def saved_shapes(self, layer: Callable, args: tuple) -> list[jax.ShapeDtypeStruct]:
         """Shapes of the residuals `forward` saves (traces the layer abstractly once;
         `args` may be ``jax.ShapeDtypeStruct``s)."""
@@ -110,8 +104,7 @@ class _ResidualSplit:
             self.jaxpr = closed
             self.num_h = len(jax.tree.leaves(args[0]))
             self.saved = _activation_dependent(closed.jaxpr, self.num_h)[self.num_out:]
-            self.signature = (jax.tree.structure(args), tuple(
-                (a.shape, a.dtype, a.weak_type) for a in closed.in_avals))
+            self.signature = _signature(args)
         return [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v, keep in zip(
             self.jaxpr.jaxpr.outvars[self.num_out:], self.saved) if keep]
 
@@ -215,10 +208,8 @@ class LoopSpec:
         layer's arguments (`args`) to choose it, the backward pass finds it by `i`."""
         if args is None or i in self.unrolled:
             return self.unrolled[i]
-        split = _ResidualSplit()
-        twin = self.by_signature.setdefault(_signature(args), split)
-        if twin.jaxpr is not None:
-            split.share(twin)
+        # Layers whose arguments have the same types share one split (one trace).
+        split = self.by_signature.setdefault(_signature(args), _ResidualSplit())
         self.unrolled[i] = split
         return split
 
