@@ -529,11 +529,20 @@ add("integrity", "empty model/_METADATA", lambda: _integrity("model/_METADATA", 
 
 
 def _both_damaged() -> tuple[str, str]:
+    # The largest data file of each checkpoint: it holds array bytes that a restore reads
+    # (the files are named by content hash, so the first by name may be a small index node
+    # that a restore never reads). Refused, or resumed with the reference's exact losses.
     d = fresh_copy("dmg2")
     for step in ("2", "4"):
-        _damage(sorted((d / step).glob("model/ocdbt.process_0/d/*"))[0], "garble")
-    return expect_error(cli("--steps", "6", *SMALL, "--checkpoint-dir", str(d), "--resume"),
-                        "intact", "--checkpoint-dir")
+        files = (d / step).glob("model/ocdbt.process_0/d/*")
+        _damage(max(files, key=lambda f: f.stat().st_size), "garble")
+    m = WORK / "dmg2.json"
+    m.unlink(missing_ok=True)
+    run = cli("--steps", "6", *SMALL, "--checkpoint-dir", str(d), "--resume",
+              "--metrics-json", str(m))
+    if run.code == 2 and not run.exc:
+        return expect_error(run, "intact", "--checkpoint-dir")
+    return expect_ok(run, lambda: same_losses(losses(m), REF6, 0.0))
 
 
 add("integrity", "garble data of every checkpoint", _both_damaged)
