@@ -196,6 +196,57 @@ def test_aux_metrics_are_returned_beside_the_step_metrics(grad_accum) -> None:
     assert again._program is step._program
 
 
+class _Noisy(nnx.Module):
+    """Writes state in its call: dropout's RNG count and a `BatchSum` row counter."""
+
+    def __init__(self):
+        self.up = nnx.Linear(16, 24, rngs=nnx.Rngs(0))
+        self.down = nnx.Linear(24, 4, rngs=nnx.Rngs(1))
+        self.drop = nnx.Dropout(0.5, rngs=nnx.Rngs(dropout=2))
+        self.rows = gtp_jax.BatchSum(jnp.zeros((), jnp.int32))
+
+    def __call__(self, x):
+        self.rows[...] = self.rows[...] + x.shape[0]
+        return self.down(self.drop(jax.nn.gelu(self.up(x))))
+
+
+def _rng_count(model) -> int:
+    (count,) = [int(v.get_value()) for _, v in nnx.to_flat_state(nnx.state(model, nnx.RngCount))]
+    return count
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_grad_accum_carries_the_state_the_module_writes(sharded) -> None:
+    """Dropout and counters under gradient accumulation: each microbatch sees the state the
+    one before wrote (a new dropout mask, the rows counted), as consecutive calls would;
+    unsharded, the step equals two calls of ``nnx.value_and_grad`` and one SGD update."""
+    import optax
+
+    mesh = gtp_jax.make_mesh(dp=2, gtp=4)
+    model = gtp_jax.shard(_Noisy(), mesh, gtp_jax.GTPConfig(min_elements=0)) if sharded \
+        else _Noisy()
+    ref = _Noisy()
+    step = TrainStep(model, nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param), _ce,
+                     grad_accum=2)
+    for seed in range(2):
+        batch = _xy(mesh, seed)
+        loss = float(step(batch)["loss"])
+        x, y = (np.asarray(a) for a in batch)
+        parts = [nnx.value_and_grad(_ce)(ref, (x[i::2], y[i::2])) for i in range(2)]
+        grads = jax.tree.map(lambda a, b: (a + b) / 2, parts[0][1], parts[1][1])
+        nnx.update(ref, jax.tree.map(lambda p, g: p - 0.1 * g, nnx.state(ref, nnx.Param),
+                                     grads))
+        if not sharded:
+            assert_close(loss, (float(parts[0][0]) + float(parts[1][0])) / 2, 1e-6, "loss")
+    step.sync()
+    inner = model.module if sharded else model
+    assert int(inner.rows.get_value()) == 32  # 2 steps x 16 rows, counted once each
+    assert _rng_count(inner) == _rng_count(ref) == 4  # one mask per microbatch
+    if not sharded:
+        for path, want in flat_values(ref).items():
+            assert_close(flat_values(model)[path], want, 1e-6, path)
+
+
 @pytest.mark.parametrize("name, make_tx, lr", [
     ("inject_hyperparams", lambda o: o.inject_hyperparams(o.adamw)(learning_rate=0.02), 0.02),
     ("chain", lambda o: o.chain(o.clip_by_global_norm(1.0),

@@ -675,7 +675,9 @@ def accumulate_grads(model: nnx.Module, loss_fn: Callable[[nnx.Module, Any], jax
     data axes in contiguous blocks, each device then holds ``1/microbatches`` of its own
     rows of every microbatch (no data moves between devices). For a loss that is a mean
     over rows (`gtp_jax.models.lm_loss` of a dense model) the result is the whole batch's
-    loss and gradient, up to float rounding of the sums.
+    loss and gradient, up to float rounding of the sums. State the module writes in its
+    call (dropout's RNG count, counters, running statistics) is carried from microbatch to
+    microbatch, as consecutive calls would leave it: a new dropout mask per microbatch.
 
     Returns the gradients as ``nnx.value_and_grad`` does (an ``nnx.State`` of the
     ``nnx.Param`` variables), float32 loss.
@@ -695,16 +697,26 @@ def _accumulate(model: nnx.Module,
     def slices(x: jax.Array) -> jax.Array:
         return _microbatches(x, microbatches)
 
-    def loss_of(params: nnx.State, micro: Any) -> tuple[jax.Array, dict[str, Any]]:
-        return loss_fn(nnx.merge(graphdef, params, rest), micro)
+    def loss_of(params: nnx.State, rest: nnx.State, micro: Any
+                ) -> tuple[jax.Array, tuple[dict[str, Any], nnx.State]]:
+        # copy: Variables of this trace level, which the module may write (nnx refuses a
+        # write to a Variable made outside the gradient's trace).
+        module = nnx.merge(graphdef, params, rest, copy=True)
+        loss, aux = loss_fn(module, micro)
+        return loss, (aux, nnx.split(module, nnx.Param, ...)[2])
 
-    def body(carry: tuple[jax.Array, nnx.State], micro: Any
-             ) -> tuple[tuple[jax.Array, nnx.State], dict[str, Any]]:
-        (loss, aux), grads = jax.value_and_grad(loss_of, has_aux=True)(params, micro)
-        return jax.tree.map(jnp.add, carry, (loss, grads)), aux
+    def body(carry: tuple[jax.Array, nnx.State, nnx.State], micro: Any
+             ) -> tuple[tuple[jax.Array, nnx.State, nnx.State], dict[str, Any]]:
+        loss_sum, grad_sum, rest = carry
+        (loss, (aux, rest)), grads = jax.value_and_grad(loss_of, has_aux=True)(
+            params, rest, micro)
+        return (loss_sum + loss, jax.tree.map(jnp.add, grad_sum, grads), rest), aux
 
-    zero = (jnp.zeros((), jnp.float32), _grad_sum_zeros(params))
-    (loss, grads), aux = jax.lax.scan(body, zero, jax.tree.map(slices, batch))
+    # The state the module writes (RNG counts, counters, running statistics) is carried
+    # from microbatch to microbatch, as consecutive calls of the module would see it.
+    zero = (jnp.zeros((), jnp.float32), _grad_sum_zeros(params), rest)
+    (loss, grads, rest), aux = jax.lax.scan(body, zero, jax.tree.map(slices, batch))
+    nnx.update(model, rest)
     return (loss * (1.0 / microbatches), _mean_over_microbatches(aux),
             _grad_mean(grads, params, microbatches))
 
@@ -760,25 +772,31 @@ def _grads_aux_and_history(
     over the microbatches), gradients, next `Fp8History` values)."""
     graphdef, params, history, rest = nnx.split(model, nnx.Param, Fp8History, ...)
 
-    def loss_of(p: nnx.State, h: nnx.State, micro: Any) -> tuple[jax.Array, dict[str, Any]]:
-        return loss_fn(nnx.merge(graphdef, p, h, rest), micro)
+    def loss_of(p: nnx.State, h: nnx.State, rest: nnx.State, micro: Any
+                ) -> tuple[jax.Array, tuple[dict[str, Any], nnx.State]]:
+        module = nnx.merge(graphdef, p, h, rest, copy=True)  # see `_accumulate`
+        loss, aux = loss_fn(module, micro)
+        return loss, (aux, nnx.split(module, nnx.Param, Fp8History, ...)[3])
 
     grad = jax.value_and_grad(loss_of, argnums=(0, 1), has_aux=True)
     if microbatches == 1:
-        (loss, aux), (grads, new_history) = grad(params, history, batch)
+        (loss, (aux, rest)), (grads, new_history) = grad(params, history, rest, batch)
+        nnx.update(model, rest)  # what the module wrote (RNG counts, counters)
         return loss, aux, grads, new_history
 
     def body(carry: tuple, micro: Any) -> tuple[tuple, dict[str, Any]]:
-        loss_sum, grad_sum, hist_max = carry
-        (loss, aux), (grads, new_history) = grad(params, history, micro)
+        loss_sum, grad_sum, hist_max, rest = carry
+        (loss, (aux, rest)), (grads, new_history) = grad(params, history, rest, micro)
         return (loss_sum + loss, jax.tree.map(jnp.add, grad_sum, grads),
-                jax.tree.map(jnp.maximum, hist_max, new_history)), aux
+                jax.tree.map(jnp.maximum, hist_max, new_history), rest), aux
 
-    # Histories hold amaxes (>= 0 or NaN): zeros are the identity of their maximum.
+    # Histories hold amaxes (>= 0 or NaN): zeros are the identity of their maximum. The
+    # state the module writes is carried from microbatch to microbatch (see `_accumulate`).
     zero = (jnp.zeros((), jnp.float32), _grad_sum_zeros(params),
-            jax.tree.map(jnp.zeros_like, history))
-    (loss, grads, new_history), aux = jax.lax.scan(
+            jax.tree.map(jnp.zeros_like, history), rest)
+    (loss, grads, new_history, rest), aux = jax.lax.scan(
         body, zero, jax.tree.map(lambda x: _microbatches(x, microbatches), batch))
+    nnx.update(model, rest)
     return (loss * (1.0 / microbatches), _mean_over_microbatches(aux),
             _grad_mean(grads, params, microbatches), new_history)
 
