@@ -247,6 +247,47 @@ def test_grad_accum_carries_the_state_the_module_writes(sharded) -> None:
             assert_close(flat_values(model)[path], want, 1e-6, path)
 
 
+class _Odd(nnx.Module):
+    """A 37 x 61 kernel: over gtp = 4 (or 8) it is stored zero-padded to 37 x 64."""
+
+    def __init__(self, d_out: int = 61):
+        self.up = nnx.Linear(37, d_out, rngs=nnx.Rngs(0))
+        self.down = nnx.Linear(d_out, 4, rngs=nnx.Rngs(1))
+
+    def __call__(self, x):
+        return self.down(jax.nn.gelu(self.up(x)))
+
+
+@pytest.mark.parametrize("name", ["adafactor", "muon"])
+def test_an_optimizer_that_reads_a_padded_weights_shape_is_refused(name) -> None:
+    """Adafactor and Muon update a zero-padded stored weight differently from the logical
+    one (shape-dependent factoring and scales): refused in one line before the step
+    exists, unless the mesh pads nothing; elementwise optimizers train padded weights."""
+    import optax
+
+    make_tx = {"adafactor": lambda: optax.adafactor(1e-2, min_dim_size_to_factor=8),
+               "muon": lambda: optax.contrib.muon(1e-2)}[name]
+    mesh = gtp_jax.make_mesh(dp=2, gtp=4)
+    model = gtp_jax.shard(_Odd(), mesh, gtp_jax.GTPConfig(min_elements=0))
+    optimizer = nnx.Optimizer(model, make_tx(), wrt=nnx.Param)
+    before = jax.tree.map(np.asarray, nnx.state((model, optimizer)))
+    with pytest.raises(gtp_jax.UsageError,
+                       match=r"^TrainStep: the optimizer updates the zero-padded stored weight "
+                             r"module/up/kernel \(\(37, 64\), logically \(37, 61\)\).*"
+                             r"Use sizes the mesh axis divides"):
+        TrainStep(model, optimizer, _sq)
+    jax.tree.map(np.testing.assert_array_equal, before,
+                 jax.tree.map(np.asarray, nnx.state((model, optimizer))))
+    even = gtp_jax.shard(_Odd(64), mesh, gtp_jax.GTPConfig(min_elements=0))
+    TrainStep(even, nnx.Optimizer(even, make_tx(), wrt=nnx.Param), _sq)  # nothing padded
+    for tx in (optax.adamw(1e-2), optax.yogi(1e-2), optax.lamb(1e-2)):
+        TrainStep(model, nnx.Optimizer(model, tx, wrt=nnx.Param), _sq)
+
+
+def _sq(model, x):
+    return jnp.mean(model(x) ** 2)
+
+
 @pytest.mark.parametrize("name, make_tx, lr", [
     ("inject_hyperparams", lambda o: o.inject_hyperparams(o.adamw)(learning_rate=0.02), 0.02),
     ("chain", lambda o: o.chain(o.clip_by_global_norm(1.0),

@@ -62,6 +62,7 @@ from gtp_jax.sharding.offload import (
 )
 from gtp_jax.sharding.sharing import check_untied
 from gtp_jax.train.step.optim import current_lr, global_norm, narrower_than_float32
+from gtp_jax.train.step.padding_check import check_padded_updates
 
 #: The metric under which a delayed-FP8 step returns its layers' use counts (`history_uses`);
 #: `TrainStep` removes it from what it returns.
@@ -146,6 +147,7 @@ class TrainStep:
         check_optimizer_of(model, optimizer)
         check_untied(model, "TrainStep")
         _check_master_weights(model, optimizer)
+        check_padded_updates(optimizer.tx, nnx.state(model, optimizer.wrt), "TrainStep")
         offload = offloads_optimizer(model)
         resident: frozenset[tuple[Any, ...]] = frozenset()
         if offload:  # validated before any placement
