@@ -1244,6 +1244,55 @@ def _ex_not_scalar() -> tuple[str, str]:
     return _lib(lambda: step(x), "not a scalar")
 
 
+def _ex_padded_tx(name: str) -> tuple[str, str]:
+    """A 37 x 61 kernel over gtp = 4 is stored 37 x 64: Adafactor / Muon read its shape."""
+    import optax  # noqa: PLC0415
+
+    from gtp_jax.train import TrainStep  # noqa: PLC0415
+
+    tx = {"adafactor": optax.adafactor(1e-2, min_dim_size_to_factor=8),
+          "muon": optax.contrib.muon(1e-2)}[name]
+    model = gtp_jax.shard(nnx.Linear(37, 61, rngs=nnx.Rngs(0)), _ex_mesh(),
+                          gtp_jax.GTPConfig(min_elements=0))
+    return _lib(lambda: TrainStep(model, nnx.Optimizer(model, tx, wrt=nnx.Param),
+                                  lambda m, x: jnp.mean(m(x) ** 2)), "zero-padded", "divides")
+
+
+class _ExDropout(nnx.Module):
+    def __init__(self):
+        self.lin = nnx.Linear(16, 16, rngs=nnx.Rngs(0))
+        self.drop = nnx.Dropout(0.5, rngs=nnx.Rngs(dropout=1))
+        self.rows = gtp_jax.BatchSum(jnp.zeros((), jnp.int32))
+
+    def __call__(self, x):
+        self.rows[...] = self.rows[...] + x.shape[0]
+        return self.drop(self.lin(x))
+
+
+def _ex_accum_dropout() -> tuple[str, str]:
+    import optax  # noqa: PLC0415
+
+    from gtp_jax.train import TrainStep  # noqa: PLC0415
+
+    mesh = _ex_mesh()
+    model = gtp_jax.shard(_ExDropout(), mesh, gtp_jax.GTPConfig(min_elements=0))
+    x = jax.device_put(jnp.ones((16, 16)), gtp_jax.data_sharding(mesh, 2))
+    try:
+        step = TrainStep(model, nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param),
+                         lambda m, x: jnp.mean(m(x) ** 2), grad_accum=2)
+        step(x)
+        step(x)
+        step.sync()
+    except Exception as e:  # noqa: BLE001
+        return CONFUSING, f"{type(e).__name__}: {' '.join(str(e).split())[:110]}"
+    rows = int(model.module.rows.get_value())
+    return (OK, f"rows counted {rows}") if rows == 32 else (WRONG, f"rows counted {rows}, not 32")
+
+
+add("exact", "TrainStep with Adafactor on a zero-padded weight", lambda: _ex_padded_tx(
+    "adafactor"))
+add("exact", "TrainStep with Muon on a zero-padded weight", lambda: _ex_padded_tx("muon"))
+add("exact", "TrainStep grad_accum=2 with dropout and a BatchSum counter", _ex_accum_dropout)
 add("exact", "TrainStep has_aux metrics", _ex_aux)
 add("exact", "TrainStep 'lr' with multi_transform(inject_hyperparams)", lambda: _ex_lr(
     "multi_transform"))
