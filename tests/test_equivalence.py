@@ -610,3 +610,24 @@ def test_backward_does_not_keep_gathered_weights(model, key, seed) -> None:
 
     found = _full_weight_residuals(loss, (state, tokens), sm.mesh, sm.plan, layers)
     assert not found, "full gathered weights saved for the backward pass:\n" + "\n".join(found)
+
+
+def test_a_mesh_of_explicit_axes_splits_unplaced_arguments(key) -> None:
+    """`jax.make_mesh` types arrays by their sharding (Explicit axes, its default in new
+    JAX): an argument not yet split over the data axes is moved there by the call, eagerly
+    and under jit, and the numbers are the unsharded module's."""
+    explicit = jax.sharding.AxisType.Explicit
+    mesh = jax.make_mesh((2, 4), ("dp", "gtp"), axis_types=(explicit, explicit))
+    x = jax.random.normal(key, (16, 40))
+    ref = nnx.Linear(40, 61, rngs=nnx.Rngs(0))
+    sm = gtp_jax.shard(nnx.Linear(40, 61, rngs=nnx.Rngs(0)), mesh,
+                       gtp_jax.GTPConfig(min_elements=0))
+    np.testing.assert_allclose(sm(x), ref(x), rtol=1e-6, atol=1e-6)
+
+    def loss(m, x):
+        return jnp.mean(m(x) ** 2)
+
+    got = nnx.jit(nnx.grad(loss))(sm, x)
+    want = nnx.grad(loss)(ref, x)
+    np.testing.assert_allclose(gtp_jax.unshard_values(sm, got)["kernel"], want["kernel"][...],
+                               rtol=1e-5, atol=1e-7)

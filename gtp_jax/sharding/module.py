@@ -281,6 +281,12 @@ class ShardedModule(nnx.Module, HoldsShards):
                                               vocab_size=int(mesh.shape[layout.vocab]))
         call_body, lazy = body, False
         local_args = [unwrap(leaves[i]) for i in dynamic]
+        if not single and _explicit(mesh):
+            # A mesh of Explicit axes (`jax.make_mesh`'s default) types each array by its
+            # sharding: an argument placed otherwise is moved to its split here, as
+            # `shard_map` does by itself on an Auto mesh.
+            local_args = [jax.sharding.reshard(x, NamedSharding(mesh, spec))
+                          for x, spec in zip(local_args, arg_specs)]
         # Randomness is checked where shards see different examples (else every shard
         # computes what the unsharded module does).
         check_draws = batch is not None and not single and data_size(mesh) > 1
@@ -851,6 +857,12 @@ def unshard_values(module: ShardedModule, tree: Any) -> dict[str, jax.Array]:
     return out
 
 
+def _explicit(mesh: Mesh) -> bool:
+    """Whether `mesh` has an axis of type Explicit (sharding in types)."""
+    explicit = getattr(getattr(jax.sharding, "AxisType", None), "Explicit", None)
+    return explicit is not None and explicit in tuple(getattr(mesh, "axis_types", ()) or ())
+
+
 def _place(value: jax.Array, plan: ParamPlan | SplitPlan, mesh: Mesh) -> jax.Array:
     sharding = NamedSharding(mesh, plan.partition_spec(np.ndim(value)))
     return _to_stored(plan, sharding)(value)
@@ -884,7 +896,14 @@ def _layout_of(plan: ParamPlan | SplitPlan) -> ParamPlan | SplitPlan:
 
 @functools.cache
 def _layout_program(direction: str, layout: ParamPlan | SplitPlan, sharding: NamedSharding):
-    return jax.jit(getattr(layout, direction), out_shardings=sharding)
+    convert = getattr(layout, direction)
+    if direction == "from_stored" and _explicit(sharding.mesh):
+        # On Explicit axes the unpadding slice of a split dim has no sharding of its own:
+        # the stored array is gathered first (the result is the whole array anyway).
+        def convert(x: jax.Array, layout_from_stored: Callable = convert) -> jax.Array:
+            return layout_from_stored(jax.sharding.reshard(x, NamedSharding(sharding.mesh,
+                                                                            P())))
+    return jax.jit(convert, out_shardings=sharding)
 
 
 def _validate_shard_args(module: Any, mesh: Any, config: Any) -> None:
