@@ -631,3 +631,17 @@ def test_a_mesh_of_explicit_axes_splits_unplaced_arguments(key) -> None:
     want = nnx.grad(loss)(ref, x)
     np.testing.assert_allclose(gtp_jax.unshard_values(sm, got)["kernel"], want["kernel"][...],
                                rtol=1e-5, atol=1e-7)
+
+
+def test_unsharded_weights_written_into_a_sharded_module_are_refused_in_one_line() -> None:
+    """``nnx.update`` of a plain module's weights into the sharded one writes logical shapes
+    where the stored layout is padded (61 over gtp = 4 is stored as 64): the next call names
+    the weight and the way to load weights, before anything runs."""
+    mesh = gtp_jax.make_mesh(dp=2, gtp=4)
+    sm = gtp_jax.shard(nnx.Linear(37, 61, rngs=nnx.Rngs(0)), mesh,
+                       gtp_jax.GTPConfig(min_elements=0))
+    nnx.update(sm.module, nnx.state(nnx.Linear(37, 61, rngs=nnx.Rngs(7))))
+    with pytest.raises(gtp_jax.UsageError, match=r"^gtp_jax.ShardedModule: the weight 'kernel' "
+                       r"has shape \(37, 61\), but its dim 1 is split over gtp \(4 devices\).*"
+                       r"Load weights into the plain module and shard it then"):
+        sm(jnp.ones((16, 37)))

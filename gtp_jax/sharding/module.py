@@ -182,6 +182,7 @@ class ShardedModule(nnx.Module, HoldsShards):
             placed[p].partition_spec(jnp.ndim(x)) if p in placed else P()
             for p, x in zip(paths, values)
         ]
+        _check_stored_shapes(paths, values, value_specs, mesh)
         plain_args, plain_kwargs = jax.tree.map(
             lambda x: x.value if is_replicated(x) else x, (args, kwargs), is_leaf=is_replicated)
         in_layout = self._input_layout(plain_args, plain_kwargs)
@@ -855,6 +856,26 @@ def unshard_values(module: ShardedModule, tree: Any) -> dict[str, jax.Array]:
         plan = placements.get(path)
         out[path] = value if plan is None else _from_stored(plan, replicated)(value)
     return out
+
+
+def _check_stored_shapes(paths: list[str], values: list[Any], specs: list[P],
+                         mesh: Mesh) -> None:
+    """Refuses a stored weight whose split dim its mesh axes do not divide: a value of
+    another shape was written in after `shard` (say unsharded weights by ``nnx.update``,
+    whose padded dims are the logical ones)."""
+    for path, value, spec in zip(paths, values, specs):
+        shape = np.shape(value)
+        for dim, entry in enumerate(tuple(spec)[:len(shape)]):
+            names = (entry,) if isinstance(entry, str) else tuple(entry or ())
+            size = int(np.prod([mesh.shape[n] for n in names])) if names else 1
+            if size > 1 and shape[dim] % size:
+                raise UsageError(
+                    f"gtp_jax.ShardedModule: the weight {path!r} has shape {tuple(shape)}, "
+                    f"but its dim {dim} is split over {'x'.join(names)} ({size} devices) in "
+                    "the sharded layout: a value of another layout was written in after "
+                    "gtp_jax.shard (nnx.update with unsharded weights?). Load weights into "
+                    "the plain module and shard it then, or read them out with "
+                    "gtp_jax.unshard.")
 
 
 def _explicit(mesh: Mesh) -> bool:
