@@ -645,3 +645,17 @@ def test_unsharded_weights_written_into_a_sharded_module_are_refused_in_one_line
                        r"has shape \(37, 61\), but its dim 1 is split over gtp \(4 devices\).*"
                        r"Load weights into the plain module and shard it then"):
         sm(jnp.ones((16, 37)))
+
+
+def test_flax_decode_cache_is_refused_in_one_line_before_the_call() -> None:
+    """Flax's decode cache (``nnx.Cache``) holds whole-batch rows the data shards would each
+    read with their own rows: refused up front, naming the way out."""
+    mha = nnx.MultiHeadAttention(num_heads=2, in_features=40, qkv_features=64, decode=True,
+                                 rngs=nnx.Rngs(0))
+    mha.init_cache((16, 4, 40))
+    sm = gtp_jax.shard(mha, gtp_jax.make_mesh(dp=2, gtp=4))
+    before = jax.tree.map(np.asarray, nnx.state(sm))
+    with pytest.raises(gtp_jax.UsageError, match=r"Flax's decode cache \(nnx.Cache\).*"
+                       r"decode with the unsharded module \(gtp_jax.unshard\)"):
+        sm(jnp.ones((16, 1, 40)))
+    jax.tree.map(np.testing.assert_array_equal, before, jax.tree.map(np.asarray, nnx.state(sm)))

@@ -207,6 +207,8 @@ class ShardedModule(nnx.Module, HoldsShards):
             # Without batch arguments every shard computes the same outputs: replicated.
             layout = OutputLayout(P(axes) if batch is not None else P())
         rules = side_rules(paths, variables)
+        if batch is not None and data_size(mesh) > 1:
+            _refuse_decode_caches(paths, variables, rules)
         split_rows = per_example_rows(paths, values, rules, batch)
         if split_rows and not seq_split:
             value_specs = [P(axes) if p in split_rows else s
@@ -856,6 +858,20 @@ def unshard_values(module: ShardedModule, tree: Any) -> dict[str, jax.Array]:
         plan = placements.get(path)
         out[path] = value if plan is None else _from_stored(plan, replicated)(value)
     return out
+
+
+def _refuse_decode_caches(paths: list[str], variables: list[nnx.Variable],
+                          rules: dict[str, str | None]) -> None:
+    """Refuses Flax's decode cache (``nnx.Cache``, e.g. ``MultiHeadAttention(decode=True)``)
+    without a combining rule, before the call: it holds whole-batch rows that every data
+    shard would read with its own rows (Flax's own shape error, or worse, otherwise)."""
+    for path, var in zip(paths, variables):
+        if isinstance(var, nnx.Cache) and rules.get(path) is None:
+            raise UsageError(
+                f"{path!r}: Flax's decode cache (nnx.Cache) holds the whole batch's rows, and "
+                "a sharded call splits the batch over the data axes; decode with the "
+                "unsharded module (gtp_jax.unshard), or keep the cache in gtp_jax variable "
+                "types (PerExample for the keys and values, SameOnEveryShard for the index).")
 
 
 def _check_stored_shapes(paths: list[str], values: list[Any], specs: list[P],
