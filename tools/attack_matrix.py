@@ -1918,6 +1918,39 @@ add(BOUNDARY, "BatchNorm(use_running_average=True)", lambda: _bd_batch_norm(True
 add(BOUNDARY, "BatchNorm in training mode", lambda: _bd_batch_norm(False))
 
 
+def _bd_explicit_mesh() -> tuple[str, str]:
+    explicit = jax.sharding.AxisType.Explicit
+    mesh = jax.make_mesh((2, 4), ("dp", "gtp"), axis_types=(explicit, explicit))
+    x = jax.random.normal(jax.random.key(0), (16, 37))
+    sm = gtp_jax.shard(nnx.Linear(37, 61, rngs=nnx.Rngs(0)), mesh,
+                       gtp_jax.GTPConfig(min_elements=0))
+    try:
+        err = float(jnp.max(jnp.abs(sm(x) - nnx.Linear(37, 61, rngs=nnx.Rngs(0))(x))))
+    except Exception as e:  # noqa: BLE001
+        return CONFUSING, f"{type(e).__name__}: {' '.join(str(e).split())[:110]}"
+    return (OK, f"max difference {err:.1e}") if err < 1e-5 else (WRONG, f"differs by {err}")
+
+
+def _bd_update_unsharded() -> tuple[str, str]:
+    sm = gtp_jax.shard(nnx.Linear(37, 61, rngs=nnx.Rngs(0)), _ex_mesh(),
+                       gtp_jax.GTPConfig(min_elements=0))
+    nnx.update(sm.module, nnx.state(nnx.Linear(37, 61, rngs=nnx.Rngs(7))))
+    return _lib(lambda: sm(jnp.ones((16, 37))), "nnx.update", "unshard")
+
+
+def _bd_decode_cache() -> tuple[str, str]:
+    mha = nnx.MultiHeadAttention(num_heads=2, in_features=40, qkv_features=64, decode=True,
+                                 rngs=nnx.Rngs(0))
+    mha.init_cache((16, 4, 40))
+    sm = gtp_jax.shard(mha, _ex_mesh())
+    return _lib(lambda: sm(jnp.ones((16, 1, 40))), "nnx.Cache")
+
+
+add(BOUNDARY, "jax.make_mesh (Explicit axes), an unplaced batch", _bd_explicit_mesh)
+add(BOUNDARY, "unsharded weights written in with nnx.update", _bd_update_unsharded)
+add(BOUNDARY, "Flax's decode cache (MultiHeadAttention(decode=True))", _bd_decode_cache)
+
+
 # ---- output a person can read (gloo's lines: "two processes, clean exit" above)
 def _ctrl_c_steps() -> tuple[str, str]:
     """Ctrl-C mid-run: how many steps still run, and whether the message said so."""
