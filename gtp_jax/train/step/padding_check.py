@@ -11,7 +11,9 @@ logical one: a silent difference from the unsharded model that grows every step.
 `check_padded_updates` runs the optimizer's first two updates once on stand-in values (the
 padded weights at their real shapes; every other weight as a 1-element array of its rank,
 so that masks and labels keyed by the parameter tree still apply) both ways, padded and
-logical, and refuses the optimizer in one line where the two differ. Results are kept per
+logical, and refuses the optimizer in one line where the two differ. A
+`gtp_jax.sharding.offload.StreamableChain` (`gtp_jax.train.make_optimizer`'s AdamW) is
+elementwise by its contract and not run. Results are kept per
 optimizer object and weight layout, so equal steps check once.
 """
 
@@ -64,6 +66,10 @@ def check_padded_updates(tx: Any, params: nnx.State, where: str) -> None:
         logical shapes and the fixes (sizes the mesh axis divides, an elementwise
         optimizer). Nothing is changed before it is raised.
     """
+    if isinstance(tx, StreamableChain):
+        # Elementwise by its contract (its leaf-wise part; the global part takes norms of
+        # whole trees, which zero padding leaves as they are): `make_optimizer`'s AdamW.
+        return
     padded = padded_weights(params)
     if not padded:
         return
@@ -72,20 +78,12 @@ def check_padded_updates(tx: Any, params: nnx.State, where: str) -> None:
                     repr(padded.get(path))) for path, var in flat)
     key = (id(tx), layout)
     if key not in _checked:
-        _checked[key] = _refusal(_as_applied(tx), params, padded, where)
+        _checked[key] = _refusal(tx, params, padded, where)
         while len(_checked) > _MAX_CHECKED:
             _checked.popitem(last=False)
     _checked.move_to_end(key)
     if _checked[key] is not None:
         raise UsageError(_checked[key])
-
-
-def _as_applied(tx: Any) -> Any:
-    """`tx` as one transformation: a `StreamableChain`'s two parts chained (with master
-    weights its ``update`` refuses to run outside the offloaded step; the parts do not)."""
-    if isinstance(tx, StreamableChain):
-        return optax.chain(tx.global_part, tx.leafwise_part)
-    return tx
 
 
 def _refusal(tx: Any, params: nnx.State, padded: Mapping[tuple[Any, ...], dict[str, Any]],
