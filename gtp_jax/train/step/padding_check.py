@@ -39,7 +39,8 @@ from gtp_jax.train.lifecycle.layout import array_info, from_logical, to_logical
 #: shape-dependent optimizers differ by 1e-4 to 1e-2 at the first step.
 RTOL = 1e-4
 
-_checked: OrderedDict[Any, str | None] = OrderedDict()  # (tx id, layout) -> refusal or None
+#: (tx id, layout) -> (tx, the refusal or None)
+_checked: OrderedDict[Any, tuple[Any, str | None]] = OrderedDict()
 _MAX_CHECKED = 64
 
 
@@ -57,9 +58,8 @@ def padded_weights(params: nnx.State) -> dict[tuple[Any, ...], dict[str, Any]]:
 
 
 def check_padded_updates(tx: Any, params: nnx.State, where: str) -> None:
-    """Refuses `tx` (an optax ``GradientTransformation``) if its first update of a padded
-    weight of `params` differs from its update of the logical weight beyond `RTOL`, or
-    writes into the padding.
+    """Refuses `tx` (an optax ``GradientTransformation``) if its first or second update of
+    a padded weight of `params` differs from its update of the logical weight beyond `RTOL`.
 
     Raises:
       UsageError: one line naming the optimizer's first differing weight, its stored and
@@ -78,12 +78,14 @@ def check_padded_updates(tx: Any, params: nnx.State, where: str) -> None:
                     repr(padded.get(path))) for path, var in flat)
     key = (id(tx), layout)
     if key not in _checked:
-        _checked[key] = _refusal(tx, params, padded, where)
+        # The entry holds `tx` itself, so that its id names no other object while it is kept.
+        _checked[key] = (tx, _refusal(tx, params, padded, where))
         while len(_checked) > _MAX_CHECKED:
             _checked.popitem(last=False)
     _checked.move_to_end(key)
-    if _checked[key] is not None:
-        raise UsageError(_checked[key])
+    refusal = _checked[key][1]
+    if refusal is not None:
+        raise UsageError(refusal)
 
 
 def _refusal(tx: Any, params: nnx.State, padded: Mapping[tuple[Any, ...], dict[str, Any]],
