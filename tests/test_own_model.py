@@ -234,6 +234,8 @@ def test_the_memory_check_counts_your_models_parameters_and_sizes_reach_it() -> 
     assert full.model.sizes.remat_policy is jax.checkpoint_policies.nothing_saveable
     assert describe_choices(own.config, own.model).endswith(
         "0.04M parameters, the factory's loss")
+    # A factory builds its own parameter dtypes: the header does not claim float32.
+    assert "gathers in the parameters' own dtype," in describe_choices(own.config, own.model)
 
 
 @pytest.mark.parametrize("flags,message", [
@@ -243,6 +245,7 @@ def test_the_memory_check_counts_your_models_parameters_and_sizes_reach_it() -> 
     (["--export-hf", "hf"], "--export-hf='hf' with --model: the Hugging Face export writes"),
     (["--moe-experts", "4"], "--moe-experts=4 with --model"),
     (["--attention", "xla"], "--attention='xla' with --model"),
+    (["--no-unroll-layers"], "for your blocks: gtp_jax.Stack(..., unroll=False) in the factory"),
     (["--overlap"], "--overlap=True with --model"),
     (["--plan", "auto"], "--plan auto with --model: the planner compiles the bundled decoder"),
     (["--cp", "2"], "--cp=2 with --model: Decoder has no gtp_input_layout"),

@@ -329,7 +329,8 @@ def test_evaluate_is_the_loss_of_the_current_state_without_an_update() -> None:
 @pytest.mark.parametrize("loss_fn, has_aux, match", [
     (lambda m, b: (m(b[0]) ** 2).mean(axis=1), False, r"shape \(16,\), not a scalar"),
     (lambda m, b: jnp.sum(b[1]), False, "dtype int32"),
-    (lambda m, b: (_ce(m, b), {"acc": 1.0}), False, "has_aux=True"),
+    (lambda m, b: (_ce(m, b), {"acc": 1.0}), False,
+     r"has_aux=True \(TrainStep; the command line's --model takes a scalar loss\)"),
     (lambda m, b: _ce(m, b), True, "return \\(loss, aux\\)"),
     (lambda m, b: (_ce(m, b), [1.0]), True, "dict of metrics"),
     (lambda m, b: (_ce(m, b), {"lr": jnp.ones(())}), True, "'lr' is one of the step's own"),

@@ -68,7 +68,8 @@ PRESET_ONLY = {
     "moe_top_k": (2, "it sets the bundled decoder's routing"),
     "moe_capacity_factor": (1.25, "it sets the bundled decoder's expert capacity"),
     "attention": ("auto", "it picks the bundled decoder's attention kernel"),
-    "unroll_layers": (None, "it picks the bundled decoder's layer loop"),
+    "unroll_layers": (None, "it picks the bundled decoder's layer loop (for your blocks: "
+                      "gtp_jax.Stack(..., unroll=False) in the factory)"),
     "overlap": (False, "it rings the bundled decoder's tensor-parallel matmuls"),
     "init_from_hf": (None, "a Hugging Face checkpoint loads into the bundled Llama-shaped "
                      "decoder only"),
@@ -595,7 +596,9 @@ def describe_choices(cfg: TrainConfig, model_cfg: TransformerConfig | UserModel)
     gathers bfloat16, remat dots, attention cudnn, layers unrolled (gathered one ahead)``;
     for a `UserModel`, the remat policy its factory gets, its parameters and its loss
     instead of the decoder's attention and layer loop."""
-    gather = cfg.gather_format or cfg.gather_dtype or "float32 (the parameter dtype)"
+    own = ("in the parameters' own dtype" if isinstance(model_cfg, UserModel)
+           else "float32 (the parameter dtype)")  # a factory builds its own dtypes
+    gather = cfg.gather_format or cfg.gather_dtype or own
     if cfg.gather_format and cfg.gtp == 1:
         gather = f"none at gtp=1 (--gather-format {cfg.gather_format} has no effect)"
     offload = ", optimizer state in host memory" if cfg.offload_optimizer else ""

@@ -839,7 +839,8 @@ def with_aux(loss_fn: Callable[[nnx.Module, Any], Any], has_aux: bool, where: st
                 raise UsageError(
                     f"{where}: loss_fn returned {_described(out)}, not a scalar loss; to "
                     "return metrics beside the loss, return (loss, aux) with aux a dict and "
-                    "pass has_aux=True.")
+                    "pass has_aux=True (TrainStep; the command line's --model takes a scalar "
+                    "loss).")
             loss, aux = out, {}
         return _scalar_loss(loss, where), dict(aux)
 
