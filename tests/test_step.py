@@ -278,7 +278,14 @@ def test_an_optimizer_that_reads_a_padded_weights_shape_is_refused(name) -> None
         TrainStep(model, optimizer, _sq)
     jax.tree.map(np.testing.assert_array_equal, before,
                  jax.tree.map(np.asarray, nnx.state((model, optimizer))))
+    # A loop of one's own checks the same way, once.
+    from gtp_jax.train import check_optimizer  # noqa: PLC0415
+
+    with pytest.raises(gtp_jax.UsageError, match=r"^check_optimizer: the optimizer updates "
+                       r"the zero-padded stored weight module/up/kernel"):
+        check_optimizer(model, optimizer)
     even = gtp_jax.shard(_Odd(64), mesh, gtp_jax.GTPConfig(min_elements=0))
+    check_optimizer(even, nnx.Optimizer(even, make_tx(), wrt=nnx.Param))
     TrainStep(even, nnx.Optimizer(even, make_tx(), wrt=nnx.Param), _sq)  # nothing padded
     for tx in (optax.adamw(1e-2), optax.yogi(1e-2), optax.lamb(1e-2)):
         TrainStep(model, nnx.Optimizer(model, tx, wrt=nnx.Param), _sq)

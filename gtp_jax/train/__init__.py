@@ -36,6 +36,7 @@ from gtp_jax.train.outputs.observe import DeviceMemoryError, ObserveConfig
 from gtp_jax.train.outputs.report import TrainResult
 from gtp_jax.train.processes.distributed import DistributedConfig
 from gtp_jax.train.step.memory import check_memory_fits, memory_bound
+from gtp_jax.train.step.padding_check import check_optimizer
 from gtp_jax.train.step.train_step import TrainStep, replicate_stray_leaves
 from gtp_jax.train.user_model import ModelSizes, next_token_loss
 
@@ -61,6 +62,7 @@ __all__ = [
     "TrainStep",
     "build_model_and_optimizer",
     "check_memory_fits",
+    "check_optimizer",
     "fit",
     "memory_bound",
     "make_optimizer",

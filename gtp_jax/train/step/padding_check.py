@@ -29,7 +29,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from gtp_jax.base.errors import UsageError
+from gtp_jax.base.errors import UsageError, UsageTypeError
 from gtp_jax.base.metadata import LOGICAL_SHAPE
 from gtp_jax.sharding.offload import StreamableChain
 from gtp_jax.train.lifecycle.layout import array_info, from_logical, to_logical
@@ -57,6 +57,27 @@ def padded_weights(params: nnx.State) -> dict[tuple[Any, ...], dict[str, Any]]:
     return out
 
 
+def check_optimizer(model: nnx.Module, optimizer: nnx.Optimizer) -> None:
+    """Refuses `optimizer` where it would train `model` (sharded, or holding sharded parts)
+    away from the unsharded model: an optimizer whose update of a zero-padded stored weight
+    differs from its update of the unpadded weight (Adafactor, Muon). `TrainStep` checks
+    this itself; call it once for a training loop of your own::
+
+        optimizer = nnx.Optimizer(model, optax.adafactor(1e-2), wrt=nnx.Param)
+        gtp_jax.train.check_optimizer(model, optimizer)  # UsageError if weights are padded
+
+    Nothing is changed; a model without padded weights passes at once.
+
+    Raises:
+      UsageError: one line naming the first such weight and the fixes.
+      UsageTypeError: `optimizer` is not an ``nnx.Optimizer``.
+    """
+    if not isinstance(optimizer, nnx.Optimizer):
+        raise UsageTypeError(f"check_optimizer: optimizer={type(optimizer).__name__} must be "
+                             "an nnx.Optimizer of the model.")
+    check_padded_updates(optimizer.tx, nnx.state(model, optimizer.wrt), "check_optimizer")
+
+
 def check_padded_updates(tx: Any, params: nnx.State, where: str) -> None:
     """Refuses `tx` (an optax ``GradientTransformation``) if its first or second update of
     a padded weight of `params` differs from its update of the logical weight beyond `RTOL`.
@@ -79,17 +100,18 @@ def check_padded_updates(tx: Any, params: nnx.State, where: str) -> None:
     key = (id(tx), layout)
     if key not in _checked:
         # The entry holds `tx` itself, so that its id names no other object while it is kept.
-        _checked[key] = (tx, _refusal(tx, params, padded, where))
+        _checked[key] = (tx, _refusal(tx, params, padded))
         while len(_checked) > _MAX_CHECKED:
             _checked.popitem(last=False)
     _checked.move_to_end(key)
     refusal = _checked[key][1]
     if refusal is not None:
-        raise UsageError(refusal)
+        raise UsageError(f"{where}: {refusal}")
 
 
-def _refusal(tx: Any, params: nnx.State, padded: Mapping[tuple[Any, ...], dict[str, Any]],
-             where: str) -> str | None:
+def _refusal(tx: Any, params: nnx.State, padded: Mapping[tuple[Any, ...], dict[str, Any]]
+             ) -> str | None:
+    """What `check_padded_updates` says about `tx` (after its ``where: ``), or None."""
     flat = [(tuple(path), var) for path, var in nnx.to_flat_state(params)]
     names = [path for path, _ in flat if path in padded]
     errors = _compare(tx, flat, names, padded)
@@ -97,7 +119,7 @@ def _refusal(tx: Any, params: nnx.State, padded: Mapping[tuple[Any, ...], dict[s
         info = padded[path]
         if not float(err) <= RTOL:  # NaN included
             name = "/".join(str(k) for k in path)
-            return (f"{where}: the optimizer updates the zero-padded stored weight {name} "
+            return (f"the optimizer updates the zero-padded stored weight {name} "
                     f"({tuple(info['shape'])}, logically {tuple(info['logical_shape'])}) "
                     f"differently from the unpadded one ({float(err):.1e} relative in the "
                     "first two steps): it depends on a weight's shape or averages over its "
