@@ -645,6 +645,20 @@ def test_unsharded_weights_written_into_a_sharded_module_are_refused_in_one_line
                        r"has shape \(37, 61\), but its dim 1 is split over gtp \(4 devices\).*"
                        r"Load weights into the plain module and shard it then"):
         sm(jnp.ones((16, 37)))
+    # A shape the mesh divides: the numbers would be right, but the weight is no longer
+    # split (a tp-split weight's parts would be read in the wrong order): refused by an
+    # eager call and by TrainStep, which see concrete arrays.
+    even = gtp_jax.shard(nnx.Linear(40, 64, rngs=nnx.Rngs(0)), mesh,
+                         gtp_jax.GTPConfig(min_elements=0))
+    nnx.update(even.module, nnx.state(nnx.Linear(40, 64, rngs=nnx.Rngs(7))))
+    with pytest.raises(gtp_jax.UsageError, match=r"^gtp_jax.ShardedModule: the weight 'kernel' "
+                       r"is not stored split as .* on the mesh"):
+        even(jnp.ones((16, 40)))
+    from gtp_jax.train import TrainStep  # noqa: PLC0415
+
+    with pytest.raises(gtp_jax.UsageError, match=r"^TrainStep: the weight 'kernel' is not"):
+        TrainStep(even, nnx.Optimizer(even, optax.sgd(0.1), wrt=nnx.Param),
+                  lambda m, x: jnp.mean(m(x) ** 2))
 
 
 def test_flax_decode_cache_is_refused_in_one_line_before_the_call() -> None:

@@ -182,7 +182,7 @@ class ShardedModule(nnx.Module, HoldsShards):
             placed[p].partition_spec(jnp.ndim(x)) if p in placed else P()
             for p, x in zip(paths, values)
         ]
-        _check_stored_shapes(paths, values, value_specs, mesh)
+        _check_stored_layout(paths, values, value_specs, mesh, frozenset(placed))
         plain_args, plain_kwargs = jax.tree.map(
             lambda x: x.value if is_replicated(x) else x, (args, kwargs), is_leaf=is_replicated)
         in_layout = self._input_layout(plain_args, plain_kwargs)
@@ -874,24 +874,49 @@ def _refuse_decode_caches(paths: list[str], variables: list[nnx.Variable],
                 "types (PerExample for the keys and values, SameOnEveryShard for the index).")
 
 
-def _check_stored_shapes(paths: list[str], values: list[Any], specs: list[P],
-                         mesh: Mesh) -> None:
-    """Refuses a stored weight whose split dim its mesh axes do not divide: a value of
-    another shape was written in after `shard` (say unsharded weights by ``nnx.update``,
-    whose padded dims are the logical ones)."""
+def check_stored_layout(model: nnx.Module, where: str) -> None:
+    """`_check_stored_layout` of every `ShardedModule` in `model` (itself included): for a
+    step built on concrete values, before it splits them."""
+    for _, node in nnx.graph.iter_graph(model):
+        if isinstance(node, ShardedModule):
+            placed = {p.path for p in (*node.split_plan, *node.plan)}
+            by_path = {p.path: p for p in (*node.split_plan, *node.plan)}
+            paths, variables, _ = _flat_variables(nnx.state(node.module))
+            values = [v.get_value() for v in variables]
+            specs = [by_path[p].partition_spec(np.ndim(x)) if p in by_path else P()
+                     for p, x in zip(paths, values)]
+            _check_stored_layout(paths, values, specs, node.mesh, frozenset(placed), where)
+
+
+def _check_stored_layout(paths: list[str], values: list[Any], specs: list[P], mesh: Mesh,
+                         placed: frozenset[str],
+                         where: str = "gtp_jax.ShardedModule") -> None:
+    """Refuses a stored weight that is not in its sharded layout: a value written in after
+    `shard` (say unsharded weights by ``nnx.update``). Its shape: a split dim its mesh axes
+    do not divide (a padded dim holding the logical size); a concrete array (not a traced
+    one): a sharding other than its split (its memory would be the unsharded one's, and a
+    tp/ep-split weight's parts would be read in the wrong order)."""
+    fix = ("a value of another layout was written in after gtp_jax.shard (nnx.update with "
+           "unsharded weights?). Load weights into the plain module and shard it then, or "
+           "read them out with gtp_jax.unshard.")
     for path, value, spec in zip(paths, values, specs):
+        if path not in placed:
+            continue
         shape = np.shape(value)
         for dim, entry in enumerate(tuple(spec)[:len(shape)]):
             names = (entry,) if isinstance(entry, str) else tuple(entry or ())
             size = int(np.prod([mesh.shape[n] for n in names])) if names else 1
             if size > 1 and shape[dim] % size:
                 raise UsageError(
-                    f"gtp_jax.ShardedModule: the weight {path!r} has shape {tuple(shape)}, "
-                    f"but its dim {dim} is split over {'x'.join(names)} ({size} devices) in "
-                    "the sharded layout: a value of another layout was written in after "
-                    "gtp_jax.shard (nnx.update with unsharded weights?). Load weights into "
-                    "the plain module and shard it then, or read them out with "
-                    "gtp_jax.unshard.")
+                    f"{where}: the weight {path!r} has shape {tuple(shape)}, but its dim "
+                    f"{dim} is split over {'x'.join(names)} ({size} devices) in the sharded "
+                    f"layout: {fix}")
+        if isinstance(value, jax.Array) and not isinstance(value, jax.core.Tracer):
+            expected = NamedSharding(mesh, spec, memory_kind=value.sharding.memory_kind)
+            if not value.sharding.is_equivalent_to(expected, len(shape)):
+                raise UsageError(
+                    f"{where}: the weight {path!r} is not stored split as {spec} on the "
+                    f"mesh (its sharding: {type(value.sharding).__name__}): {fix}")
 
 
 def _explicit(mesh: Mesh) -> bool:

@@ -42,7 +42,7 @@ from gtp_jax.sharding.fp8_update import (
     layer_prefix,
     next_fp8_history,
 )
-from gtp_jax.sharding.module import ShardedModule, hold_params_in
+from gtp_jax.sharding.module import ShardedModule, check_stored_layout, hold_params_in
 from gtp_jax.sharding.offload import (
     DEFAULT_GROUP_LAYERS,
     MASTER_DEVICE_DTYPE,
@@ -147,6 +147,7 @@ class TrainStep:
         check_optimizer_of(model, optimizer)
         check_untied(model, "TrainStep")
         _check_master_weights(model, optimizer)
+        check_stored_layout(model, "TrainStep")
         check_padded_updates(optimizer.tx, nnx.state(model, optimizer.wrt), "TrainStep")
         offload = offloads_optimizer(model)
         resident: frozenset[tuple[Any, ...]] = frozenset()
