@@ -507,12 +507,18 @@ def _integrity(rel: str, how: str) -> tuple[str, str]:
     if not matches:
         return CONFUSING, f"no file {rel}"
     _damage(matches[0], how)
-    m = WORK / "dmg.json"
+    return _resume_damaged(d, "--checkpoint-dir", "checkpoint")
+
+
+def _resume_damaged(d: Path, *names: str) -> tuple[str, str]:
+    """Resumes the damaged copy `d`: a refusal naming one of `names`, or the reference's
+    exact losses."""
+    m = WORK / f"{d.name}.json"
     m.unlink(missing_ok=True)
     run = cli("--steps", "6", *SMALL, "--checkpoint-dir", str(d), "--resume",
               "--metrics-json", str(m))
     if run.code == 2 and not run.exc:
-        return expect_error(run, "--checkpoint-dir", "checkpoint")
+        return expect_error(run, *names)
     return expect_ok(run, lambda: same_losses(losses(m), REF6, 0.0))
 
 
@@ -536,13 +542,7 @@ def _both_damaged() -> tuple[str, str]:
     for step in ("2", "4"):
         files = (d / step).glob("model/ocdbt.process_0/d/*")
         _damage(max(files, key=lambda f: f.stat().st_size), "garble")
-    m = WORK / "dmg2.json"
-    m.unlink(missing_ok=True)
-    run = cli("--steps", "6", *SMALL, "--checkpoint-dir", str(d), "--resume",
-              "--metrics-json", str(m))
-    if run.code == 2 and not run.exc:
-        return expect_error(run, "intact", "--checkpoint-dir")
-    return expect_ok(run, lambda: same_losses(losses(m), REF6, 0.0))
+    return _resume_damaged(d, "intact", "--checkpoint-dir")
 
 
 add("integrity", "garble data of every checkpoint", _both_damaged)

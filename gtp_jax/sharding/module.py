@@ -879,11 +879,10 @@ def check_stored_layout(model: nnx.Module, where: str) -> None:
     step built on concrete values, before it splits them."""
     for _, node in nnx.graph.iter_graph(model):
         if isinstance(node, ShardedModule):
-            placed = {p.path for p in (*node.split_plan, *node.plan)}
-            by_path = {p.path: p for p in (*node.split_plan, *node.plan)}
+            placed = {p.path: p for p in (*node.split_plan, *node.plan)}
             paths, variables, _ = _flat_variables(nnx.state(node.module))
             values = [v.get_value() for v in variables]
-            specs = [by_path[p].partition_spec(np.ndim(x)) if p in by_path else P()
+            specs = [placed[p].partition_spec(np.ndim(x)) if p in placed else P()
                      for p, x in zip(paths, values)]
             _check_stored_layout(paths, values, specs, node.mesh, frozenset(placed), where)
 

@@ -100,7 +100,7 @@ def check_padded_updates(tx: Any, params: nnx.State, where: str) -> None:
     key = (id(tx), layout)
     if key not in _checked:
         # The entry holds `tx` itself, so that its id names no other object while it is kept.
-        _checked[key] = (tx, _refusal(tx, params, padded))
+        _checked[key] = (tx, _refusal(tx, flat, padded))
         while len(_checked) > _MAX_CHECKED:
             _checked.popitem(last=False)
     _checked.move_to_end(key)
@@ -109,10 +109,9 @@ def check_padded_updates(tx: Any, params: nnx.State, where: str) -> None:
         raise UsageError(f"{where}: {refusal}")
 
 
-def _refusal(tx: Any, params: nnx.State, padded: Mapping[tuple[Any, ...], dict[str, Any]]
-             ) -> str | None:
+def _refusal(tx: Any, flat: list[tuple[tuple[Any, ...], nnx.Variable]],
+             padded: Mapping[tuple[Any, ...], dict[str, Any]]) -> str | None:
     """What `check_padded_updates` says about `tx` (after its ``where: ``), or None."""
-    flat = [(tuple(path), var) for path, var in nnx.to_flat_state(params)]
     names = [path for path, _ in flat if path in padded]
     errors = _compare(tx, flat, names, padded)
     for path, err in zip(names, jax.device_get(errors)):
