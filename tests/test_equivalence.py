@@ -659,6 +659,14 @@ def test_unsharded_weights_written_into_a_sharded_module_are_refused_in_one_line
     with pytest.raises(gtp_jax.UsageError, match=r"^TrainStep: the weight 'kernel' is not"):
         TrainStep(even, nnx.Optimizer(even, optax.sgd(0.1), wrt=nnx.Param),
                   lambda m, x: jnp.mean(m(x) ** 2))
+    # Called only under nnx.jit (no concrete array in sight): the Variables nnx.update
+    # wrote in carry the plain module's metadata, without the layout shard() recorded.
+    jitted = gtp_jax.shard(nnx.Linear(40, 64, rngs=nnx.Rngs(0)), mesh,
+                           gtp_jax.GTPConfig(min_elements=0))
+    nnx.update(jitted.module, nnx.state(nnx.Linear(40, 64, rngs=nnx.Rngs(7))))
+    with pytest.raises(gtp_jax.UsageError, match=r"^gtp_jax.ShardedModule: the weight 'kernel' "
+                       r"lost the layout metadata gtp_jax.shard gave it: .*nnx.update"):
+        nnx.jit(lambda m, x: m(x))(jitted, jnp.ones((16, 40)))
 
 
 def test_flax_decode_cache_is_refused_in_one_line_before_the_call() -> None:

@@ -1938,6 +1938,13 @@ def _bd_update_unsharded() -> tuple[str, str]:
     return _lib(lambda: sm(jnp.ones((16, 37))), "nnx.update", "unshard")
 
 
+def _bd_update_unsharded_jitted() -> tuple[str, str]:
+    sm = gtp_jax.shard(nnx.Linear(40, 64, rngs=nnx.Rngs(0)), _ex_mesh(),
+                       gtp_jax.GTPConfig(min_elements=0))
+    nnx.update(sm.module, nnx.state(nnx.Linear(40, 64, rngs=nnx.Rngs(7))))
+    return _lib(lambda: nnx.jit(lambda m, x: m(x))(sm, jnp.ones((16, 40))), "nnx.update")
+
+
 def _bd_decode_cache() -> tuple[str, str]:
     mha = nnx.MultiHeadAttention(num_heads=2, in_features=40, qkv_features=64, decode=True,
                                  rngs=nnx.Rngs(0))
@@ -1948,6 +1955,8 @@ def _bd_decode_cache() -> tuple[str, str]:
 
 add(BOUNDARY, "jax.make_mesh (Explicit axes), an unplaced batch", _bd_explicit_mesh)
 add(BOUNDARY, "unsharded weights written in with nnx.update", _bd_update_unsharded)
+add(BOUNDARY, "unsharded weights (divisible) written in with nnx.update, called under jit",
+    _bd_update_unsharded_jitted)
 add(BOUNDARY, "Flax's decode cache (MultiHeadAttention(decode=True))", _bd_decode_cache)
 
 
