@@ -211,13 +211,16 @@ def _tp_group_collectives(hlo: str, op: str, size: int) -> int:
 def test_tp_collectives_are_those_the_compiled_step_runs(remat):
     # The time model charges tp's activation collectives per layer, the recomputed ones
     # included; the compiled bfloat16 program (what a GPU trains) of the layout (tp over 2
-    # devices, dp over 4) has them.
+    # devices, dp over 4) has them. jaxlib before 0.11 merges the backward's gathers of the
+    # saved chunks with the forward's under "none" (2 per layer fewer, the gathered
+    # sequence kept from the forward to the backward pass).
     cfg = Layout(dp=4, tp=2, remat=remat, loop="unrolled").apply(
         dataclasses.replace(BASE, dtype="bfloat16", layers=2))
     hlo = plan_memory._lowered_step(cfg).compile().as_text()
     layers = model_config(cfg).n_layers
     gathers, scatters = timing.tp_collectives_per_layer(remat)
-    assert _tp_group_collectives(hlo, "all-gather", 2) == gathers * layers
+    merged = 2 if remat == "none" and jax.__version_info__ < (0, 11) else 0
+    assert _tp_group_collectives(hlo, "all-gather", 2) == (gathers - merged) * layers
     assert _tp_group_collectives(hlo, "reduce-scatter", 2) == scatters * layers
 
 

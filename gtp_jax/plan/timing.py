@@ -628,14 +628,16 @@ def tp_collectives_per_layer(remat: str) -> tuple[int, int]:
 
     Sequence parallelism gathers the normed sequence before the attention's and the MLP's
     input projections and scatters their output projections' sums: 2 + 2 in the forward,
-    and as many transposed in the backward. Under "dots" and "full" the backward pass
-    recomputes what it did not save: both gathers (a gathered input is no matmul output,
-    and the weight gradients read it) and the attention's scatter (the MLP's input is built
-    on it); the MLP's scatter feeds only the next layer, so nothing recomputes it. The
-    compiled bfloat16 step has exactly these counts (`tests/test_plan.py`; in float32 XLA
-    keeps the attention's scatter under "dots": one fewer).
+    and as many transposed in the backward. The backward pass gathers both normed inputs
+    again for the weight gradients (the forward saves only this device's chunk), under
+    every policy; under "dots" and "full" that gather also serves the recomputed forward,
+    which recomputes the attention's scatter too (the MLP's input is built on it); the
+    MLP's scatter feeds only the next layer, so nothing recomputes it. The compiled
+    bfloat16 step has exactly these counts (`tests/test_plan.py`; jaxlib before 0.11 merges
+    the backward's gathers with the forward's under "none", 2 fewer; in float32 XLA keeps
+    the attention's scatter under "dots": one fewer).
     """
-    return (4, 4) if remat == "none" else (6, 5)
+    return (6, 4) if remat == "none" else (6, 5)
 
 
 def _saved_per_token(mc: Any) -> int:
