@@ -698,22 +698,27 @@ def test_plan_replay_predicts_recorded_runs_again_with_other_rates(capsys):
                            "2048:175", "4096:210"]) == 0
     assert "of 9 replayed step times within 10%" in capsys.readouterr().out
     # A run planned by this time model replays to the predictions it recorded (a plan in
-    # plan_accuracy/, beside the table), ...
+    # plan_accuracy/, beside the table), but for its tp layouts under remat none, slower
+    # since tp's backward gathers are charged there too (2026-12-07), ...
     same = replay["replay"](str(root / "docs" / "results" / "2026-11-27_2xH100" /
                                 "plan_top5_prospective" / "plan"))
     assert len(same) == 15
-    assert all(abs(r["predicted_ms"] - r["recorded_ms"]) < 1e-6 * r["recorded_ms"]
-               for r in same)
+    for r in same:
+        if " tp1 " not in r["layout"] and "remat=none" in r["layout"]:
+            assert r["predicted_ms"] > r["recorded_ms"], r
+        else:
+            assert abs(r["predicted_ms"] - r["recorded_ms"]) < 1e-6 * r["recorded_ms"], r
+    assert any(" tp1 " not in r["layout"] and "remat=none" in r["layout"] for r in same)
     # ... and one planned before tp paid the activation collectives remat recomputes does
-    # too, except its tp layouts under remat dots, which are slower for it.
+    # too, except its tp layouts (under every policy now), which are slower for it.
     h200 = replay["replay"](str(root / "docs" / "results" / "2026-11-26_2xH200" /
                                 "plan_calibration_v6"))
     assert len(h200) == 9
     for r in h200:
-        if " tp1 " in r["layout"] or "remat=none" in r["layout"]:
-            assert abs(r["predicted_ms"] - r["recorded_ms"]) < 1e-6 * r["recorded_ms"]
+        if " tp1 " in r["layout"]:
+            assert abs(r["predicted_ms"] - r["recorded_ms"]) < 1e-6 * r["recorded_ms"], r
         else:
-            assert r["predicted_ms"] > r["recorded_ms"]
+            assert r["predicted_ms"] > r["recorded_ms"], r
 
 
 @pytest.mark.parametrize("argv, needle", [
