@@ -7,7 +7,6 @@ before any test module).
 
 from __future__ import annotations
 
-import gc
 import os
 import re
 import subprocess
@@ -21,14 +20,11 @@ _flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "",
 # The tests' programs are tiny and compile-bound. LLVM's cheap pipeline, one codegen thread
 # per program (the runner's cores already run two tests at once) and the CPU backend's
 # classic loop emitters instead of its fusion emitters compile them in about half the CPU
-# time (test_tp + test_ring_attention: 175 -> 80 CPU-seconds). Dots without YNNPACK fusions
-# skip building a YNNPACK runtime per program (up to 6% of a ring-attention file's CPU
-# time, in `ynn_create_runtime`). Every comparison is between programs compiled with the
-# same flags.
+# time (test_tp + test_ring_attention: 175 -> 80 CPU-seconds). Every comparison is between
+# programs compiled with the same flags.
 COMPILE_FAST_CANDIDATES = (
     "--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true",
-    "--xla_cpu_parallel_codegen_split_count=1", "--xla_cpu_use_fusion_emitters=false",
-    "--xla_cpu_experimental_ynn_fusion_type=")
+    "--xla_cpu_parallel_codegen_split_count=1", "--xla_cpu_use_fusion_emitters=false")
 
 
 def _known_xla_flags(flags: tuple[str, ...]) -> tuple[str, ...]:
@@ -111,17 +107,6 @@ SMOKE_FILES = frozenset({
     "test_kernels.py", "test_trace.py", "test_host_memory.py", "test_plan_paper.py",
     "test_written_state.py", "test_collective_matmul.py", "test_cross_entropy.py",
     "test_elementwise.py", "test_equivalence.py", "test_shard_init.py"})
-
-
-def pytest_collection_finish(session: pytest.Session) -> None:
-    """Python's cyclic garbage collector, tuned for tracing: the modules and collected tests
-    are frozen out of its scans, and it runs after 50,000 new objects instead of 700.
-    Tracing and lowering make many short-lived objects; with the defaults the collector took
-    about 5% of a test file's CPU time (`gc_collect_main` under `perf`). With the YNNPACK
-    flag above, three files took 82 s of CPU time on one core against 86-98 s before."""
-    gc.collect()
-    gc.freeze()
-    gc.set_threshold(50_000, 20, 20)
 
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects: it reads the smoke marks
