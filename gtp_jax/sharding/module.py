@@ -182,8 +182,7 @@ class ShardedModule(nnx.Module, HoldsShards):
             placed[p].partition_spec(jnp.ndim(x)) if p in placed else P()
             for p, x in zip(paths, values)
         ]
-        _check_stored_layout(paths, values, value_specs, mesh, frozenset(placed),
-                             variables=variables)
+        _check_stored_layout(paths, variables, values, value_specs, mesh, frozenset(placed))
         plain_args, plain_kwargs = jax.tree.map(
             lambda x: x.value if is_replicated(x) else x, (args, kwargs), is_leaf=is_replicated)
         in_layout = self._input_layout(plain_args, plain_kwargs)
@@ -885,14 +884,13 @@ def check_stored_layout(model: nnx.Module, where: str) -> None:
             values = [v.get_value() for v in variables]
             specs = [placed[p].partition_spec(np.ndim(x)) if p in placed else P()
                      for p, x in zip(paths, values)]
-            _check_stored_layout(paths, values, specs, node.mesh, frozenset(placed), where,
-                                 variables=variables)
+            _check_stored_layout(paths, variables, values, specs, node.mesh, frozenset(placed),
+                                 where)
 
 
-def _check_stored_layout(paths: list[str], values: list[Any], specs: list[P], mesh: Mesh,
-                         placed: frozenset[str],
-                         where: str = "gtp_jax.ShardedModule", *,
-                         variables: Sequence[nnx.Variable] = ()) -> None:
+def _check_stored_layout(paths: list[str], variables: list[nnx.Variable], values: list[Any],
+                         specs: list[P], mesh: Mesh, placed: frozenset[str],
+                         where: str = "gtp_jax.ShardedModule") -> None:
     """Refuses a stored weight that is not in its sharded layout: a value written in after
     `shard` (say unsharded weights by ``nnx.update``). Its Variable: without the logical
     shape `shard` records (``nnx.update`` with another module's Variables replaces their
@@ -903,7 +901,7 @@ def _check_stored_layout(paths: list[str], values: list[Any], specs: list[P], me
     fix = ("a value of another layout was written in after gtp_jax.shard (nnx.update with "
            "unsharded weights?). Load weights into the plain module and shard it then, or "
            "read them out with gtp_jax.unshard.")
-    for i, (path, value, spec) in enumerate(zip(paths, values, specs)):
+    for path, var, value, spec in zip(paths, variables, values, specs):
         if path not in placed:
             continue
         shape = np.shape(value)
@@ -921,7 +919,7 @@ def _check_stored_layout(paths: list[str], values: list[Any], specs: list[P], me
                 raise UsageError(
                     f"{where}: the weight {path!r} is not stored split as {spec} on the "
                     f"mesh (its sharding: {type(value.sharding).__name__}): {fix}")
-        if i < len(variables) and LOGICAL_SHAPE not in variables[i].get_metadata():
+        if LOGICAL_SHAPE not in var.get_metadata():
             raise UsageError(
                 f"{where}: the weight {path!r} lost the layout metadata gtp_jax.shard gave "
                 f"it: {fix}")
