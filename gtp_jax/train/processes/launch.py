@@ -36,7 +36,12 @@ from collections.abc import Callable, Sequence
 from gtp_jax.train.processes.output_guard import LAUNCHED_ENV
 
 #: Seconds the other processes get to stop on SIGTERM after one was lost, before SIGKILL.
-GRACE_S = 10.0
+#: Short: a process whose peer is lost is almost always waiting in a collective that will
+#: never complete (its orderly stop is a vote of all processes, a collective too), spinning
+#: a core; the grace only lets one that is not end by itself (10 s kept a CPU run's
+#: survivor spinning 10 s for nothing). A save killed midway leaves the previous checkpoint
+#: the newest intact one (docs/reliability.md).
+GRACE_S = 2.0
 #: How often (seconds) the launcher looks at its processes.
 POLL_S = 0.2
 #: Seconds the others get to end on their own after one ended with an error.
