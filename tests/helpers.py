@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib.util
 import os
 import re
 import subprocess
@@ -34,6 +35,12 @@ MESHES: dict[str, dict[str, int]] = {
     "gtp2_tp4": {"gtp": 2, "tp": 4},
     "cp2_gtp2_tp2": {"cp": 2, "gtp": 2, "tp": 2},
 }
+
+
+#: Whether the `tensorboard` extra is installed (`.[test]` installs it): without it a
+#: ``--log-dir`` run writes ``metrics.jsonl`` and says in one line that it writes no event
+#: files, which the tests then check instead.
+HAS_TENSORBOARD = importlib.util.find_spec("tensorboardX") is not None
 
 
 def cli_env(**extra: str) -> dict[str, str]:

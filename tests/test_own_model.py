@@ -25,7 +25,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from helpers import cli_env, held_child, wait_for_step_2
+from helpers import HAS_TENSORBOARD, cli_env, held_child, wait_for_step_2
 
 import gtp_jax
 from gtp_jax.train import (
@@ -86,7 +86,8 @@ def test_the_command_line_trains_your_model_with_checkpoints_and_metrics(referen
     assert metrics["model_config"]["factory"] == MODEL
     logged = [json.loads(line) for line in (root / "logs" / "metrics.jsonl").open()]
     assert [r["step"] for r in logged if "loss" in r] == [1, 5, 6]  # 1: time to the first step
-    assert any(name.startswith("events.out.tfevents") for name in os.listdir(root / "logs"))
+    assert any(name.startswith("events.out.tfevents")
+               for name in os.listdir(root / "logs")) == HAS_TENSORBOARD
     with Checkpointer(CheckpointConfig(root / "ck"), read_only=True) as ckpt:
         assert ckpt.all_steps() == [6]
         extra = ckpt.read_meta()["extra"]
