@@ -7,7 +7,7 @@ checkout: it holds a link to the checkout's ``docs/`` (an example may read a fil
 
 Two kinds of lines are not run, because the test run itself already is them: installing the
 package (``pip install ...``: CI installs it before the suite; here the command is replaced
-by a check that ``gtp_jax`` imports from this checkout) and running the test suite
+by a check that Python finds ``gtp_jax``, this checkout's) and running the test suite
 (``python -m pytest tests``: this test is part of it). Everything else runs verbatim with
 ``bash -e``; a block's background jobs (``&``) must end with status 0 as well.
 """
@@ -32,6 +32,10 @@ PYTHON = re.compile(r"^```python\n(.*?)^```", re.M | re.S)
 #: What the fixed README lines become (see the module docstring).
 INSTALL = re.compile(r"^pip install [^&#]*")
 SUITE = re.compile(r"python -m pytest tests\b[^#\n]*")
+#: What an install line becomes: Python finds the package (the block's next commands import
+#: it; importing it here too took 2 s of JAX's start-up per block).
+FOUND = ("python -c \"import importlib.util, sys; "
+         "sys.exit(importlib.util.find_spec('gtp_jax') is None)\" ")
 #: What a successful run must not print (tracebacks, the coordination service's gRPC errors).
 ERROR_TEXT = re.compile(r"Traceback|CANCELLED|UNAVAILABLE|Connection refused|^error:", re.M)
 #: The README and the reference pages, as paths relative to the checkout.
@@ -58,7 +62,7 @@ def as_run(block: str) -> str:
     background job waited for (its status counts)."""
     lines = []
     for line in block.splitlines():
-        line = INSTALL.sub('python -c "import gtp_jax" ', line)
+        line = INSTALL.sub(FOUND, line)
         line = SUITE.sub("true  # the suite running this test", line)
         lines.append(line)
     return "\n".join(["set -e", *lines, "for job in $(jobs -p); do wait $job; done", ""])
