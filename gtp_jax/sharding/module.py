@@ -174,14 +174,11 @@ class ShardedModule(nnx.Module, HoldsShards):
         check_callers("gtp_jax.ShardedModule")  # a weight the shard() copy untied
         mesh, axes = self.mesh, data_axes(self.mesh)
         plans = {p.path: p for p in self.plan}
-        placed = {**{p.path: p for p in self.split_plan}, **plans}
+        placed = self.placements()
         graphdef, state = nnx.split(self.module)
         paths, variables, var_tree = _flat_variables(state)
         values = [v.get_value() for v in variables]
-        value_specs = [
-            placed[p].partition_spec(jnp.ndim(x)) if p in placed else P()
-            for p, x in zip(paths, values)
-        ]
+        value_specs = _stored_specs(placed, paths, values)
         _check_stored_layout(paths, variables, values, value_specs, mesh, frozenset(placed))
         plain_args, plain_kwargs = jax.tree.map(
             lambda x: x.value if is_replicated(x) else x, (args, kwargs), is_leaf=is_replicated)
@@ -879,13 +876,19 @@ def check_stored_layout(model: nnx.Module, where: str) -> None:
     step built on concrete values, before it splits them."""
     for _, node in nnx.graph.iter_graph(model):
         if isinstance(node, ShardedModule):
-            placed = {p.path: p for p in (*node.split_plan, *node.plan)}
+            placed = node.placements()
             paths, variables, _ = _flat_variables(nnx.state(node.module))
             values = [v.get_value() for v in variables]
-            specs = [placed[p].partition_spec(np.ndim(x)) if p in placed else P()
-                     for p, x in zip(paths, values)]
-            _check_stored_layout(paths, variables, values, specs, node.mesh, frozenset(placed),
-                                 where)
+            _check_stored_layout(paths, variables, values, _stored_specs(placed, paths, values),
+                                 node.mesh, frozenset(placed), where)
+
+
+def _stored_specs(placed: dict[str, ParamPlan | SplitPlan], paths: list[str],
+                  values: list[Any]) -> list[P]:
+    """The partition spec each variable is stored with: its plan's (`placed`, by path), or
+    replicated."""
+    return [placed[p].partition_spec(np.ndim(x)) if p in placed else P()
+            for p, x in zip(paths, values)]
 
 
 def _check_stored_layout(paths: list[str], variables: list[nnx.Variable], values: list[Any],
