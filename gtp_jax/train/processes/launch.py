@@ -9,9 +9,9 @@ mesh's devices). The launcher:
 - forwards SIGTERM and SIGINT to every process, which then stop after the same step (their
   stop vote, `gtp_jax.train.lifecycle.preempt`) and write one checkpoint;
 - when a process ends with an error or is killed while the others run (a lost GPU, an
-  out-of-memory kill, ``kill -9``), prints one line naming it and how it ended, stops the
-  others (SIGTERM, then SIGKILL after `GRACE_S`: they may be waiting in a collective that
-  will never complete) and exits with status 1, instead of leaving them to wait for JAX's
+  out-of-memory kill, ``kill -9``), prints one line naming it and how it ended, kills the
+  others (`_stop`: they wait in a collective that will never complete) and exits with
+  status 1, instead of leaving them to wait for JAX's
   heartbeat timeout; when they all end at once (the coordinator's process lost: JAX ends the
   others within milliseconds), it names the one that was killed rather than the ones JAX
   aborted (SIGABRT);
@@ -35,13 +35,6 @@ from collections.abc import Callable, Sequence
 
 from gtp_jax.train.processes.output_guard import LAUNCHED_ENV
 
-#: Seconds the other processes get to stop on SIGTERM after one was lost, before SIGKILL.
-#: Short: a process whose peer is lost is almost always waiting in a collective that will
-#: never complete (its orderly stop is a vote of all processes, a collective too), spinning
-#: a core; the grace only lets one that is not end by itself (10 s kept a CPU run's
-#: survivor spinning 10 s for nothing). A save killed midway leaves the previous checkpoint
-#: the newest intact one (docs/reliability.md).
-GRACE_S = 2.0
 #: How often (seconds) the launcher looks at its processes.
 POLL_S = 0.2
 #: Seconds the others get to end on their own after one ended with an error.
@@ -111,8 +104,8 @@ def describe_end(returncode: int) -> str:
     return f"exit status {returncode}"
 
 
-def supervise(commands: Sequence[Sequence[str]], *, grace: float = GRACE_S,
-              poll: float = POLL_S, orderly_wait: float = ORDERLY_S,
+def supervise(commands: Sequence[Sequence[str]], *, poll: float = POLL_S,
+              orderly_wait: float = ORDERLY_S,
               print_fn: Callable[[str], None] | None = None,
               popen: Callable[..., subprocess.Popen] = subprocess.Popen) -> Outcome:
     """Runs `commands` as child processes until all have ended (see the module docstring).
@@ -157,7 +150,7 @@ def supervise(commands: Sequence[Sequence[str]], *, grace: float = GRACE_S,
                 others = sum(code is None for code in codes)
                 say(f"error: process {index} of {len(children)} (pid {pid}) ended: "
                     f"{describe_end(code)}; stopping the other {others}. {_RESUME}")
-                _stop(children, grace, poll)
+                _stop(children)
                 continue
             if any(code is not None for code in codes) and orderly_since is None:
                 orderly_since = time.monotonic()
@@ -170,7 +163,7 @@ def supervise(commands: Sequence[Sequence[str]], *, grace: float = GRACE_S,
                 say(f"error: process {index} of {len(children)} (pid {lost[1]}) was still "
                     f"running {orderly_wait:.0f} s after another ended ({describe_end(ended)}); "
                     f"stopping it. {_RESUME}")
-                _stop(children, grace, poll)
+                _stop(children)
                 continue
             time.sleep(poll)
     finally:
@@ -199,18 +192,19 @@ def _lost_among(codes: Sequence[int], children: Sequence[subprocess.Popen]
     return first[0] if first else None
 
 
-def _stop(children: Sequence[subprocess.Popen], grace: float, poll: float) -> None:
-    """SIGTERM to every running child; SIGKILL to those still running after `grace`."""
-    for child in children:
-        if child.poll() is None:
-            child.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + grace
-    while time.monotonic() < deadline and any(c.poll() is None for c in children):
-        time.sleep(poll)
+def _stop(children: Sequence[subprocess.Popen]) -> None:
+    """SIGKILL to every child still running, once one was lost or is stuck.
+
+    Not SIGTERM first: a process whose peer is gone waits in a collective that will never
+    complete, spinning a core, and its orderly stop (a vote of all processes, then a
+    checkpoint written by all) needs the lost one too; on SIGTERM it only announced a
+    checkpoint it could not write, and was killed 10 s later. A save killed midway leaves
+    the previous checkpoint the newest intact one (docs/reliability.md)."""
     for child in children:
         if child.poll() is None:
             child.kill()
-            child.wait()
+    for child in children:
+        child.wait()
 
 
 def without_flag(argv: Sequence[str], flag: str) -> list[str]:
