@@ -10,11 +10,11 @@ mesh's devices). The launcher:
   stop vote, `gtp_jax.train.lifecycle.preempt`) and write one checkpoint;
 - when a process ends with an error or is killed while the others run (a lost GPU, an
   out-of-memory kill, ``kill -9``), prints one line naming it and how it ended, kills the
-  others (`_stop`: they wait in a collective that will never complete) and exits with
-  status 1, instead of leaving them to wait for JAX's
-  heartbeat timeout; when they all end at once (the coordinator's process lost: JAX ends the
-  others within milliseconds), it names the one that was killed rather than the ones JAX
-  aborted (SIGABRT);
+  others once they have not ended on their own within `SETTLE_S` (`_stop`: they wait in a
+  collective that will never complete) and exits with status 1, instead of leaving them to
+  wait for JAX's heartbeat timeout; when they all end at once (the coordinator's process
+  lost: JAX ends the others within milliseconds), it names the one that was killed rather
+  than the ones JAX aborted (SIGABRT);
 - when a process ends in order (finished, status 0, or stopped resumably, status 75) it
   waits up to `ORDERLY_S` for the others, which end after the same step (saving a checkpoint
   together can take that long); one still running after that is stopped and named;
