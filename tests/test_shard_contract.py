@@ -818,3 +818,23 @@ def test_check_sharded_refuses_what_it_cannot_check() -> None:
         gtp_jax.check_sharded(sm, jnp.ones((8, 16)), loss_fn=3)
     with pytest.raises(UsageError, match="scalar"):
         gtp_jax.check_sharded(sm, jnp.ones((8, 16)), loss_fn=lambda out: out)
+
+
+def test_weights_stored_as_they_are_are_copies_never_the_same_buffer() -> None:
+    """A weight whose stored layout is its logical one (no padding, no fused parts) moves
+    into its sharding by a copy rather than a program of its own; `shard` and `unshard`
+    never hand out a buffer of the module they read, so deleting (or donating, as a
+    training step does) one side's arrays leaves the other's intact."""
+    mesh = get_mesh("dp2_gtp4")
+    model = nnx.Linear(16, 32, rngs=nnx.Rngs(0))
+    want = np.asarray(model.kernel.get_value())
+    first = gtp_jax.shard(model, mesh, CFG0)
+    assert first.plan and all(p.stored_as_is for p in first.plan)
+    # The original now holds its kernel already in the stored sharding.
+    model.kernel.set_value(first.module.kernel.get_value())
+    sharded = gtp_jax.shard(model, mesh, CFG0)
+    sharded.module.kernel.get_value().delete()
+    np.testing.assert_array_equal(np.asarray(model.kernel.get_value()), want)
+    full = gtp_jax.unshard(first)
+    first.module.kernel.get_value().delete()
+    np.testing.assert_array_equal(np.asarray(full.kernel.get_value()), want)

@@ -967,6 +967,11 @@ def _layout_of(plan: ParamPlan | SplitPlan) -> ParamPlan | SplitPlan:
 
 @functools.cache
 def _layout_program(direction: str, layout: ParamPlan | SplitPlan, sharding: NamedSharding):
+    if layout.stored_as_is:
+        # Only the sharding changes: a copy into it, with no program of its own to compile
+        # (one per weight shape and sharding otherwise). A copy, never the same buffer: a
+        # step that donates the sharded weights must leave the module they came from intact.
+        return functools.partial(jax.device_put, device=sharding, may_alias=False)
     convert = getattr(layout, direction)
     if direction == "from_stored" and _explicit(sharding.mesh):
         # On Explicit axes the unpadding slice of a split dim has no sharding of its own:

@@ -139,6 +139,12 @@ class SplitPlan:
             value = s.from_stored(value, s.dim + int(self.stacked))
         return value
 
+    @property
+    def stored_as_is(self) -> bool:
+        """The stored array is the logical one (no fused parts, no padding): only its
+        sharding differs."""
+        return all(s.parts == 1 and s.padded_part == s.part_size for s in self.splits)
+
 
 @dataclasses.dataclass(frozen=True)
 class ParamPlan:
@@ -189,6 +195,13 @@ class ParamPlan:
         logical = self.spec.logical_shape[self.spec.shard_dim]
         value = jnp.take(value, jnp.arange(logical), axis=self.stored_dim)
         return SplitPlan(self.path, self.stacked, self.splits).from_stored(value)
+
+    @property
+    def stored_as_is(self) -> bool:
+        """The stored array is the logical one (no model-parallel split, no GTP padding):
+        only its sharding differs."""
+        return not self.splits and \
+            self.spec.padded_size == self.spec.logical_shape[self.spec.shard_dim]
 
 
 def model_splits(path: str, per_layer: tuple[int, ...], metadata: dict, mesh: Mesh,
