@@ -205,7 +205,7 @@ def reduce_scatter_grads(grads: Sequence[jax.Array], specs: Sequence[GatherSpec]
 
 def _padded(grad: jax.Array, spec: GatherSpec) -> jax.Array:
     """`grad` zero-padded along the shard dim to ``spec.padded_size``."""
-    pad = spec.padded_size - spec.logical_shape[spec.shard_dim]
+    pad = spec.padding
     if not pad:
         return grad
     widths = [(0, 0)] * grad.ndim

@@ -54,6 +54,11 @@ class GatherSpec:
     data_axes: tuple[str, ...] = ()
 
     @property
+    def padding(self) -> int:
+        """Zero entries appended to `shard_dim` so that `axis_size` divides it (0: none)."""
+        return self.padded_size - self.logical_shape[self.shard_dim]
+
+    @property
     def padded_shape(self) -> tuple[int, ...]:
         shape = list(self.logical_shape)
         shape[self.shard_dim] = self.padded_size

@@ -151,7 +151,7 @@ def whole_weight(shard: jax.Array, spec: GatherSpec) -> jax.Array:
     """
     if spec.quantized:
         return gather_weight(shard, spec)
-    logical = spec.logical_shape[spec.shard_dim]
-    if spec.padded_size != logical:
-        shard = jax.lax.slice_in_dim(shard, 0, logical, axis=spec.shard_dim)
+    if spec.padding:
+        shard = jax.lax.slice_in_dim(shard, 0, spec.logical_shape[spec.shard_dim],
+                                     axis=spec.shard_dim)
     return shard if spec.gather_dtype is None else shard.astype(spec.gather_dtype)

@@ -200,8 +200,7 @@ class ParamPlan:
     def stored_as_is(self) -> bool:
         """The stored array is the logical one (no model-parallel split, no GTP padding):
         only its sharding differs."""
-        return not self.splits and \
-            self.spec.padded_size == self.spec.logical_shape[self.spec.shard_dim]
+        return not self.splits and not self.spec.padding
 
 
 def model_splits(path: str, per_layer: tuple[int, ...], metadata: dict, mesh: Mesh,

@@ -24,8 +24,7 @@ def gathered_weight_policy(specs: Sequence[GatherSpec]) -> Callable[..., bool]:
     ``all_gather`` and of a ``slice`` that turns a padded weight into its logical shape, and
     of the nested checkpoint that wraps a whole low-precision gather (`gather_weight`).
     """
-    unpads = {(s.padded_shape, s.logical_shape) for s in specs
-              if s.padded_size != s.logical_shape[s.shard_dim]}
+    unpads = {(s.padded_shape, s.logical_shape) for s in specs if s.padding}
     # A low-precision gather rebuilds the weight with ordinary ops (decode, unpack, scale,
     # cast, reshape, unpad) that JAX inlines from the nested checkpoint, and any of them
     # could be saved instead. Those ops all work on arrays with the element count of the
