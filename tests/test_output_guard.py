@@ -5,8 +5,13 @@ processes); the processes themselves are in tests/test_multiprocess.py."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import textwrap
+
 import pytest
 
+from gtp_jax.train.processes import output_guard
 from gtp_jax.train.processes.output_guard import (
     COORDINATION_HOLD_S,
     PARTIAL_S,
@@ -55,6 +60,14 @@ COORDINATOR_LOST = (
     b"RPC to coordination service. Either the leader task was preempted/died/restarted "
     b"unexpectedly or this task is experiencing network issues.\n"
     b"*** Check failure stack trace: ***\n    @     0x7f6a95840634  (unknown)\n")
+
+#: Process 1's stderr when process 0 was killed in the middle of a collective: gloo's
+#: exception ends it before any heartbeat is missed (jax 0.10.2, 2 x 4 CPU devices).
+GLOO_BROKE = (
+    b"terminate called after throwing an instance of 'gloo::EnforceNotMet'\n"
+    b"  what():  [enforce fail at external/gloo/gloo/transport/tcp/pair.cc:459] "
+    b"op.preamble.length <= op.nbytes. 32 vs 4. Received data size doesn't match expected "
+    b"size. Is there a distributed collective mismatch in your code?\n")
 
 
 class Clock:
@@ -170,3 +183,56 @@ def test_a_stack_without_the_runtime_report_is_no_lost_process():
     assert lost_processes(b"*** Check failure stack trace: ***\n    @ 0x0 (unknown)\n") is None
     assert lost_processes(b"the word heartbeat timeout in a log line\n") is None
     assert lost_processes(COORDINATOR_LOST) == ([0], True)
+
+
+def test_gloo_aborting_in_a_collective_is_a_lost_process_too():
+    # gloo may notice the loss before the runtime does: its abort names no process.
+    clock = Clock()
+    f, out, losses = _filter(clock=clock)
+    f.feed(b"[----] step 2/500 loss 5.48\n")
+    for i in range(0, len(GLOO_BROKE), 40):
+        f.feed(GLOO_BROKE[i:i + 40])
+        f.tick()
+    clock.now += COORDINATION_HOLD_S + 1  # the process is ending: nothing is released
+    f.tick()
+    assert out == [b"[----] step 2/500 loss 5.48\n"]
+    f.close()
+    assert out == [b"[----] step 2/500 loss 5.48\n"] and len(losses) == 1
+    assert lost_processes(losses[0]) == ([], False)
+    line = loss_line([], False, me=1, count=2, in_collective=True)
+    assert line.startswith("error: lost process 0 of 2 (a collective with it broke: killed")
+    assert "process 1 stops too" in line
+    # with more than two processes gloo's report cannot say which one
+    assert loss_line([], False, me=2, count=4, in_collective=True).startswith(
+        "error: lost another process of the run of 4")
+
+
+def test_another_uncaught_exception_is_copied_unchanged():
+    f, out, losses = _filter()
+    text = (b"terminate called after throwing an instance of 'std::bad_alloc'\n"
+            b"  what():  std::bad_alloc\n")
+    f.feed(text)
+    f.close()
+    assert b"".join(out) == text and losses == []
+
+
+def test_the_copying_process_replaces_an_abort_by_one_line(tmp_path):
+    # The whole path: a process under `guard_output` (2 processes, this one process 1)
+    # writes gloo's report and aborts; what reaches its stderr is the one line.
+    child = textwrap.dedent(f"""
+        import importlib.util, os, sys
+        spec = importlib.util.spec_from_file_location("guard", {output_guard.__file__!r})
+        guard = sys.modules["guard"] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(guard)  # the module alone: no JAX in this process
+        guard.guard_output(1, 2, heartbeat_timeout=1.0)
+        print("step 2/500", flush=True)
+        os.write(2, {GLOO_BROKE!r})
+        os.abort()
+    """)
+    done = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode != 0
+    assert done.stdout == "step 2/500\n"
+    lines = done.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(
+        "error: lost process 0 of 2 (a collective with it broke"), done.stderr

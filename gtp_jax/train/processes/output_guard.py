@@ -17,6 +17,11 @@ Two kinds of text reach a multi-process run's output that no person should have 
       unreachable); process 0 stops too. Resume with the same command and --resume auto ...
 
   The process still ends with the runtime's own status (SIGABRT: non-zero).
+- gloo may notice the loss first, in the middle of a collective with the lost process, and
+  end this process by an exception nobody catches (``terminate called after throwing an
+  instance of 'gloo::EnforceNotMet'`` and its ``what()``, then ``abort()``), before any
+  heartbeat is missed. That becomes the same one line; gloo's report names no process, so
+  the line names the other one where the run has two, and "another process" otherwise.
 
 Since only another process can still write once a process aborts, `guard_output` starts a
 small one (this file run as a script: the standard library only, no JAX) and points this
@@ -81,13 +86,16 @@ _COORDINATOR_LOST = re.compile(rb"leader task was preempted/died|Failed to send 
 _UNHEALTHY = re.compile(rb"stopped sending heartbeats\)?:?\s*((?:(?:/job:\w+/replica:\d+"
                         rb"/task:)?\d+[ \t,]*\r?\n?)+)")
 _TASK_TIMEOUT = re.compile(rb"[Tt]ask:? ?(\d+) heartbeat timeout")
+#: gloo's exception that nobody caught: a collective between processes broke (a peer
+#: killed or unreachable mid-transfer), and the C++ runtime aborts the process.
+GLOO_ABORT = re.compile(rb"^terminate called after throwing an instance of 'gloo::\w+'", re.M)
 
 
 def lost_processes(text: bytes) -> tuple[list[int], bool] | None:
     """``(process ids, the coordinator was lost)`` when `text` reports a lost process,
-    else None; the ids may be empty when the report names none."""
+    else None; the ids may be empty when the report names none (gloo's abort never does)."""
     if not FATAL.search(text):
-        return None
+        return ([], False) if GLOO_ABORT.search(text) else None
     coordinator = bool(_COORDINATOR_LOST.search(text))
     ids = set()
     for found in _UNHEALTHY.finditer(text):
@@ -102,16 +110,22 @@ def lost_processes(text: bytes) -> tuple[list[int], bool] | None:
     return sorted(ids), coordinator
 
 
-def loss_line(ids: list[int], coordinator: bool, me: int | None, count: int | None) -> str:
-    """The one line that replaces the runtime's report of lost processes `ids`."""
+def loss_line(ids: list[int], coordinator: bool, me: int | None, count: int | None, *,
+              in_collective: bool = False) -> str:
+    """The one line that replaces the runtime's report of lost processes `ids`; where the
+    report names none and the run has two processes, the lost one is the other.
+    `in_collective`: gloo noticed the loss in a collective (no heartbeat was missed yet)."""
+    if not ids and count == 2 and me in (0, 1):
+        ids = [1 - me]
     of = f" of {count}" if count else ""
+    how = "a collective with it broke" if in_collective else "no heartbeats"
     if coordinator and ids == [0]:
         who = (f"lost process 0{of}, the coordinator (its coordination service stopped "
                "answering: killed, crashed or unreachable)")
     elif ids:
         names = (f"process {ids[0]}" if len(ids) == 1 else
                  "processes " + ", ".join(str(i) for i in ids))
-        who = f"lost {names}{of} (no heartbeats: killed, crashed or unreachable)"
+        who = f"lost {names}{of} ({how}: killed, crashed or unreachable)"
     else:
         who = f"lost another process of the run{of} (killed, crashed or unreachable)"
     this = f"process {me}" if me is not None else "this process"
@@ -216,9 +230,10 @@ class StreamFilter:
             self.gloo_owed > 0 and bool(_NUMBERS.fullmatch(GLOO_PIECES.sub(b"", partial))))
 
     def _dying(self) -> bool:
-        """Whether the held text has JAX's fatal report: the process is ending (the rest of
-        the report, which names the lost process, follows it)."""
-        return any(FATAL_REPORT.search(line) for line in self.held or ())
+        """Whether the held text has JAX's fatal report or gloo's abort: the process is
+        ending (the rest of the report, which names the lost process, follows it)."""
+        return any(FATAL_REPORT.search(line) or GLOO_ABORT.match(line)
+                   for line in self.held or ())
 
     def _check(self) -> bool:
         """Ends the stream with `on_loss` when the held text reports a lost process."""
@@ -349,7 +364,9 @@ def _copy(out_fd: int, err_fd: int, hold_traceback_s: float, me: int | None,
         found = lost_processes(text)
         if report and found is not None and not said:
             said.append(True)
-            writer(2)((loss_line(found[0], found[1], me, count) + "\n").encode())
+            in_collective = not FATAL.search(text)  # only gloo's abort reported it
+            writer(2)((loss_line(found[0], found[1], me, count, in_collective=in_collective)
+                       + "\n").encode())
 
     filters = {out_fd: StreamFilter(writer(1), on_loss, hold_traceback_s=hold_traceback_s),
                err_fd: StreamFilter(writer(2), on_loss, hold_traceback_s=hold_traceback_s)}
