@@ -151,8 +151,10 @@ class _Reader:
 
 
 #: What a survivor must not print: an abort stack, a Python traceback, the runtime's log
-#: lines (``F1128 12:11:06.254683 24922 client.h:80] ...``), gloo's connection reports.
-NOISE = re.compile(r"Check failure|Traceback|^[IWEF]\d{4} \d\d:\d\d|\[Gloo\]", re.M)
+#: lines (``F1128 12:11:06.254683 24922 client.h:80] ...``), gloo's connection reports and
+#: its abort (``terminate called after throwing an instance of 'gloo::...'``).
+NOISE = re.compile(r"Check failure|Traceback|^[IWEF]\d{4} \d\d:\d\d|\[Gloo\]|^terminate called",
+                   re.M)
 
 
 #: The heartbeat timeout of the kill tests: a lost process is noticed within it (a short one

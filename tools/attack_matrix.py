@@ -804,7 +804,8 @@ def _mp_missing_peer() -> tuple[str, str]:
 
 #: What the survivor of a lost process must not print: an abort stack, a traceback, the
 #: runtime's log lines (``F1128 12:11:06.254683 24922 client.h:80] ...``), gloo's lines.
-_NOISE = re.compile(r"Check failure|Traceback|^[IWEF]\d{4} \d\d:\d\d|\[Gloo\]", re.M)
+_NOISE = re.compile(r"Check failure|Traceback|^[IWEF]\d{4} \d\d:\d\d|\[Gloo\]|^terminate called",
+                    re.M)
 
 
 def _mp_killed(victim: int) -> tuple[str, str]:
@@ -857,6 +858,30 @@ def _mp_killed(victim: int) -> tuple[str, str]:
     return CONFUSING, f"exit {survivor.returncode}: {text.strip()[-200:]}"
 
 
+def _gloo_abort_replayed() -> tuple[str, str]:
+    """gloo may notice a lost peer first, mid-collective, and abort the survivor from C++
+    (a race of the kill cases above): that text, replayed by process 1 of 2 under the
+    command line's output guard, must become the one line naming process 0."""
+    from gtp_jax.train.processes import output_guard
+
+    child = (
+        "import importlib.util, os, sys\n"
+        f"spec = importlib.util.spec_from_file_location('guard', {output_guard.__file__!r})\n"
+        "guard = sys.modules['guard'] = importlib.util.module_from_spec(spec)\n"
+        "spec.loader.exec_module(guard)\n"
+        "guard.guard_output(1, 2, heartbeat_timeout=1.0)\n"
+        "os.write(2, b\"terminate called after throwing an instance of 'gloo::EnforceNotMet'\\n"
+        "  what():  [enforce fail at pair.cc:459] Received data size doesn't match\\n\")\n"
+        "os.abort()\n")
+    done = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True,
+                          timeout=60)
+    lines = done.stderr.splitlines()
+    if done.returncode != 0 and len(lines) == 1 and lines[0].startswith(
+            "error: lost process 0 of 2"):
+        return OK, lines[0][:120]
+    return CONFUSING, f"exit {done.returncode}: {done.stderr.strip()[-200:]}"
+
+
 def _launch_refusal(flags: list[str], *names: str) -> tuple[str, str]:
     """A --processes refusal: one line before any process starts, in the user's flags."""
     run = cli("--steps", "2", *flags)
@@ -875,6 +900,8 @@ add("multiprocess", "peer killed (-9) mid-run, processes started by hand",
     lambda: _mp_killed(1))
 add("multiprocess", "coordinator killed (-9) mid-run, processes started by hand",
     lambda: _mp_killed(0))
+add("multiprocess", "gloo aborts the survivor mid-collective (its text replayed)",
+    _gloo_abort_replayed)
 add("multiprocess", "--processe 2 --batch 7", lambda: _launch_refusal(
     ["--processe", "2", "--batch", "7"], "--batch", "--processe"))
 add("multiprocess", "--processes 3", lambda: _launch_refusal(["--processes", "3"],
