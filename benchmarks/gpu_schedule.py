@@ -13,7 +13,8 @@ a run on N GPUs says what the overlap is worth.
 
 Usage (on a host with at least one GPU):
   python benchmarks/gpu_schedule.py --gpus 2 --preset llama3-8b --layers 4 --seq 2048 \
-      --batch 2 [--no-coalesce] [--no-unroll --prefetch] [--json out.json] [--memory]
+      --batch 2 [--no-coalesce] [--no-unroll --prefetch] [--json out.json] [--memory] \
+      [--fp8-compute delayed --gather-format fp8 [--unroll]]
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from gtp_jax.bench.compile_events import traced_compile
 from gtp_jax.bench.memory import dump_flags, read_compiled
 from gtp_jax.bench.schedule import collective_windows
 from gtp_jax.plan.memory import _lowered_step
-from gtp_jax.train.config import TrainConfig, resolve_auto
+from gtp_jax.train.config import TrainConfig, layer_loop_unrolled, resolve_auto
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -56,6 +57,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--coalesce", action=argparse.BooleanOptionalAction, default=True,
                    help="GTPConfig.coalesce_layer_collectives (default on; --no-coalesce: "
                    "one collective per weight)")
+    p.add_argument("--fp8-compute", default=None, choices=("tensorwise", "delayed"),
+                   help="TrainConfig.fp8_compute (its layer loop scans unless --unroll)")
+    p.add_argument("--gather-format", default=None, choices=("fp8", "mxfp8", "nvfp4"),
+                   help="TrainConfig.gather_format")
+    p.add_argument("--unroll", action="store_true",
+                   help="the unrolled layer loop where the run would scan (FP8 compute)")
     p.add_argument("--json", default=None, help="write every collective's window here")
     p.add_argument("--compile-profile", default=None, metavar="DIR",
                    help="trace the compile into DIR and print where its time goes "
@@ -87,7 +94,10 @@ def main(argv: list[str] | None = None) -> int:
         preset=args.preset, layers=args.layers, seq_len=args.seq,
         batch_size=args.batch or gtp, dp=1, gtp=gtp, tp=args.tp, cp=args.cp,
         overlap=args.overlap,
-        unroll_layers=not args.no_unroll, prefetch=args.prefetch,
+        unroll_layers=(False if args.no_unroll else True if args.unroll
+                       else None if args.fp8_compute else True),
+        prefetch=args.prefetch, fp8_compute=args.fp8_compute,
+        gather_format=args.gather_format,
         coalesce_layer_collectives=args.coalesce, steps=10, warmup=1))
     start = time.perf_counter()
     events = None
@@ -97,6 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         compiled = _lowered_step(cfg).compile()
     text = compiled.as_text()
+    scanned = layer_loop_unrolled(cfg.unroll_layers, cfg.fp8_compute) is False
     seconds = time.perf_counter() - start
     windows = collective_windows(text)
     rows: dict[tuple[str, str], list[int]] = collections.defaultdict(lambda: [0, 0])
@@ -108,7 +119,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{args.preset}, {args.layers} layers, {args.seq} tokens x {cfg.batch_size} "
           f"(gtp {gtp}, tp {args.tp}, cp {args.cp}{', ring matmuls' if args.overlap else ''}),"
           f" {args.gpus}x {devices[0].device_kind}, "
-          f"{'scanned' if args.no_unroll else 'unrolled'}"
+          f"{'' if args.fp8_compute is None else f'FP8 {args.fp8_compute}, '}"
+          f"{'' if args.gather_format is None else f'{args.gather_format} gathers, '}"
+          f"{'scanned' if scanned else 'unrolled'}"
           f"{', prefetch' if args.prefetch else ''}"
           f"{'' if args.coalesce else ', one collective per weight'}"
           f" (compiled in {seconds:.1f} s)")
