@@ -187,6 +187,48 @@ def test_replicated_argument_reaches_every_shard_whole(key) -> None:
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref(x, table)), rtol=1e-5, atol=1e-5)
 
 
+class TableUses(nnx.Module):
+    """Reads a table argument in each way a plain module may: a ``jnp`` function, operators
+    on either side, indexing, its attributes and methods."""
+
+    def __init__(self):
+        self.lin = nnx.Linear(16, 64, rngs=nnx.Rngs(0))
+
+    def __call__(self, x, table):
+        y = self.lin(x)
+        rows = jnp.take(table, jnp.array([1, 3]), axis=0)  # jnp function: [2, 64]
+        y = y + rows.sum(0) - table[0] * 2.0 + (table.T @ jnp.ones(table.shape[0]))
+        y = y / (1.0 + abs(table).max()) + (-table[2]) ** 2 + table.astype(jnp.float32)[4]
+        return jnp.where(table[5] > 0, y, 0.5 * y) + len(table) + table.ndim
+
+
+def test_the_unsharded_module_takes_the_same_call_with_replicated(key) -> None:
+    """Code written for the sharded call (``gtp_jax.replicated(table)``) runs unchanged on the
+    unsharded module, eagerly and under jit, with the numbers of the unwrapped call; a copy
+    of the wrapper stays one."""
+    import copy  # noqa: PLC0415
+
+    mesh = get_mesh("dp2_gtp4")
+    ref = TableUses()
+    x, table = _xs(key), jax.random.normal(jax.random.fold_in(key, 1), (8, 64))
+    want = np.asarray(ref(x, table))
+    wrapped = gtp_jax.replicated(table)
+    np.testing.assert_array_equal(np.asarray(ref(x, wrapped)), want)
+    jitted = nnx.jit(lambda m, x, t: m(x, t))  # compiled: XLA may reassociate, so compared
+    np.testing.assert_array_equal(np.asarray(jitted(ref, x, wrapped)),  # with itself unwrapped
+                                  np.asarray(jitted(ref, x, table)))
+    np.testing.assert_array_equal(np.asarray(wrapped), np.asarray(table))
+    np.testing.assert_array_equal(np.asarray(np.sum(wrapped, axis=0)),
+                                  np.asarray(jnp.sum(table, axis=0)))
+    assert isinstance(copy.deepcopy(wrapped), gtp_jax.sharding.Replicated)
+    assert isinstance(copy.copy(wrapped), gtp_jax.sharding.Replicated)
+    sm = gtp_jax.shard(_copy(ref), mesh, gtp_jax.GTPConfig(min_elements=0))
+    np.testing.assert_allclose(np.asarray(sm(_place(mesh, x), wrapped)), want,
+                               rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(gtp_jax.unshard(sm)(x, wrapped)), want,
+                               rtol=1e-5, atol=1e-5)
+
+
 def test_batch_arguments_must_share_leading_dim(key) -> None:
     mesh = get_mesh("dp2_gtp4")
     sm = gtp_jax.shard(WithTable(), mesh, gtp_jax.GTPConfig(min_elements=0))

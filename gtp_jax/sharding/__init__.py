@@ -8,7 +8,7 @@ call runs inside ``jax.shard_map``). `stack` (`Stack`) puts any NNX block on tha
 """
 
 from gtp_jax.sharding.collectives import gather_weight, reduce_scatter_grad
-from gtp_jax.sharding.contract import InputLayout, OutputLayout, Replicated, replicated
+from gtp_jax.sharding.contract import InputLayout, OutputLayout
 from gtp_jax.sharding.fp8_update import apply_fp8_history
 from gtp_jax.sharding.gather_spec import GatherSpec
 from gtp_jax.sharding.init import shard_init
@@ -20,6 +20,7 @@ from gtp_jax.sharding.module import (
     unshard,
     unshard_values,
 )
+from gtp_jax.sharding.replicated import Replicated, replicated
 from gtp_jax.sharding.scan import scan_layers
 from gtp_jax.sharding.stack import Stack
 from gtp_jax.sharding.verify import LeafCheck, ShardCheck, check_sharded

@@ -4,7 +4,6 @@ outputs and written state must look like, and how they leave.
 - `InputLayout` / `OutputLayout`: a module's optional hooks (``gtp_input_layout``,
   ``gtp_output_layout``) for inputs split over the sequence and outputs that are not
   batch-split.
-- `replicated`: an argument every shard receives whole.
 - `check_outputs`: default-layout outputs must be per-example.
 - `side_rules` / `reduce_side_state`: state written in ``__call__`` is combined over the data
   shards by the rule its type implies (`gtp_jax.base.state`) or its ``gtp_reduce`` metadata
@@ -35,11 +34,12 @@ import numpy as np
 from flax import nnx
 from jax.extend import core as jcore
 
-from gtp_jax.base.errors import UsageError, UsageTypeError
+from gtp_jax.base.errors import UsageError
 from gtp_jax.base.metadata import REDUCE
 from gtp_jax.base.state import RULES, type_rule
 from gtp_jax.sharding.collectives import GATHERED_POLICY, regather_policy
 from gtp_jax.sharding.plan import path_str
+from gtp_jax.sharding.replicated import Replicated
 
 #: Variables written back after a call: everything but parameters and RNG keys (keys are
 #: folded per shard inside the call and must not be written back folded).
@@ -121,54 +121,6 @@ class InputLayout:
 
 
 _REDUCE_RULES = tuple(RULES)
-
-
-@jax.tree_util.register_pytree_node_class
-class Replicated:
-    """An argument of a sharded module that every data shard receives whole (see `replicated`)."""
-
-    __slots__ = ("value",)
-
-    def __init__(self, value: Any):
-        self.value = value
-
-    def tree_flatten(self):
-        return (self.value,), None
-
-    @classmethod
-    def tree_unflatten(cls, _: None, children: tuple[Any, ...]) -> Replicated:
-        return cls(children[0])
-
-    def __repr__(self) -> str:
-        return f"replicated({self.value!r})"
-
-
-def replicated(x: Any) -> Replicated:
-    """Marks an array argument of a `ShardedModule` call as not batch-major.
-
-    A sharded module splits every array argument on dim 0 over the data axes. Wrap arrays
-    that are not per-example (a lookup table, a mask shared by all examples, a positional
-    table) as ``model(tokens, gtp_jax.replicated(table))``: the module receives the plain
-    array, whole and identical on every shard.
-
-    Args:
-      x: a ``jax.Array`` or ``np.ndarray`` of any shape and dtype.
-
-    Returns:
-      A wrapper (a pytree, so it may also pass through ``jax.jit``) that `ShardedModule`
-      unwraps.
-    """
-    if not isinstance(x, (jax.Array, np.ndarray)) and not hasattr(x, "shape"):
-        raise UsageTypeError(f"gtp_jax.replicated expects an array, got {type(x).__name__}.")
-    return Replicated(x)
-
-
-def is_replicated(x: Any) -> bool:
-    return isinstance(x, Replicated)
-
-
-def unwrap(x: Any) -> Any:
-    return x.value if isinstance(x, Replicated) else x
 
 
 def arg_name(keys: tuple) -> str:

@@ -32,13 +32,11 @@ from gtp_jax.sharding.collectives import gather_weight
 from gtp_jax.sharding.contract import (
     InputLayout,
     OutputLayout,
-    Replicated,
     arg_name,
     body_jaxpr,
     check_call_arguments,
     check_outputs,
     has_user_remat,
-    is_replicated,
     key_name,
     per_example_rows,
     python_attributes,
@@ -48,10 +46,8 @@ from gtp_jax.sharding.contract import (
     refuse_unruled,
     refuse_write,
     replaced_read_only,
-    replicated,
     same_values,
     side_rules,
-    unwrap,
 )
 from gtp_jax.sharding.data_view import data_view, unmentioned_axes, viewed_spec
 from gtp_jax.sharding.lazy import GTPShard, LazyWeight, whole_weight
@@ -63,6 +59,7 @@ from gtp_jax.sharding.plan import (
     path_str,
     plan_param,
 )
+from gtp_jax.sharding.replicated import Replicated, is_replicated, replicated, unwrap
 from gtp_jax.sharding.scan import gathered_weight_policy
 from gtp_jax.sharding.sharing import (
     HoldsShards,

@@ -40,9 +40,10 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from gtp_jax.base.errors import UsageError, UsageTypeError
-from gtp_jax.sharding.contract import Replicated, is_key_array, is_replicated, key_name
+from gtp_jax.sharding.contract import is_key_array, key_name
 from gtp_jax.sharding.module import ShardedModule, unshard, unshard_values
 from gtp_jax.sharding.plan import path_str
+from gtp_jax.sharding.replicated import Replicated, is_replicated
 from gtp_jax.sharding.sharing import check_untied
 
 #: Tolerance, in units of ``finfo(dtype).eps``, of a value that went through `dtype`, by its
