@@ -1980,7 +1980,32 @@ def _bd_decode_cache() -> tuple[str, str]:
     return _lib(lambda: sm(jnp.ones((16, 1, 40))), "nnx.Cache")
 
 
+class _BdTable(nnx.Module):
+    def __init__(self):
+        self.lin = nnx.Linear(37, 61, rngs=nnx.Rngs(0))
+
+    def __call__(self, x, table):
+        return self.lin(x) + jnp.take(table, jnp.array([0, 2]), axis=0).sum(0) * table[1]
+
+
+def _bd_replicated_unsharded() -> tuple[str, str]:
+    """The same call, `gtp_jax.replicated(table)`, on the sharded and the unsharded module."""
+    x = jax.random.normal(jax.random.key(0), (16, 37))
+    table = jax.random.normal(jax.random.key(3), (4, 61))
+    sm = gtp_jax.shard(_BdTable(), _ex_mesh(), _EX_CFG)
+    try:
+        got = [np.asarray(f(x, gtp_jax.replicated(table)))
+               for f in (sm, gtp_jax.unshard(sm), _BdTable())]
+    except Exception as e:  # noqa: BLE001
+        return CONFUSING, f"{type(e).__name__}: {' '.join(str(e).split())[:110]}"
+    want = np.asarray(_BdTable()(x, table))
+    err = max(float(np.max(np.abs(g - want))) for g in got)
+    return (OK, f"max |diff| {err:.1e}") if err < 1e-4 else (WRONG, f"differs by {err}")
+
+
 add(BOUNDARY, "jax.make_mesh (Explicit axes), an unplaced batch", _bd_explicit_mesh)
+add(BOUNDARY, "gtp_jax.replicated(x) passed to the unsharded module too",
+    _bd_replicated_unsharded)
 add(BOUNDARY, "unsharded weights written in with nnx.update", _bd_update_unsharded)
 add(BOUNDARY, "unsharded weights (divisible) written in with nnx.update, called under jit",
     _bd_update_unsharded_jitted)
