@@ -295,6 +295,59 @@ def _sq(model, x):
     return jnp.mean(model(x) ** 2)
 
 
+def test_weights_picked_by_where_their_path_starts_are_refused() -> None:
+    """A sharded module's paths have 'module' first (the unsharded 'up/kernel' is
+    'module/up/kernel'): a wrt filter, an optax mask or multi_transform labels that pick
+    weights by their first key would freeze or decay other weights than unsharded. Refused
+    in one line by TrainStep and check_optimizer; picking by a name anywhere passes."""
+    import optax
+
+    from gtp_jax.train import check_optimizer  # noqa: PLC0415
+
+    mesh = gtp_jax.make_mesh(dp=2, gtp=4)
+    model = gtp_jax.shard(_Odd(), mesh, gtp_jax.GTPConfig(min_elements=0))
+    first_is_up = nnx.All(nnx.Param, lambda path, v: path[0] != "up")
+    frozen = nnx.Optimizer(model, optax.adamw(1e-2), wrt=first_is_up)
+    for run, where in ((lambda o: TrainStep(model, o, _sq), "TrainStep"),
+                       (lambda o: check_optimizer(model, o), "check_optimizer")):
+        with pytest.raises(gtp_jax.UsageError,
+                           match=rf"^{where}: the optimizer's wrt filter selects "
+                                 r"'module/up/bias' but would leave out 'up/bias', its path in "
+                                 r"the unsharded model: paths inside a gtp_jax.ShardedModule"):
+            run(frozen)
+
+    def name(key):  # a key of an nnx.State path (a dict key or an attribute)
+        return getattr(key, "key", getattr(key, "name", None))
+
+    def by_first_key(params):
+        return jax.tree_util.tree_map_with_path(
+            lambda path, _: "frozen" if name(path[0]) == "up" else "train", params)
+
+    labelled = nnx.Optimizer(model, optax.multi_transform(
+        {"frozen": optax.set_to_zero(), "train": optax.adam(1e-2)}, by_first_key),
+        wrt=nnx.Param)
+    masked = nnx.Optimizer(model, optax.masked(optax.adam(1e-2), lambda p: jax.tree_util.
+                           tree_map_with_path(lambda path, _: name(path[0]) != "up", p)),
+                           wrt=nnx.Param)
+    for optimizer in (labelled, masked):
+        with pytest.raises(gtp_jax.UsageError, match=r"^TrainStep: the optimizer's masks or "
+                           r"labels .* pick other weights on the sharded model .*"
+                           r"'module/down/bias', the unsharded model's 'down/bias'"):
+            TrainStep(model, optimizer, _sq)
+    # By a name anywhere in the path, or by type: the same weights either way.
+    for wrt in (nnx.All(nnx.Param, lambda path, v: "up" not in path),
+                nnx.All(nnx.Param, nnx.Not(nnx.PathContains("up")))):
+        TrainStep(model, nnx.Optimizer(model, optax.adamw(1e-2), wrt=wrt), _sq)
+    anywhere = nnx.Optimizer(model, optax.multi_transform(
+        {"frozen": optax.set_to_zero(), "train": optax.adam(1e-2)},
+        lambda p: jax.tree_util.tree_map_with_path(
+            lambda path, _: "frozen" if "up" in [name(k) for k in path] else "train", p)),
+        wrt=nnx.Param)
+    check_optimizer(model, anywhere)
+    plain = _Odd()  # unsharded: nothing to compare
+    check_optimizer(plain, nnx.Optimizer(plain, optax.adamw(1e-2), wrt=first_is_up))
+
+
 @pytest.mark.parametrize("name, make_tx, lr", [
     ("inject_hyperparams", lambda o: o.inject_hyperparams(o.adamw)(learning_rate=0.02), 0.02),
     ("chain", lambda o: o.chain(o.clip_by_global_norm(1.0),

@@ -33,6 +33,7 @@ from gtp_jax.base.errors import UsageError, UsageTypeError
 from gtp_jax.base.metadata import LOGICAL_SHAPE
 from gtp_jax.sharding.offload import StreamableChain
 from gtp_jax.train.lifecycle.layout import array_info, from_logical, to_logical
+from gtp_jax.train.step.path_check import check_paths
 
 #: Largest relative difference (to the update's largest element) taken as float rounding:
 #: sums over a different number of zeros round differently, by about 1e-7 in float32; the
@@ -60,8 +61,10 @@ def padded_weights(params: nnx.State) -> dict[tuple[Any, ...], dict[str, Any]]:
 def check_optimizer(model: nnx.Module, optimizer: nnx.Optimizer) -> None:
     """Refuses `optimizer` where it would train `model` (sharded, or holding sharded parts)
     away from the unsharded model: an optimizer whose update of a zero-padded stored weight
-    differs from its update of the unpadded weight (Adafactor, Muon). `TrainStep` checks
-    this itself; call it once for a training loop of your own::
+    differs from its update of the unpadded weight (Adafactor, Muon), or whose ``wrt``
+    filter, masks or labels pick weights by where their path starts
+    (`gtp_jax.train.step.path_check`: paths in a sharded module have ``module`` first).
+    `TrainStep` checks this itself; call it once for a training loop of your own::
 
         optimizer = nnx.Optimizer(model, optax.adafactor(1e-2), wrt=nnx.Param)
         gtp_jax.train.check_optimizer(model, optimizer)  # UsageError if weights are padded
@@ -75,6 +78,7 @@ def check_optimizer(model: nnx.Module, optimizer: nnx.Optimizer) -> None:
     if not isinstance(optimizer, nnx.Optimizer):
         raise UsageTypeError(f"check_optimizer: optimizer={type(optimizer).__name__} must be "
                              "an nnx.Optimizer of the model.")
+    check_paths(model, optimizer, "check_optimizer")
     check_padded_updates(optimizer.tx, nnx.state(model, optimizer.wrt), "check_optimizer")
 
 

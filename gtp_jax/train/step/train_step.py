@@ -63,6 +63,7 @@ from gtp_jax.sharding.offload import (
 from gtp_jax.sharding.sharing import check_untied
 from gtp_jax.train.step.optim import current_lr, global_norm, narrower_than_float32
 from gtp_jax.train.step.padding_check import check_padded_updates
+from gtp_jax.train.step.path_check import check_paths
 
 #: The metric under which a delayed-FP8 step returns its layers' use counts (`history_uses`);
 #: `TrainStep` removes it from what it returns.
@@ -145,6 +146,7 @@ class TrainStep:
         if not isinstance(has_aux, bool):
             raise UsageTypeError(f"TrainStep: has_aux={has_aux!r} must be True or False.")
         check_optimizer_of(model, optimizer)
+        check_paths(model, optimizer, "TrainStep")
         check_untied(model, "TrainStep")
         _check_master_weights(model, optimizer)
         check_stored_layout(model, "TrainStep")
