@@ -229,6 +229,27 @@ def test_the_unsharded_module_takes_the_same_call_with_replicated(key) -> None:
                                rtol=1e-5, atol=1e-5)
 
 
+def test_another_method_and_an_unsharded_state_are_named_in_one_line() -> None:
+    """A method of the wrapped module asked of the wrapper says where it is and how to run
+    it; nnx.update with an unsharded module's state names its key and the way to load
+    weights, before anything is written."""
+    class WithEncode(WithTable):
+        def encode(self, x):
+            return self.lin(x)
+
+    sm = gtp_jax.shard(WithEncode(), get_mesh("dp2_gtp4"), gtp_jax.GTPConfig(min_elements=0))
+    with pytest.raises(AttributeError, match=r"^gtp_jax.ShardedModule has no attribute "
+                       r"'encode'; the wrapped WithEncode has it.*gtp_jax.unshard\(sharded\)"):
+        sm.encode(jnp.ones((8, 16)))
+    assert not hasattr(sm, "missing") and isinstance(nnx.clone(sm), gtp_jax.ShardedModule)
+    before = jax.tree.map(np.asarray, nnx.state(sm))
+    with pytest.raises(UsageError, match=r"^gtp_jax.ShardedModule: the state written in "
+                       r"\(nnx.update\) has 'lin' where the sharded module's state has "
+                       r"'module'.*Load weights into the plain module and shard it then"):
+        nnx.update(sm, nnx.state(WithEncode()))
+    jax.tree.map(np.testing.assert_array_equal, before, jax.tree.map(np.asarray, nnx.state(sm)))
+
+
 def test_batch_arguments_must_share_leading_dim(key) -> None:
     mesh = get_mesh("dp2_gtp4")
     sm = gtp_jax.shard(WithTable(), mesh, gtp_jax.GTPConfig(min_elements=0))

@@ -166,6 +166,30 @@ class ShardedModule(nnx.Module, HoldsShards):
         self.split_plan = split_plan
         self.fp8_layers = fp8_layers
 
+    def __getattr__(self, name: str) -> Any:
+        # Only reached for names the wrapper lacks: say where a method of the wrapped
+        # module went, instead of a bare AttributeError.
+        module = vars(self).get("module")
+        if module is not None and not name.startswith("_") and hasattr(module, name):
+            raise AttributeError(
+                f"gtp_jax.ShardedModule has no attribute {name!r}; the wrapped "
+                f"{type(module).__name__} has it. Only its __call__ runs sharded (weights "
+                f"gathered); sharded.module.{name} would read the stored shards. Call it on "
+                f"gtp_jax.unshard(sharded), or shard the part of the model it runs.")
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    def _graph_node_set_key(self, key: Any, value: Any) -> None:
+        # nnx.update of the sharded module with an unsharded module's state names keys the
+        # wrapper does not have (its state is under 'module'): one line instead of Flax's
+        # static-attribute error.
+        if isinstance(key, str) and key not in vars(self) and not key.startswith("_"):
+            raise UsageError(
+                f"gtp_jax.ShardedModule: the state written in (nnx.update) has {key!r} where "
+                "the sharded module's state has 'module' (an unsharded module's state?). Load "
+                "weights into the plain module and shard it then (gtp_jax.shard), or read "
+                "them out with gtp_jax.unshard.")
+        super()._graph_node_set_key(key, value)
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         check_call_arguments(args, kwargs)
         check_callers("gtp_jax.ShardedModule")  # a weight the shard() copy untied
