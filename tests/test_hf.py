@@ -411,3 +411,46 @@ def test_export_owns_the_weight_files_of_its_folder(tmp_path) -> None:
     weights = {p.name for p in out.iterdir()} - set(mine) - {
         "config.json", "model-00003-of-00003.safetensors.d"}
     assert weights == {"model.safetensors"}
+
+
+def test_an_export_that_fails_leaves_its_folder_as_it_was(tmp_path, monkeypatch) -> None:
+    """The files are written aside and moved in together: an export that fails midway (here
+    at the second layer's tensors) leaves an older export and the user's files untouched and
+    nothing of its own. A mixture of experts, which a Llama checkpoint cannot hold, is
+    refused before anything is written, by to_hf and by the run's config."""
+    import gtp_jax.models.hf as hf  # noqa: PLC0415
+    from gtp_jax.train import TrainConfig  # noqa: PLC0415
+
+    out = tmp_path / "export"
+    to_hf(Transformer(GQA_CFG, rngs=nnx.Rngs(5)), str(out))
+    (out / "notes.txt").write_bytes(b"n")
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    real = hf._hf_tensors
+
+    def failing(module, cfg, layer):
+        if layer == 1:
+            raise OSError("No space left on device")
+        yield from real(module, cfg, layer)
+
+    monkeypatch.setattr(hf, "_hf_tensors", failing)
+    with pytest.raises(OSError, match="No space left"):
+        to_hf(Transformer(GQA_CFG, rngs=nnx.Rngs(6)), str(out), max_shard_bytes=20_000)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    monkeypatch.setattr(hf, "_hf_tensors", real)
+    moe = Transformer(dataclasses.replace(GQA_CFG, moe_experts=4), rngs=nnx.Rngs(0))
+    with pytest.raises(UsageError, match=r"^to_hf\(model=...\): the model has 4 experts per "
+                       r"MLP; .*Nothing was written"):
+        to_hf(moe, str(tmp_path / "moe"))
+    assert not (tmp_path / "moe").exists()
+    with pytest.raises(UsageError, match=r"^TrainConfig.export_hf with moe_experts=4"):
+        TrainConfig(moe_experts=4, export_hf=str(tmp_path / "moe"))
+
+
+def test_an_export_path_that_cannot_be_written_is_refused_before_training(tmp_path) -> None:
+    from gtp_jax.train import TrainConfig, train  # noqa: PLC0415
+
+    (tmp_path / "a_file").write_text("x")
+    for path, needle in ((tmp_path / "a_file", "is a file, not a directory"),
+                         (tmp_path / "a_file" / "sub", "cannot be created")):
+        with pytest.raises(UsageError, match=rf"^TrainConfig.export_hf=.*{needle}"):
+            train(TrainConfig(steps=1, dp=2, gtp=4, export_hf=str(path)), progress=False)

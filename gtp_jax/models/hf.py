@@ -36,7 +36,9 @@ import json
 import math
 import os
 import re
+import shutil
 import stat
+import tempfile
 from collections.abc import Callable
 from typing import Any
 
@@ -642,24 +644,50 @@ def to_hf(model: Transformer | ShardedModule, directory: str, *,
         export owns the weight files there: older ``model*.safetensors``,
         ``pytorch_model*.bin`` and their index files that it did not write are removed (a
         reader would load them instead of, or mixed with, the new weights). Other files
-        are left as they are.
+        are left as they are. The files are written aside first and moved in together:
+        an export that fails leaves the folder as it was.
       max_shard_bytes: the largest file written.
 
     Returns:
       The names of the weight files written.
     """
-    from safetensors.numpy import save_file  # noqa: PLC0415
-
     inner = model.module if isinstance(model, ShardedModule) else model
     if not isinstance(inner, Transformer):
         raise UsageError(f"to_hf(model=...): expected a gtp_jax.models.Transformer (sharded or "
                          f"not), got {type(inner).__name__}.")
     cfg = inner.cfg
-    dtype = np.dtype(cfg.param_dtype)
+    if cfg.moe_experts:
+        raise UsageError(f"to_hf(model=...): the model has {cfg.moe_experts} experts per MLP; "
+                         "a Hugging Face Llama checkpoint has a dense MLP. Nothing was written.")
     writer = jax.process_index() == 0
-    mode = None
+    stage = None
     if writer:
         os.makedirs(directory, exist_ok=True)
+        # Every file is written into a folder of its own inside `directory` and moved into
+        # place only when all are written: a failed export leaves the folder as it was.
+        stage = tempfile.mkdtemp(prefix=".gtp_jax-export-", dir=directory)
+    try:
+        files, many = _write_hf(model, cfg, stage, max_shard_bytes)
+        if writer:
+            for name in os.listdir(stage):
+                os.replace(os.path.join(stage, name), os.path.join(directory, name))
+            _remove_stale_weights(directory, {*files, *([_INDEX] if many else [])})
+    finally:
+        if stage is not None:
+            shutil.rmtree(stage, ignore_errors=True)
+    return files
+
+
+def _write_hf(model: Transformer | ShardedModule, cfg: TransformerConfig, directory: str | None,
+              max_shard_bytes: int) -> tuple[list[str], bool]:
+    """`to_hf`'s files, written into `directory` (process 0; None on the others, which only
+    take part in the gathers): the weight file names and whether they are shards."""
+    from safetensors.numpy import save_file  # noqa: PLC0415
+
+    dtype = np.dtype(cfg.param_dtype)
+    writer = directory is not None
+    mode = None
+    if writer:
         with open(os.path.join(directory, "config.json"), "w") as f:
             json.dump(config_to_hf(cfg, dtype.name), f, indent=2)
         # safetensors creates its files owner-only; the weights are read by whoever may
@@ -703,9 +731,7 @@ def to_hf(model: Transformer | ShardedModule, directory: str, *,
             with open(os.path.join(directory, _INDEX), "w") as f:
                 json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f,
                           indent=2)
-    if writer:
-        _remove_stale_weights(directory, {*files, *([_INDEX] if many else [])})
-    return files
+    return files, many
 
 
 #: The weight files and indexes ``from_pretrained`` reads (safetensors, then PyTorch's).

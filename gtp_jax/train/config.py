@@ -319,6 +319,10 @@ class TrainConfig:
             raise UsageError(
                 f"TrainConfig.init_from_hf with layers={self.layers}: the checkpoint's "
                 "config.json gives the number of layers; drop layers.")
+        if self.export_hf is not None and self.moe_experts:
+            raise UsageError(
+                f"TrainConfig.export_hf with moe_experts={self.moe_experts}: the Hugging Face "
+                "export writes a Llama checkpoint, whose MLP is dense; drop one of them.")
         if self.init_from_hf is not None and self.moe_experts:
             raise UsageError(
                 f"TrainConfig.init_from_hf with moe_experts={self.moe_experts}: a Hugging Face "
