@@ -454,3 +454,26 @@ def test_an_export_path_that_cannot_be_written_is_refused_before_training(tmp_pa
                          (tmp_path / "a_file" / "sub", "cannot be created")):
         with pytest.raises(UsageError, match=rf"^TrainConfig.export_hf=.*{needle}"):
             train(TrainConfig(steps=1, dp=2, gtp=4, export_hf=str(path)), progress=False)
+
+
+def test_a_finished_run_relaunched_with_an_export_writes_it(tmp_path) -> None:
+    """A finished run re-launched with an export asked for (the only way to redo a failed
+    one) writes its final checkpoint's export, equal to the one written as it finished, and
+    trains nothing; before, it said "nothing to train" and wrote nothing."""
+    from safetensors.numpy import load_file  # noqa: PLC0415
+
+    from gtp_jax.train import CheckpointConfig, RunFinished, TrainConfig, train  # noqa: PLC0415
+
+    cfg = TrainConfig(steps=2, dp=2, gtp=4, export_hf=str(tmp_path / "end"))
+    train(cfg, progress=False, checkpoint=CheckpointConfig(str(tmp_path / "ck"), resume="auto"))
+    with pytest.raises(RunFinished, match=r"nothing to train; wrote its Hugging Face export "
+                       rf"to '{tmp_path}/again'") as done:
+        train(dataclasses.replace(cfg, export_hf=str(tmp_path / "again")), progress=False,
+              checkpoint=CheckpointConfig(str(tmp_path / "ck"), resume="auto"))
+    assert done.value.export_hf == str(tmp_path / "again")
+    end, again = (load_file(str(tmp_path / d / "model.safetensors")) for d in ("end", "again"))
+    assert end.keys() == again.keys()
+    for k in end:
+        np.testing.assert_array_equal(again[k], end[k], err_msg=k)
+    assert (tmp_path / "end" / "config.json").read_text() == (
+        tmp_path / "again" / "config.json").read_text()

@@ -52,6 +52,7 @@ from gtp_jax.train.lifecycle.checkpoint import CheckpointConfig, Checkpointer, D
 from gtp_jax.train.lifecycle.ntp import NonuniformStep, Recovery, SimulatedFailure, check_failure
 from gtp_jax.train.lifecycle.preempt import RunStopped, StopRequest
 from gtp_jax.train.lifecycle.resume import (
+    RunFinished,
     StartOver,
     check_resume,
     note,
@@ -310,7 +311,18 @@ def _train(run: Run, *, on_step: OnStep | None, progress: bool,
            stop: StopRequest | None = None) -> TrainResult:
     source = DataSource.check(None) if source is None else source
     run, candidates = select_candidates(run, ckpt, auto=auto,
-                                        source=source.fingerprint() if ckpt else None)
+                                        source=source.fingerprint() if ckpt else None,
+                                        keep_finished=run.config.export_hf is not None)
+    if candidates and candidates[0][0] == run.config.steps:
+        # A finished run re-launched with an export asked for: its final checkpoint (verified
+        # and checked above) is written out; nothing is trained.
+        model, optimizer = build_model_and_optimizer(run)
+        _, step = restore_newest(ckpt, candidates, model, optimizer)
+        if step != run.config.steps:  # the final one failed its checksums on restore
+            raise UsageError(f"the final checkpoint in {ckpt.config.directory!r} could not be "
+                             f"restored to export it (restored step {step}); see above.")
+        to_hf(model, run.config.export_hf)
+        raise RunFinished(ckpt.config.directory, step, os.path.abspath(run.config.export_hf))
     # Recorded explicitly in checkpoints, so extending the run keeps this schedule (its
     # length and warm-up change nothing that was resolved).
     run = dataclasses.replace(run, config=run.config.with_schedule())

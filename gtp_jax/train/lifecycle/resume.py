@@ -42,18 +42,23 @@ class RunFinished(Exception):  # noqa: N818 - not an error: the run is complete
     Attributes:
       directory: the checkpoint directory.
       step: the step of the run's final (verified) checkpoint, equal to ``steps``.
+      export_hf: where the final checkpoint's Hugging Face export was written (a run
+        re-launched with ``TrainConfig.export_hf``), or None.
     """
 
-    def __init__(self, directory: str, step: int):
-        self.directory, self.step = directory, step
+    def __init__(self, directory: str, step: int, export_hf: str | None = None):
+        self.directory, self.step, self.export_hf = directory, step, export_hf
         super().__init__(self.message)
 
     @property
     def message(self) -> str:
-        """One line: finished at which step, where its checkpoint is, how to extend it."""
+        """One line: finished at which step, where its checkpoint is, where its Hugging Face
+        export was written, how to extend it."""
+        exported = ("" if self.export_hf is None else
+                    f"; wrote its Hugging Face export to {self.export_hf!r}")
         return (f"the run in {self.directory!r} is finished (checkpoint at step {self.step}); "
-                f"nothing to train. To extend it, pass a larger TrainConfig.steps (e.g. "
-                f"TrainConfig.steps={self.step + max(1, self.step // 5)}).")
+                f"nothing to train{exported}. To extend it, pass a larger TrainConfig.steps "
+                f"(e.g. TrainConfig.steps={self.step + max(1, self.step // 5)}).")
 
 
 class StartOver(Exception):  # noqa: N818 - not an error: what happens next
@@ -71,7 +76,8 @@ def note(line: str) -> None:
 
 def select_candidates(run: Run, ckpt: Checkpointer | None, *,
                       auto: frozenset[str] = frozenset(),
-                      source: dict[str, Any] | None = None) -> tuple[Run, list[Candidate]]:
+                      source: dict[str, Any] | None = None,
+                      keep_finished: bool = False) -> tuple[Run, list[Candidate]]:
     """The checkpoints to try to resume from, newest first (none for a new run), and `run`
     with the saved run's ``schedule_steps`` (and, for the fields named in `auto`, left on
     "auto" by the user, the saved run's values: then resolved once more, as the run it now
@@ -108,7 +114,8 @@ def select_candidates(run: Run, ckpt: Checkpointer | None, *,
     def check(meta: dict[str, Any], steps_left: bool) -> None:
         check_resume(cfg, model_cfg, meta, directory, steps_left=steps_left, source=source)
 
-    candidates = drop_finished(ckpt, candidates, cfg.steps, check)
+    candidates = drop_finished(ckpt, candidates, cfg.steps, check,
+                               keep_finished=keep_finished)
     return (run, candidates) if candidates else (given, [])
 
 
@@ -145,7 +152,8 @@ def intact_candidates(ckpt: Checkpointer) -> list[Candidate]:
 
 
 def drop_finished(ckpt: Checkpointer, candidates: list[Candidate], steps: int,
-                  check: Callable[[dict[str, Any], bool], None]) -> list[Candidate]:
+                  check: Callable[[dict[str, Any], bool], None], *,
+                  keep_finished: bool = False) -> list[Candidate]:
     """`candidates` without the newest ones at or past `steps` that turn out damaged
     (verified, reported, skipped: an older intact one may still have steps left).
 
@@ -173,6 +181,8 @@ def drop_finished(ckpt: Checkpointer, candidates: list[Candidate], steps: int,
             continue
         check(candidates[0][1], False)
         if candidates[0][0] == steps:
+            if keep_finished:  # the caller restores it (to export it) and says it is done
+                return candidates
             raise RunFinished(directory, steps)
         check(candidates[0][1], True)  # past the last step: refused
         raise UsageError(f"the checkpoint in {directory!r} is past the run's {steps} steps.")
