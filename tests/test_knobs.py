@@ -292,6 +292,16 @@ def test_job_file_sets_flags_and_flags_override(tmp_path) -> None:
     args = _args(tmp_path, text, "--steps", "9", "--lr-schedule=cosine", "--unroll-layers")
     assert (args.steps, args.lr_schedule, args.unroll_layers, args.lr) == (9, "cosine", True,
                                                                            1e-3)
+    # Every on/off flag a file turns on, the command line turns off (and the other way).
+    switches = ("overlap", "prefetch", "keep-gathered-layers", "deterministic",
+                "offload-master-weights", "offload-optimizer", "unroll-layers",
+                "coalesce-layer-collectives")
+    on = "".join(f"{k} = true\n" for k in switches)
+    args = vars(_args(tmp_path, on, *(f"--no-{k}" for k in switches)))
+    assert [args[k.replace("-", "_")] for k in switches] == [False] * len(switches)
+    off = "".join(f"{k} = false\n" for k in switches)
+    args = vars(_args(tmp_path, off, *(f"--{k}" for k in switches)))
+    assert [args[k.replace("-", "_")] for k in switches] == [True] * len(switches)
 
 
 @pytest.mark.parametrize("text, needle", [

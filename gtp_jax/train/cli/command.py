@@ -262,7 +262,7 @@ def _parser() -> argparse.ArgumentParser:
                      "gradients summed before one update (activation memory of one "
                      "microbatch; --batch must be a multiple of N*dp*ep*gtp)")
     train.add_argument("--seed", type=int, default=0, help="init and data-order seed")
-    train.add_argument("--deterministic", action="store_true",
+    train.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=False,
                        help="bit-reproducible GPU runs (XLA's deterministic kernels, no "
                        "autotuning; slower; on GPUs with --dtype float32): the same command "
                        "gives the same losses run to run, so a resumed or re-laid-out run "
@@ -290,7 +290,7 @@ def _parser() -> argparse.ArgumentParser:
                        help="with --fp8-compute: projections with fewer input or output "
                        "features stay in the compute dtype (default 2048: smaller GEMMs "
                        "gain less than their quantize passes cost)")
-    train.add_argument("--overlap", action="store_true",
+    train.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=False,
                        help="ring-overlapped collective matmuls for the tp GEMMs")
     train.add_argument("--moe-experts", type=int, default=0, help="experts per layer (0: dense)")
     train.add_argument("--moe-top-k", type=int, default=2, help="experts per token")
@@ -298,10 +298,11 @@ def _parser() -> argparse.ArgumentParser:
                        help="MoE capacity factor: each expert takes this multiple of an even "
                        "share of a sequence's routing choices; those beyond are dropped (the "
                        "progress line's 'dropped' share); 0: dropless, none dropped")
-    train.add_argument("--prefetch", action="store_true",
+    train.add_argument("--prefetch", action=argparse.BooleanOptionalAction, default=False,
                        help="double-buffered prefetch of the next layer's weights in the "
                        "scanned layer loop (unrolled layers always gather one layer ahead)")
-    train.add_argument("--keep-gathered-layers", action="store_true",
+    train.add_argument("--keep-gathered-layers", action=argparse.BooleanOptionalAction,
+                       default=False,
                        help="gather each layer's weights once per step: the backward pass "
                        "reuses the forward pass's (faster where the backward pass waits on "
                        "gathers, e.g. few tokens per GPU; every layer's gathered weights are "
@@ -332,7 +333,8 @@ def _parser() -> argparse.ArgumentParser:
                        help="with --offload-optimizer: parameters (regular expressions on "
                        "paths such as blocks/mlp/down/kernel) whose optimizer state stays "
                        "on the device, so fewer bytes cross each step")
-    train.add_argument("--offload-master-weights", action="store_true",
+    train.add_argument("--offload-master-weights", action=argparse.BooleanOptionalAction,
+                       default=False,
                        help="with --offload-optimizer: the float32 parameters in host memory "
                        "too, bfloat16 parameters and gradients on the devices (4 bytes less "
                        "device memory per parameter, 4 more each way over the host link per "
