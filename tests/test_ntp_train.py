@@ -232,8 +232,28 @@ def test_library_errors_name_arguments():
         SimulatedFailure(step=1, devices=())
     with pytest.raises(UsageError, match="SimulatedFailure.tp_spares"):
         check_failure(CFG, SimulatedFailure(step=2, devices=(5,), tp_spares=1))
-    with pytest.raises(UsageError, match="after the resumed step 4"):
+    with pytest.raises(UsageError, match="after the resumed step 4.*or drop it to continue on "
+                       "the whole mesh"):
         check_failure(CFG, SimulatedFailure(step=3, devices=(5,)), start=4)
     assert parse_failure("step=3,device=5,device=6").devices == (5, 6)
     # Default spares: the parity rule asks for 1, tp=3 cannot split 4 heads: 2.
     assert check_failure(CFG, SimulatedFailure(step=2, devices=(5,))).core_degree == 2
+
+
+def test_the_stop_message_after_the_failure_says_to_drop_it(capsys):
+    """Stopped after its simulated failure, a run continues on the whole mesh: the stop
+    line says to run the command without --simulate-failure (the same command is refused,
+    the failure step being before the resumed one); stopped before it, the same command."""
+    from types import SimpleNamespace  # noqa: PLC0415
+
+    from gtp_jax.train.cli.command import _stopped  # noqa: PLC0415
+
+    def stopped_after(step: int) -> str:
+        result = SimpleNamespace(first_step=1, losses=[1.0] * step, checkpoint_dir="ck",
+                                 checkpoint_steps=[step], stopped_by="SIGTERM")
+        assert _stopped(result, True, 8, None, SimulatedFailure(step=4, devices=(5,))) == 75
+        return capsys.readouterr().out
+
+    assert "run the same command without --simulate-failure with --resume auto" in \
+        stopped_after(6)
+    assert "run the same command with --resume auto" in stopped_after(3)

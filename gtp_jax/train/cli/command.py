@@ -815,7 +815,7 @@ def _run(args: argparse.Namespace, sizes: dict[str, int | None], cpu_sizes: dict
                   f"{RESUMABLE_EXIT}: unfinished).", flush=True)
         return RESUMABLE_EXIT
     if result.stopped_by is not None:
-        return _stopped(result, primary, args.steps, args.export_hf)
+        return _stopped(result, primary, args.steps, args.export_hf, failure)
     if primary:
         print(result.summary(), flush=True)
     return 0
@@ -868,7 +868,8 @@ def _mesh_defaults_hint(err: UsageError, sizes: dict[str, int | None],
     return err
 
 
-def _stopped(result: object, primary: bool, steps: int, export_hf: str | None) -> int:
+def _stopped(result: object, primary: bool, steps: int, export_hf: str | None,
+             failure: object | None = None) -> int:
     """One line for a run stopped by a signal. Never status 0, which would let ``train &&
     upload`` publish a partial run: `RESUMABLE_EXIT` when its checkpoint was saved (a
     requeued job continues from it), else 128 + the signal's number (the steps are lost)."""
@@ -881,7 +882,10 @@ def _stopped(result: object, primary: bool, steps: int, export_hf: str | None) -
     number = getattr(signal, result.stopped_by.split()[0], 0)  # "SIGTERM on process 1"
     code = RESUMABLE_EXIT if saved else 128 + int(number)
     if primary:
-        where = (f"checkpoint saved in {result.checkpoint_dir!r}; run the same command with "
+        # Past its simulated failure the run continues on the whole mesh, without the flag.
+        same = ("the same command without --simulate-failure"
+                if failure is not None and step >= failure.step else "the same command")
+        where = (f"checkpoint saved in {result.checkpoint_dir!r}; run {same} with "
                  "--resume auto to continue" if saved else
                  "no --checkpoint-dir, nothing was saved")
         unexported = (f"; --export-hf {export_hf!r} is written only when the run finishes"

@@ -172,9 +172,12 @@ def check_failure(run: TrainConfig | Run, failure: SimulatedFailure | None, *,
                              f"{type(failure).__name__}.")
     if not start < failure.step < cfg.steps:
         where = f"after the resumed step {start} and " if start else ""
+        past = (", or drop it to continue on the whole mesh (a run stopped after its "
+                "failure resumes there)" if 0 < failure.step <= start else "")
         raise UsageError(
             f"SimulatedFailure.step={failure.step} must be {where}before the last step "
-            f"(TrainConfig.steps={cfg.steps}): choose a step in {start + 1}..{cfg.steps - 1}.")
+            f"(TrainConfig.steps={cfg.steps}): choose a step in {start + 1}..{cfg.steps - 1}"
+            f"{past}.")
     if jax.process_count() > 1:
         raise UsageError("SimulatedFailure runs in one process only: its re-layout moves "
                          "arrays between devices with jax.device_put (see "
