@@ -477,3 +477,24 @@ def test_a_finished_run_relaunched_with_an_export_writes_it(tmp_path) -> None:
         np.testing.assert_array_equal(again[k], end[k], err_msg=k)
     assert (tmp_path / "end" / "config.json").read_text() == (
         tmp_path / "again" / "config.json").read_text()
+
+
+def test_a_warm_start_folder_is_the_same_however_it_is_spelled(tmp_path, monkeypatch) -> None:
+    """On resume, --init-from / --init-from-hf name the same folder as the saved run's when
+    they resolve to it (``./ck/`` for ``ck``, an absolute path); another folder is refused."""
+    from test_reliability import _check_resume, _meta
+
+    from gtp_jax.train import TrainConfig, model_config
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "ck").mkdir()
+    (tmp_path / "other").mkdir()
+    saved = TrainConfig(steps=6, schedule_steps=6, init_from="ck")
+    meta = _meta(saved)
+    for spelled in ("./ck/", str(tmp_path / "ck"), "ck"):
+        cfg = dataclasses.replace(saved, init_from=spelled)
+        assert _check_resume(cfg, model_config(cfg), meta, "/ck").steps == 6
+    cfg = dataclasses.replace(saved, init_from="other")
+    with pytest.raises(UsageError, match=r"TrainConfig.init_from: checkpoint 'ck' vs now "
+                       r"'other'"):
+        _check_resume(cfg, model_config(cfg), meta, "/ck")

@@ -4,6 +4,7 @@ restoring it (skipping damaged ones in favour of older intact ones)."""
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -194,6 +195,19 @@ def drop_finished(ckpt: Checkpointer, candidates: list[Candidate], steps: int,
     return candidates
 
 
+#: Fields that name a folder: the same folder however it is spelled (``./d/`` and ``d``).
+_PATH_FIELDS = frozenset({"init_from", "init_from_hf"})
+
+
+def _same(field: str, saved: Any, now: Any) -> bool:
+    """Whether a run's `field` is the same in the checkpoint (`saved`) and now."""
+    if saved == now:
+        return True
+    if field in _PATH_FIELDS and isinstance(saved, str) and isinstance(now, str):
+        return "://" not in saved + now and os.path.realpath(saved) == os.path.realpath(now)
+    return False
+
+
 def _no_intact(directory: str, *, skipped: bool) -> UsageError:
     """The refusal of ``resume=True`` without an intact checkpoint (`skipped`: each of
     those in `directory` was reported damaged above)."""
@@ -306,7 +320,8 @@ def check_resume(cfg: TrainConfig, model_cfg: TransformerConfig | UserModel,
     # Else the differing TrainConfig.model names the whole model.
     same_kind = saved_cfg.get("model") == mine.get("model")
     differ = [f"TrainConfig.{k}: checkpoint {saved_cfg.get(k)!r} vs now {mine[k]!r}"
-              for k in mine if k not in RESUME_MAY_DIFFER and saved_cfg.get(k) != mine[k]
+              for k in mine if k not in RESUME_MAY_DIFFER and not _same(k, saved_cfg.get(k),
+                                                                        mine[k])
               and not (same_kind and k in COMPARED_AS_MODEL)]
     if same_kind:
         differ += model_differences(model_cfg, saved_model, MODEL_MAY_DIFFER)
