@@ -1767,6 +1767,35 @@ def _reduce_dtype_at_gtp1() -> tuple[str, str]:
 add(INPUTS, "--reduce-dtype bfloat16 at gtp=1: what the header says", _reduce_dtype_at_gtp1)
 
 
+def _export_moe() -> tuple[str, str]:
+    """A mixture of experts with --export-hf: refused before training (it trained, then
+    failed after rewriting config.json over an older export)."""
+    folder = WORK / "in_export_moe"
+    shutil.rmtree(folder, ignore_errors=True)
+    run = cli("--steps", "2", *SMALL, "--moe-experts", "4", "--dp", "1", "--ep", "2",
+              "--gtp", "4", "--export-hf", str(folder))
+    outcome, detail = expect_error(run, "--export-hf", "moe")
+    if outcome == OK and (folder.exists() or "step" in run.out):
+        return WRONG, "trained or wrote before refusing"
+    return outcome, detail
+
+
+def _export_finished() -> tuple[str, str]:
+    """A finished run launched again with --export-hf writes its export (it exited 0 and
+    wrote nothing)."""
+    d = fresh_copy("in_export_finished")
+    folder = WORK / "in_export_finished_hf"
+    shutil.rmtree(folder, ignore_errors=True)
+    run = cli("--steps", "4", *SMALL, "--checkpoint-dir", str(d), "--resume", "auto",
+              "--export-hf", str(folder))
+    return expect_ok(run, lambda: None if (folder / "model.safetensors").is_file() else
+                     "exit 0, but no export was written")
+
+
+add(INPUTS, "--export-hf with --moe-experts 4", _export_moe)
+add(INPUTS, "a finished run launched again with --export-hf", _export_finished)
+
+
 # ---- what crosses a sharded call unseen: a variable the model holds beside its sharded
 # part, randomness made in the call, plain attributes, a raw key, batch statistics
 # (area "boundary"; each case trains or calls the way the README shows)
@@ -2003,7 +2032,22 @@ def _bd_replicated_unsharded() -> tuple[str, str]:
     return (OK, f"max |diff| {err:.1e}") if err < 1e-4 else (WRONG, f"differs by {err}")
 
 
+def _bd_wrt_first_key() -> tuple[str, str]:
+    """A wrt filter that freezes by the first key of the path ('module' comes first inside a
+    sharded module): TrainStep must refuse it rather than train the frozen weights."""
+    import optax  # noqa: PLC0415
+
+    from gtp_jax.train import TrainStep  # noqa: PLC0415
+
+    sm = gtp_jax.shard(_BdTrunk(), _ex_mesh(), _EX_CFG)
+    wrt = nnx.All(nnx.Param, lambda path, v: path[0] != "embed")
+    return _lib(lambda: TrainStep(sm, nnx.Optimizer(sm, optax.adamw(1e-2), wrt=wrt),
+                                  lambda m, x: jnp.mean(m(x) ** 2)), "wrt filter", "module")
+
+
 add(BOUNDARY, "jax.make_mesh (Explicit axes), an unplaced batch", _bd_explicit_mesh)
+add(BOUNDARY, "an optimizer's wrt filter on the path's first key (TrainStep)",
+    _bd_wrt_first_key)
 add(BOUNDARY, "gtp_jax.replicated(x) passed to the unsharded module too",
     _bd_replicated_unsharded)
 add(BOUNDARY, "unsharded weights written in with nnx.update", _bd_update_unsharded)
