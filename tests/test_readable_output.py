@@ -25,6 +25,11 @@ def test_the_stop_message_says_at_most_two_more_steps(capfd: pytest.CaptureFixtu
     assert err.count("\n") == 1, err
     assert "SIGINT received: finishing at most two more steps" in err
     assert "the host runs one step ahead" in err and "saving a checkpoint" in err
+    with stop_on_signals(saves=False):  # no checkpoint directory: no save announced
+        os.kill(os.getpid(), signal.SIGINT)
+    err = capfd.readouterr().err
+    assert "then exiting (no checkpoint directory: nothing is saved)" in err, err
+    assert "saving a checkpoint" not in err
 
 
 @pytest.mark.parametrize("capacity,says", [

@@ -793,7 +793,7 @@ def _run(args: argparse.Namespace, sizes: dict[str, int | None], cpu_sizes: dict
             cfg = _planned(args, sizes, cfg, planner)
         # Printed once the run is validated and will train (a finished run's re-launch
         # prints only that it is finished).
-        with stop_on_signals() as stop:
+        with stop_on_signals(saves=checkpoint is not None) as stop:
             result = train(cfg, checkpoint=checkpoint, observe=observe, failure=failure,
                            on_start=functools.partial(_print_header, given=cfg)
                            if primary else None, data=data, stop=stop)

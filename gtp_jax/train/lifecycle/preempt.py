@@ -117,8 +117,10 @@ def _vote(step: int, mine: str | None) -> list[tuple[str, str]]:
 
 
 @contextlib.contextmanager
-def stop_on_signals(signals: Sequence[int] = STOP_SIGNALS) -> Iterator[StopRequest]:
-    """Handlers for `signals` while the block runs; yields the `StopRequest` they set.
+def stop_on_signals(signals: Sequence[int] = STOP_SIGNALS, *,
+                    saves: bool = True) -> Iterator[StopRequest]:
+    """Handlers for `signals` while the block runs; yields the `StopRequest` they set
+    (`saves`: the run has a checkpoint directory, which the first signal's line mentions).
 
     First signal: one line on stderr, the request is set (the run stops after the step in
     flight and saves). Second signal: one line, then the process exits at once with status
@@ -140,9 +142,11 @@ def stop_on_signals(signals: Sequence[int] = STOP_SIGNALS) -> Iterator[StopReque
                  "checkpoint is kept, a save in progress is discarded.")
             os._exit(128 + signum)
         request.request(signum)
+        then = ("then saving a checkpoint and exiting" if saves else
+                "then exiting (no checkpoint directory: nothing is saved)")
         _say(f"gtp_jax train: {name} received: finishing at most two more steps (the host "
-             "runs one step ahead of the devices), then saving a checkpoint and exiting; "
-             "before the first step, exiting at once (send it again to exit at once).")
+             f"runs one step ahead of the devices), {then}; before the first step, exiting "
+             "at once (send it again to exit at once).")
 
     previous = {s: signal.signal(s, handle) for s in signals}
     try:
