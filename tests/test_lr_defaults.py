@@ -45,7 +45,7 @@ def test_explicit_values_win_and_a_checkpoint_shape_model_takes_the_generic_ones
     assert (given.with_schedule().lr, given.with_schedule().warmup) == (1e-4, 3)
     assert describe_schedule(given.with_schedule(), given) == (
         "lr 0.0001, warm-up 3 steps, cosine schedule over 50 steps")
-    hf = TrainConfig(preset="llama3-8b", steps=50, init_from_hf="/some/checkpoint")
+    hf = TrainConfig(steps=50, init_from_hf="/some/checkpoint")
     assert hf.lr_defaults is GENERIC
     assert (hf.with_schedule().lr, hf.with_schedule().warmup) == (3e-3, 5)
     default = TrainConfig(preset="llama3-8b", steps=2000)

@@ -221,3 +221,18 @@ def test_reduce_dtype_at_gtp1_is_described_as_it_is() -> None:
     one = TrainConfig(reduce_dtype="bfloat16", dp=8, gtp=1)
     line = describe_choices(one, model_config(one))
     assert "reduce-scattered in" not in line and "nothing is reduce-scattered at gtp=1" in line
+
+
+def test_flags_a_run_cannot_use_are_said_or_refused() -> None:
+    """--overlap at tp=1 is named in the header as having no effect; --preset beside
+    --init-from-hf (whose config.json gives the model) is refused, as --layers is."""
+    from gtp_jax.train import model_config
+    from gtp_jax.train.config import describe_choices
+
+    cfg = TrainConfig(overlap=True, dp=2, gtp=4)
+    assert "--overlap has no effect at tp=1" in describe_choices(cfg, model_config(cfg))
+    cfg = TrainConfig(overlap=True, dp=2, gtp=2, tp=2)
+    assert "--overlap" not in describe_choices(cfg, model_config(cfg))
+    with pytest.raises(UsageError, match=r"^TrainConfig.init_from_hf with preset='small': the "
+                       r"checkpoint's config.json gives the model; drop preset"):
+        TrainConfig(preset="small", init_from_hf="/some/checkpoint")

@@ -315,6 +315,10 @@ class TrainConfig:
             raise UsageError("TrainConfig.init_from with TrainConfig.offload_master_weights: "
                              "starting from another run's weights is not supported with "
                              "master weights in host memory; drop one of them.")
+        if self.init_from_hf is not None and self.preset != PRESET_ONLY["preset"][0]:
+            raise UsageError(
+                f"TrainConfig.init_from_hf with preset={self.preset!r}: the checkpoint's "
+                "config.json gives the model; drop preset.")
         if self.init_from_hf is not None and self.layers is not None:
             raise UsageError(
                 f"TrainConfig.init_from_hf with layers={self.layers}: the checkpoint's "
@@ -642,6 +646,8 @@ def describe_choices(cfg: TrainConfig, model_cfg: TransformerConfig | UserModel)
                      "; prefetch has no effect at gtp=1 (nothing is gathered)")
     if cfg.keep_gathered_layers:
         loop += "; the backward pass reuses the forward pass's gathered weights"
+    if cfg.overlap and cfg.tp == 1:
+        loop += "; --overlap has no effect at tp=1 (no tensor-parallel matmul to ring)"
     if cfg.gtp > 1:  # at gtp=1 nothing is gathered or reduce-scattered
         loop += ("; one gather and one reduce-scatter per layer" if
                  cfg.coalesce_layer_collectives else "; one gather and reduce-scatter per weight")

@@ -352,7 +352,7 @@ def _parser() -> argparse.ArgumentParser:
     hf = train.add_argument_group("Hugging Face checkpoints (Llama family; docs/models.md)")
     hf.add_argument("--init-from-hf", default=None, metavar="DIR", type=PATH,
                     help="start from this checkpoint's weights; its config.json sets the "
-                         "model shape (--preset is not used)")
+                         "model shape (--preset is refused with it)")
     hf.add_argument("--export-hf", default=None, metavar="DIR", type=PATH,
                     help="write the trained model there as a Hugging Face checkpoint")
     data = train.add_argument_group(
