@@ -211,6 +211,11 @@ def test_the_launcher_flag_is_dropped_however_argparse_took_it():
     (["--processes", "2", "--cp", "2", "--moe-experts", "4"],
      "--cp=2 with --moe-experts=4"),
     (["--processe", "2", "--batch", "7"], None),
+    (["--processes", "2", "--tp", "4", "--dp", "2", "--simulate-failure", "step=1,device=5"],
+     "--simulate-failure with --processes 2: a simulated failure runs in one process only"),
+    (["--processes", "2", "--export-hf", "/proc/gtp_jax_x"], "--export-hf='/proc/gtp_jax_x'"),
+    (["--processes", "2", "--checkpoint-dir", "/proc/gtp_jax_x"], "--checkpoint-dir="),
+    (["--processes", "2", "--metrics-json", "/proc/gtp_jax_x.json"], "--metrics-json="),
 ])
 def test_launch_refusals_are_one_line_before_any_process_starts(flags, message, capsys,
                                                                  monkeypatch):

@@ -179,8 +179,9 @@ def train(cfg: TrainConfig, *, on_step: OnStep | None = None,
     check_devices(resolved)
     check_failure(resolved, failure)
     check_memory_fits(resolved)
-    if cfg.export_hf is not None and jax.process_index() == 0:
-        # Checked before training: a run never trains and then fails to write its export.
+    if cfg.export_hf is not None:
+        # Checked before training (by every process, which then agree): a run never trains
+        # and then fails to write its export.
         check_writable_dir(cfg.export_hf, "TrainConfig.export_hf")
     with open_run_dirs(checkpoint, observe) as ckpt:
         run = functools.partial(_train, resolved, on_step=on_step, progress=progress, ckpt=ckpt,

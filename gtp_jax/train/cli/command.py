@@ -587,6 +587,19 @@ def _launch_flags_problem(args: argparse.Namespace) -> str | None:
     return None
 
 
+def _check_output_paths(args: argparse.Namespace) -> None:
+    """The folders and files the run writes, checked as each process would (once, by the
+    launcher, before any process starts)."""
+    from gtp_jax.train.outputs.observe import check_writable_dir, check_writable_file  # noqa: PLC0415
+
+    for flag, path in (("--checkpoint-dir", args.checkpoint_dir), ("--log-dir", args.log_dir),
+                       ("--profile-dir", args.profile_dir), ("--export-hf", args.export_hf)):
+        if path is not None:
+            check_writable_dir(path, flag)
+    if args.metrics_json is not None:
+        check_writable_file(args.metrics_json, "--metrics-json")
+
+
 def _launch(argv: list[str], args: argparse.Namespace, sizes: dict[str, int | None],
             cpu_sizes: dict[str, int]) -> int:
     """``--processes N``: this process starts and supervises the run's N processes
@@ -617,7 +630,13 @@ def _launch(argv: list[str], args: argparse.Namespace, sizes: dict[str, int | No
     problem = deterministic_problem(args.deterministic, backend, args.dtype)
     if problem:
         return _fail(UsageError(problem), 2)
+    if args.simulate_failure is not None:
+        return _fail(UsageError(
+            f"--simulate-failure with --processes {processes}: a simulated failure runs in one "
+            "process only (its re-layout moves arrays between the devices of one process); "
+            "drop one of them (docs/fault_tolerance.md)."), 2)
     try:
+        _check_output_paths(args)
         cfg = _train_config(args, _PLANNED_MESH if args.plan == "auto" else mesh)
         if args.plan != "auto":
             from gtp_jax.train.config import check_devices, resolve  # noqa: PLC0415
