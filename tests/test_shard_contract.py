@@ -173,6 +173,40 @@ def test_output_not_per_example_is_refused(key) -> None:
         sm(_place(mesh, _xs(key)))
 
 
+class KeptDims(nnx.Module):
+    """Outputs whose leading dim is 1 whatever the batch: a sum kept as a row, a column
+    transposed, beside a per-example output."""
+
+    def __init__(self):
+        self.lin = nnx.Linear(16, 64, rngs=nnx.Rngs(0))
+
+    def __call__(self, x):
+        h = self.lin(x)
+        return h, h.sum(0, keepdims=True), h[:, :1].T
+
+
+def test_an_output_of_one_row_at_one_example_per_shard_is_refused(key) -> None:
+    """At one example per data shard every output of leading dim 1 looks per-example: the
+    sharded call compares the outputs' shapes over the whole batch with the unsharded
+    module's (an abstract trace) and refuses those that differ, before anything runs; at two
+    examples per shard the usual check refuses them; per-example outputs pass."""
+    mesh = get_mesh("dp2_gtp4")
+    sm = gtp_jax.shard(KeptDims(), mesh, gtp_jax.GTPConfig(min_elements=0))
+    x = _place(mesh, _xs(key))  # 8 examples over 8 data shards
+    with pytest.raises(UsageError, match=r"^gtp_jax.ShardedModule: output 1 has one row per "
+                       r"example on each data shard by its shape .*\(8, 64\) over the batch "
+                       r"of 8, but the unsharded module returns \(1, 64\)"):
+        sm(x)
+    with pytest.raises(UsageError, match=r"output 1 has one row"):
+        nnx.jit(lambda m, x: m(x))(sm, x)
+    with pytest.raises(UsageError, match=r"per-example"):
+        sm(_place(mesh, _xs(key, 16)))
+    ref, plain = WithTable(), gtp_jax.shard(WithTable(), mesh, gtp_jax.GTPConfig(min_elements=0))
+    table = gtp_jax.replicated(jnp.ones((3, 64)))
+    np.testing.assert_allclose(np.asarray(plain(x, table)), np.asarray(ref(_xs(key), table)),
+                               rtol=1e-5, atol=1e-5)
+
+
 def test_replicated_argument_reaches_every_shard_whole(key) -> None:
     mesh = get_mesh("dp2_gtp4")
     ref = WithTable()

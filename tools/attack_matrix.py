@@ -2045,7 +2045,29 @@ def _bd_wrt_first_key() -> tuple[str, str]:
                                   lambda m, x: jnp.mean(m(x) ** 2)), "wrt filter", "module")
 
 
+class _BdKeptRow(nnx.Module):
+    def __init__(self):
+        self.lin = nnx.Linear(4, 8, rngs=nnx.Rngs(0))
+
+    def __call__(self, x):
+        return self.lin(x)[:, :1].T  # (1, batch): one row whatever the batch
+
+
+def _bd_kept_row() -> tuple[str, str]:
+    """A (1, n) output at one example per data shard: refused, not concatenated."""
+    sm = gtp_jax.shard(_BdKeptRow(), _ex_mesh(), _EX_CFG)
+    x = _ex_x(_ex_mesh(), rows=8)
+    try:
+        got = sm(x)
+    except gtp_jax.UsageError as e:
+        return OK, " ".join(str(e).split())[:120]
+    except Exception as e:  # noqa: BLE001
+        return CONFUSING, f"{type(e).__name__}: {' '.join(str(e).split())[:110]}"
+    return WRONG, f"sharded {tuple(got.shape)}, unsharded {tuple(_BdKeptRow()(x).shape)}"
+
+
 add(BOUNDARY, "jax.make_mesh (Explicit axes), an unplaced batch", _bd_explicit_mesh)
+add(BOUNDARY, "a (1, batch) output at one example per data shard", _bd_kept_row)
 add(BOUNDARY, "an optimizer's wrt filter on the path's first key (TrainStep)",
     _bd_wrt_first_key)
 add(BOUNDARY, "gtp_jax.replicated(x) passed to the unsharded module too",

@@ -709,6 +709,10 @@ class Transformer(nnx.Module):
       (2, 16, 256)
     """
 
+    #: Its outputs are per-example by construction: a sharded call at one example per data
+    #: shard need not trace the unsharded model to tell (`gtp_jax.ShardedModule`).
+    gtp_outputs_per_example = True
+
     def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
         self.embed = nnx.Embed(cfg.vocab_size, cfg.d_model, dtype=cfg.dtype,

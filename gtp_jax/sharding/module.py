@@ -369,6 +369,12 @@ class ShardedModule(nnx.Module, HoldsShards):
         # `nnx.grad` without `nnx.jit`), shard_map alone would run the body operation by
         # operation, compiling each on its own (an eager gradient of a two-layer decoder:
         # about 540 programs, 38 s on 2 CPU cores); jitted, it is one program per call.
+        if (default_layout and local_batch == 1 and check_draws
+                and not getattr(self.module, "gtp_outputs_per_example", False)):
+            with use_axes(axes_in_use):
+                sharded_out = run.trace(values, local_args).out_info[0]  # reused by the call
+            _refuse_coincident_outputs(sharded_out, graphdef, variables, var_tree, values,
+                                       plain_args, plain_kwargs, batch)
         with use_axes(axes_in_use):
             out, side = run(values, local_args)
             if replaced:
@@ -876,6 +882,41 @@ def unshard_values(module: ShardedModule, tree: Any) -> dict[str, jax.Array]:
         plan = placements.get(path)
         out[path] = value if plan is None else _from_stored(plan, replicated)(value)
     return out
+
+
+def _refuse_coincident_outputs(sharded_out: Any, graphdef: Any, variables: list[nnx.Variable],
+                               var_tree: Any, values: list[Any], args: tuple, kwargs: dict,
+                               batch: int) -> None:
+    """At one example per data shard, an output of leading dim 1 passes as per-example
+    whatever it is (``sum(0, keepdims=True)``, a transposed column): refuses an output whose
+    shape over the whole batch (the shards' rows concatenated) is not the unsharded module's
+    on the same batch, traced abstractly on the weights' logical shapes. A module the
+    unsharded trace cannot run (tensor-parallel collectives, FP8 amax reductions) is not
+    checked here; `gtp_jax.check_sharded` compares it on a real batch."""
+    def plain(vals: list, call_args: tuple, call_kwargs: dict) -> Any:
+        module = nnx.merge(graphdef, jax.tree.unflatten(
+            var_tree, [v.replace(value=x) for v, x in zip(variables, vals)]))
+        return module(*call_args, **call_kwargs)
+
+    logical = [jax.ShapeDtypeStruct(tuple(v.get_metadata().get(LOGICAL_SHAPE) or np.shape(x)),
+                                    x.dtype) for v, x in zip(variables, values)]
+    try:
+        want = jax.eval_shape(plain, logical, args, kwargs)
+    except Exception:  # noqa: BLE001 - not runnable unsharded: not checked here (docstring)
+        return
+    got_leaves, got_tree = jax.tree.flatten(sharded_out)
+    want_leaves, want_tree = jax.tree.flatten(want)
+    if got_tree != want_tree:
+        return
+    for i, (got, exp) in enumerate(zip(got_leaves, want_leaves)):
+        if tuple(got.shape) != tuple(exp.shape):
+            raise UsageError(
+                f"gtp_jax.ShardedModule: output {i} has one row per example on each data shard "
+                f"by its shape (one example per shard), {tuple(got.shape)} over the batch of "
+                f"{batch}, but the unsharded module returns {tuple(exp.shape)}: it is not "
+                "per-example (a reduction or transpose over the batch?). Return per-example "
+                "rows and reduce them outside the module, or declare the output's layout "
+                "(gtp_output_layout).")
 
 
 def _refuse_decode_caches(paths: list[str], variables: list[nnx.Variable],
