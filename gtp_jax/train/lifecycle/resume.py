@@ -92,6 +92,9 @@ def select_candidates(run: Run, ckpt: Checkpointer | None, *,
     one line on stderr says so), so that the same requeued command never fails the same
     way forever. ``resume=True`` refuses that directory instead.
 
+    With `keep_finished` (the run is to export its final checkpoint) a finished run's
+    checkpoint is returned first instead of raising `RunFinished`.
+
     Raises:
       RunFinished: the newest intact checkpoint is of this run, at step ``cfg.steps``.
       UsageError: resume without an intact checkpoint, a checkpoint of another run or one
@@ -164,7 +167,8 @@ def drop_finished(ckpt: Checkpointer, candidates: list[Candidate], steps: int,
     on one past `steps`, which must raise.
 
     Raises:
-      RunFinished: the newest intact checkpoint is at step `steps`.
+      RunFinished: the newest intact checkpoint is at step `steps` (returned first instead
+        with `keep_finished`).
       UsageError: it is past `steps` (`check`), or none is left and
         ``CheckpointConfig.resume`` is not "auto" (with "auto", every one is renamed aside
         and none is returned: a new run).
