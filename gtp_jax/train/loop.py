@@ -179,10 +179,9 @@ def train(cfg: TrainConfig, *, on_step: OnStep | None = None,
     check_devices(resolved)
     check_failure(resolved, failure)
     check_memory_fits(resolved)
-    if cfg.export_hf is not None:
-        # Checked before training (by every process, which then agree): a run never trains
-        # and then fails to write its export.
-        check_writable_dir(cfg.export_hf, "TrainConfig.export_hf")
+    # Checked before training (by every process, which then agree): a run never trains and
+    # then fails to write its export.
+    check_output_paths(None, None, cfg.export_hf)
     with open_run_dirs(checkpoint, observe) as ckpt:
         run = functools.partial(_train, resolved, on_step=on_step, progress=progress, ckpt=ckpt,
                                 observe=observe, failure=failure, auto=auto,
@@ -193,6 +192,25 @@ def train(cfg: TrainConfig, *, on_step: OnStep | None = None,
             pass  # every checkpoint was damaged and is renamed aside: a new run
         gc.collect()  # the first attempt's model and optimizer, before the next ones
         return run()
+
+
+def check_output_paths(checkpoint: CheckpointConfig | None, observe: ObserveConfig | None,
+                       export_hf: str | None = None) -> None:
+    """Raises `UsageError` (naming the setting) unless every folder and file the run writes
+    can be written: the checkpoint directory (every process), the export (every process,
+    which must agree; process 0 writes it) and, on process 0, the profile and log
+    directories and the metrics file. Creates nothing."""
+    if checkpoint is not None:
+        check_writable_dir(checkpoint.directory, "CheckpointConfig.directory")
+    if export_hf is not None:
+        check_writable_dir(export_hf, "TrainConfig.export_hf")
+    if observe is not None and jax.process_index() == 0:
+        if observe.profile_dir is not None:
+            check_writable_dir(observe.profile_dir, "ObserveConfig.profile_dir")
+        if observe.metrics_json is not None:
+            check_writable_file(observe.metrics_json, "ObserveConfig.metrics_json")
+        if observe.log_dir is not None:
+            check_writable_dir(observe.log_dir, "ObserveConfig.log_dir")
 
 
 @contextlib.contextmanager
@@ -208,15 +226,7 @@ def open_run_dirs(checkpoint: CheckpointConfig | None,
       UsageError: an unwritable path, a locked directory, a log directory of another run.
     """
     primary = jax.process_index() == 0
-    if checkpoint is not None:
-        check_writable_dir(checkpoint.directory, "CheckpointConfig.directory")
-    if primary:
-        if observe.profile_dir is not None:
-            check_writable_dir(observe.profile_dir, "ObserveConfig.profile_dir")
-        if observe.metrics_json is not None:
-            check_writable_file(observe.metrics_json, "ObserveConfig.metrics_json")
-        if observe.log_dir is not None:
-            check_writable_dir(observe.log_dir, "ObserveConfig.log_dir")
+    check_output_paths(checkpoint, observe)
     lock = log_lock = None
     if checkpoint is not None and primary and "://" not in checkpoint.directory:
         lock = DirectoryLock(checkpoint.directory)

@@ -587,21 +587,8 @@ def _launch_flags_problem(args: argparse.Namespace) -> str | None:
     return None
 
 
-def _check_output_paths(args: argparse.Namespace) -> None:
-    """The folders and files the run writes, checked as each process would (once, by the
-    launcher, before any process starts)."""
-    from gtp_jax.train.outputs.observe import check_writable_dir, check_writable_file  # noqa: PLC0415
-
-    for flag, path in (("--checkpoint-dir", args.checkpoint_dir), ("--log-dir", args.log_dir),
-                       ("--profile-dir", args.profile_dir), ("--export-hf", args.export_hf)):
-        if path is not None:
-            check_writable_dir(path, flag)
-    if args.metrics_json is not None:
-        check_writable_file(args.metrics_json, "--metrics-json")
-
-
 def _launch(argv: list[str], args: argparse.Namespace, sizes: dict[str, int | None],
-            cpu_sizes: dict[str, int]) -> int:
+            cpu_sizes: dict[str, int], checkpoint: object | None, observe: object) -> int:
     """``--processes N``: this process starts and supervises the run's N processes
     (`gtp_jax.train.processes.launch`) instead of training itself.
 
@@ -636,7 +623,9 @@ def _launch(argv: list[str], args: argparse.Namespace, sizes: dict[str, int | No
             "process only (its re-layout moves arrays between the devices of one process); "
             "drop one of them (docs/fault_tolerance.md)."), 2)
     try:
-        _check_output_paths(args)
+        from gtp_jax.train.loop import check_output_paths  # noqa: PLC0415
+
+        check_output_paths(checkpoint, observe, args.export_hf)  # as each process would
         cfg = _train_config(args, _PLANNED_MESH if args.plan == "auto" else mesh)
         if args.plan != "auto":
             from gtp_jax.train.config import check_devices, resolve  # noqa: PLC0415
@@ -705,7 +694,7 @@ def _main(argv: list[str] | None, planner: Planner | None) -> int:
             "sizes whose product fits (dp*ep*gtp*cp*tp) or run on accelerators with "
             f"several processes ({flag})."), 2)
     if args.processes is not None:
-        return _launch(argv, args, sizes, cpu_sizes)
+        return _launch(argv, args, sizes, cpu_sizes, checkpoint, observe)
     if dist.num_processes and total % dist.num_processes:  # fail before joining a run
         return _processes_error(dist.num_processes, total)
 
