@@ -185,22 +185,42 @@ class KeptDims(nnx.Module):
         return h, h.sum(0, keepdims=True), h[:, :1].T
 
 
-def test_an_output_of_one_row_at_one_example_per_shard_is_refused(key) -> None:
-    """At one example per data shard every output of leading dim 1 looks per-example: the
-    sharded call compares the outputs' shapes over the whole batch with the unsharded
-    module's (an abstract trace) and refuses those that differ, before anything runs; at two
-    examples per shard the usual check refuses them; per-example outputs pass."""
+class TwoSummaries(nnx.Module):
+    """An output of two rows whatever the batch (a sum and a max over it)."""
+
+    def __init__(self):
+        self.lin = nnx.Linear(16, 64, rngs=nnx.Rngs(0))
+
+    def __call__(self, x):
+        h = self.lin(x)
+        return h, jnp.stack([h.sum(0), h.max(0)])
+
+
+def test_an_output_as_long_as_the_shards_batch_by_chance_is_refused(key) -> None:
+    """An output whose leading dim equals the examples per data shard by chance looks
+    per-example (at one example per shard, a row kept by a sum or a transposed column; at
+    two, two summaries stacked): the sharded call compares the outputs' shapes over the whole
+    batch with the unsharded module's (an abstract trace) and refuses those that differ,
+    before anything runs; at other batches the usual check refuses them; per-example outputs
+    pass."""
     mesh = get_mesh("dp2_gtp4")
     sm = gtp_jax.shard(KeptDims(), mesh, gtp_jax.GTPConfig(min_elements=0))
     x = _place(mesh, _xs(key))  # 8 examples over 8 data shards
-    with pytest.raises(UsageError, match=r"^gtp_jax.ShardedModule: output 1 has one row per "
-                       r"example on each data shard by its shape .*\(8, 64\) over the batch "
-                       r"of 8, but the unsharded module returns \(1, 64\)"):
+    with pytest.raises(UsageError, match=r"^gtp_jax.ShardedModule: output 1 has 1 row\(s\) "
+                       r"on each data shard, as many as its examples, so \(8, 64\) over the "
+                       r"batch of 8, but the unsharded module returns \(1, 64\)"):
         sm(x)
-    with pytest.raises(UsageError, match=r"output 1 has one row"):
+    with pytest.raises(UsageError, match=r"output 1 has 1 row"):
         nnx.jit(lambda m, x: m(x))(sm, x)
     with pytest.raises(UsageError, match=r"per-example"):
         sm(_place(mesh, _xs(key, 16)))
+    two = gtp_jax.shard(TwoSummaries(), mesh, gtp_jax.GTPConfig(min_elements=0))
+    with pytest.raises(UsageError, match=r"output 1 has 2 row\(s\) on each data shard.*"
+                       r"\(16, 64\) over the batch of 16, but the unsharded module returns "
+                       r"\(2, 64\)"):
+        nnx.jit(lambda m, x: m(x))(two, _place(mesh, _xs(key, 16)))
+    with pytest.raises(UsageError, match=r"per-example"):
+        two(x)
     ref, plain = WithTable(), gtp_jax.shard(WithTable(), mesh, gtp_jax.GTPConfig(min_elements=0))
     table = gtp_jax.replicated(jnp.ones((3, 64)))
     np.testing.assert_allclose(np.asarray(plain(x, table)), np.asarray(ref(_xs(key), table)),

@@ -2046,28 +2046,34 @@ def _bd_wrt_first_key() -> tuple[str, str]:
 
 
 class _BdKeptRow(nnx.Module):
-    def __init__(self):
+    def __init__(self, rows=1):
         self.lin = nnx.Linear(4, 8, rngs=nnx.Rngs(0))
+        self.rows = rows
 
     def __call__(self, x):
-        return self.lin(x)[:, :1].T  # (1, batch): one row whatever the batch
+        h = self.lin(x)
+        if self.rows == 1:
+            return h[:, :1].T  # (1, batch): one row whatever the batch
+        return jnp.stack([h.sum(0), h.max(0)])  # (2, 8) whatever the batch
 
 
-def _bd_kept_row() -> tuple[str, str]:
-    """A (1, n) output at one example per data shard: refused, not concatenated."""
-    sm = gtp_jax.shard(_BdKeptRow(), _ex_mesh(), _EX_CFG)
-    x = _ex_x(_ex_mesh(), rows=8)
+def _bd_kept_row(rows: int = 1) -> tuple[str, str]:
+    """An output as long as the examples per data shard by chance (a (1, n) output at one
+    example per shard, two stacked summaries at two): refused, not concatenated."""
+    sm = gtp_jax.shard(_BdKeptRow(rows), _ex_mesh(), _EX_CFG)
+    x = _ex_x(_ex_mesh(), rows=8 * rows)
     try:
         got = sm(x)
     except gtp_jax.UsageError as e:
         return OK, " ".join(str(e).split())[:120]
     except Exception as e:  # noqa: BLE001
         return CONFUSING, f"{type(e).__name__}: {' '.join(str(e).split())[:110]}"
-    return WRONG, f"sharded {tuple(got.shape)}, unsharded {tuple(_BdKeptRow()(x).shape)}"
+    return WRONG, f"sharded {tuple(got.shape)}, unsharded {tuple(_BdKeptRow(rows)(x).shape)}"
 
 
 add(BOUNDARY, "jax.make_mesh (Explicit axes), an unplaced batch", _bd_explicit_mesh)
 add(BOUNDARY, "a (1, batch) output at one example per data shard", _bd_kept_row)
+add(BOUNDARY, "a (2, n) output at two examples per data shard", lambda: _bd_kept_row(2))
 add(BOUNDARY, "an optimizer's wrt filter on the path's first key (TrainStep)",
     _bd_wrt_first_key)
 add(BOUNDARY, "gtp_jax.replicated(x) passed to the unsharded module too",

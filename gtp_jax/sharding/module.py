@@ -369,12 +369,12 @@ class ShardedModule(nnx.Module, HoldsShards):
         # `nnx.grad` without `nnx.jit`), shard_map alone would run the body operation by
         # operation, compiling each on its own (an eager gradient of a two-layer decoder:
         # about 540 programs, 38 s on 2 CPU cores); jitted, it is one program per call.
-        if (default_layout and local_batch == 1 and check_draws
+        if (default_layout and check_draws
                 and not getattr(self.module, "gtp_outputs_per_example", False)):
             with use_axes(axes_in_use):
                 sharded_out = run.trace(values, local_args).out_info[0]  # reused by the call
             _refuse_coincident_outputs(sharded_out, graphdef, variables, var_tree, values,
-                                       plain_args, plain_kwargs, batch)
+                                       plain_args, plain_kwargs, batch, local_batch)
         with use_axes(axes_in_use):
             out, side = run(values, local_args)
             if replaced:
@@ -886,9 +886,10 @@ def unshard_values(module: ShardedModule, tree: Any) -> dict[str, jax.Array]:
 
 def _refuse_coincident_outputs(sharded_out: Any, graphdef: Any, variables: list[nnx.Variable],
                                var_tree: Any, values: list[Any], args: tuple, kwargs: dict,
-                               batch: int) -> None:
-    """At one example per data shard, an output of leading dim 1 passes as per-example
-    whatever it is (``sum(0, keepdims=True)``, a transposed column): refuses an output whose
+                               batch: int, local_batch: int) -> None:
+    """An output whose leading dim equals the examples per data shard passes the shape check
+    as per-example whatever it is (at one example per shard ``sum(0, keepdims=True)`` or a
+    transposed column; at two, ``jnp.stack([h.sum(0), h.max(0)])``): refuses an output whose
     shape over the whole batch (the shards' rows concatenated) is not the unsharded module's
     on the same batch, traced abstractly on the weights' logical shapes. A module the
     unsharded trace cannot run (tensor-parallel collectives, FP8 amax reductions) is not
@@ -911,9 +912,9 @@ def _refuse_coincident_outputs(sharded_out: Any, graphdef: Any, variables: list[
     for i, (got, exp) in enumerate(zip(got_leaves, want_leaves)):
         if tuple(got.shape) != tuple(exp.shape):
             raise UsageError(
-                f"gtp_jax.ShardedModule: output {i} has one row per example on each data shard "
-                f"by its shape (one example per shard), {tuple(got.shape)} over the batch of "
-                f"{batch}, but the unsharded module returns {tuple(exp.shape)}: it is not "
+                f"gtp_jax.ShardedModule: output {i} has {local_batch} row(s) on each data shard, "
+                f"as many as its examples, so {tuple(got.shape)} over the batch of {batch}, "
+                f"but the unsharded module returns {tuple(exp.shape)}: it is not "
                 "per-example (a reduction or transpose over the batch?). Return per-example "
                 "rows and reduce them outside the module, or declare the output's layout "
                 "(gtp_output_layout).")
