@@ -563,6 +563,10 @@ def test_compile_cache_directory_precedence(tmp_path, monkeypatch):
     pick = compile_cache.compile_cache_dir
     assert pick(str(tmp_path / "flag"), {"GTP_JAX_COMPILE_CACHE": own}) == str(tmp_path / "flag")
     assert pick("off", {"GTP_JAX_COMPILE_CACHE": own}) is None
+    # "none", as other flags spell nothing, is no cache too (not a folder named "none").
+    monkeypatch.chdir(tmp_path)
+    assert pick("none", {}) is None and pick("None", {}) is None
+    assert not (tmp_path / "none").exists() and not (tmp_path / "None").exists()
     assert pick(None, {"GTP_JAX_COMPILE_CACHE": own, "JAX_COMPILATION_CACHE_DIR": jax_dir}) == own
     assert pick(None, {"GTP_JAX_COMPILE_CACHE": "OFF"}) is None
     assert pick(None, {"JAX_COMPILATION_CACHE_DIR": jax_dir}) is None  # JAX reads its own

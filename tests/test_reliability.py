@@ -45,6 +45,7 @@ from gtp_jax.train import (
     model_config,
     train,
 )
+from gtp_jax.train.cli.command import cli_message
 from gtp_jax.train.cli.command import main as cli_main
 from gtp_jax.train.config import COMPARED_AS_MODEL, resolve_auto
 from gtp_jax.train.config import model_json as _model_json
@@ -578,8 +579,19 @@ def test_a_presets_depth_resumes_however_it_is_spelled() -> None:
 def test_resume_rejects_changed_moe_fields() -> None:
     cfg = TrainConfig(steps=6, moe_experts=4, moe_top_k=2, moe_capacity_factor=1.25)
     for change in ({"moe_top_k": 1}, {"moe_capacity_factor": 2.0}):
-        with pytest.raises(UsageError, match=f"{next(iter(change))}: checkpoint"):
+        with pytest.raises(UsageError, match=f"{next(iter(change))}: checkpoint") as err:
             _check_resume(cfg, model_config(cfg), _meta(cfg, **change), "/ck")
+        # Named once (not again as the model's field of the same name).
+        assert str(err.value).count(f"{next(iter(change))}: checkpoint") == 1
+    # The command line names the flag and spells its values as typed: None is
+    # `--moe-capacity 0` (dropless), a field left unset "not given", words unquoted.
+    dropless = dataclasses.replace(cfg, moe_capacity_factor=None, init_from="/ck0")
+    with pytest.raises(UsageError) as err:
+        _check_resume(dropless, model_config(dropless),
+                      _meta(cfg, lr_schedule="linear"), "/ck")
+    assert ("different run (--moe-capacity: checkpoint 1.25 vs now 0 (dropless); "
+            "--init-from: checkpoint not given vs now '/ck0'; --lr-schedule: checkpoint "
+            "linear vs now cosine). Pass") in cli_message(err.value)
 
 
 def test_extending_a_finished_run_equals_an_uninterrupted_run(tmp_path: Path) -> None:

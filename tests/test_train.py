@@ -158,6 +158,10 @@ def test_resume_continues_exactly_like_an_uninterrupted_run(tmp_path: Path) -> N
     assert resumed.first_step == 4 and resumed.checkpoint_steps == [6]
     assert resumed.losses == full.losses[3:]  # bit-exact: same data, state and LR position
     assert "steps 4-6" in resumed.summary()
+    # The summary lists every checkpoint the directory holds, and which this run saved.
+    assert resumed.checkpoints_kept == [3, 6]
+    assert (f"checkpoints: steps [3, 6] in {tmp_path / 'run'} (this run saved [6])"
+            in resumed.summary())
     final_full = Checkpointer(CheckpointConfig(tmp_path / "full")).read_arrays(6)
     final_resumed = Checkpointer(CheckpointConfig(tmp_path / "run")).read_arrays(6)
     assert final_full.keys() == final_resumed.keys()

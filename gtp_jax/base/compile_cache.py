@@ -10,9 +10,10 @@ same offloaded layout compiled to 12.96 and 14.25 GiB in two processes on one H1
 (docs/planning.md), so without the cache a plan's peak is one compile's, not necessarily
 the run's.
 
-Where: ``--compile-cache DIR`` (``off`` for none); else ``$GTP_JAX_COMPILE_CACHE``; else
-JAX's own setting if the user made one (``JAX_COMPILATION_CACHE_DIR``, left alone); else
-`DEFAULT_DIR` (none if that cannot be written). Entries are capped at `MAX_BYTES` in all
+Where: ``--compile-cache DIR`` (``off`` or ``none``: no cache); else
+``$GTP_JAX_COMPILE_CACHE``; else JAX's own setting if the user made one
+(``JAX_COMPILATION_CACHE_DIR``, left alone); else `DEFAULT_DIR` (none if that cannot be
+written). Entries are capped at `MAX_BYTES` in all
 (JAX evicts the least recently used). The library itself (``gtp_jax.shard``,
 `gtp_jax.train.train`, `gtp_jax.plan.plan`) changes no JAX setting; this is the command
 line's choice, as a program's.
@@ -26,6 +27,9 @@ from gtp_jax.base.errors import UsageError
 
 #: Environment variable naming the cache directory (or ``off``).
 CACHE_ENV = "GTP_JAX_COMPILE_CACHE"
+#: Values that turn the cache off (any case): ``off``, and ``none`` as other flags spell
+#: "nothing" (``--remat none``); a folder of that name is ``./none``.
+OFF = ("off", "none")
 #: The directory used when nothing else is set.
 DEFAULT_DIR = os.path.join(os.path.expanduser("~"), ".cache", "gtp_jax", "compile")
 #: Cap on the cache's size on disk (a 1b step's GPU executable is a few MB; llama3-8b's
@@ -58,7 +62,7 @@ def compile_cache_dir(flag: str | None, environ: dict[str, str] | None = None) -
         return None
     chosen = value is not None
     value = DEFAULT_DIR if value is None else value
-    if value.strip().lower() == "off":
+    if value.strip().lower() in OFF:
         return None
     where = "--compile-cache" if flag is not None else f"${CACHE_ENV}"
     path = os.path.abspath(os.path.expanduser(value))

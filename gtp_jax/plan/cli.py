@@ -16,6 +16,7 @@ import time
 from typing import Any
 
 from gtp_jax.base.compile_cache import HELP as COMPILE_CACHE_HELP
+from gtp_jax.base.compile_cache import OFF as COMPILE_CACHE_OFF
 from gtp_jax.base.compile_cache import compile_cache_dir, use_compile_cache
 from gtp_jax.base.errors import UsageError
 from gtp_jax.base.xla_flags import MAX_SIMULATED_DEVICES, simulate_cpu_devices
@@ -57,7 +58,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--memory-gib", type=float, default=None,
                         help="budget per device in GiB; default: the device's memory "
                         "(none on CPU)")
-    parser.add_argument("--compile-cache", default=None, metavar="DIR", type=PathArg("off"),
+    parser.add_argument("--compile-cache", default=None, metavar="DIR",
+                        type=PathArg(*COMPILE_CACHE_OFF),
                         help=COMPILE_CACHE_HELP)
     parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
                         help="compute dtype (auto: bfloat16 on GPUs, float32 on CPUs)")

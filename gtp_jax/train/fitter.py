@@ -190,10 +190,6 @@ def _fit(model: nnx.Module, optimizer: nnx.Optimizer | optax.GradientTransformat
         if log is not None:
             log.close()
     step_fn.sync()
-    if ckpt is not None:
-        ckpt.wait()
-        present = set(ckpt.all_steps())
-        saved = [s for s in saved if s in present]
     result = train_result(
         model, optimizer, replicated=optimizer_bytes(model, optimizer.tx),
         num_params=num_params, flops_per_token=6.0 * num_params,

@@ -418,11 +418,6 @@ def _train(run: Run, *, on_step: OnStep | None, progress: bool,
     finished = start + len(losses) == cfg.steps
     if cfg.export_hf is not None and finished:  # a stopped run's model is not the result
         to_hf(model, cfg.export_hf)
-    if ckpt is not None:
-        # Report only the checkpoints still on disk (CheckpointConfig.keep deletes older).
-        ckpt.wait()
-        present = set(ckpt.all_steps())
-        saved = [s for s in saved if s in present]
     result = train_result(
         model, optimizer, replicated=replicated_bytes(model, cfg),
         num_params=model_cfg.num_params(),
@@ -705,8 +700,15 @@ def train_result(model: nnx.Module, optimizer: nnx.Optimizer, *, replicated: tup
                  val_losses: dict[int, float] | None = None,
                  compiled: CompileReport | None = None) -> TrainResult:
     """The `TrainResult` of a finished loop (`model` and `optimizer` synced; `replicated`:
-    `replicated_bytes`)."""
+    `replicated_bytes`; `saved`: the steps this loop checkpointed)."""
     device = jax.devices()[0]
+    kept: list[int] = []
+    if ckpt is not None:
+        # Only the checkpoints still on disk (CheckpointConfig.keep deletes older ones);
+        # those of earlier runs of the directory too (a resumed run's).
+        ckpt.wait()
+        kept = sorted(ckpt.all_steps())
+        saved = [s for s in saved if s in kept]
     param_bytes = gtp_jax.bytes_per_device(nnx.state(model, nnx.Param))
     mesh = getattr(model, "mesh", None)
     return TrainResult(
@@ -732,6 +734,7 @@ def train_result(model: nnx.Module, optimizer: nnx.Optimizer, *, replicated: tup
         process_count=jax.process_count(),
         checkpoint_dir=ckpt.config.directory if ckpt is not None else None,
         checkpoint_steps=saved,
+        checkpoints_kept=kept,
         profile_steps=window,
         profile_trace=trace,
         failure=dataclasses.asdict(recovery) if recovery is not None else None,

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from typing import Any, NoReturn
 
 from gtp_jax.base.compile_cache import HELP as COMPILE_CACHE_HELP
+from gtp_jax.base.compile_cache import OFF as COMPILE_CACHE_OFF
 from gtp_jax.base.compile_cache import compile_cache_dir, use_compile_cache
 from gtp_jax.base.errors import UsageError
 from gtp_jax.base.xla_flags import (
@@ -107,13 +108,31 @@ _SPEC = re.compile(r"\bSimulatedFailure\(step=(\d+), devices=\[([\d, ]*)\]\)")
 CPU_DEVICES = 8
 
 
+#: A flag's library value None, as the command line spells it (else: "not given").
+_NONE_AS = {"--moe-capacity": "0 (dropless)"}
+#: ``--flag: checkpoint <value> vs now <value>`` (a resumed run's differences).
+_DIFFERS = re.compile(r"(--[\w\[\]-]+): checkpoint (.+?) vs now (.+?)(?=; |\)\. |$)")
+_WORD = re.compile(r"'([\w.+-]+)'")
+
+
+def _as_typed(flag: str, value: str) -> str:
+    """A library value as the command line spells it for `flag`: None as its flag's meaning
+    (`_NONE_AS`) or "not given", a quoted word bare."""
+    if value == "None":
+        return _NONE_AS.get(flag, "not given")
+    return _WORD.fullmatch(value).group(1) if _WORD.fullmatch(value) else value
+
+
 def cli_message(err: BaseException) -> str:
-    """`err`'s message on one line, with library argument names replaced by their flags."""
+    """`err`'s message on one line, with library argument names replaced by their flags
+    and the values a resumed run compares spelled as typed."""
     text = " ".join(str(err).split()).replace("CheckpointConfig.resume='auto'",
                                               "--resume auto")
     text = _SPEC.sub(lambda m: "--simulate-failure step=" + m.group(1) + "".join(
         f",device={d.strip()}" for d in m.group(2).split(",")), text)
-    return _ARGUMENT.sub(lambda m: FLAGS.get(m.group(0), m.group(0)), text)
+    text = _ARGUMENT.sub(lambda m: FLAGS.get(m.group(0), m.group(0)), text)
+    return _DIFFERS.sub(lambda m: f"{m.group(1)}: checkpoint {_as_typed(m.group(1), m.group(2))}"
+                        f" vs now {_as_typed(m.group(1), m.group(3))}", text)
 
 
 def _fail(err: BaseException, code: int) -> int:
@@ -346,7 +365,8 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--memory-gib", type=float, default=None,
                        help="with --plan auto: the budget per device in GiB (default: the "
                        "device's memory)")
-    train.add_argument("--compile-cache", default=None, metavar="DIR", type=PathArg("off"),
+    train.add_argument("--compile-cache", default=None, metavar="DIR",
+                       type=PathArg(*COMPILE_CACHE_OFF),
                        help=COMPILE_CACHE_HELP)
 
     hf = train.add_argument_group("Hugging Face checkpoints (Llama family; docs/models.md)")

@@ -323,12 +323,16 @@ def check_resume(cfg: TrainConfig, model_cfg: TransformerConfig | UserModel,
     mine = dataclasses.asdict(cfg)
     # Else the differing TrainConfig.model names the whole model.
     same_kind = saved_cfg.get("model") == mine.get("model")
+    differing = [k for k in mine if k not in RESUME_MAY_DIFFER
+                 and not _same(k, saved_cfg.get(k), mine[k])
+                 and not (same_kind and k in COMPARED_AS_MODEL)]
     differ = [f"TrainConfig.{k}: checkpoint {saved_cfg.get(k)!r} vs now {mine[k]!r}"
-              for k in mine if k not in RESUME_MAY_DIFFER and not _same(k, saved_cfg.get(k),
-                                                                        mine[k])
-              and not (same_kind and k in COMPARED_AS_MODEL)]
+              for k in differing]
     if same_kind:
-        differ += model_differences(model_cfg, saved_model, MODEL_MAY_DIFFER)
+        # A model field named like a TrainConfig field listed (the MoE options) is that
+        # field's difference again: listed once.
+        differ += model_differences(model_cfg, saved_model,
+                                    MODEL_MAY_DIFFER | frozenset(differing))
         depth = saved_model.get("n_layers")
         if isinstance(depth, int) and getattr(model_cfg, "n_layers", depth) != depth:
             differ.append(f"TrainConfig.layers={depth} builds the checkpoint's depth")

@@ -31,7 +31,9 @@ class TrainResult:
       peak_flops_per_device: the peak FLOP/s used for MFU, or None when unknown.
       memory: `gtp_jax.train.outputs.observe.memory_per_device` of this process's devices, or None.
       process_count: JAX processes in the run.
-      checkpoint_dir, checkpoint_steps: where checkpoints went, and their steps.
+      checkpoint_dir, checkpoint_steps: where checkpoints went, and the steps this run saved
+        that are still there.
+      checkpoints_kept: every step `checkpoint_dir` holds at the end (earlier runs' too).
       profile_steps, profile_trace: traced steps and the Perfetto trace file, if any.
       failure: a simulated device failure and the switch to nonuniform tensor parallelism
         (`gtp_jax.train.lifecycle.ntp.Recovery` as a dict: step, devices, layout_before/after,
@@ -68,6 +70,7 @@ class TrainResult:
     process_count: int = 1
     checkpoint_dir: str | None = None
     checkpoint_steps: list[int] = dataclasses.field(default_factory=list)
+    checkpoints_kept: list[int] = dataclasses.field(default_factory=list)
     profile_steps: tuple[int, int] | None = None
     profile_trace: str | None = None
     failure: dict[str, Any] | None = None
@@ -148,8 +151,12 @@ class TrainResult:
         if self.val_losses:
             lines.append("  held-out loss: " + ", ".join(
                 f"step {step} {loss:.4f}" for step, loss in sorted(self.val_losses.items())))
-        if self.checkpoint_steps:
-            lines.append(f"  checkpoints: steps {self.checkpoint_steps} in {self.checkpoint_dir}")
+        kept = self.checkpoints_kept or self.checkpoint_steps
+        if kept:
+            mine = ("" if kept == self.checkpoint_steps else
+                    f" (this run saved {self.checkpoint_steps})" if self.checkpoint_steps
+                    else " (none saved by this run)")
+            lines.append(f"  checkpoints: steps {kept} in {self.checkpoint_dir}{mine}")
         if self.export_hf is not None:
             lines.append(f"  Hugging Face export: {self.export_hf}")
         if self.log_dir is not None:
@@ -225,6 +232,7 @@ class TrainResult:
             "replicated_state_bytes": self.replicated_state_bytes,
             "checkpoint_dir": self.checkpoint_dir,
             "checkpoint_steps": list(self.checkpoint_steps),
+            "checkpoints_kept": list(self.checkpoints_kept),
             "profile_steps": list(self.profile_steps) if self.profile_steps else None,
             "profile_trace": self.profile_trace,
             "failure": self.failure,
