@@ -189,6 +189,8 @@ def test_default_xla_flags_are_explicit_and_escapable() -> None:
     # Compile time (docs/overlap.md):
     assert "--xla_gpu_enable_triton_gemm=false" in defaults
     assert "--xla_gpu_experimental_enable_fusion_autotuner=false" in defaults
+    # CPUs: the memory-ordered scheduler (a scanned layer loop's step, docs/performance.md)
+    assert "--xla_cpu_enable_concurrency_optimized_scheduler=false" in defaults
     env: dict[str, str] = {}
     assert apply_default_xla_flags(env, host_bytes=16 * 2**30, gpus=1) == [
         *defaults, f"{PINNED_POOL_ENV}=14"]

@@ -132,10 +132,12 @@ def test_bound_never_exceeds_the_compiled_peak(layout, accum):
     bound = memory_bound(cfg)
     peak = compiled_memory(cfg).peak
     assert 0 < bound["total"] <= peak, (bound, peak)
-    # Not vacuous: within 4x of the peak even for this tiny model, whose float32
+    # Not vacuous: within 5x of the peak even for this tiny model, whose float32
     # temporaries (CPU compile) outweigh its 0.47M parameters' state. (The CPU backend's
-    # figure also counts an offloaded state's host buffers.)
-    assert bound["total"] + pinned_host_bound(cfg) >= peak / 4, (bound, peak)
+    # figure also counts an offloaded state's host buffers, and depends on XLA's CPU
+    # scheduler: the memory-ordered one gtp_jax sets for speed peaks 3.75 MB on the scanned
+    # remat=full layout, the concurrency-ordered one 2.95 MB, against a bound of 0.94 MB.)
+    assert bound["total"] + pinned_host_bound(cfg) >= peak / 5, (bound, peak)
 
 
 @pytest.mark.parametrize("preset", ["llama3-8b", "llama3.2-1b", "1b"])

@@ -134,16 +134,69 @@ def test_prefetch_at_gtp1_carries_no_second_copy_of_the_weights():
     assert not full & set(_loop_carry_shapes(_compiled_forward(True, "dp8_gtp1")))
 
 
+def _downstream(body: str, op: str) -> tuple[set[str], dict[str, str]]:
+    """The instructions of HLO computation `body` that use, directly or not, the result of
+    any `op` instruction (e.g. ``all-gather``), and every instruction's text by name."""
+    lines = {}
+    for line in body.splitlines()[1:]:
+        m = re.match(r"\s*(?:ROOT\s+)?%?([\w.-]+) = (.*)", line)
+        if m:
+            lines[m.group(1)] = m.group(2)
+    users: dict[str, list[str]] = {}
+    for name, rest in lines.items():
+        for operand in re.findall(r"%([\w.-]+)", rest.split("(", 1)[-1]):
+            users.setdefault(operand, []).append(name)
+    todo = [n for n, rest in lines.items() if re.search(rf"\s{op}(?:-start)?\(", rest)]
+    seen: set[str] = set()
+    while todo:
+        for user in users.get(todo.pop(), []):
+            if user not in seen:
+                seen.add(user)
+                todo.append(user)
+    return seen, lines
+
+
+def _gather_bodies(text: str) -> tuple[list[str], dict[str, str]]:
+    """The computations of compiled HLO `text` other than the entry that hold an all-gather
+    and a matmul (their own ``dot`` or one in a fusion they call), and all by name."""
+    computations = {c.split(" ", 1)[0].lstrip("%"): c for c in re.split(r"\n(?=\S)", text)}
+
+    def has_dot(comp: str) -> bool:
+        return " dot(" in comp or any(
+            " dot(" in computations.get(name, "")
+            for name in re.findall(r"calls=%?([\w.-]+)", comp))
+
+    return [c for c in computations.values() if " all-gather" in c and has_dot(c)
+            and not c.startswith("ENTRY")], computations
+
+
+def _reads_dot(reached: set[str], lines: dict[str, str], computations: dict[str, str]) -> bool:
+    """Whether any of the instructions `reached` is a matmul or a fusion computing one."""
+    for name in reached:
+        rest = lines[name]
+        called = re.search(r"calls=%?([\w.-]+)", rest)
+        if " dot(" in f" {rest}" or (called and " dot(" in computations.get(called.group(1), "")):
+            return True
+    return False
+
+
 def test_prefetch_gathers_next_layer_before_current_dot():
-    # In the lowered loop body the all-gather (of the next layer) comes before the body's
-    # first matmul, and its result is not consumed by the matmuls of this iteration.
-    text = _compiled_forward(True)
-    computations = re.split(r"\n(?=\S)", text)
-    bodies = [c for c in computations
-              if "all-gather" in c and "dot" in c and not c.startswith("ENTRY")]
-    assert bodies, "no loop body with both an all-gather and a dot"
-    body = bodies[0]
-    assert body.index("all-gather") < body.index("dot")
+    # In the compiled loop body the all-gather fetches the next layer: its result reaches
+    # the loop's carry (the ROOT tuple) and no matmul of this iteration, so a scheduler is
+    # free to run it beside them (a structural check: where a CPU scheduler puts it is the
+    # scheduler's choice).
+    bodies, computations = _gather_bodies(_compiled_forward(True))
+    assert bodies, "no loop body with both an all-gather and a matmul"
+    for body in bodies:
+        reached, lines = _downstream(body, "all-gather")
+        root = next(n for n in lines if re.search(rf"ROOT\s+%?{re.escape(n)} =", body))
+        assert root in reached, "the gathered weight does not reach the loop carry"
+        assert not _reads_dot(reached, lines, computations), \
+            "a matmul of this iteration reads the weight gathered for the next"
+    # The contrast: without prefetch the body's gather feeds this iteration's matmuls.
+    bodies, computations = _gather_bodies(_compiled_forward(False))
+    assert bodies and all(_reads_dot(*_downstream(b, "all-gather"), computations)
+                          for b in bodies)
 
 
 def _odd_layer_program(prefetch: bool, n_layers: int = 4):

@@ -55,8 +55,9 @@ def test_a_cpu_mesh_lists_only_the_settings_that_apply_on_cpus(monkeypatch):
     gtp_jax.describe_mesh(gtp_jax.make_mesh(dp=2, gtp=4), print_fn=lines.append)
     assert lines[-1] == ("  XLA settings added by gtp_jax: --xla_cpu_example=true (opt out: "
                          "GTP_JAX_NO_DEFAULT_XLA_FLAGS=1)"), lines
-    # On GPUs all of them apply; on a CPU with only GPU settings added, it says so.
+    # On GPUs all but the CPU's apply; on a CPU with only GPU settings added, it says so.
     assert all(s in xla_flags.describe_xla_flags("gpu") for s in gpu_only)
+    assert "--xla_cpu_example" not in xla_flags.describe_xla_flags("gpu")
     monkeypatch.setattr(xla_flags, "_ADDED", gpu_only)
     assert xla_flags.describe_xla_flags("cpu") == (
         "XLA settings: none of gtp_jax's apply on cpu (they are for GPUs)")

@@ -1,5 +1,6 @@
-"""XLA settings gtp_jax makes by default: flags that compute/communication overlap depends
-on, and a pinned host memory pool per GPU sized from the host's memory.
+"""XLA settings gtp_jax makes by default: flags that compute/communication overlap and
+compile time depend on, a CPU scheduler for scanned loops, and a pinned host memory pool
+per GPU sized from the host's memory.
 
 ``import gtp_jax`` calls `apply_default_xla_flags` before anything can start the XLA backend
 (which reads ``XLA_FLAGS`` and ``XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB`` once). A setting the
@@ -33,11 +34,18 @@ OPT_OUT = "GTP_JAX_NO_DEFAULT_XLA_FLAGS"
 #:   20.3 / 21.5 s, 13.3 / 11.5 s without; on one GPU, 16 layers 5.0 -> 4.2 s, FP8 8 layers
 #:   5.5 -> 4.0 s) and bought no step time (95.1-97.2 ms both ways on 8 layers, 194.5 /
 #:   195.0 ms on 16, FP8 162.6 / 163.1 ms, the 1b preset 93.2 / 93.1 ms). Set
-#:   ``--xla_gpu_experimental_enable_fusion_autotuner=true`` to have it back.
+#:   ``--xla_gpu_experimental_enable_fusion_autotuner=true`` to have it back;
+#: * on CPUs, XLA's memory-ordered (depth-first) scheduler instead of its
+#:   concurrency-ordered one: a training step with a scanned layer loop (``jax.lax.scan``,
+#:   the trainer's ``--no-unroll-layers``) ran 1.3x slower with the latter on 8 simulated
+#:   devices over 2 cores (the tiny preset, jax 0.10.2: 116-143 ms, 88-103 ms with this
+#:   flag; unrolled the same within the noise; docs/overlap.md). Set
+#:   ``--xla_cpu_enable_concurrency_optimized_scheduler=true`` to have it back.
 DEFAULT_XLA_FLAGS: dict[str, str] = {
     "--xla_gpu_enable_latency_hiding_scheduler": "true",
     "--xla_gpu_enable_triton_gemm": "false",
     "--xla_gpu_experimental_enable_fusion_autotuner": "false",
+    "--xla_cpu_enable_concurrency_optimized_scheduler": "false",
 }
 
 #: XLA's cap on the pinned host memory a GPU process allocates for each device (GiB; memory
@@ -160,9 +168,12 @@ def added_xla_flags() -> list[str]:
 def applies_on(setting: str, platform: str) -> bool:
     """Whether an added setting (an `added_xla_flags` entry) affects a `platform` backend
     (``"cpu"``, ``"gpu"``, ...): the ``--xla_gpu_*`` flags and ``XLA_PJRT_GPU_*`` variables
-    affect GPUs only."""
-    gpu_only = setting.startswith(("--xla_gpu_", "XLA_PJRT_GPU_"))
-    return platform == "gpu" or not gpu_only
+    affect GPUs only, the ``--xla_cpu_*`` flags CPUs only."""
+    if setting.startswith(("--xla_gpu_", "XLA_PJRT_GPU_")):
+        return platform == "gpu"
+    if setting.startswith("--xla_cpu_"):
+        return platform == "cpu"
+    return True
 
 
 def describe_xla_flags(platform: str | None = None) -> str:
