@@ -13,10 +13,9 @@ the run's.
 Where: ``--compile-cache DIR`` (``off`` or ``none``: no cache); else
 ``$GTP_JAX_COMPILE_CACHE``; else JAX's own setting if the user made one
 (``JAX_COMPILATION_CACHE_DIR``, left alone); else `DEFAULT_DIR` (none if that cannot be
-written). Entries are capped at `MAX_BYTES` in all
-(JAX evicts the least recently used). The library itself (``gtp_jax.shard``,
-`gtp_jax.train.train`, `gtp_jax.plan.plan`) changes no JAX setting; this is the command
-line's choice, as a program's.
+written). Entries are capped at `MAX_BYTES` in all (JAX evicts the least recently used).
+The library itself (``gtp_jax.shard``, `gtp_jax.train.train`, `gtp_jax.plan.plan`) changes
+no JAX setting; this is the command line's choice, as a program's.
 """
 
 from __future__ import annotations
