@@ -238,6 +238,64 @@ def test_save_killed_before_finalize_keeps_previous(tmp_path: Path, mesh_dp2_gtp
     assert sorted(os.listdir(directory)) == ["1", "2"]
 
 
+_ENDS_AFTER_SAVE = textwrap.dedent("""
+    import sys
+    from flax import nnx
+    import gtp_jax
+    from gtp_jax.train.lifecycle.checkpoint import CheckpointConfig, Checkpointer
+
+    model = gtp_jax.shard(nnx.Linear(64, 48, rngs=nnx.Rngs(0)), gtp_jax.make_mesh(dp=2, gtp=4),
+                          gtp_jax.GTPConfig(min_elements=1))
+    ckpt = Checkpointer(CheckpointConfig(sys.argv[1]))  # asynchronous saves, never closed
+    for step in (1, 2):
+        ckpt.save(step, model)
+""")
+
+
+def test_a_script_that_ends_after_its_last_save_keeps_it(tmp_path: Path) -> None:
+    # A loop of one's own that ends with an asynchronous save and no close(): the save is
+    # finalized as the interpreter exits (before orbax's thread pools stop), not left as an
+    # unfinished folder beside tracebacks.
+    directory = tmp_path / "ck"
+    proc = subprocess.run([sys.executable, "-c", _ENDS_AFTER_SAVE, str(directory)],
+                          cwd=REPO_ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu"),
+                          capture_output=True, text=True, timeout=120)  # it hung before
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert sorted(os.listdir(directory)) == ["1", "2"]
+
+
+def test_a_new_run_does_not_save_into_an_earlier_runs_checkpoints(tmp_path: Path,
+                                                                  mesh_dp2_gtp4) -> None:
+    model = _linear(mesh_dp2_gtp4)
+    with Checkpointer(CheckpointConfig(tmp_path / "ck", keep=2, async_save=False)) as ckpt:
+        ckpt.save(1, model)
+        ckpt.save(2, model)  # its own saves: fine
+    # CheckpointConfig.resume=False (the default) is a new run: refused before anything is
+    # written or rotated out, in one line naming the way on.
+    with Checkpointer(CheckpointConfig(tmp_path / "ck", keep=2)) as ckpt:
+        with pytest.raises(UsageError, match=r"held checkpoints of an earlier run \(steps "
+                           r"\[1, 2\]\) and CheckpointConfig.resume is False.*resume=True"):
+            ckpt.save(5, model)
+        assert ckpt.all_steps() == [1, 2]
+    with Checkpointer(CheckpointConfig(tmp_path / "ck", keep=2, resume="auto")) as ckpt:
+        ckpt.save(5, model)
+        ckpt.wait()
+        assert ckpt.all_steps() == [2, 5]
+
+
+def test_saving_a_donated_state_names_the_sync(tmp_path: Path, mesh_dp2_gtp4) -> None:
+    # A jitted step that donated the model's arrays (TrainStep keeps the state until
+    # sync()): one line naming the call, not XLA's "deleted or donated buffer".
+    model = _linear(mesh_dp2_gtp4)
+    jax.jit(lambda x: x + 1, donate_argnums=0)(model.module.kernel.get_value())
+    with Checkpointer(CheckpointConfig(tmp_path / "ck")) as ckpt:
+        with pytest.raises(UsageError, match=r"model/module/kernel .*consumed \(donated\).*"
+                           r"TrainStep.sync\(\) before saving"):
+            ckpt.save(1, model)
+        assert ckpt.all_steps() == []
+
+
 # ---------------------------------------------------------------------- errors
 
 

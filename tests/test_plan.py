@@ -516,13 +516,17 @@ def test_plan_command_prints_the_ranked_table_and_the_command_to_train(capsys, t
                                                                          fixed_rates):
     path = tmp_path / "plan.json"
     argv = ["plan", "--preset", "tiny", "--layers", "1", "--gpus", "8", "--seq", "32",
-            "--batch", "8", "--top", "1", "--limit", "4", "--json", str(path)]
+            "--batch", "8", "--top", "1", "--limit", "4", "--json", str(path),
+            "--dtype", "float32", "--compile-cache", "off"]
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert re.search(r"planned in [\d.]+ s: rates [\d.]+ s .*, \d+ layouts compiled in", out)
     best = [line for line in out.splitlines() if line.startswith("best: ")]
+    # Every flag that changes the planned step is in the command (a dtype left out would
+    # train another program on another backend's default).
     assert best and best[0].startswith(
-        "best: python -m gtp_jax train --preset tiny --layers 1 --batch 8 --seq 32 ")
+        "best: python -m gtp_jax train --preset tiny --layers 1 --batch 8 --seq 32 "
+        "--dtype float32 --compile-cache off ")
     saved = json.loads(path.read_text())
     fits = [c for c in saved["candidates"] if c["status"] == "fits"]
     assert fits and best[0].endswith(fits[0]["flags"])

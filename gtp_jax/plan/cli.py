@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import shlex
 import sys
 import time
 from typing import Any
@@ -213,8 +214,13 @@ def _plan(args: argparse.Namespace) -> int:
         schedule = ("" if args.steps == 100 else f"--steps {args.steps} ") + (
             "" if args.warmup is None else f"--warmup {args.warmup} ")
         layers = "" if args.layers is None else f"--layers {args.layers} "
+        # Every plan flag that changes the compiled step (or where it is cached) goes on.
+        dtype = "" if args.dtype == "auto" else f"--dtype {args.dtype} "
+        cache = ("" if args.compile_cache is None
+                 else f"--compile-cache {shlex.quote(args.compile_cache)} ")
         print(f"best: python -m gtp_jax train --preset {args.preset} {layers}--batch "
-              f"{args.batch} --seq {args.seq} {schedule}{result.best.layout.flags()}")
+              f"{args.batch} --seq {args.seq} {schedule}{dtype}{cache}"
+              f"{result.best.layout.flags()}")
     else:
         tried = " (with or without optimizer offload)" if args.offload == "auto" else ""
         print(f"no layout fits{tried}: lower --batch or --seq, or raise --memory-gib")

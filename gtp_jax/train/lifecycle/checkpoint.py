@@ -73,12 +73,16 @@ checkpoints does not need it installed.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 import errno
 import logging
 import os
 import shutil
+import sys
+import threading
+import weakref
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -252,6 +256,10 @@ class Checkpointer:
         # through this manager and leaving its leftovers alone is what read-only needs.)
         self._manager = ocp.CheckpointManager(
             config.directory, options=options, item_names=(*_ARRAY_ITEMS, _META_ITEM))
+        # The checkpoints an earlier run left (CheckpointConfig.resume=False saves into an
+        # empty directory only: `save`).
+        self._found = () if read_only else tuple(self._raw_steps())
+        _finalize_at_exit(self)
 
     # ------------------------------------------------------------------ queries
 
@@ -373,7 +381,20 @@ class Checkpointer:
                 f"Checkpointer.save: step {step} in {self.config.directory!r} {what}; pass "
                 "overwrite=True to replace it, or save a newer step."
             )
+        if self.config.resume is False and self._found:
+            raise UsageError(
+                f"Checkpointer.save: CheckpointConfig.directory={self.config.directory!r} "
+                f"held checkpoints of an earlier run (steps {list(self._found)}) and "
+                "CheckpointConfig.resume is False (a new run); set CheckpointConfig.resume="
+                "True (or 'auto') to continue that run, or use an empty directory.")
         flat = _flat_arrays(model, optimizer)
+        donated = [path for path, (_, value) in flat.items()
+                   if isinstance(value, jax.Array) and value.is_deleted()]
+        if donated:
+            raise UsageError(
+                f"Checkpointer.save: {donated[0]} (and {len(donated) - 1} more) holds an array "
+                "a jitted step consumed (donated); the current state is the step's: call "
+                "TrainStep.sync() before saving (or save the arrays the step returned).")
         infos = {path: array_info(var, value) for path, (var, value) in flat.items()}
         arrays = {path: savable(value) for path, (_, value) in flat.items()}
         # The previous save's background writes finish first: that makes it visible to
@@ -714,6 +735,31 @@ class Checkpointer:
 
 
 # ---------------------------------------------------------------------- helpers
+
+
+def _finalize_at_exit(ckpt: Checkpointer) -> None:
+    """Finalizes `ckpt`'s pending save when the interpreter exits without `close` (a script
+    whose loop ends with a save): else the last asynchronous save is left unfinished (an
+    ``N.orbax-checkpoint-tmp`` folder the next open deletes) and orbax's threads print
+    tracebacks. It runs at the threading module's shutdown, before the thread pools orbax
+    writes with stop taking work (a plain ``atexit`` hook runs after them)."""
+    ref = weakref.ref(ckpt)
+
+    def finalize() -> None:
+        alive = ref()
+        if alive is None or alive._closed:
+            return
+        try:
+            alive.close()
+        except Exception as err:  # noqa: BLE001 - the process is exiting: one line
+            print(f"gtp_jax: the last checkpoint save in {alive.config.directory!r} did not "
+                  f"finish: {_first_line(err)}", file=sys.stderr)
+
+    register = getattr(threading, "_register_atexit", None)
+    try:
+        (register or atexit.register)(finalize)
+    except RuntimeError:  # already shutting down: nothing left to register for
+        pass
 
 
 def _first_line(err: BaseException) -> str:
