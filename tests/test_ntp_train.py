@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import shutil
 from pathlib import Path
 
@@ -32,6 +33,7 @@ from gtp_jax.models import Transformer, lm_loss
 from gtp_jax.train import (
     CheckpointConfig,
     Checkpointer,
+    ObserveConfig,
     TrainConfig,
     TrainStep,
     build_model_and_optimizer,
@@ -58,18 +60,22 @@ LOSS_RTOL, PARAM_ATOL = 1e-5, 1e-6
 def runs(tmp_path_factory):
     """(uniform run of the first K steps, failure run, its checkpoint directory: steps K
     (before) and 8 (after))."""
-    directory = str(tmp_path_factory.mktemp("ntp") / "ck")
+    root = tmp_path_factory.mktemp("ntp")
+    directory = str(root / "ck")
     # Only its steps before the failure are compared: the same LR schedule (schedule_steps),
     # so the same first K steps as the full uniform run, without training the other 4.
     uniform = train(dataclasses.replace(CFG, steps=K, schedule_steps=CFG.steps), progress=False)
     failed = train(CFG, progress=False, failure=FAILURE,
-                   checkpoint=CheckpointConfig(directory, every=K, keep=5))
+                   checkpoint=CheckpointConfig(directory, every=K, keep=5),
+                   observe=ObserveConfig(log_dir=str(root / "log"), log_every=1))
+    failed.log = [json.loads(line) for line in (root / "log" / "metrics.jsonl").open()]
     return uniform, failed, directory
 
 
-def _core_reference(directory: str) -> tuple[list[float], nnx.Module]:
+def _core_reference(directory: str) -> tuple[list[dict[str, float]], nnx.Module]:
     """A uniform run with the reduced layout (dp=2, tp=2 on the core devices 0, 1, 4, 6)
-    from the state at step K, on the same batches: losses of steps K+1.. and its model."""
+    from the state at step K, on the same batches: the metrics (loss, grad_norm, lr) of
+    steps K+1.. and its model."""
     devs = jax.devices()
     mesh = gtp_jax.make_mesh(dp=2, tp=2, devices=[devs[i] for i in (0, 1, 4, 6)])
     model = gtp_jax.shard(Transformer(model_config(CFG), rngs=nnx.Rngs(0)), mesh)
@@ -86,7 +92,7 @@ def _core_reference(directory: str) -> tuple[list[float], nnx.Module]:
         batch = batcher.next_batch()
         tokens = jax.make_array_from_callback(batch.shape, placement,
                                               lambda i, b=batch: b[i])
-        losses.append(float(step(tokens)["loss"]))
+        losses.append({k: float(v) for k, v in step(tokens).items()})
     step.sync()
     return losses, model
 
@@ -104,8 +110,14 @@ def test_before_the_failure_bit_identical_to_a_uniform_run(runs):
 
 def test_after_the_failure_matches_the_reduced_layout_reference(runs):
     _, failed, directory = runs
-    losses, model = _core_reference(directory)
-    np.testing.assert_allclose(failed.losses[K:], losses, rtol=LOSS_RTOL)
+    metrics, model = _core_reference(directory)
+    np.testing.assert_allclose(failed.losses[K:], [m["loss"] for m in metrics], rtol=LOSS_RTOL)
+    # The metrics log keeps its fields past the failure, with the reference's values.
+    after = [r for r in failed.log if r.get("step", 0) > K and "loss" in r]
+    assert [r["step"] for r in after] == list(range(K + 1, CFG.steps + 1))
+    for key in ("grad_norm", "lr"):
+        np.testing.assert_allclose([r[key] for r in after], [m[key] for m in metrics],
+                                   rtol=LOSS_RTOL, err_msg=key)
     saved = Checkpointer(CheckpointConfig(directory, resume=True)).read_arrays(CFG.steps)
     ref = _params(model)
     assert set(ref) <= set(saved)

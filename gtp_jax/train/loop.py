@@ -588,6 +588,11 @@ def step_loop(loop: LoopSpec, step_fn: TrainStep, batcher: Any, *, start: int,
         if profiler is not None:
             profiler.before(step)
         (tokens, data_state), ahead = ahead, None
+        if pending is not None and getattr(step_fn, "synchronous", False):
+            # A step that returns only when done (the nonuniform step after a failure):
+            # the previous step is finished first, so each step's time is its own.
+            finish(*pending)
+            pending = None
         with jax.profiler.StepTraceAnnotation("train", step_num=step), \
                 _device_memory_errors(run, step):
             metrics = step_fn(tokens)

@@ -29,6 +29,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -53,6 +54,7 @@ from gtp_jax.nonuniform.config import AXES
 from gtp_jax.sharding.module import plan_placement
 from gtp_jax.sharding.plan import ParamPlan
 from gtp_jax.train.config import Run, TrainConfig, make_optimizer, resolve
+from gtp_jax.train.step.optim import current_lr, global_norm
 from gtp_jax.train.step.train_step import replicate_stray_leaves
 
 
@@ -355,6 +357,10 @@ class NonuniformStep:
     `sync`): what checkpoints save and what a uniform run restores.
     """
 
+    #: A call returns when its step is done (it reads each replica's loss): the training
+    #: loop finishes the previous step before calling it, not after (its step times).
+    synchronous = True
+
     def __init__(self, cfg: TrainConfig, p: NonuniformPlan, loss_fn: Callable[..., Any],
                  core: tuple[gtp_jax.ShardedModule, nnx.Optimizer], core_state: nnx.State,
                  replicas: list[gtp_jax.ShardedModule], by_path: dict[str, LeafSplit | None]):
@@ -428,9 +434,10 @@ class NonuniformStep:
             grads.append(g)
         weights = np.asarray(self.rows, np.float64)
         mean = average_replicas(self.plan, grads, self._param_splits, weights=weights)
-        self.params, self._rest = self._update(self.params, self._rest, mean)
+        self.params, self._rest, metrics = self._update(self.params, self._rest, mean)
         w = weights / weights.sum()
-        return {"loss": np.float32(sum(float(x) * wi for x, wi in zip(losses, w)))}
+        # The metrics `TrainStep` reports, so a run's log keeps its fields past the failure.
+        return {"loss": np.float32(sum(float(x) * wi for x, wi in zip(losses, w))), **metrics}
 
     @property
     def objects(self) -> tuple[gtp_jax.ShardedModule, nnx.Optimizer]:
@@ -454,8 +461,14 @@ def _update_program(graphdef: Any) -> Callable[..., Any]:
     def update(params: nnx.State, rest: nnx.State, grads: nnx.State):
         model, optimizer = nnx.merge(graphdef, params, rest)
         optimizer.update(model, grads)
+        # As `TrainStep`: the global norm of the (averaged) gradients before clipping, and
+        # the learning rate of this update when the optimizer's state holds it.
+        metrics = {"grad_norm": global_norm(grads)}
+        lr = current_lr(optimizer.opt_state)
+        if lr is not None:
+            metrics["lr"] = jnp.asarray(lr, jnp.float32)
         _, params, rest = nnx.split((model, optimizer), nnx.Param, ...)
-        return params, rest
+        return params, rest, metrics
 
     return jax.jit(update)
 
