@@ -199,6 +199,17 @@ def test_a_tp_failure_that_would_move_a_gtp_shard_dim_is_refused_before_training
         check_failure(cfg, SimulatedFailure(step=3, devices=(3,)))
 
 
+def test_a_gtp_failure_that_would_move_a_shard_dim_is_refused_before_training():
+    # gtp 4 -> 3 moves the attention output's GTP dim (heads, 4, to another): refused with
+    # the spares that keep every dim; left to choose, the run takes those spares.
+    cfg = TrainConfig(steps=6, batch_size=24, seq_len=16, dp=2, gtp=4)
+    with pytest.raises(UsageError, match=r"at gtp=3 GTP would shard blocks/attn/out/kernel "
+                       r"on dim 2, at gtp=4 on dim 0.*tp_spares=2 \(degraded gtp=2\)"):
+        check_failure(cfg, SimulatedFailure(step=3, devices=(5,), tp_spares=1, axis="gtp"))
+    chosen = check_failure(cfg, SimulatedFailure(step=3, devices=(5,), axis="gtp"))
+    assert {r.degree for r in chosen.replicas} == {4, 2}
+
+
 BASE = ["train", "--tp", "4", "--dp", "2", "--steps", "8", "--batch", "8", "--seq", "32"]
 
 

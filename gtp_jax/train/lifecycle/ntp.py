@@ -220,6 +220,7 @@ def check_failure(run: TrainConfig | Run, failure: SimulatedFailure | None, *,
         # replica's batch allow (4 heads: tp 4 -> 2, not 3); if none does, the error below
         # names the dim.
         dims = model_dims(run) if axis == "tp" else {}
+        moves = _gtp_dim_moves(run, mesh, axis)
         for more in range(spares, base):
             try:
                 for name, rule in dims.items():
@@ -228,6 +229,8 @@ def check_failure(run: TrainConfig | Run, failure: SimulatedFailure | None, *,
                 continue
             if (cfg.batch_size // cfg.dp) % (cfg.ep * (base - more if axis == "gtp"
                                                        else cfg.gtp)):
+                continue
+            if moves(base - more) is not None:
                 continue
             spares = more
             break
@@ -243,8 +246,7 @@ def check_failure(run: TrainConfig | Run, failure: SimulatedFailure | None, *,
         survivor_mesh(p)  # every shard must survive on some replica
     except UsageError as err:
         raise _named(err, failure) from None
-    if axis == "tp" and cfg.gtp > 1:
-        _check_gtp_dims_kept(run, mesh, {r.degree for r in p.replicas})
+    _check_gtp_dims_kept(run, mesh, axis, {r.degree for r in p.replicas}, spares)
     rows = cfg.batch_size // cfg.dp
     for r in p.replicas:
         shards = cfg.ep * (r.degree if axis == "gtp" else cfg.gtp)
@@ -256,33 +258,62 @@ def check_failure(run: TrainConfig | Run, failure: SimulatedFailure | None, *,
     return p
 
 
-def _check_gtp_dims_kept(run: Run, mesh: jax.sharding.Mesh, degrees: set[int]) -> None:
-    """Refuses a tp failure whose degraded replicas would shard some weight over ``gtp`` on
-    another dim than the full-degree mesh does (GTP shards the first dim tp leaves free, so
-    a weight tp no longer splits can move): the re-layout changes the tp split alone.
-
-    Raises:
-      UsageError: naming the weight, the two dims and what to run instead.
-    """
+def _gtp_dim_moves(run: Run, mesh: jax.sharding.Mesh,
+                   axis: str) -> Callable[[int], tuple[str, int, int] | None]:
+    """``moves(degree)``: the first weight GTP would shard on another dim with `axis` at
+    `degree` than on the full mesh, as ``(path, dim then, dim now)``, or None. GTP shards
+    the first dim that tp leaves free and the gtp degree divides (else pads), so a degraded
+    replica can move a weight's shard dim; the re-layout after a failure changes each
+    weight's split along the dim it has, never the dim."""
     cfg = run.config
+    if cfg.gtp == 1:  # nothing GTP-sharded
+        return lambda degree: None
     abstract = nnx.eval_shape(lambda: Transformer(run.model, rngs=nnx.Rngs(cfg.seed)))
     devices = list(mesh.devices.flat)
 
-    def dims(tp: int) -> dict[str, int]:
-        sub = gtp_jax.make_mesh(dp=1, gtp=cfg.gtp, tp=tp, devices=devices[:cfg.gtp * tp])
+    def dims(degree: int) -> dict[str, int]:
+        sizes = {"gtp": cfg.gtp, "tp": cfg.tp, axis: degree}
+        sub = gtp_jax.make_mesh(dp=1, gtp=sizes["gtp"], tp=sizes["tp"],
+                                devices=devices[:sizes["gtp"] * sizes["tp"]])
         placement = plan_placement(abstract, sub, run.gtp)
         return {path: plan.spec.shard_dim for path, plan in zip(placement.paths, placement.plans)
                 if isinstance(plan, ParamPlan)}
 
-    full = dims(mesh.shape["tp"])
-    for degree in sorted(degrees):
+    full = dims(mesh.shape[axis])
+
+    def moves(degree: int) -> tuple[str, int, int] | None:
         for path, dim in dims(degree).items():
             if full.get(path, dim) != dim:
-                raise UsageError(
-                    f"SimulatedFailure: at tp={degree} GTP would shard {path} on dim {dim}, "
-                    f"at tp={mesh.shape['tp']} on dim {full[path]}; a tp failure re-lays out "
-                    "the tp split alone. Use TrainConfig.gtp=1, or reduce the gtp axis "
-                    "instead: SimulatedFailure.axis='gtp'.")
+                return path, dim, full[path]
+        return None
+
+    return moves
+
+
+def _check_gtp_dims_kept(run: Run, mesh: jax.sharding.Mesh, axis: str, degrees: set[int],
+                         spares: int) -> None:
+    """Refuses a failure whose degraded replicas would shard some weight over ``gtp`` on
+    another dim than the full-degree mesh does (`_gtp_dim_moves`).
+
+    Raises:
+      UsageError: naming the weight, the two dims and what to run instead.
+    """
+    moves = _gtp_dim_moves(run, mesh, axis)
+    base = mesh.shape[axis]
+    for degree in sorted(degrees):
+        moved = moves(degree)
+        if moved is None:
+            continue
+        path, dim, was = moved
+        fits = [base - more for more in range(spares + 1, base) if moves(base - more) is None]
+        other = ("" if axis == "gtp" else " Use TrainConfig.gtp=1, or reduce the gtp axis "
+                 "instead: SimulatedFailure.axis='gtp'.")
+        more = (f" SimulatedFailure.tp_spares={base - fits[0]} (degraded {axis}={fits[0]}) "
+                "keeps every dim." if fits else "")
+        raise UsageError(
+            f"SimulatedFailure: at {axis}={degree} GTP would shard {path} on dim {dim}, "
+            f"at {axis}={base} on dim {was}; a failure re-lays out each weight along the "
+            f"dim it is sharded on.{more}{other}")
 
 
 def _split_map(model: gtp_jax.ShardedModule, axis: str) -> dict[str, LeafSplit | None]:
