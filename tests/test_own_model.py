@@ -273,3 +273,31 @@ def test_logits_the_default_loss_cannot_use_are_refused_when_traced(
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "next_token_loss: the model returned (8, 16, 40) " \
         "float32 for tokens (8, 17)" in err and "vocab >= 256" in err, err
+
+
+class _WithDropout(nnx.Module):
+    def __init__(self):
+        self.lin = nnx.Linear(64, 64, rngs=nnx.Rngs(0))
+        self.drop = nnx.Dropout(0.5, rngs=nnx.Rngs(1))
+
+    def __call__(self, x):
+        return self.drop(self.lin(x))
+
+
+def test_a_resume_on_other_data_shards_says_the_draws_differ(capsys) -> None:
+    # Each data shard draws its own dropout masks: resumed over another number of data
+    # shards, the losses differ from the uninterrupted run's, and the run says so (over as
+    # many, or with a model that draws nothing, it says nothing).
+    from gtp_jax.train.loop import _note_other_draws  # noqa: PLC0415
+
+    mesh = gtp_jax.make_mesh(dp=2, gtp=4)
+    drawing = gtp_jax.shard(_WithDropout(), mesh, gtp_jax.GTPConfig(min_elements=1))
+    plain = gtp_jax.shard(nnx.Linear(64, 64, rngs=nnx.Rngs(0)), mesh,
+                          gtp_jax.GTPConfig(min_elements=1))
+    other = {"mesh": {"dp": 1, "ep": 1, "gtp": 2, "tp": 4}}
+    _note_other_draws(other, drawing)
+    assert ("the batch is split over 8 data shards, the saved run's over 2: the model's "
+            "random draws (dropout) are made per data shard") in capsys.readouterr().err
+    _note_other_draws({"mesh": {"dp": 4, "ep": 1, "gtp": 2, "tp": 1}}, drawing)
+    _note_other_draws(other, plain)
+    assert capsys.readouterr().err == ""

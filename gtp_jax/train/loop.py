@@ -16,6 +16,7 @@ import contextlib
 import dataclasses
 import functools
 import gc
+import math
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -29,6 +30,7 @@ from flax import nnx
 import gtp_jax
 from gtp_jax.base.compile_watch import CompileReport, measure_compile
 from gtp_jax.base.errors import UsageError
+from gtp_jax.base.mesh import data_size
 from gtp_jax.base.metadata import LOGICAL_SHAPE
 from gtp_jax.data import RowBatch, TextData
 from gtp_jax.models import (
@@ -368,6 +370,7 @@ def _train(run: Run, *, on_step: OnStep | None, progress: bool,
     if meta is not None and jax.process_index() == 0:
         print(f"gtp_jax train: resumed from {os.path.join(ckpt.config.directory, str(start))} "
               f"(step {start} of {cfg.steps})", flush=True)
+        _note_other_draws(meta, model)
     if stop is not None and stop.agreed(start):  # no step started: nothing to save
         raise RunStopped(stop.name, "preparing the run", start)
     batcher = source.batcher(cfg.batch_size, cfg.seq_len, cfg.seed,
@@ -638,6 +641,24 @@ def _compile_step(run: Run | None, step_fn: TrainStep, tokens: Any, step: int, *
     if say:
         print(f"gtp_jax train: {report.describe()}", flush=True)
     return report
+
+
+def _note_other_draws(meta: dict[str, Any], model: nnx.Module) -> None:
+    """Says when a resumed run splits its batch over another number of data shards than the
+    saved run did and its model draws random numbers (dropout): each data shard draws from
+    its own stream, so the draws, and the losses, differ from an uninterrupted run's
+    (statistically the same training); everything else continues exactly."""
+    saved = meta.get("mesh") or {}
+    mesh = getattr(model, "mesh", None)
+    if mesh is None or not saved or not nnx.state(model, nnx.RngState):
+        return
+    before = math.prod(int(n) for axis, n in saved.items() if axis not in ("tp", "cp"))
+    now = data_size(mesh)
+    if before != now:
+        note(f"the batch is split over {now} data shards, the saved run's over {before}: "
+             "the model's random draws (dropout) are made per data shard, so from here they "
+             "differ from an uninterrupted run's (resume on a mesh with as many data shards "
+             "to continue it exactly)")
 
 
 def wait_for_step(metrics: dict[str, jax.Array],
