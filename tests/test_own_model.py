@@ -193,6 +193,27 @@ def test_fit_an_unsharded_module_on_pairs_with_its_own_loss() -> None:
     assert float(mse(model, batches[0])) < result.losses[-1]  # the module itself is trained
 
 
+def test_fit_logs_the_loss_functions_own_metrics(tmp_path: Path, capsys) -> None:
+    # With has_aux, the loss function's metrics reach the metrics log and the progress line
+    # (a name the record uses already, "step", is logged as "aux_step").
+    model = nnx.Linear(4, 2, rngs=nnx.Rngs(0))
+    x = jax.random.normal(jax.random.key(0), (16, 4))
+    batches = [(x, x[:, :2] * 2.0)] * 3
+
+    def mse(m: nnx.Module, batch):
+        err = m(batch[0]) - batch[1]
+        return jnp.mean(err ** 2), {"mae": jnp.mean(jnp.abs(err)), "step": jnp.float32(7)}
+
+    fit(model, optax.sgd(0.1), batches, steps=3, loss_fn=mse, has_aux=True,
+        handle_signals=False, observe=ObserveConfig(log_dir=str(tmp_path), log_every=1))
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").open()
+               if '"loss"' in line]
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert all(r["aux_step"] == 7.0 and r["mae"] > 0 for r in records)
+    assert records[2]["mae"] < records[0]["mae"]
+    assert "mae " in capsys.readouterr().err
+
+
 def test_fit_refuses_bad_arguments_in_one_line(tmp_path: Path) -> None:
     model = gtp_jax.shard(nnx.Linear(64, 48, rngs=nnx.Rngs(0)), gtp_jax.make_mesh(gtp=8))
     tx = optax.sgd(0.1)

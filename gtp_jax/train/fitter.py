@@ -183,7 +183,7 @@ def _fit(model: nnx.Module, optimizer: nnx.Optimizer | optax.GradientTransformat
         losses, times, saved, _, step_fn, _, compiled = step_loop(
             loop, step_fn, source, start=start, ckpt=ckpt, profiler=profiler,
             on_step=on_step, progress=progress, stop=stop, log=log,
-            log_every=observe.log_every)
+            log_every=observe.log_every, aux=has_aux)
     finally:
         if profiler is not None:
             profiler.stop()

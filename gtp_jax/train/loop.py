@@ -64,6 +64,7 @@ from gtp_jax.train.lifecycle.resume import (
 from gtp_jax.train.lifecycle.warm_start import check_init_from, load_weights
 from gtp_jax.train.outputs.metrics_log import (
     MetricsLog,
+    aux_metrics,
     claim_log_dir,
     open_metrics_log,
     step_extras,
@@ -472,7 +473,7 @@ def step_loop(loop: LoopSpec, step_fn: TrainStep, batcher: Any, *, start: int,
               progress: bool, failure_step: int | None = None,
               switch: Callable[[Any], tuple[NonuniformStep, Recovery]] | None = None,
               held_out: list[Any] | None = None, stop: StopRequest | None = None,
-              log: MetricsLog | None = None, log_every: int = 5,
+              log: MetricsLog | None = None, log_every: int = 5, aux: bool = False,
               ) -> tuple[list[float], list[float], list[int], Recovery | None, Any,
                          dict[int, float], CompileReport | None]:
     """Steps ``start + 1 .. loop.steps``: (losses, step seconds, checkpointed steps, the
@@ -497,6 +498,10 @@ def step_loop(loop: LoopSpec, step_fn: TrainStep, batcher: Any, *, start: int,
     at the simulated failure, at the ends of the profiler window and after the last step.
     A step's time is the interval between the completions of consecutive steps (the first
     one's includes compiling).
+
+    With `aux` (a loss function's own metrics, `TrainStep(has_aux=True)`), each logged step's
+    scalar metrics besides the loss, ``grad_norm`` and ``lr`` go to the progress line and
+    the metrics log too.
 
     Every `log_every`-th step, the last one and evaluated ones are logged: the progress line
     on a non-terminal (with grad norm and LR) and a record in `log`, flushed at once; the
@@ -565,10 +570,13 @@ def step_loop(loop: LoopSpec, step_fn: TrainStep, batcher: Any, *, start: int,
         if logged or (bar is not None and bar.tty):
             # Computed by the step that produced the loss: no further wait.
             shown.update(step_extras(metrics, model_cfg))
+            if aux:
+                shown.update(aux_metrics(metrics))
         if log is not None and logged:
             log.write(step, loss=loss, step_s=times[-1], tokens=tokens_per_step,
                       lr=shown.get("lr"), grad_norm=shown.get("grad_norm"),
                       val_loss=shown.get("val_loss"), moe_dropped=shown.get("dropped"),
+                      aux=aux_metrics(metrics) if aux else None,
                       **({"compile_s": compiled.seconds, "compile_cache": compiled.cache,
                           "first_step_s": compiled.seconds + times[-1]} if first else {}))
         if bar is not None:

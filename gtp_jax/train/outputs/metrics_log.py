@@ -30,6 +30,7 @@ import sys
 from typing import Any, TextIO
 
 import jax
+import numpy as np
 
 from gtp_jax.base.errors import UsageError
 from gtp_jax.train.lifecycle.lock import DirectoryLock
@@ -96,10 +97,12 @@ class MetricsLog:
               lr: float | None = None, grad_norm: float | None = None,
               val_loss: float | None = None, moe_dropped: float | None = None,
               compile_s: float | None = None, compile_cache: str | None = None,
-              first_step_s: float | None = None) -> dict[str, Any]:
+              first_step_s: float | None = None,
+              aux: dict[str, float] | None = None) -> dict[str, Any]:
         """Writes and flushes the record of `step` (`tokens` trained in `step_s` seconds);
         returns it. `moe_dropped`: a mixture of experts' share of routing dropped at
-        capacity (`step_extras`). `compile_s`, `compile_cache`, `first_step_s`: the first
+        capacity (`step_extras`). `aux`: a loss function's own metrics (`aux_metrics`),
+        under their names. `compile_s`, `compile_cache`, `first_step_s`: the first
         step's (see the module docstring); `compile_cache` is written (null included)
         whenever `compile_s` is."""
         tokens_per_s = tokens / step_s if step_s > 0 else math.inf
@@ -114,6 +117,7 @@ class MetricsLog:
             record["val_loss"] = val_loss
         if moe_dropped is not None:
             record["moe_dropped"] = moe_dropped
+        record.update(aux or {})
         if compile_s is not None:
             record.update(compile_s=compile_s, first_step_s=first_step_s)
         record = {k: v for k, v in record.items() if v is not None}
@@ -280,6 +284,20 @@ def open_metrics_log(observe: Any, cfg: Any, model_cfg: Any, *, start: int = 0,
                       flops_per_token=model_cfg.train_flops_per_token(cfg.seq_len),
                       peak_flops=peak * jax.device_count() if peak else None,
                       start=start, checkpoint_dir=checkpoint_dir)
+
+
+#: The metrics every step reports (`TrainStep`); a loss function's own are the others.
+STEP_METRICS = ("loss", "grad_norm", "lr", "moe_dropped")
+
+
+def aux_metrics(metrics: dict[str, Any]) -> dict[str, float]:
+    """A step's metrics from its loss function (``TrainStep(has_aux=True)``) as floats: the
+    scalar ones other than `STEP_METRICS`, named ``aux_<name>`` where a name is a field of
+    the metrics record already (``step``, ``tokens_per_s``, ...)."""
+    taken = {"step", "tokens_per_s", "step_ms", "peak_bytes", "mfu", "val_loss",
+             "compile_s", "compile_cache", "first_step_s"}
+    return {(f"aux_{k}" if k in taken else k): float(v) for k, v in metrics.items()
+            if k not in STEP_METRICS and np.ndim(v) == 0}
 
 
 def step_extras(metrics: dict[str, Any], model_cfg: Any = None) -> dict[str, float]:
