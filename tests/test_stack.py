@@ -550,3 +550,60 @@ def test_unsharded_unrolled_backward_cuts_its_layer_slices_behind_the_gradient()
     tied = [line for line in text.splitlines()
             if "optimization_barrier" in line and stacked in line]
     assert len(tied) >= n, len(tied)  # before each layer's slices
+
+
+class _GatedBlock(nnx.Module):
+    """A block with weak-typed per-layer parameters (``jnp.array(0.5)``, ``jnp.full``)."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.lin = nnx.Linear(64, 64, rngs=rngs)
+        self.gate = nnx.Param(jnp.array(0.5))
+        self.scale = nnx.Param(jnp.full((64,), 0.5))
+
+    def __call__(self, x):
+        return x + self.gate[...] * jnp.tanh(self.lin(x)) * self.scale[...]
+
+
+class _Gated(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs, unroll: bool):
+        self.blocks = gtp_jax.Stack(_GatedBlock, 3, rngs=rngs, unroll=unroll)
+
+    def __call__(self, x):
+        return self.blocks(x)
+
+
+@pytest.mark.parametrize("unroll,prefetch", [(False, False), (False, True), (True, False)])
+def test_weak_typed_layer_parameters_train_as_unsharded(unroll, prefetch):
+    # Weak-typed replicated parameters in the layer loop: their slices are traced with
+    # their weak type (the scanned loop's gradient refused them before).
+    x = jax.random.normal(jax.random.key(1), (16, 64))
+
+    def loss(m, x):
+        return jnp.mean(m(x) ** 2)
+
+    ref = nnx.grad(loss)(_Gated(nnx.Rngs(0), unroll), x)
+    mesh = gtp_jax.make_mesh(dp=2, gtp=4)
+    sm = gtp_jax.shard(_Gated(nnx.Rngs(0), unroll), mesh, gtp_jax.GTPConfig(prefetch=prefetch))
+    got = gtp_jax.unshard_values(sm, nnx.grad(loss)(sm, jax.device_put(
+        x, gtp_jax.data_sharding(mesh, 2))))
+    for name in ("gate", "scale"):
+        np.testing.assert_allclose(np.asarray(got[f"blocks/layers/{name}"]),
+                                   np.asarray(getattr(ref.blocks.layers, name)[...]),
+                                   rtol=1e-5, atol=1e-6)
+
+
+class _OwnStacked(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.w = nnx.Param(jax.random.normal(rngs.params(), (3, 64, 64)) * 0.1,
+                           gtp_stacked=True)
+
+    def __call__(self, x):
+        return gtp_jax.scan_layers(lambda h, w: h + jnp.tanh(h @ w), x, self.w[...])
+
+
+def test_a_stacked_weight_read_with_ellipsis_reaches_scan_layers():
+    # `self.w[...]`, Flax's way to read a Variable, hands scan_layers the weight itself.
+    x = jax.random.normal(jax.random.key(1), (16, 64))
+    sm = gtp_jax.shard(_OwnStacked(nnx.Rngs(0)), gtp_jax.make_mesh(dp=2, gtp=4))
+    np.testing.assert_allclose(np.asarray(sm(x)), np.asarray(_OwnStacked(nnx.Rngs(0))(x)),
+                               rtol=1e-5, atol=1e-5)

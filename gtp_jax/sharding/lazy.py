@@ -63,6 +63,18 @@ class GTPShard:
         lead = tuple(self.shard.shape[: self.shard.ndim - len(self.spec.shard_shape)])
         return lead + self.spec.logical_shape
 
+    def __getitem__(self, key: Any) -> GTPShard:
+        """``w[...]`` (how Flax reads a Variable, ``self.w[...]``) is the weight itself, for
+        `gtp_jax.scan_layers`; any other index would read one layer's shard before it is
+        gathered."""
+        if key is Ellipsis or key == (Ellipsis,):
+            return self
+        raise TypeError(
+            f"A layer-stacked GTP weight of shape {self.shape} was indexed with {key!r} "
+            "before it was gathered. Pass the whole weight (self.w[...] or self.w.value) to "
+            "gtp_jax.scan_layers, which gathers one layer at a time, or drop the "
+            "'gtp_stacked' metadata so the weight is gathered whole.")
+
     def __setitem__(self, key: Any, value: Any) -> None:
         _refuse_item_write(self.shape)
 

@@ -380,7 +380,7 @@ def _plain_at(spec: LoopSpec, plain: list[jax.Array], i: Any) -> list[jax.Array]
 def _plain_like(spec: LoopSpec, plain: list[jax.Array]) -> list[jax.ShapeDtypeStruct]:
     """One layer's slice of each replicated stack as the layer gets it, the dtype of its
     gradient stack (`_cast`)."""
-    return [jax.ShapeDtypeStruct(x.shape, x.dtype if d is None else d)
+    return [x if d is None else jax.ShapeDtypeStruct(x.shape, d)
             for x, d in zip(_layer_like(plain), spec.plain_casts, strict=True)]
 
 
@@ -513,8 +513,11 @@ def _gathered_like(specs: Sequence[GatherSpec]) -> list[Any]:
 
 
 def _layer_like(stacks: list[jax.Array]) -> list[jax.ShapeDtypeStruct]:
-    """One layer's slice of each stack."""
-    return [jax.ShapeDtypeStruct(x.shape[1:], x.dtype) for x in stacks]
+    """One layer's slice of each stack (a weak-typed stack's slices are weak-typed: the
+    layer's trace, and so its residuals, depend on it)."""
+    return [jax.ShapeDtypeStruct(x.shape[1:], x.dtype,
+                                 weak_type=getattr(jax.typeof(x), "weak_type", False))
+            for x in stacks]
 
 
 def _signature(args: tuple) -> Any:
