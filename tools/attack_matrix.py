@@ -2084,6 +2084,82 @@ add(BOUNDARY, "unsharded weights (divisible) written in with nnx.update, called 
 add(BOUNDARY, "Flax's decode cache (MultiHeadAttention(decode=True))", _bd_decode_cache)
 
 
+# ---- a loop of one's own around Checkpointer, and the planner's command (area "own-loop")
+OWN_LOOP = "own-loop"
+
+_ENDS_AFTER_SAVE = """
+import sys
+from flax import nnx
+import gtp_jax
+from gtp_jax.train.lifecycle.checkpoint import CheckpointConfig, Checkpointer
+model = gtp_jax.shard(nnx.Linear(64, 48, rngs=nnx.Rngs(0)), gtp_jax.make_mesh(dp=2, gtp=4),
+                      gtp_jax.GTPConfig(min_elements=1))
+ckpt = Checkpointer(CheckpointConfig(sys.argv[1]))
+for step in (1, 2):
+    ckpt.save(step, model)
+"""
+
+
+def _own_ends_after_save() -> tuple[str, str]:
+    """A script whose last line is an asynchronous save, never closed: the save kept."""
+    folder = WORK / f"own_end{time.monotonic_ns()}"
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    try:
+        proc = subprocess.run([sys.executable, "-c", _ENDS_AFTER_SAVE, str(folder)], env=env,
+                              capture_output=True, text=True, timeout=120)
+    except subprocess.TimeoutExpired:
+        return WRONG, "the process hung at exit"
+    kept = sorted(os.listdir(folder)) if folder.is_dir() else []
+    if proc.returncode == 0 and kept != ["1", "2"]:
+        return WRONG, f"exit 0, the folder holds {kept}"
+    if proc.returncode != 0 or "Traceback" in proc.stderr:
+        return CONFUSING, f"exit {proc.returncode}: {proc.stderr.strip()[-140:]}"
+    return OK, "steps [1, 2] finalized"
+
+
+def _own_new_run_into_old() -> tuple[str, str]:
+    """CheckpointConfig(resume=False) saving into an earlier run's checkpoints."""
+    from gtp_jax.train.lifecycle.checkpoint import CheckpointConfig, Checkpointer
+
+    folder = WORK / f"own_old{time.monotonic_ns()}"
+    model = gtp_jax.shard(nnx.Linear(64, 48, rngs=nnx.Rngs(0)), _ex_mesh(),
+                          gtp_jax.GTPConfig(min_elements=1))
+    with Checkpointer(CheckpointConfig(str(folder), keep=2)) as ckpt:
+        ckpt.save(1, model)
+        ckpt.save(2, model)
+    with Checkpointer(CheckpointConfig(str(folder), keep=2)) as ckpt:
+        try:
+            ckpt.save(5, model)
+        except gtp_jax.UsageError as e:
+            return OK, " ".join(str(e).split())[:120]
+        ckpt.wait()
+        return WRONG, f"saved; the directory now holds {ckpt.all_steps()}"
+
+
+def _own_plan_dtype() -> tuple[str, str]:
+    """`plan --dtype bfloat16`: the printed train command trains the planned program."""
+    from gtp_jax.__main__ import main as package_main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = package_main(["plan", "--preset", "tiny", "--gpus", "8", "--seq", "32",
+                             "--batch", "8", "--top", "1", "--limit", "2", "--dtype",
+                             "bfloat16", "--compile-cache", "off"])
+    best = [line for line in out.getvalue().splitlines() if line.startswith("best: ")]
+    if code != 0 or not best:
+        return CONFUSING, f"exit {code}: {err.getvalue().strip()[-140:]}"
+    if "--dtype bfloat16" not in best[0]:
+        return WRONG, f"no --dtype in: {best[0][:140]}"
+    return OK, best[0][:120]
+
+
+add(OWN_LOOP, "a script that ends right after an asynchronous save", _own_ends_after_save)
+add(OWN_LOOP, "CheckpointConfig(resume=False) saving into an earlier run's checkpoints",
+    _own_new_run_into_old)
+add(OWN_LOOP, "plan --dtype bfloat16: the printed train command", _own_plan_dtype)
+
+
 # ---- output a person can read (gloo's lines: "two processes, clean exit" above)
 def _ctrl_c_steps() -> tuple[str, str]:
     """Ctrl-C mid-run: how many steps still run, and whether the message said so."""
