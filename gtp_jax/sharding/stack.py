@@ -310,7 +310,8 @@ def _check_carry(h: Any, out: Any) -> None:
 
     if jax.tree.structure(h) != jax.tree.structure(out) or sig(h) != sig(out):
         raise UsageError(
-            f"gtp_jax.Stack: a block returned {sig(out)} for the carry {sig(h)}; each block "
+            f"gtp_jax.Stack: a block returned {sig(out)} for the carry {sig(h)} (shapes as "
+            "the block sees them: in a sharded call, one data shard's examples); each block "
             "must return a carry of the same structure, shapes and dtypes (cast its output, "
             "or keep per-layer results in the carry, e.g. a running sum).")
 
