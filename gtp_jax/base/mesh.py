@@ -26,7 +26,7 @@ user-built mesh) or `seq_axes`.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -166,9 +166,11 @@ def seq_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
     return NamedSharding(mesh, P(data_axes(mesh), seq or None, *([None] * (ndim - 2))))
 
 
-def data_size(mesh: Mesh) -> int:
-    """How many ways the batch is split (product of `data_axes` sizes)."""
-    return math.prod(mesh.shape[a] for a in data_axes(mesh))
+def data_size(mesh: Mesh | Mapping[str, int]) -> int:
+    """How many ways the batch is split (product of `data_axes` sizes); also of a mesh's
+    ``{axis: size}`` shape (as a checkpoint records it)."""
+    shape = mesh.shape if isinstance(mesh, Mesh) else mesh
+    return math.prod(int(n) for a, n in shape.items() if a not in _NOT_DATA)
 
 
 def data_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:

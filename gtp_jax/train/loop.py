@@ -16,7 +16,6 @@ import contextlib
 import dataclasses
 import functools
 import gc
-import math
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -660,8 +659,7 @@ def _note_other_draws(meta: dict[str, Any], model: nnx.Module) -> None:
     mesh = getattr(model, "mesh", None)
     if mesh is None or not saved or not nnx.state(model, nnx.RngState):
         return
-    before = math.prod(int(n) for axis, n in saved.items() if axis not in ("tp", "cp"))
-    now = data_size(mesh)
+    before, now = data_size(saved), data_size(mesh)
     if before != now:
         note(f"the batch is split over {now} data shards, the saved run's over {before}: "
              "the model's random draws (dropout) are made per data shard, so from here they "

@@ -209,6 +209,7 @@ def check_failure(run: TrainConfig | Run, failure: SimulatedFailure | None, *,
         raise UsageError(f"SimulatedFailure.devices: device {unknown[0]} is not in the mesh "
                          f"(device ids {min(ids)}..{max(ids)}); name a mesh device.")
     spares = failure.tp_spares
+    moves = _gtp_dim_moves(run, mesh, axis)  # built once: an abstract model and its plans
     if spares is None:
         # The fewest spares that cover every group: the most failures in one group.
         names = mesh.axis_names
@@ -220,7 +221,6 @@ def check_failure(run: TrainConfig | Run, failure: SimulatedFailure | None, *,
         # replica's batch allow (4 heads: tp 4 -> 2, not 3); if none does, the error below
         # names the dim.
         dims = model_dims(run) if axis == "tp" else {}
-        moves = _gtp_dim_moves(run, mesh, axis)
         for more in range(spares, base):
             try:
                 for name, rule in dims.items():
@@ -246,7 +246,7 @@ def check_failure(run: TrainConfig | Run, failure: SimulatedFailure | None, *,
         survivor_mesh(p)  # every shard must survive on some replica
     except UsageError as err:
         raise _named(err, failure) from None
-    _check_gtp_dims_kept(run, mesh, axis, {r.degree for r in p.replicas}, spares)
+    _check_gtp_dims_kept(moves, mesh, axis, {r.degree for r in p.replicas}, spares)
     rows = cfg.batch_size // cfg.dp
     for r in p.replicas:
         shards = cfg.ep * (r.degree if axis == "gtp" else cfg.gtp)
@@ -290,15 +290,15 @@ def _gtp_dim_moves(run: Run, mesh: jax.sharding.Mesh,
     return moves
 
 
-def _check_gtp_dims_kept(run: Run, mesh: jax.sharding.Mesh, axis: str, degrees: set[int],
+def _check_gtp_dims_kept(moves: Callable[[int], tuple[str, int, int] | None],
+                         mesh: jax.sharding.Mesh, axis: str, degrees: set[int],
                          spares: int) -> None:
     """Refuses a failure whose degraded replicas would shard some weight over ``gtp`` on
-    another dim than the full-degree mesh does (`_gtp_dim_moves`).
+    another dim than the full-degree mesh does (`moves`: `_gtp_dim_moves`).
 
     Raises:
       UsageError: naming the weight, the two dims and what to run instead.
     """
-    moves = _gtp_dim_moves(run, mesh, axis)
     base = mesh.shape[axis]
     for degree in sorted(degrees):
         moved = moves(degree)
